@@ -1,0 +1,6 @@
+"""nanospec: a compact, readable PyTorch inference engine for speculative decoding."""
+from nanospec.engine import RequestOutput, SamplingParams
+from nanospec.errors import NanospecError
+from nanospec.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "NanospecError"]

@@ -1,0 +1,145 @@
+"""Paged KV cache: a block allocator over one preallocated pool, and attention that reads the pages.
+
+Invariants:
+- the pool is one tensor [layers, 2 (k/v), num_blocks, block_size, kv_heads, head_dim];
+  token position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size;
+- a slot is written once per position; rolling a sequence back only moves its length back and
+  frees the blocks wholly past it, so the kept slots stay valid;
+- a block belongs to at most one sequence, and every block returns to the free list when its
+  sequence finishes or is preempted (tests check that no block leaks).
+
+Attention over pages has one readable PyTorch path (`paged_attention_reference`), used on every
+device and as the oracle of the tests; a fused kernel can sit beside it on CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class OutOfBlocks(Exception):
+    """Raised when the pool has no free block; the scheduler preempts and retries."""
+
+
+class BlockAllocator:
+    """Hands out block ids from a free list. A block table is a plain list of ids, owned by its sequence."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest id first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_grow(self, block_table: list[int], num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(block_table) <= self.num_free
+
+    def grow(self, block_table: list[int], num_tokens: int) -> None:
+        """Make room for `num_tokens` positions in total."""
+        needed = self.blocks_for(num_tokens) - len(block_table)
+        if needed > self.num_free:
+            raise OutOfBlocks(f"need {needed} blocks, {self.num_free} free")
+        for _ in range(needed):
+            block_table.append(self.free_blocks.pop())
+
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Roll back to `num_tokens` positions: free the blocks wholly past them."""
+        keep = self.blocks_for(num_tokens)
+        while len(block_table) > keep:
+            self.free_blocks.append(block_table.pop())
+
+    def release(self, block_table: list[int]) -> None:
+        self.truncate(block_table, 0)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where the new tokens of one forward pass go, and what each of them may attend to.
+
+    The batch is flattened: T new tokens from B sequences, sequence b owning the tokens
+    query_start[b] : query_start[b + 1], at the positions context_lens[b] - q_len .. context_lens[b] - 1.
+    """
+    slot_mapping: torch.Tensor   # [T] cache slot written by each new token
+    block_tables: torch.Tensor   # [B, max_blocks] block ids, padded with 0 (masked by context_lens)
+    context_lens: torch.Tensor   # [B] tokens in the cache after this pass, new ones included
+    query_start: torch.Tensor    # [B + 1] offsets of each sequence's new tokens in the flat batch
+    # Derived once per pass and shared by every layer of the reference path:
+    query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
+    query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token
+    attn_mask: torch.Tensor      # [B, 1, max_q, max_k] True where a query may see a key (causal, in context)
+
+
+def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_lens: list[int],
+                   block_size: int, device: torch.device) -> AttentionMetadata:
+    """Metadata for sequences that each add query_lens[b] tokens after num_cached[b] cached ones."""
+    batch = len(query_lens)
+    context_lens = [c + q for c, q in zip(num_cached, query_lens)]
+    slots = []
+    for table, start, end in zip(block_tables, num_cached, context_lens):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    max_blocks = max(len(t) for t in block_tables)
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int64)
+    for b, table in enumerate(block_tables):
+        tables[b, :len(table)] = torch.tensor(table, dtype=torch.int64)
+    query_start = torch.tensor([0] + query_lens, dtype=torch.int64).cumsum(0)
+    max_q, max_k = max(query_lens), max_blocks * block_size
+    offsets = torch.arange(max_q)
+    query_valid = offsets[None, :] < torch.tensor(query_lens)[:, None]
+    query_index = torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0)
+    # Query i of sequence b sits at position context_len - q_len + i and sees keys 0 .. that position.
+    query_pos = torch.tensor(num_cached)[:, None] + offsets[None, :]                  # [B, max_q]
+    attn_mask = torch.arange(max_k)[None, None, :] <= query_pos[:, :, None]            # [B, max_q, max_k]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        block_tables=tables.to(device), context_lens=torch.tensor(context_lens).to(device),
+        query_start=query_start.to(device), query_index=query_index.to(device),
+        query_valid=query_valid.to(device), attn_mask=attn_mask[:, None].to(device))
+
+
+class KVCache:
+    """The pool of K/V pages for every layer of one model."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.block_size = block_size
+        self.pool = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool[i, 0], self.pool[i, 1]   # each [num_blocks, block_size, kv_heads, head_dim]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) in their slots."""
+    k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
+    v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, heads, head_dim] over their sequences' pages.
+
+    Gathers each sequence's pages into a padded [B, max_k] view, runs one masked softmax
+    attention, and scatters the rows back to the flat batch. Grouped-query attention: each
+    group of heads // kv_heads query heads shares one K/V head.
+    """
+    batch, max_blocks = meta.block_tables.shape
+    keys = k_cache[meta.block_tables].flatten(1, 2)        # [B, max_k, kv_heads, head_dim]
+    values = v_cache[meta.block_tables].flatten(1, 2)
+    queries = q[meta.query_index]                          # [B, max_q, heads, head_dim]
+    group = q.shape[1] // k_cache.shape[2]
+    keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)      # [B, heads, max_k, head_dim]
+    values = values.repeat_interleave(group, dim=2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
+                                         attn_mask=meta.attn_mask, scale=scale)  # [B, heads, max_q, hd]
+    out = out.transpose(1, 2)[meta.query_valid]            # [T, heads, head_dim], in flat order
+    return out

@@ -1,0 +1,216 @@
+"""The decoder of the Llama 3.x and Qwen 2 / 2.5 / 3 families, one class per box of the paper.
+
+Differences between the families are flags on one config: Qwen2 adds a bias to q/k/v, Qwen3 an
+RMSNorm on each head of q and k, Llama 3.x may scale RoPE ("llama3" rope_scaling), SmolLM2 and the
+small Qwens tie the LM head to the embeddings. Parameter names equal the Hugging Face checkpoint
+keys, so a state dict loads as it is.
+
+The forward pass takes a flat batch of new tokens from many requests, each token with its own
+position, and reads and writes K/V through the paged cache (kv_cache.py): a prefill chunk, a
+one-token decode step and a K+1-token verify step are the same call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nanospec.errors import NanospecError
+from nanospec.kv_cache import AttentionMetadata, KVCache, paged_attention_reference, write_kv
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class ModelConfig:
+    family: str                      # "llama", "qwen2" or "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Read a Hugging Face config.json (old `rope_theta`/`rope_scaling` and new `rope_parameters`)."""
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise NanospecError(
+                f"unsupported architecture {arch!r} in config.json; nanospec supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 3.x, SmolLM2, Qwen 2 / 2.5 / 3)")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default", None):
+            raise NanospecError(f"unsupported rope scaling {scaling!r}; nanospec supports 'llama3' scaling")
+        eos = cfg.get("eos_token_id")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            family=SUPPORTED_ARCHITECTURES[arch], vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else (eos if isinstance(eos, list) else [eos]))
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """theta^(-2i/d) per pair of dimensions, with Llama 3's long-context rescaling when configured:
+    long wavelengths are divided by `factor`, short ones kept, and the band between interpolated."""
+    dim = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / s["low_freq_factor"], old_len / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    interpolated = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+    return torch.where(wavelen > low_wavelen, inv_freq / s["factor"],
+                       torch.where(wavelen < high_wavelen, inv_freq, interpolated))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates each (i, i + d/2) pair of a head by position * inv_freq[i] (the "rotate half" layout)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        angles = positions[:, None] * rope_inverse_frequencies(config)[None, :]   # [max_pos, head_dim/2]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]   # [T, 1, head_dim/2]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        h, bias = config.hidden_size, config.qkv_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions), rope(k, positions)
+        k_cache, v_cache = kv_cache.layer(self.layer_index)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention_reference(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+
+
+class CausalLM(nn.Module):
+    """Decoder plus LM head. `forward` returns final hidden states; `logits` projects chosen rows."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()):
+        """input_ids, positions: [T]. Returns normed hidden states [T, hidden] and, for each layer
+        index in capture_layers, that layer's output before the final norm (EAGLE's features)."""
+        x = self.model.embed_tokens(input_ids)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.model.rotary, kv_cache, meta)
+            if i in capture_layers:
+                captured.append(x)
+        return self.model.norm(x), captured
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

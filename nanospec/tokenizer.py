@@ -1,0 +1,223 @@
+"""A tiktoken tokenizer built from the checkpoint's own files: tokenizer.json (byte-level BPE with
+merges: Llama 3, Qwen 2 / 2.5 / 3, SmolLM2), a tiktoken-format tokenizer.model (Llama 3 original),
+or the tokenizer metadata of a GGUF file.
+
+How a Hugging Face BPE becomes a tiktoken Encoding: tiktoken merges, inside each pre-tokenized
+piece, the adjacent pair whose concatenation has the lowest rank. Byte-level BPE merges the pair
+that comes first in the merge list. So a token's rank is the position of the merge that creates it
+(single bytes first), not its id; `rank_to_id` maps tiktoken's ranks back to the model's ids.
+Added tokens (`<|im_start|>`, ...) become tiktoken special tokens, matched literally.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import tiktoken
+
+from nanospec.errors import NanospecError
+
+# Pre-tokenizer patterns (how text is cut into pieces before BPE).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# GPT-2 after splitting every digit on its own (SmolLM2's Digits(individual_digits) + ByteLevel).
+GPT2_DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+GGUF_PRE_TOKENIZERS = {"llama-bpe": LLAMA3_PATTERN, "llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN,
+                       "smollm": GPT2_DIGITS_PATTERN, "gpt2": GPT2_PATTERN, "default": GPT2_PATTERN}
+LLAMA3_SPECIAL_TOKENS = (["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                          "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>",
+                          "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
+                          "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+                         + [f"<|reserved_special_token_{3 + i}|>" for i in range(245)])
+STOP_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character (tokens are stored this way)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(token: str) -> bytes:
+    return bytes(UNICODE_TO_BYTE[c] for c in token)
+
+
+@dataclass
+class ChatTemplate:
+    style: str                          # "llama3" or "chatml"
+    default_system: str | None = None
+
+    def render(self, messages: list[dict]) -> str:
+        if self.default_system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.default_system}] + messages
+        if self.style == "llama3":
+            turns = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>"
+                            for m in messages)
+            return f"<|begin_of_text|>{turns}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return f"{turns}<|im_start|>assistant\n"
+
+
+def chat_template_for(vocab_specials: dict[str, int], jinja_source: str | None) -> ChatTemplate | None:
+    """Recognise the family's chat format from its special tokens; keep the template's default system prompt."""
+    if "<|start_header_id|>" in vocab_specials:
+        return ChatTemplate("llama3")
+    if "<|im_start|>" in vocab_specials:
+        match = re.search(r"<\|im_start\|>system(?:\n|\\n)(.+?)<\|im_end\|>", jinja_source or "", re.S)
+        default = match.group(1) if match and "{{" not in match.group(1) else None
+        return ChatTemplate("chatml", default)
+    return None
+
+
+class Tokenizer:
+    def __init__(self, ranked_tokens: list[tuple[bytes, int]], special_tokens: dict[str, int],
+                 pattern: str, add_bos: bool = False, bos_token: str | None = None,
+                 eos_tokens: tuple[str, ...] = (), chat_template_source: str | None = None):
+        """ranked_tokens: (bytes, id) in merge order, so that list position is the BPE rank."""
+        mergeable = {}
+        for token, token_id in ranked_tokens:
+            mergeable.setdefault(token, (len(mergeable), token_id))
+        num_ranks = len(mergeable)
+        specials = {s: num_ranks + i for i, s in enumerate(special_tokens)}   # tiktoken ids past the ranks
+        self.encoding = tiktoken.Encoding("nanospec", pat_str=pattern,
+                                          mergeable_ranks={t: r for t, (r, _) in mergeable.items()},
+                                          special_tokens=specials)
+        self.rank_to_id = np.array([i for _, i in mergeable.values()] + list(special_tokens.values()), dtype=np.int64)
+        vocab_size = int(self.rank_to_id.max()) + 1
+        self.id_to_bytes = [b""] * vocab_size
+        for token, (_, token_id) in mergeable.items():
+            if token_id >= 0:
+                self.id_to_bytes[token_id] = token
+        for text, token_id in special_tokens.items():
+            self.id_to_bytes[token_id] = text.encode()
+        self.special_tokens = dict(special_tokens)
+        self.bos_id = special_tokens.get(bos_token) if bos_token else None
+        self.add_bos = add_bos and self.bos_id is not None
+        self.eos_ids = sorted({special_tokens[t] for t in eos_tokens if t in special_tokens})
+        self.chat_template = chat_template_for(special_tokens, chat_template_source)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.id_to_bytes)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ranks = self.encoding.encode(text, allowed_special="all")
+        ids = [i for i in self.rank_to_id[ranks].tolist() if i >= 0] if ranks else []
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return b"".join(self.id_to_bytes[i] for i in ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, prompt: str) -> list[int]:
+        if self.chat_template is None:
+            raise NanospecError("--chat: this tokenizer has no known chat format (Llama 3 or ChatML); "
+                                "drop --chat and give the prompt as plain text")
+        return self.encode(self.chat_template.render([{"role": "user", "content": prompt}]), add_bos=False)
+
+
+def ranked_from_merges(vocab: dict[str, int], merges: list) -> list[tuple[bytes, int]]:
+    """Single bytes first, then each merged token at the position of the merge that creates it."""
+    # A byte missing from the vocabulary (SmolLM2 lacks a few that UTF-8 never uses) gets id -1:
+    # tiktoken needs every byte, and encode drops it, as Hugging Face's BPE does without an unk token.
+    ranked = [(token_bytes(c), vocab.get(c, -1)) for c in bytes_to_unicode().values()]
+    for merge in merges:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if left + right in vocab:
+            ranked.append((token_bytes(left + right), vocab[left + right]))
+    return ranked
+
+
+def pattern_from_pre_tokenizer(pre: dict | None) -> str:
+    steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
+    kinds = {s["type"]: s for s in steps}
+    if "Split" in kinds:
+        return kinds["Split"]["pattern"]["Regex"]
+    if "ByteLevel" in kinds:
+        digits = kinds.get("Digits", {}).get("individual_digits", False)
+        return GPT2_DIGITS_PATTERN if digits else GPT2_PATTERN
+    raise NanospecError(f"unsupported pre-tokenizer {pre!r} in tokenizer.json; only byte-level BPE "
+                        "(Llama 3, Qwen, SmolLM2 style) is supported")
+
+
+def from_tokenizer_json(folder: str) -> Tokenizer:
+    with open(os.path.join(folder, "tokenizer.json")) as f:
+        data = json.load(f)
+    model = data["model"]
+    if model.get("type") != "BPE":
+        raise NanospecError(f"tokenizer.json has a {model.get('type')} model; only byte-level BPE is supported")
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    config = json.load(open(config_path)) if os.path.exists(config_path) else {}
+    specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    post = json.dumps(data.get("post_processor") or {})
+    bos = config.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    template = config.get("chat_template")
+    return Tokenizer(ranked_from_merges(model["vocab"], model["merges"]), specials,
+                     pattern_from_pre_tokenizer(data.get("pre_tokenizer")),
+                     add_bos=bool(bos) and f'"{bos}"' in post, bos_token=bos,
+                     eos_tokens=STOP_TOKEN_NAMES, chat_template_source=template if isinstance(template, str) else None)
+
+
+def from_tiktoken_model(folder: str) -> Tokenizer:
+    """Llama 3's original tokenizer.model: one `base64(token) rank` per line, then 256 special tokens."""
+    ranked = []
+    with open(os.path.join(folder, "tokenizer.model"), "rb") as f:
+        for line in f:
+            if line.strip():
+                token, rank = line.split()
+                ranked.append((base64.b64decode(token), int(rank)))
+    ranked.sort(key=lambda pair: pair[1])
+    specials = {s: len(ranked) + i for i, s in enumerate(LLAMA3_SPECIAL_TOKENS)}
+    return Tokenizer(ranked, specials, LLAMA3_PATTERN, add_bos=True, bos_token="<|begin_of_text|>",
+                     eos_tokens=STOP_TOKEN_NAMES)
+
+
+def from_gguf(meta: dict) -> Tokenizer:
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise NanospecError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported; "
+                            "only byte-level BPE ('gpt2': Llama 3, Qwen, SmolLM2) is")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise NanospecError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(GGUF_PRE_TOKENIZERS)}")
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    normal = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (1, 6)}   # NORMAL, BYTE
+    specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)}  # CONTROL, USER_DEFINED
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos = tuple(tokens[i] for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
+                if i is not None)
+    return Tokenizer(ranked_from_merges(normal, meta["tokenizer.ggml.merges"]), specials,
+                     GGUF_PRE_TOKENIZERS[pre], add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                     bos_token=tokens[bos_id] if bos_id is not None else None,
+                     eos_tokens=eos + STOP_TOKEN_NAMES, chat_template_source=meta.get("tokenizer.chat_template"))
+
+
+def load_tokenizer(path: str, gguf_metadata: dict | None = None) -> Tokenizer:
+    if gguf_metadata is not None:
+        return from_gguf(gguf_metadata)
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return from_tokenizer_json(path)
+    if os.path.exists(os.path.join(path, "tokenizer.model")):
+        return from_tiktoken_model(path)
+    raise NanospecError(f"no tokenizer.json or tokenizer.model in {path}; copy the model's tokenizer files into it")
