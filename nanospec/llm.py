@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from nanospec import checkpoint
-from nanospec.engine import Engine, RequestOutput, SamplingParams
+from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats
 from nanospec.errors import NanospecError
 from nanospec.tokenizer import load_tokenizer
 
@@ -81,6 +81,7 @@ class LLM:
         requests = [self.engine.new_request(i, p, self.encode_prompt(p, chat), sp)
                     for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
         self.engine.scheduler.waiting.extend(requests)   # only once every request is valid
+        self.engine.stats = Stats()                      # llm.stats describes this call
         self.engine.run_to_completion(on_step)
         return [RequestOutput(r.index, r.prompt, r.text, r.output_ids, r.finish_reason, r.prompt_ids)
                 for r in requests]

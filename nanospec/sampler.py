@@ -45,13 +45,17 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, stream: int, siz
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor) -> torch.Tensor:
+                 top_p: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """The distribution each row samples from. logits: [N, V]; temperature, top_p: [N] float;
-    top_k: [N] int (0 = off). Greedy rows (temperature 0) become one-hot on the argmax."""
+    top_k: [N] int (0 = off). Greedy rows (temperature 0) become one-hot on the argmax.
+    truncate=False skips top-k/top-p (the caller knows no row uses them: saves a sort)."""
     vocab = logits.shape[-1]
     greedy = temperature == 0
     scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
     probs = torch.softmax(scaled, dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
+    if not truncate:
+        return torch.where(greedy[:, None], one_hot, probs)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
     in_top_k = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
@@ -63,7 +67,6 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     probs = torch.where(keep, probs, 0.0)
     probs = probs / probs.sum(-1, keepdim=True)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
     return torch.where(greedy[:, None], one_hot, probs)
 
 
@@ -73,9 +76,9 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+           seeds: torch.Tensor, positions: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """One token per row of logits [N, V], for the request at `positions` (the index of the new token)."""
-    probs = target_probs(logits, temperature, top_k, top_p)
+    probs = target_probs(logits, temperature, top_k, top_p, truncate)
     return race(probs, uniform_noise(seeds, positions, stream=0, size=logits.shape[-1]))
 
 

