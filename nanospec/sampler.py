@@ -37,10 +37,13 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, stream: int, siz
 
     seeds, positions: [N] int64. `stream` separates independent uses at one position (the
     acceptance test, the recovered token, the bonus token)."""
-    row = _mix32((seeds & MASK32) ^ _mix32((seeds >> 32) & MASK32))
-    row = _mix32(row ^ _mix32((positions & MASK32) ^ _mix32(torch.full_like(positions, stream))))
-    cols = _mix32(torch.arange(size, device=seeds.device, dtype=torch.int64) + 0x9E3779B9)
-    bits = _mix32(row[:, None] ^ cols[None, :])
+    # A chain, not a symmetric combination: hash(seed), then fold in each counter in turn.
+    row = _mix32((seeds & MASK32) + 0x9E3779B9)
+    row = _mix32(row ^ ((seeds >> 32) & MASK32))
+    row = _mix32(row ^ (positions & MASK32))
+    row = _mix32(row ^ stream)
+    cols = torch.arange(size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(_mix32(row[:, None] ^ cols[None, :]))
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 

@@ -1,0 +1,90 @@
+"""The command line as a person uses it: JSON output of the documented shape, and bad input answered
+by one line that names the fix, exit status 2, no traceback."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "nanospec.generate", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_json_output(checkpoints, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "The quick brown", "id": 7}) + "\n" + json.dumps({"prompt": "def add"}) + "\n")
+    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompts-file", str(prompts), "--prompt", "12345",
+                             "--max-new-tokens", "5", "--json", "--temperature", "0.5", "--top-k", "20")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows[:3]] == ["12345", "The quick brown", "def add"]
+    for i, r in enumerate(rows[:3]):
+        assert r["index"] == i and r["finish_reason"] in ("stop", "length") and isinstance(r["text"], str)
+        assert 1 <= len(r["token_ids"]) <= 5
+    stats = rows[3]["stats"]
+    for key in ("generated_tokens", "steps", "mean_acceptance_length", "acceptance_rate_per_position",
+                "tokens_per_second"):
+        assert key in stats
+
+
+def test_streaming_text_and_stats_line(checkpoints):
+    code, out, err = run_cli("--target", checkpoints["qwen2"], "--prompt", "Hello", "--max-new-tokens", "6", "--chat")
+    assert code == 0, err
+    assert "tokens/s" in out.splitlines()[-1]
+
+
+def corrupt(folder, tmp_path, name, content):
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    if content is None:
+        os.remove(bad / name)
+    else:
+        (bad / name).write_bytes(content)
+    return str(bad)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing_config", "missing config.json"),
+    ("missing_weights", "no \\*.safetensors weights"),
+    ("corrupt_weights", "not a readable safetensors file"),
+    ("missing_tokenizer", "no tokenizer.json or tokenizer.model"),
+    ("unsupported_arch", "unsupported architecture 'GPT2LMHeadModel'"),
+    ("no_such_path", "not found"),
+    ("bad_gguf", "not a readable GGUF file"),
+])
+def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
+    folder = checkpoints["qwen2"]
+    target = {
+        "missing_config": lambda: corrupt(folder, tmp_path, "config.json", None),
+        "missing_weights": lambda: corrupt(folder, tmp_path, "model.safetensors", None),
+        "corrupt_weights": lambda: corrupt(folder, tmp_path, "model.safetensors", b"\x00garbage" * 10),
+        "missing_tokenizer": lambda: corrupt(folder, tmp_path, "tokenizer.json", None),
+        "unsupported_arch": lambda: corrupt(folder, tmp_path, "config.json",
+                                            json.dumps({"architectures": ["GPT2LMHeadModel"]}).encode()),
+        "no_such_path": lambda: str(tmp_path / "nope"),
+        "bad_gguf": lambda: (tmp_path / "x.gguf").write_bytes(b"not gguf") and str(tmp_path / "x.gguf"),
+    }[case]()
+    code, out, err = run_cli("--target", target, "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 2
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: ") and __import__("re").search(match, err), err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "1.5"], "top_p must be in"),
+    (["--top-k", "-3"], "top_k must be an integer >= 0"),
+    (["--max-new-tokens", "0"], "max_tokens must be"),
+    (["--device", "cuda"], "no CUDA GPU is visible"),
+    (["--prompt", "word " * 700], "context holds"),
+    (["--prompts-file", "/no/such.jsonl"], "not found"),
+])
+def test_bad_arguments_are_one_clear_line(checkpoints, args, match):
+    base = ["--target", checkpoints["qwen2"]] + ([] if "--prompt" in args else ["--prompt", "hi"])
+    code, out, err = run_cli(*base, *args)
+    assert code == 2 and "Traceback" not in err and match in err, err

@@ -1,0 +1,96 @@
+"""The engine's batching, preemption and stopping never change what a request gets: batched equals
+one at a time, a tiny KV pool (preempting) equals an ample one, seeds reproduce, no block leaks."""
+import pytest
+
+from nanospec import LLM, NanospecError, SamplingParams
+
+PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "1234567890 numbers 3.14159 and",
+           "héllo wörld, ça va?", "User: hello there!\nAssistant:", "It was the best of times. It was",
+           "print(add(1, 2))", "The lazy dog"]
+
+
+def greedy(max_tokens=24):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def assert_no_leak(llm):
+    alloc = llm.engine.kv_cache.allocator
+    assert alloc.num_free == alloc.num_blocks and not llm.engine.scheduler.has_work()
+
+
+def test_batched_greedy_equals_one_at_a_time(tiny_llm):
+    batched = tiny_llm.generate(PROMPTS, greedy())
+    for prompt, out in zip(PROMPTS, batched):
+        assert tiny_llm.generate([prompt], greedy())[0].token_ids == out.token_ids
+        assert len(out.token_ids) == 24 and out.finish_reason == "length"
+    assert_no_leak(tiny_llm)
+
+
+def test_preemption_under_a_tiny_pool_changes_nothing(checkpoints):
+    ample = LLM(checkpoints["qwen3"], device="cpu", kv_cache_gb=0.05)
+    # 12 blocks of 4 tokens: room for about two requests at a time, so decode must preempt.
+    tiny = LLM(checkpoints["qwen3"], device="cpu", kv_cache_gb=12 * 4 * 2 * 2 * 2 * 32 * 4 / 2**30,
+               block_size=4, max_num_batched_tokens=16)
+    assert tiny.engine.kv_cache.allocator.num_blocks == 12
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i, ignore_eos=True) for i in range(8)]
+    expected = ample.generate(PROMPTS, params)
+    got = tiny.generate(PROMPTS, params)
+    assert tiny.stats["preemptions"] > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert_no_leak(tiny)
+
+
+def test_chunked_prefill_equals_whole_prefill(checkpoints):
+    whole = LLM(checkpoints["qwen2"], device="cpu", kv_cache_gb=0.05)
+    chunked = LLM(checkpoints["qwen2"], device="cpu", kv_cache_gb=0.05, max_num_batched_tokens=3)
+    long_prompt = " ".join(PROMPTS)
+    assert whole.generate([long_prompt], greedy())[0].token_ids == chunked.generate([long_prompt], greedy())[0].token_ids
+    assert chunked.stats["prefill_steps"] > 5
+
+
+def test_seeded_sampling_reproduces_and_seeds_differ(tiny_llm):
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=42, ignore_eos=True)
+    a = tiny_llm.generate(PROMPTS[:3], params)
+    b = tiny_llm.generate(PROMPTS[:3], params)
+    c = tiny_llm.generate(PROMPTS[:3], SamplingParams(temperature=1.0, max_tokens=16, seed=43, ignore_eos=True))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_no_block_leaks_after_many_requests(tiny_llm):
+    params = [SamplingParams(temperature=0.7, max_tokens=1 + i % 7, seed=i) for i in range(40)]
+    outs = tiny_llm.generate([PROMPTS[i % 8] for i in range(40)], params)
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
+    assert_no_leak(tiny_llm)
+
+
+def test_eos_stops_and_is_not_in_text(tiny_llm):
+    out = tiny_llm.generate([PROMPTS[0]], greedy(8))[0]
+    eos = out.token_ids[3]   # pretend the 4th greedy token is an end-of-sequence token
+    tiny_llm.engine.eos_ids.add(eos)
+    try:
+        stopped = tiny_llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8))[0]
+    finally:
+        tiny_llm.engine.eos_ids.discard(eos)
+    first = out.token_ids.index(eos)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == out.token_ids[:first + 1]
+    assert stopped.text == tiny_llm.tokenizer.decode(out.token_ids[:first])
+
+
+def test_stop_string_cuts_the_text(tiny_llm):
+    full = tiny_llm.generate([PROMPTS[1]], greedy(16))[0]
+    stop = full.text[5:8]
+    out = tiny_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:full.text.index(stop)]
+
+
+def test_bad_input_is_named(tiny_llm):
+    with pytest.raises(NanospecError, match="context holds"):
+        tiny_llm.generate(["word " * 600], greedy())
+    with pytest.raises(NanospecError, match="top_p must be in"):
+        tiny_llm.generate(["hi"], SamplingParams(top_p=0))
+    with pytest.raises(NanospecError, match="max_tokens must be"):
+        tiny_llm.generate(["hi"], SamplingParams(max_tokens=0))
+    with pytest.raises(NanospecError, match="empty"):
+        tiny_llm.generate([""], greedy())
+    assert_no_leak(tiny_llm)   # a rejected batch queues nothing

@@ -1,0 +1,105 @@
+"""The sampler draws from exactly the distribution temperature / top-k / top-p define, per row,
+reproducibly from (seed, position), whatever else shares the batch."""
+import math
+
+import numpy as np
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from nanospec.sampler import sample, target_probs, uniform_noise
+
+# 99.9% quantile of the chi-square distribution with 5 degrees of freedom.
+CHI2_DF5_999 = 20.515
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The definition, in float64: softmax(l / T), keep the k most likely, renormalize, keep the
+    smallest most-likely prefix whose mass reaches top_p, renormalize. T = 0: one-hot argmax."""
+    if temperature == 0:
+        out = np.zeros_like(logits)
+        out[np.argmax(logits)] = 1
+        return out
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), bool)
+    kept = order[:top_k] if top_k else order
+    mass, total = 0.0, p[kept].sum()
+    for i in kept:
+        if mass >= top_p:
+            break
+        keep[i] = True
+        mass += p[i] / total
+    out = np.where(keep, p, 0)
+    return out / out.sum()
+
+
+@settings(max_examples=300, deadline=None)
+@given(logits=st.lists(st.floats(-8, 8), min_size=2, max_size=12),
+       temperature=st.one_of(st.just(0.0), st.floats(0.05, 3.0)),
+       top_k=st.integers(0, 12), top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)))
+def test_target_probs_is_the_definition(logits, temperature, top_k, top_p):
+    x = np.array(logits)
+    assume(len(set(np.round(x, 4))) == len(x))   # ties make "the k most likely" ambiguous
+    got = target_probs(torch.tensor([logits], dtype=torch.float64).float(), torch.tensor([temperature]),
+                       torch.tensor([top_k]), torch.tensor([top_p]))[0].double().numpy()
+    expected = reference_probs(x.astype(np.float32).astype(np.float64), temperature, top_k, top_p)
+    assert np.abs(got - expected).max() < 1e-5
+
+
+def test_rows_use_their_own_parameters():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    t, k, p = torch.tensor([0.0, 0.7, 1.3]), torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.8])
+    batched = target_probs(logits, t, k, p)
+    for i in range(3):
+        assert torch.allclose(batched[i], target_probs(logits[i:i + 1], t[i:i + 1], k[i:i + 1], p[i:i + 1])[0])
+
+
+def test_samples_follow_the_distribution():
+    """20000 draws with different seeds: a chi-square test against the target probabilities."""
+    n, probs = 20000, torch.tensor([0.05, 0.1, 0.15, 0.2, 0.22, 0.28])
+    logits = probs.log().expand(n, -1)
+    tokens = sample(logits, torch.ones(n), torch.zeros(n, dtype=torch.long), torch.ones(n),
+                    seeds=torch.arange(n) * 7919 + 11, positions=torch.full((n,), 5))
+    counts = torch.bincount(tokens, minlength=6).double()
+    chi2 = ((counts - n * probs.double()) ** 2 / (n * probs.double())).sum().item()
+    assert chi2 < CHI2_DF5_999
+
+
+def test_a_broken_sampler_is_detected():
+    """The same test rejects a sampler that ignores temperature (so the test above can fail)."""
+    n, probs = 20000, torch.tensor([0.05, 0.1, 0.15, 0.2, 0.22, 0.28])
+    logits = probs.log().expand(n, -1)
+    tokens = sample(logits * 1.3, torch.ones(n), torch.zeros(n, dtype=torch.long), torch.ones(n),
+                    seeds=torch.arange(n) * 7919 + 11, positions=torch.full((n,), 5))
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert ((counts - n * probs.double()) ** 2 / (n * probs.double())).sum().item() > CHI2_DF5_999
+
+
+def test_draws_depend_only_on_seed_and_position():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
+    args = (torch.ones(4), torch.zeros(4, dtype=torch.long), torch.ones(4))
+    seeds, pos = torch.tensor([1, 2, 3, 4]), torch.tensor([10, 10, 11, 12])
+    batch = sample(logits, *args, seeds, pos)
+    alone = torch.stack([sample(logits[i:i + 1], *(a[i:i + 1] for a in args), seeds[i:i + 1], pos[i:i + 1])[0]
+                         for i in range(4)])
+    assert torch.equal(batch, alone)
+    assert torch.equal(batch, sample(logits, *args, seeds, pos))
+
+
+def test_uniform_noise_is_uniform():
+    u = uniform_noise(torch.arange(64), torch.arange(64), stream=0, size=4096).flatten()
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.002 and abs(u.var().item() - 1 / 12) < 0.001
+    counts = torch.histc(u, bins=16, min=0, max=1).double()
+    expected = u.numel() / 16
+    assert ((counts - expected) ** 2 / expected).sum().item() < 37.7   # chi-square 99.9%, 15 df
+
+
+def test_compiled_sampler_equals_eager():
+    compiled = torch.compile(sample, dynamic=True)
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(2))
+    args = (torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0]), torch.tensor([0, 0, 10, 0, 3]),
+            torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0]), torch.arange(5) + 100, torch.arange(5) * 3)
+    assert torch.equal(compiled(logits, *args), sample(logits, *args))
