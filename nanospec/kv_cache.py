@@ -70,6 +70,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [B, max_blocks] block ids, padded with 0 (masked by context_lens)
     context_lens: torch.Tensor   # [B] tokens in the cache after this pass, new ones included
     query_start: torch.Tensor    # [B + 1] offsets of each sequence's new tokens in the flat batch
+    token_seq: torch.Tensor      # [T] which sequence each new token belongs to
     # Derived once per pass and shared by every layer of the reference path:
     query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
     query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token
@@ -99,7 +100,9 @@ def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_l
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
         block_tables=tables.to(device), context_lens=torch.tensor(context_lens).to(device),
-        query_start=query_start.to(device), query_index=query_index.to(device),
+        query_start=query_start.to(device),
+        token_seq=torch.repeat_interleave(torch.arange(batch), torch.tensor(query_lens)).to(device),
+        query_index=query_index.to(device),
         query_valid=query_valid.to(device), attn_mask=attn_mask[:, None].to(device))
 
 
@@ -128,18 +131,18 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of the new tokens q [T, heads, head_dim] over their sequences' pages.
 
-    Gathers each sequence's pages into a padded [B, max_k] view, runs one masked softmax
-    attention, and scatters the rows back to the flat batch. Grouped-query attention: each
-    group of heads // kv_heads query heads shares one K/V head.
+    Gathers each sequence's pages into a padded [B, max_k] view and runs one masked softmax
+    attention per K/V head. Grouped-query attention without copying K/V per query head: the
+    `group` query heads that share a K/V head are stacked along the query axis instead.
     """
-    batch, max_blocks = meta.block_tables.shape
-    keys = k_cache[meta.block_tables].flatten(1, 2)        # [B, max_k, kv_heads, head_dim]
-    values = v_cache[meta.block_tables].flatten(1, 2)
-    queries = q[meta.query_index]                          # [B, max_q, heads, head_dim]
-    group = q.shape[1] // k_cache.shape[2]
-    keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)      # [B, heads, max_k, head_dim]
-    values = values.repeat_interleave(group, dim=2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values,
-                                         attn_mask=meta.attn_mask, scale=scale)  # [B, heads, max_q, hd]
-    out = out.transpose(1, 2)[meta.query_valid]            # [T, heads, head_dim], in flat order
-    return out
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // kv_heads
+    keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)      # [B, kv_heads, max_k, head_dim]
+    values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
+    batch, max_q = meta.query_index.shape
+    queries = q[meta.query_index].view(batch, max_q, kv_heads, group, head_dim)
+    queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * max_q, head_dim)
+    mask = meta.attn_mask.repeat(1, 1, group, 1)                           # [B, 1, group * max_q, max_k]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [B, max_q, kv, group, hd]
+    return out.reshape(batch, max_q, kv_heads * group, head_dim)[meta.query_valid]   # [T, heads, hd], flat order

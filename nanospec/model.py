@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nanospec import triton_attention
 from nanospec.errors import NanospecError
 from nanospec.kv_cache import AttentionMetadata, KVCache, paged_attention_reference, write_kv
 
@@ -169,7 +170,11 @@ class Attention(nn.Module):
         q, k = rope(q, positions), rope(k, positions)
         k_cache, v_cache = kv_cache.layer(self.layer_index)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention_reference(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
+        if triton_attention.available(q):
+            out = triton_attention.paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.token_seq,
+                                                          positions, scale=self.head_dim ** -0.5)
+        else:
+            out = paged_attention_reference(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
         return self.o_proj(out.reshape(tokens, -1))
 
 
