@@ -156,6 +156,8 @@ class Scheduler:
 class Stats:
     generated_tokens: int = 0
     steps: int = 0                # decode (and, later, verify) steps
+    request_steps: int = 0        # sum over decode steps of the requests in the step
+    decode_tokens: int = 0        # tokens those request-steps emitted (prefill's first token excluded)
     prefill_steps: int = 0
     preemptions: int = 0
     elapsed_s: float = 0.0
@@ -164,7 +166,8 @@ class Stats:
         tps = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
         return {"generated_tokens": self.generated_tokens, "steps": self.steps,
                 "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
-                "mean_acceptance_length": 1.0 if self.steps else 0.0,
+                # tokens a request gains per step: 1 for plain decoding, up to K + 1 with speculation
+                "mean_acceptance_length": round(self.decode_tokens / self.request_steps, 4) if self.request_steps else 0.0,
                 "acceptance_rate_per_position": [], "elapsed_s": round(self.elapsed_s, 4),
                 "tokens_per_second": round(tps, 2)}
 
@@ -229,6 +232,8 @@ class Engine:
             self.stats.prefill_steps += 1
         else:
             self.stats.steps += 1
+            self.stats.request_steps += len(reqs)
+            self.stats.decode_tokens += len(done)
         if not done:
             return []
         last_rows = meta.query_start[1:][done] - 1

@@ -23,6 +23,7 @@ def test_batched_greedy_equals_one_at_a_time(tiny_llm):
     for prompt, out in zip(PROMPTS, batched):
         assert tiny_llm.generate([prompt], greedy())[0].token_ids == out.token_ids
         assert len(out.token_ids) == 24 and out.finish_reason == "length"
+    assert tiny_llm.stats["mean_acceptance_length"] == 1.0   # plain decoding: one token per request-step
     assert_no_leak(tiny_llm)
 
 
