@@ -54,24 +54,16 @@ def test_llama3_rope_scaling_is_applied(checkpoints):
 
 def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf):
     """Our GGUF reader + model vs transformers' own GGUF loader + LlamaForCausalLM, 32 greedy tokens."""
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from nanospec import LLM, SamplingParams
+    from nanospec.bench import transformers_model   # a thin wrapper over transformers' GGUF loader
     llm = LLM(device="cpu", dtype="float32", kv_cache_gb=0.1)
     prompt = "The three primary colors are"
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].token_ids
-
-    cfg = load_gguf_checkpoint(smollm2_gguf)["config"]
-    config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if not k.startswith("_")})
-    with torch.device("meta"):
-        skeleton = transformers.LlamaForCausalLM(config)
-    weights = load_gguf_checkpoint(smollm2_gguf, return_tensors=True, model_to_load=skeleton)["tensors"]
-    ref = transformers.LlamaForCausalLM(config)
-    ref.load_state_dict(weights, strict=False)
-    ref.tie_weights()
+    ref = transformers_model(smollm2_gguf, torch.float32, torch.device("cpu"))
+    assert type(ref).__name__ == "LlamaForCausalLM"
     ids = torch.tensor([llm.tokenizer.encode(prompt)])
     with torch.no_grad():
-        out = ref.eval().generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        out = ref.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert ours == out[0, ids.shape[1]:].tolist()
     assert len(ours) == 32
 
