@@ -1,7 +1,10 @@
 """Requests, the continuous-batching scheduler and the step loop.
 
-A step is: schedule (prefill chunks, or one decode token per running request), run the model,
-sample, commit. Invariants of a running request:
+A step is: schedule (prefill chunks, or a decode step for every running request), then for a
+decode step propose K drafts per request, verify them in one target forward, rejection-sample
+(sampler.py), commit the accepted tokens and settle (roll the KV length back in target and proposer
+to what was accepted). With no proposer a decode step is plain decoding (K = 0).
+Invariants of a running request:
 - every token but the last is in the KV cache once its prefill is done (num_cached == len(tokens) - 1);
 - a preempted request loses its cache (num_cached = 0) and is recomputed from its tokens, so it
   is never lost; counter-based sampling (sampler.py) makes its output independent of preemption.
@@ -17,7 +20,8 @@ import torch
 
 from nanospec.errors import NanospecError
 from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
-from nanospec.sampler import Sampler
+from nanospec.proposer import Proposal, Proposer
+from nanospec.sampler import Sampler, SamplingBatch
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Request:
     num_cached: int = 0
     finish_reason: str | None = None
     text: str = ""
+    proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
 
     @property
     def output_ids(self) -> list[int]:
@@ -87,8 +92,9 @@ class Scheduler:
     """Continuous batching: admit waiting requests while blocks allow, prefill in chunks under a
     token budget, and when decode runs out of blocks preempt the newest request (free, recompute)."""
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, on_free=None):
         self.allocator = allocator
+        self.on_free = on_free or (lambda request: None)   # the proposer releases its state too
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -98,9 +104,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch:
+    def schedule(self, num_drafts=lambda request: 0) -> Batch:
+        """Prefill chunks if any request needs one, else a decode step in which request r verifies
+        num_drafts(r) draft tokens after its last one (so it needs num_drafts(r) + 1 new slots)."""
         while True:
-            batch = self._schedule_prefill() or self._schedule_decode()
+            batch = self._schedule_prefill() or self._schedule_decode(num_drafts)
             if batch:
                 return batch
             self.preempt(self.running[-1])   # every running request is stuck in prefill: make room
@@ -126,11 +134,12 @@ class Scheduler:
             budget -= chunk
         return Batch(chosen, lens, is_prefill=True) if chosen else None
 
-    def _schedule_decode(self, num_new: int = 1) -> Batch | None:
-        chosen = []
+    def _schedule_decode(self, num_drafts) -> Batch | None:
+        chosen, lens = [], []
         for req in list(self.running):
             if req not in self.running or req.in_prefill:
                 continue
+            num_new = num_drafts(req) + 1
             while not self.allocator.can_grow(req.block_table, req.num_cached + num_new):
                 self.preempt(self.running[-1])
                 if req not in self.running:
@@ -138,10 +147,12 @@ class Scheduler:
             else:
                 self.allocator.grow(req.block_table, req.num_cached + num_new)
                 chosen.append(req)
-        return Batch(chosen, [num_new] * len(chosen), is_prefill=False) if chosen else None
+                lens.append(num_new)
+        return Batch(chosen, lens, is_prefill=False) if chosen else None
 
     def preempt(self, req: Request) -> None:
         self.allocator.release(req.block_table)
+        self.on_free(req)
         req.num_cached = 0
         self.running.remove(req)
         self.waiting.appendleft(req)
@@ -149,41 +160,64 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         self.allocator.release(req.block_table)
+        self.on_free(req)
         self.running.remove(req)
 
 
 @dataclass
 class Stats:
     generated_tokens: int = 0
-    steps: int = 0                # decode (and, later, verify) steps
-    request_steps: int = 0        # sum over decode steps of the requests in the step
-    decode_tokens: int = 0        # tokens those request-steps emitted (prefill's first token excluded)
+    steps: int = 0                # decode / verify steps
+    request_steps: int = 0        # sum over those steps of the requests in the step
     prefill_steps: int = 0
     preemptions: int = 0
     elapsed_s: float = 0.0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)    # [i]: steps with a draft at position i
+    accepted_per_position: list[int] = field(default_factory=list)   # [i]: ... whose draft i was accepted
+
+    def record(self, num_draft: list[int], num_accepted: list[int]) -> None:
+        self.steps += 1
+        self.request_steps += len(num_draft)
+        self.drafted_tokens += sum(num_draft)
+        self.accepted_tokens += sum(num_accepted)
+        for counts, per_position in ((num_draft, self.drafted_per_position), (num_accepted, self.accepted_per_position)):
+            for n in counts:
+                per_position.extend([0] * (n - len(per_position)))
+                for i in range(n):
+                    per_position[i] += 1
 
     def as_dict(self) -> dict:
         tps = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+        # Acceptance length: the tokens a request gains in a step, 1 (the target's own: recovered or
+        # bonus) plus its accepted drafts. Plain decoding has 1; K drafts all accepted give K + 1.
+        mean_al = 1 + self.accepted_tokens / self.request_steps if self.request_steps else 0.0
+        drafted = self.drafted_per_position
+        accepted = self.accepted_per_position + [0] * (len(drafted) - len(self.accepted_per_position))
+        rates = [round(a / d, 4) for a, d in zip(accepted, drafted)]
         return {"generated_tokens": self.generated_tokens, "steps": self.steps,
                 "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
-                # tokens a request gains per step: 1 for plain decoding, up to K + 1 with speculation
-                "mean_acceptance_length": round(self.decode_tokens / self.request_steps, 4) if self.request_steps else 0.0,
-                "acceptance_rate_per_position": [], "elapsed_s": round(self.elapsed_s, 4),
-                "tokens_per_second": round(tps, 2)}
+                "mean_acceptance_length": round(mean_al, 4), "acceptance_rate_per_position": rates,
+                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+                "elapsed_s": round(self.elapsed_s, 4), "tokens_per_second": round(tps, 2)}
 
 
 class Engine:
-    """Owns the model, its KV cache, the scheduler and the sampler; `step` advances every request."""
+    """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_model_len: int, num_kv_blocks: int,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                 compile_sampler: bool | None = None):
+                 compile_sampler: bool | None = None, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 0):
         cfg = model.config
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len = max_model_len
+        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
         self.kv_cache = KVCache(cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 next(model.parameters()).dtype, device)
-        self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
+                                   on_free=proposer.free if proposer else None)
         self.sampler = Sampler(compile=device.type == "cuda" if compile_sampler is None else compile_sampler)
         self.eos_ids = set(cfg.eos_token_ids) | set(tokenizer.eos_ids)
         self.stats = Stats()
@@ -205,59 +239,121 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids))
 
+    def num_drafts(self, req: Request) -> int:
+        """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left)."""
+        return max(0, min(self.num_speculative_tokens, req.max_len - len(req.tokens) - 1))
+
     def step(self) -> list[Request]:
         """One forward pass over the scheduled batch; returns the requests that got new tokens."""
-        batch = self.scheduler.schedule()
-        new_tokens = self.run_batch(batch)   # [(request, token)], one host sync inside
-        for req, token in new_tokens:
-            self.commit(req, token)
-        return [req for req, _ in new_tokens]
+        batch = self.scheduler.schedule(self.num_drafts)
+        run = self.run_prefill if batch.is_prefill else self.run_verify
+        results = run(batch)   # [(request, new tokens, features of its newly cached positions)]
+        for req, tokens, features in results:
+            self.commit(req, tokens)
+            if req.finish_reason is None:
+                self.settle(req, features)
+        return [req for req, tokens, _ in results if tokens]
+
+    def forward(self, reqs: list[Request], query_lens: list[int], input_ids: torch.Tensor):
+        """The target over each request's next query_lens[b] positions; returns (hidden [T, H], features)."""
+        positions = [p for r, n in zip(reqs, query_lens) for p in range(r.num_cached, r.num_cached + n)]
+        meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], query_lens,
+                              self.kv_cache.block_size, self.device)
+        capture = self.proposer.capture_layers if self.proposer else ()
+        hidden, captured = self.model(input_ids, self.to_device(positions), self.kv_cache, meta, capture)
+        for req, n in zip(reqs, query_lens):
+            req.num_cached += n
+        features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None
+        return hidden, features
+
+    def to_device(self, xs: list, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(xs, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
-    def run_batch(self, batch: Batch) -> list[tuple[Request, int]]:
+    def run_prefill(self, batch: Batch):
+        """A chunk of each request's prompt; requests whose prompt is now all cached sample their first token."""
         reqs, lens = batch.requests, batch.query_lens
-        input_ids, positions = [], []
-        for req, n in zip(reqs, lens):
-            input_ids += req.tokens[req.num_cached:req.num_cached + n]
-            positions += range(req.num_cached, req.num_cached + n)
-        meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], lens,
-                              self.kv_cache.block_size, self.device)
-        to_device = lambda xs, dtype=torch.int64: torch.tensor(xs, dtype=dtype, device=self.device)
-        hidden, _ = self.model(to_device(input_ids), to_device(positions), self.kv_cache, meta)
-        for req, n in zip(reqs, lens):
-            req.num_cached += n
-        # Sample for requests whose every token is now cached (decode, or the last prefill chunk).
-        done = [i for i, r in enumerate(reqs) if r.num_cached == len(r.tokens)]
-        if batch.is_prefill:
-            self.stats.prefill_steps += 1
-        else:
-            self.stats.steps += 1
-            self.stats.request_steps += len(reqs)
-            self.stats.decode_tokens += len(done)
-        if not done:
-            return []
-        last_rows = meta.query_start[1:][done] - 1
-        logits = self.model.logits(hidden[last_rows])
-        sampled = [reqs[i] for i in done]
-        p = [r.params for r in sampled]
-        if all(x.temperature == 0 for x in p):   # greedy: the race over one-hot rows is the argmax
-            return list(zip(sampled, logits.argmax(-1).tolist()))
-        tokens = self.sampler.sample(
-            logits, to_device([x.temperature for x in p], torch.float32), to_device([x.top_k for x in p]),
-            to_device([x.top_p for x in p], torch.float32), to_device([r.seed for r in sampled]),
-            to_device([len(r.tokens) for r in sampled]), truncate=any(x.top_k or x.top_p < 1 for x in p))
-        return list(zip(sampled, tokens.tolist()))   # the step's one device-to-host copy
+        input_ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
+        hidden, features = self.forward(reqs, lens, self.to_device(input_ids))
+        self.stats.prefill_steps += 1
+        starts = [sum(lens[:b]) for b in range(len(reqs))]
+        done = [b for b, r in enumerate(reqs) if r.num_cached == len(r.tokens)]
+        tokens = {}
+        if done:
+            sampled = [reqs[b] for b in done]
+            logits = self.model.logits(hidden[[starts[b] + lens[b] - 1 for b in done]])
+            sampling = SamplingBatch.of(sampled, self.device)
+            if sampling.greedy:   # the race over one-hot rows is the argmax
+                new = logits.argmax(-1)
+            else:
+                new = self.sampler.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds,
+                                          self.to_device([len(r.tokens) for r in sampled]), sampling.truncate)
+            tokens = dict(zip(done, new.tolist()))   # the step's one device-to-host copy
+        return [(r, [tokens[b]] if b in tokens else [],
+                 None if features is None else features[starts[b]:starts[b] + lens[b]])
+                for b, r in enumerate(reqs)]
 
-    def commit(self, req: Request, token: int) -> None:
-        """Append a sampled token and finish the request on EOS, a stop string or its length limit."""
-        req.tokens.append(token)
-        self.stats.generated_tokens += 1
-        if token in self.eos_ids and not req.params.ignore_eos:
-            return self.finish(req, "stop", drop_last=True)
-        if req.params.stop and self.hit_stop_string(req):
-            return self.finish(req, "stop")
-        if len(req.tokens) >= req.max_len:
-            return self.finish(req, "length")
+    @torch.inference_mode()
+    def run_verify(self, batch: Batch):
+        """The speculative step: propose, verify [last token, d_1 .. d_k] per request in one target
+        forward, rejection-sample. With no proposer (or K = 0) this is plain decoding."""
+        reqs = batch.requests
+        ks = [n - 1 for n in batch.query_lens]
+        sampling = SamplingBatch.of(reqs, self.device)
+        if max(ks) > 0:
+            proposal = self.proposer.propose(reqs, ks, sampling)
+        else:
+            proposal = Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), None, [0] * len(reqs))
+        k, num_draft = proposal.draft_ids.shape[1], proposal.num_draft
+        lens = [d + 1 for d in num_draft]
+        starts = [sum(lens[:b]) for b in range(len(reqs))]
+        # The flat input: each request's last token, then its drafts (gathered on the device).
+        input_ids = torch.empty(sum(lens), dtype=torch.int64, device=self.device)
+        input_ids[self.to_device(starts)] = self.to_device([r.tokens[-1] for r in reqs])
+        draft_src = [b * k + i for b in range(len(reqs)) for i in range(num_draft[b])]
+        if draft_src:
+            draft_dst = [starts[b] + 1 + i for b in range(len(reqs)) for i in range(num_draft[b])]
+            input_ids[self.to_device(draft_dst)] = proposal.draft_ids.flatten()[self.to_device(draft_src)]
+        hidden, features = self.forward(reqs, lens, input_ids)
+        # Logits [B, K+1, V]: row i of request b is the target after its i-th draft (padding repeats its last).
+        rows = [starts[b] + min(i, num_draft[b]) for b in range(len(reqs)) for i in range(k + 1)]
+        logits = self.model.logits(hidden)[self.to_device(rows)].view(len(reqs), k + 1, -1)
+        num_draft_t = self.to_device(num_draft)
+        if sampling.greedy:
+            tokens, num_accepted = self.sampler.verify_greedy(logits, proposal.draft_ids, num_draft_t)
+        else:
+            tokens, num_accepted = self.sampler.rejection_sample(
+                logits, proposal.draft_ids, proposal.draft_probs, num_draft_t, sampling.temperature, sampling.top_k,
+                sampling.top_p, sampling.seeds, self.to_device([len(r.tokens) for r in reqs]), sampling.truncate)
+        host = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()   # the step's one device-to-host copy
+        accepted = [row[-1] for row in host]
+        self.stats.record(num_draft, accepted)
+        # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
+        return [(r, host[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
+                for b, (r, a) in enumerate(zip(reqs, accepted))]
+
+    def commit(self, req: Request, tokens: list[int]) -> None:
+        """Append new tokens one by one; the first that ends the request (EOS, a stop string, its
+        length) ends it, and whatever was accepted after it is dropped."""
+        for token in tokens:
+            req.tokens.append(token)
+            self.stats.generated_tokens += 1
+            if token in self.eos_ids and not req.params.ignore_eos:
+                return self.finish(req, "stop", drop_last=True)
+            if req.params.stop and self.hit_stop_string(req):
+                return self.finish(req, "stop")
+            if len(req.tokens) >= req.max_len:
+                return self.finish(req, "length")
+
+    def settle(self, req: Request, features: torch.Tensor | None) -> None:
+        """After commit: roll the KV length back to the committed tokens (every token but the last is
+        cached), free blocks past it, and bring the proposer's own state in line."""
+        req.num_cached = min(req.num_cached, len(req.tokens) - 1)
+        self.kv_cache.allocator.truncate(req.block_table, req.num_cached)
+        if self.proposer:
+            if features is not None:
+                self.proposer.observe(req, features)
+            self.proposer.rollback(req)
 
     def hit_stop_string(self, req: Request) -> bool:
         longest = max(len(s.encode()) for s in req.params.stop)

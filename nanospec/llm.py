@@ -1,7 +1,8 @@
 """The front door: `LLM(target).generate(prompts, SamplingParams(...))`.
 
-Loads the checkpoint and its tokenizer, picks device and dtype, sizes the paged KV cache and runs
-the engine until every request is done.
+Loads the checkpoint and its tokenizer (and the proposer: a draft model, an EAGLE head or n-gram
+lookup), picks device and dtype, sizes the paged KV cache and runs the engine until every request
+is done.
 """
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 from nanospec import checkpoint
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats
+from nanospec.eagle import load_eagle_head
 from nanospec.errors import NanospecError
+from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer
 from nanospec.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,15 +36,42 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def kv_blocks_for_memory(config, dtype: torch.dtype, block_size: int, memory_gb: float) -> int:
-    bytes_per_block = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
-    return max(1, int(memory_gb * 2**30 // bytes_per_block))
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def kv_block_bytes(config, dtype: torch.dtype, block_size: int, num_layers: int | None = None) -> int:
+    return 2 * (num_layers or config.num_layers) * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def check_speculative_args(draft, eagle, ngram, num_speculative_tokens) -> int:
+    """K for the chosen proposer (default 4), or 0 without one; errors name the fix."""
+    chosen = [name for name, on in (("draft", draft), ("eagle", eagle), ("ngram", ngram)) if on]
+    if len(chosen) > 1:
+        raise NanospecError(f"choose one proposer, got {' and '.join(chosen)}: use --draft, --eagle or --ngram alone")
+    if not chosen:
+        if num_speculative_tokens:
+            raise NanospecError("--num-speculative-tokens needs a proposer: add --draft PATH, --eagle PATH or --ngram")
+        return 0
+    k = 4 if num_speculative_tokens is None else num_speculative_tokens
+    if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
+        raise NanospecError(f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    return k
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft: str) -> None:
+    if (target_tokenizer.id_to_bytes != draft_tokenizer.id_to_bytes
+            or target_tokenizer.special_tokens != draft_tokenizer.special_tokens):
+        raise NanospecError(f"draft model {draft} has a different vocabulary from the target (its tokenizer "
+                            "maps ids to other tokens); use a draft of the same model family and tokenizer")
 
 
 class LLM:
     def __init__(self, target: str | None = None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_gb: float | None = None, block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, compile_sampler: bool | None = None):
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, compile_sampler: bool | None = None,
+                 draft: str | None = None, eagle: str | None = None, ngram: bool = False,
+                 num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4):
+        k = check_speculative_args(draft, eagle, ngram, num_speculative_tokens)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         ckpt = checkpoint.read_checkpoint(target)
@@ -52,9 +82,29 @@ class LLM:
                                  self.config.max_position_embeddings)
         if kv_cache_gb is None:
             kv_cache_gb = self.default_kv_cache_gb()
-        num_blocks = kv_blocks_for_memory(self.config, self.dtype, block_size, kv_cache_gb)
+        draft_model = self.load_draft(draft) if draft else None
+        head, aux_layers = load_eagle_head(eagle, self.model, self.device, self.dtype) if eagle else (None, None)
+        # Target and proposer get the same number of blocks (see proposer.py), from one memory budget.
+        block_bytes = kv_block_bytes(self.config, self.dtype, block_size)
+        if draft_model is not None:
+            block_bytes += kv_block_bytes(draft_model.config, self.dtype, block_size)
+        if head is not None:
+            block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
+        num_blocks = max(1, int(kv_cache_gb * 2**30 // block_bytes))
+        proposer = None
+        if ngram:
+            proposer = NgramProposer(self.device, ngram_min, ngram_max)
+        elif draft_model is not None:
+            proposer = DraftModelProposer(draft_model, num_blocks, block_size, self.config.vocab_size, self.device)
+        elif head is not None:
+            proposer = EagleProposer(head, self.model, aux_layers, num_blocks, block_size, self.device)
         self.engine = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
-                             block_size, max_num_seqs, max_num_batched_tokens, compile_sampler)
+                             block_size, max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, k)
+
+    def load_draft(self, draft: str):
+        ckpt = checkpoint.read_checkpoint(draft)
+        check_same_tokenizer(self.tokenizer, load_tokenizer(ckpt.path, ckpt.gguf_metadata), draft)
+        return checkpoint.build_model(ckpt, self.device, self.dtype)
 
     def default_kv_cache_gb(self) -> float:
         if self.device.type == "cuda":
@@ -66,14 +116,20 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats.as_dict()
 
-    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):   # already token ids
+            if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
+                raise NanospecError(f"a token-id prompt must hold ids in 0..{self.config.vocab_size - 1}")
+            return list(prompt)
         return self.tokenizer.apply_chat_template(prompt) if chat else self.tokenizer.encode(prompt)
 
-    def generate(self, prompts: list[str] | str, params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False, on_step=None) -> list[RequestOutput]:
-        """Generate for every prompt (a list of params gives each its own). `on_step(requests)` is
-        called after each step with the requests that got new tokens (for streaming)."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        """Generate for every prompt: a string, a list of token ids, or a list of either (a list of
+        params gives each its own). `on_step(requests)` is called after each step with the requests
+        that got new tokens (for streaming)."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):

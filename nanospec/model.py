@@ -146,13 +146,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, input_size: int | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h, bias = config.hidden_size, config.qkv_bias
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = nn.Linear(input_size or h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -226,15 +226,17 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, capture_layers: tuple[int, ...] = ()):
-        """input_ids, positions: [T]. Returns normed hidden states [T, hidden] and, for each layer
-        index in capture_layers, that layer's output before the final norm (EAGLE's features)."""
+        """input_ids, positions: [T]. Returns normed hidden states [T, hidden] and, for each index i
+        in capture_layers, the hidden state entering layer i (EAGLE-3's auxiliary features; i equal
+        to the number of layers means the last layer's output before the final norm)."""
         x = self.model.embed_tokens(input_ids)
-        captured = []
+        captured = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.model.rotary, kv_cache, meta)
             if i in capture_layers:
-                captured.append(x)
-        return self.model.norm(x), captured
+                captured[i] = x
+            x = layer(x, positions, self.model.rotary, kv_cache, meta)
+        captured[len(self.model.layers)] = x
+        return self.model.norm(x), [captured[i] for i in capture_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,268 @@
+"""Proposers: who guesses the next K tokens that the target then verifies in one forward pass.
+
+One interface for three kinds of guesser:
+  propose(requests, ks, sampling) -> Proposal   up to ks[b] draft tokens for request b, on the device
+  observe(request, features)   the target's features for positions it just cached for good (EAGLE)
+  rollback(request)            forget what the proposer cached past the request's committed tokens
+  free(request)                the request finished or was preempted: release the proposer's state
+
+NgramProposer    prompt lookup: continue the longest recent suffix as it went on before.
+DraftModelProposer  a smaller model with the target's tokenizer and its own paged KV cache.
+EagleProposer    an EAGLE-1 / EAGLE-3 head (eagle.py) fed the target's hidden states.
+
+Invariant of the model-based proposers: after rollback their cache holds only positions whose
+inputs are committed tokens (and, for EAGLE, real target features), so it is always a prefix of the
+request; the next propose first catches up on what it has not seen, then drafts. Both size their
+pool like the target's: a request never holds more proposer positions than target positions, so the
+proposer never runs out of blocks before the target's scheduler preempts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from nanospec.kv_cache import KVCache, build_metadata
+from nanospec.sampler import DRAFT, SamplingBatch, race, target_probs, uniform_noise
+
+
+@dataclass
+class Proposal:
+    draft_ids: torch.Tensor                 # [B, K] on the device; past num_draft[b]: padding
+    draft_probs: torch.Tensor | None        # [B, K, V] the draft's q; None: one-hot drafts
+    num_draft: list[int]                    # drafts per request
+
+
+class Proposer:
+    capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
+    needs_features = False
+
+    def propose(self, requests, ks: list[int], sampling: SamplingBatch) -> Proposal:
+        raise NotImplementedError
+
+    def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor | None:
+        return None
+
+    def observe(self, request, features: torch.Tensor) -> None:
+        pass
+
+    def rollback(self, request) -> None:
+        pass
+
+    def free(self, request) -> None:
+        request.proposer_state = None
+
+
+class NgramIndex:
+    """Where the most recent occurrence of every n-gram (min_n <= n <= max_n) of a token list was
+    followed. Grows with the list: a step costs O(new tokens * (max_n - min_n + 1)) dict updates,
+    not a scan of the context."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.follower: dict[tuple[int, ...], int] = {}   # n-gram -> index of the token after it
+        self.indexed = 0                                  # n-grams ending before this index are in
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        # An n-gram ending at `end` is indexed once its follower tokens[end] exists, so the
+        # suffix itself is never its own match.
+        for end in range(max(self.indexed, 1), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.follower[tuple(tokens[end - n:end])] = end
+        self.indexed = len(tokens)
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):   # longest suffix first
+            start = self.follower.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start:start + k]
+        return []
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (Saxena 2023): no model, and very good when the answer copies its context
+    (code edits, summaries, extraction). Drafts are one-hot: q(d) = 1."""
+
+    def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
+        self.device, self.min_n, self.max_n = device, min_n, max_n
+
+    def propose(self, requests, ks, sampling) -> Proposal:
+        drafts = []
+        for req, k in zip(requests, ks):
+            if req.proposer_state is None:
+                req.proposer_state = NgramIndex(self.min_n, self.max_n)
+            drafts.append(req.proposer_state.lookup(req.tokens, k) if k else [])
+        width = max(ks)
+        ids = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.int64)
+        return Proposal(ids.to(self.device), None, [len(d) for d in drafts])
+
+    def free(self, request) -> None:
+        pass   # the index only depends on tokens, which preemption keeps
+
+
+@dataclass(slots=True)
+class CacheState:
+    """A request's entries in a proposer's own paged cache."""
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0          # positions cached
+    num_real: int = 0            # EAGLE: leading positions fed with real target features
+    pending: list[torch.Tensor] = field(default_factory=list)   # EAGLE: real features not yet fed
+
+
+def align_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits over the target's vocabulary: models sharing a tokenizer may pad their
+    embeddings to different sizes; padding ids get no probability."""
+    if logits.shape[-1] >= vocab:
+        return logits[:, :vocab]
+    return F.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
+
+
+def draw(logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor, positions: torch.Tensor):
+    """The draft's token for each row: argmax when every request is greedy (q one-hot, not
+    returned), else a draw from q = the draft's distribution after the request's own T/top-k/top-p."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    q = target_probs(logits, sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows],
+                     sampling.truncate)
+    return race(q, uniform_noise(sampling.seeds[rows], positions, DRAFT, logits.shape[-1])), q
+
+
+class ModelProposer(Proposer):
+    """What the draft model and EAGLE share: a paged cache of their own and a K-step drafting loop
+    whose tokens stay on the device (no host sync between draft steps)."""
+
+    def __init__(self, kv_cache: KVCache, vocab: int, device: torch.device):
+        self.kv_cache, self.vocab, self.device = kv_cache, vocab, device
+
+    def state(self, request) -> CacheState:
+        if request.proposer_state is None:
+            request.proposer_state = CacheState()
+        return request.proposer_state
+
+    @torch.inference_mode()
+    def propose(self, requests, ks, sampling) -> Proposal:
+        batch, k = len(requests), max(ks)
+        draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=self.device)
+        draft_probs = None if sampling.greedy else torch.zeros(batch, k, self.vocab, device=self.device)
+        carry = None   # what step i passes to step i + 1 (the draft's hidden states, for EAGLE)
+        for i in range(k):
+            rows = [b for b in range(batch) if ks[b] > i]
+            rows_t = torch.tensor(rows, device=self.device)
+            if i == 0:   # catch up on everything this proposer has not seen, then draft d_1
+                logits, carry = self.first_step([requests[b] for b in rows], batch, rows_t)
+            else:        # feed d_i back
+                logits, carry = self.next_step([requests[b] for b in rows], draft_ids[rows_t, i - 1], carry, rows_t, i)
+            positions = torch.tensor([len(requests[b].tokens) + i for b in rows], device=self.device)
+            tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows_t, positions)
+            draft_ids[rows_t, i] = tokens
+            if draft_probs is not None:
+                draft_probs[rows_t, i] = q
+        return Proposal(draft_ids, draft_probs, list(ks))
+
+    def run(self, states: list[CacheState], query_lens: list[int]):
+        """Grow each state's blocks for its new positions and build the attention metadata."""
+        alloc = self.kv_cache.allocator
+        positions = []
+        for st, n in zip(states, query_lens):
+            alloc.grow(st.block_table, st.num_cached + n)
+            positions += range(st.num_cached, st.num_cached + n)
+        meta = build_metadata([s.block_table for s in states], [s.num_cached for s in states], query_lens,
+                              self.kv_cache.block_size, self.device)
+        for st, n in zip(states, query_lens):
+            st.num_cached += n
+        return torch.tensor(positions, device=self.device), meta
+
+    def free(self, request) -> None:
+        if request.proposer_state is not None:
+            self.kv_cache.allocator.release(request.proposer_state.block_table)
+        request.proposer_state = None
+
+
+class DraftModelProposer(ModelProposer):
+    """A small model of the same family and tokenizer drafts autoregressively.
+
+    Rollback: the draft fed the committed tokens and d_1 .. d_{K-1}. Its cache stays valid up to
+    the first position whose committed token differs from what it fed, i.e. min(its length, the
+    request's length - 1). When all K drafts are accepted, d_K (never fed) and the bonus token are
+    both new to it: the next catch-up feeds them."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, vocab: int, device: torch.device):
+        cfg = model.config
+        dtype = next(model.parameters()).dtype
+        super().__init__(KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                 dtype, device), vocab, device)
+        self.model = model
+
+    def first_step(self, requests, batch, rows_t):
+        states = [self.state(r) for r in requests]
+        inputs = [r.tokens[s.num_cached:] for r, s in zip(requests, states)]
+        return self.forward(states, [len(x) for x in inputs],
+                            torch.tensor([t for x in inputs for t in x], device=self.device)), None
+
+    def next_step(self, requests, input_ids, carry, rows_t, i):
+        return self.forward([self.state(r) for r in requests], [1] * len(requests), input_ids), None
+
+    def forward(self, states, query_lens, input_ids) -> torch.Tensor:
+        positions, meta = self.run(states, query_lens)
+        hidden, _ = self.model(input_ids, positions, self.kv_cache, meta)
+        return self.model.logits(hidden[meta.query_start[1:] - 1])
+
+    def rollback(self, request) -> None:
+        st = self.state(request)
+        st.num_cached = min(st.num_cached, len(request.tokens) - 1)
+        self.kv_cache.allocator.truncate(st.block_table, st.num_cached)
+
+
+class EagleProposer(ModelProposer):
+    """Element i of the head's sequence is (target feature f_i, token t_{i+1}) at position i.
+
+    With tokens t_0 .. t_{n-1} and the target's features f_0 .. f_{n-2} (it caches all but the last
+    token), the first step feeds the elements with real features the head has not seen, ending with
+    (f_{n-2}, t_{n-1}), and reads d_1 from the last output; step i feeds (its own last output, d_{i-1}).
+    After verification, only elements with real features stay (rollback to num_real); the
+    features of the newly accepted positions arrive through observe()."""
+
+    needs_features = True
+
+    def __init__(self, head, target, aux_layers, num_blocks: int, block_size: int, device: torch.device):
+        cfg = head.config
+        dtype = next(head.parameters()).dtype
+        super().__init__(KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device),
+                         target.config.vocab_size, device)
+        self.head, self.target = head, target
+        self.capture_layers = tuple(aux_layers or ())
+
+    def features(self, hidden, captured):
+        return torch.cat(captured, dim=-1) if self.capture_layers else hidden
+
+    def observe(self, request, features) -> None:
+        self.state(request).pending.append(features)
+
+    def first_step(self, requests, batch, rows_t):
+        states = [self.state(r) for r in requests]
+        token_ids = [t for r, s in zip(requests, states) for t in r.tokens[s.num_real + 1:]]
+        features = torch.cat([f for s in states for f in s.pending])
+        lens = [sum(len(f) for f in s.pending) for s in states]
+        for s, n in zip(states, lens):
+            s.pending, s.num_real = [], s.num_real + n
+        hidden = self.forward(states, lens, torch.tensor(token_ids, device=self.device), features)
+        carry = torch.zeros(batch, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+        return self.finish(hidden, rows_t, carry)
+
+    def next_step(self, requests, input_ids, carry, rows_t, i):
+        hidden = self.forward([self.state(r) for r in requests], [1] * len(requests), input_ids, carry[rows_t])
+        return self.finish(hidden, rows_t, carry)
+
+    def finish(self, hidden, rows_t, carry):
+        carry[rows_t] = hidden
+        return self.head.logits(hidden, self.target), carry
+
+    def forward(self, states, query_lens, token_ids, features) -> torch.Tensor:
+        positions, meta = self.run(states, query_lens)
+        embeds = self.target.model.embed_tokens(token_ids)
+        hidden = self.head(embeds, features, positions, self.kv_cache, meta)
+        return hidden[meta.query_start[1:] - 1]
+
+    def rollback(self, request) -> None:
+        st = self.state(request)
+        st.num_cached = st.num_real
+        self.kv_cache.allocator.truncate(st.block_table, st.num_cached)
