@@ -116,6 +116,20 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return race(probs, uniform_noise(seeds, positions, stream=EMIT, size=logits.shape[-1]))
 
 
+def acceptance_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+    """min(1, p(d) / q(d)) for a draft d drawn from q (so q(d) > 0; one-hot drafts have q(d) = 1)."""
+    return (p_draft / q_draft).clamp(max=1.0)
+
+
+def next_token_weights(p_next: torch.Tensor, q_next: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Unnormalized weights [B, V] of the token emitted after the accepted drafts: after a rejection
+    the residual max(p - q, 0) (the mass p has beyond what accepting q's draft already gave it),
+    else p itself (the bonus token)."""
+    residual = torch.where(rejected[:, None], (p_next - q_next).clamp(min=0), p_next)
+    # A rejection has probability 0 when p == q; only rounding can get here with an all-zero residual.
+    return torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+
+
 def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                      num_draft: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                      seeds: torch.Tensor, positions: torch.Tensor, truncate: bool = True):
@@ -142,22 +156,18 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, draft
     p = target_probs(target_logits.reshape(-1, vocab), rows(temperature), rows(top_k), rows(top_p),
                      truncate).view(batch, k_plus_1, vocab)
     q = draft_probs if draft_probs is not None else F.one_hot(draft_ids, vocab).to(p.dtype)
-    # 1. Accept d_i with probability min(1, p(d_i) / q(d_i)), i.e. when u * q(d_i) < p(d_i), u ~ U(0, 1).
+    # 1. Accept d_i with probability min(1, p(d_i) / q(d_i)).
     p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)                         # [B, K]
     q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1)                                # [B, K]
     offsets = torch.arange(k, device=draft_ids.device)
     u = uniform_noise(seeds.repeat_interleave(k), (positions[:, None] + offsets).flatten(), ACCEPT, 1).view(batch, k)
-    accepted = (u * q_draft < p_draft) & (offsets[None, :] < num_draft[:, None])
+    accepted = (u < acceptance_probability(p_draft, q_draft)) & (offsets[None, :] < num_draft[:, None])
     num_accepted = accepted.long().cumprod(-1).sum(-1)                                      # length of the accepted prefix
-    # 2. One more token at index n = num_accepted: recovered from max(p - q, 0) after a rejection,
-    #    the bonus token from p when every draft was accepted (or the request drafted nothing).
+    # 2. One more token at index n = num_accepted: recovered after a rejection, bonus otherwise.
     take = lambda x: x.gather(1, num_accepted.clamp(max=x.shape[1] - 1)[:, None, None].expand(-1, 1, vocab)).squeeze(1)
     p_next, q_next = take(p), take(q) if k > 0 else torch.zeros_like(p[:, 0])
-    rejected = num_accepted < num_draft
-    residual = torch.where(rejected[:, None], (p_next - q_next).clamp(min=0), p_next)
-    # A rejection has probability 0 when p == q; only rounding can get here with an all-zero residual.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-    next_token = race(residual, uniform_noise(seeds, positions + num_accepted, EMIT, vocab))
+    weights = next_token_weights(p_next, q_next, rejected=num_accepted < num_draft)
+    next_token = race(weights, uniform_noise(seeds, positions + num_accepted, EMIT, vocab))
     tokens = torch.cat([draft_ids, draft_ids[:, :1]], dim=1) if k > 0 else next_token[:, None].clone()
     tokens = tokens.scatter(1, num_accepted[:, None], next_token[:, None])
     return tokens, num_accepted
