@@ -5,9 +5,11 @@ decode step propose K drafts per request, verify them in one target forward, rej
 (sampler.py), commit the accepted tokens and settle (roll the KV length back in target and proposer
 to what was accepted). With no proposer a decode step is plain decoding (K = 0).
 Invariants of a running request:
-- every token but the last is in the KV cache once its prefill is done (num_cached == len(tokens) - 1);
-- a preempted request loses its cache (num_cached = 0) and is recomputed from its tokens, so it
-  is never lost; counter-based sampling (sampler.py) makes its output independent of preemption.
+- every token but the last is in the KV cache once its prefill is done (num_cached == len(tokens) - 1),
+  and every output token is emitted by a decode step (the first one too);
+- a preempted request loses its cache (num_cached = 0) and recomputes it from its tokens, then
+  resumes with the same decode step it would have run; with counter-based noise (sampler.py) its
+  output does not depend on preemption or on the other requests in its batch.
 """
 from __future__ import annotations
 
@@ -122,13 +124,16 @@ class Scheduler:
             is_waiting = req not in self.running
             if is_waiting and len(self.running) >= self.max_num_seqs:
                 break
-            chunk = min(len(req.tokens) - req.num_cached, budget)
+            # Prefill caches every token but the last; the last is the input of the first decode step.
+            chunk = min(len(req.tokens) - 1 - req.num_cached, budget)
             if not self.allocator.can_grow(req.block_table, req.num_cached + chunk):
                 break
             self.allocator.grow(req.block_table, req.num_cached + chunk)
             if is_waiting:
                 self.waiting.popleft()
                 self.running.append(req)
+            if chunk == 0:   # a one-token prompt has nothing to prefill
+                continue
             chosen.append(req)
             lens.append(chunk)
             budget -= chunk
@@ -271,26 +276,14 @@ class Engine:
 
     @torch.inference_mode()
     def run_prefill(self, batch: Batch):
-        """A chunk of each request's prompt; requests whose prompt is now all cached sample their first token."""
+        """Cache a chunk of each request's tokens. Prefill emits nothing: every token comes out of a
+        decode step, so a preempted request that recomputes its cache resumes exactly where it was."""
         reqs, lens = batch.requests, batch.query_lens
         input_ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
-        hidden, features = self.forward(reqs, lens, self.to_device(input_ids))
+        _, features = self.forward(reqs, lens, self.to_device(input_ids))
         self.stats.prefill_steps += 1
         starts = [sum(lens[:b]) for b in range(len(reqs))]
-        done = [b for b, r in enumerate(reqs) if r.num_cached == len(r.tokens)]
-        tokens = {}
-        if done:
-            sampled = [reqs[b] for b in done]
-            logits = self.model.logits(hidden[[starts[b] + lens[b] - 1 for b in done]])
-            sampling = SamplingBatch.of(sampled, self.device)
-            if sampling.greedy:   # the race over one-hot rows is the argmax
-                new = logits.argmax(-1)
-            else:
-                new = self.sampler.sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seeds,
-                                          self.to_device([len(r.tokens) for r in sampled]), sampling.truncate)
-            tokens = dict(zip(done, new.tolist()))   # the step's one device-to-host copy
-        return [(r, [tokens[b]] if b in tokens else [],
-                 None if features is None else features[starts[b]:starts[b] + lens[b]])
+        return [(r, [], None if features is None else features[starts[b]:starts[b] + lens[b]])
                 for b, r in enumerate(reqs)]
 
     @torch.inference_mode()

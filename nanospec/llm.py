@@ -70,7 +70,8 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_gb: float | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, compile_sampler: bool | None = None,
                  draft: str | None = None, eagle: str | None = None, ngram: bool = False,
-                 num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4):
+                 num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
+                 num_kv_blocks: int | None = None):
         k = check_speculative_args(draft, eagle, ngram, num_speculative_tokens)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -90,7 +91,7 @@ class LLM:
             block_bytes += kv_block_bytes(draft_model.config, self.dtype, block_size)
         if head is not None:
             block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
-        num_blocks = max(1, int(kv_cache_gb * 2**30 // block_bytes))
+        num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
         proposer = None
         if ngram:
             proposer = NgramProposer(self.device, ngram_min, ngram_max)

@@ -184,10 +184,10 @@ def verify_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_draf
 
 
 class Sampler:
-    """`sample` and `rejection_sample`, torch.compile'd where that pays (CUDA by default), eager otherwise."""
+    """`rejection_sample` (which, with K = 0, is plain sampling), torch.compile'd where that pays
+    (CUDA by default), eager otherwise."""
 
     def __init__(self, compile: bool):
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
-        self.sample = wrap(sample)
         self.rejection_sample = wrap(rejection_sample)
         self.verify_greedy = wrap(verify_greedy)

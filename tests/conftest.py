@@ -38,8 +38,9 @@ def train_tokenizer(vocab_size: int = 320):
 
 
 def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 2, hidden: int = 64,
-                     vocab_size: int = 320) -> str:
-    """A random-weight model of `family`, saved by transformers itself (the layout users download)."""
+                     vocab_size: int = 320, model_vocab: int | None = None) -> str:
+    """A random-weight model of `family`, saved by transformers itself (the layout users download).
+    model_vocab: an embedding smaller than the tokenizer (for tests that enumerate the vocabulary)."""
     import transformers
     os.makedirs(folder, exist_ok=True)
     tok = train_tokenizer(vocab_size)
@@ -50,7 +51,7 @@ def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 
     arch = fam.pop("architectures")[0]
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config}[fam.pop("model_type")]
-    config = config_cls(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden + 8,
+    config = config_cls(vocab_size=model_vocab or tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden + 8,
                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None,
                         **fam)
@@ -85,3 +86,55 @@ def smollm2_gguf():
 def tiny_llm(checkpoints):
     from nanospec import LLM
     return LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+
+
+def write_eagle_head(folder: str, target: str, version: int, seed: int = 0, draft_vocab: int | None = None) -> str:
+    """A random EAGLE head for the checkpoint in `target`, in the public layout: EAGLE-1 (`fc` over
+    [embedding, hidden] with bias, `layers.0.*` without input norm) or EAGLE-3 (`midlayer.*`, `fc`
+    over three hidden states, `norm`, `lm_head` over a reduced vocabulary, `d2t`, `t2d`)."""
+    from safetensors.torch import save_file
+    cfg = json.load(open(os.path.join(target, "config.json")))
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or h // heads
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g) / shape[-1] ** 0.5 * 1.5
+    norm = lambda: 1 + 0.2 * torch.randn(h, generator=g)
+    prefix = "layers.0" if version == 1 else "midlayer"
+    attn_in = h if version == 1 else 2 * h
+    w = {f"{prefix}.self_attn.q_proj.weight": rand(heads * head_dim, attn_in),
+         f"{prefix}.self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
+         f"{prefix}.self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
+         f"{prefix}.self_attn.o_proj.weight": rand(h, heads * head_dim),
+         f"{prefix}.mlp.gate_proj.weight": rand(inter, h), f"{prefix}.mlp.up_proj.weight": rand(inter, h),
+         f"{prefix}.mlp.down_proj.weight": rand(h, inter), f"{prefix}.post_attention_layernorm.weight": norm()}
+    head_cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": inter,
+                "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+                "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": cfg.get("rope_theta", 10000.0),
+                "vocab_size": vocab, "max_position_embeddings": cfg["max_position_embeddings"]}
+    if version == 1:
+        w.update({"fc.weight": rand(h, 2 * h), "fc.bias": 0.1 * torch.randn(h, generator=g)})
+    else:
+        draft_vocab = draft_vocab or vocab
+        kept = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values   # draft id i -> target id kept[i]
+        w.update({"fc.weight": rand(h, 3 * h), "midlayer.hidden_norm.weight": norm(),
+                  "midlayer.input_layernorm.weight": norm(), "norm.weight": norm(),
+                  "lm_head.weight": rand(draft_vocab, h), "d2t": kept - torch.arange(draft_vocab),
+                  "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)})
+        head_cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(head_cfg, f)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def spec_models(tmp_path_factory):
+    """A 4-layer target (EAGLE-3 reads layers 2, 2 and 1), a 1-layer draft with its tokenizer,
+    and random EAGLE-1 / EAGLE-3 heads for the target."""
+    root = tmp_path_factory.mktemp("spec")
+    target = write_checkpoint(str(root / "target"), "llama3", seed=3, num_layers=4)
+    return {"target": target, "draft": write_checkpoint(str(root / "draft"), "llama3", seed=4, num_layers=1),
+            "eagle1": write_eagle_head(str(root / "eagle1"), target, 1, seed=5),
+            "eagle3": write_eagle_head(str(root / "eagle3"), target, 3, seed=6, draft_vocab=200)}
