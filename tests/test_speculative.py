@@ -71,3 +71,70 @@ def test_preemption_changes_nothing(spec_models, plain_greedy, name):
     assert tiny.stats["preemptions"] > 0
     assert_no_leak(tiny)
     assert_no_leak(ample)
+
+
+# End to end, sampled: a target with an 8-token vocabulary, so that every sequence of 3 generated
+# tokens (512 of them) has an exact probability, computed by transformers in float64.
+VOCAB, PROMPT, SAMPLES = 8, [1, 5, 2, 1, 5, 2, 1], 4000
+SAMPLING = {"plain": dict(temperature=1.0), "truncated": dict(temperature=0.8, top_k=6, top_p=0.9)}
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    from conftest import write_checkpoint, write_eagle_head
+    root = tmp_path_factory.mktemp("small_vocab")
+    target = write_checkpoint(str(root / "target"), "llama3", seed=7, num_layers=4, model_vocab=VOCAB)
+    return {"target": target,
+            "draft": write_checkpoint(str(root / "draft"), "llama3", seed=8, num_layers=1, model_vocab=VOCAB),
+            "eagle1": write_eagle_head(str(root / "eagle1"), target, 1, seed=9),
+            "eagle3": write_eagle_head(str(root / "eagle3"), target, 3, seed=10, draft_vocab=6)}
+
+
+def exact_sequence_probs(target: str, temperature=1.0, top_k=0, top_p=1.0) -> np.ndarray:
+    """P(x1, x2, x3 | PROMPT) [V, V, V] = p(x1) p(x2 | x1) p(x3 | x1, x2), each p after temperature,
+    top-k and top-p (the float64 definition in test_sampler), from transformers' float64 logits."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64)
+    pairs = list(itertools.product(range(VOCAB), repeat=2))
+    ids = torch.tensor([PROMPT + [a, b] for a, b in pairs])
+    with torch.no_grad():
+        logits = model(ids).logits[:, -3:].numpy()                         # [V*V, 3, V]
+    dist = lambda row: reference_probs(row, temperature, top_k, top_p)
+    probs = np.zeros((VOCAB,) * 3)
+    for n, (a, b) in enumerate(pairs):
+        probs[a, b, :] = dist(logits[0, 0])[a] * dist(logits[n, 1])[b] * dist(logits[n, 2])
+    return probs
+
+
+def sampled_sequence_counts(llm, sampling: dict) -> np.ndarray:
+    params = [SamplingParams(max_tokens=6, seed=s, ignore_eos=True, **sampling) for s in range(SAMPLES)]
+    counts = np.zeros((VOCAB,) * 3)
+    for out in llm.generate([PROMPT] * SAMPLES, params):
+        counts[tuple(out.token_ids[:3])] += 1
+    return counts
+
+
+def small_vocab_llm(small_vocab, name: str, k: int):
+    args = {"ngram": dict(ngram=True), "draft": dict(draft=small_vocab["draft"]),
+            "eagle1": dict(eagle=small_vocab["eagle1"]), "eagle3": dict(eagle=small_vocab["eagle3"])}[name]
+    return LLM(small_vocab["target"], device="cpu", dtype="float32", kv_cache_gb=0.2, max_num_seqs=512,
+               max_num_batched_tokens=4096, num_speculative_tokens=k, **args)
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("name", ["ngram", "draft", "eagle1", "eagle3"])
+def test_output_has_the_target_sequence_distribution(small_vocab, name, k, sampling):
+    """Chi-square over all 512 sequences of 3 tokens (level 1e-4: with 16 such tests, a false alarm
+    has odds of about 1 in 600; test_a_broken_sampler_is_detected_end_to_end shows the power)."""
+    llm = small_vocab_llm(small_vocab, name, k)
+    counts = sampled_sequence_counts(llm, SAMPLING[sampling])
+    assert llm.stats["accepted_tokens"] > 0 and llm.stats["drafted_tokens"] > llm.stats["accepted_tokens"]
+    assert chi_square_pvalue(counts, exact_sequence_probs(small_vocab["target"], **SAMPLING[sampling])) > 1e-4
+
+
+def test_a_broken_sampler_is_detected_end_to_end(small_vocab, monkeypatch):
+    """Drawing the recovered token from p instead of max(p - q, 0) fails the same test."""
+    monkeypatch.setattr(sampler, "next_token_weights", lambda p_next, q_next, rejected: p_next)
+    counts = sampled_sequence_counts(small_vocab_llm(small_vocab, "draft", 1), SAMPLING["plain"])
+    assert chi_square_pvalue(counts, exact_sequence_probs(small_vocab["target"])) < 1e-6
