@@ -119,8 +119,8 @@ def read_eagle_weights(folder: str) -> dict[str, torch.Tensor]:
 
 def load_eagle_head(folder: str, target, device: torch.device, dtype: torch.dtype):
     """Read an EAGLE-1 or EAGLE-3 head, check it fits `target`, return (head, aux_layers or None)."""
-    cfg = read_json(os.path.join(folder, "config.json"))
     weights = {k.removeprefix("model."): v for k, v in read_eagle_weights(folder).items()}
+    cfg = read_json(os.path.join(folder, "config.json"))
     if any(k.startswith("midlayer.") for k in weights):
         version = 3
     elif "fc.weight" in weights and any(k.startswith("layers.0.") for k in weights):

