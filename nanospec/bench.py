@@ -1,7 +1,8 @@
-"""Benchmark: decode throughput over the shipped prompt set, and transformers' generate() on the
-same model and prompts in the same run, for the ratio.
+"""Benchmark: decode throughput over the shipped prompt set, plain and speculative, and
+transformers' generate() on the same model and prompts in the same run, for the ratio.
 
     python -m nanospec.bench [--target ...] [--batch-sizes 1,8,32] [--max-new-tokens 64]
+    python -m nanospec.bench --ngram --ks 0,2,4,6 --batch-sizes 1 --categories code_edit,summarize,extract
 
 Every request generates exactly --max-new-tokens tokens (EOS ignored, greedy), so both engines do
 the same work. Prints a table and writes JSON with the device, versions and command.
@@ -44,34 +45,49 @@ def transformers_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def time_nanospec(llm, prompt_ids: list[list[int]], max_new_tokens: int) -> float:
+def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int) -> dict:
+    """All prompts, batch_size at a time, each group run to completion; tokens/s over the whole set."""
     from nanospec import SamplingParams
+    from nanospec.engine import Stats
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
     engine = llm.engine
-    reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids)]
-    engine.scheduler.waiting.extend(reqs)
-    sync(llm.device)
-    start = time.perf_counter()
-    engine.run_to_completion()
-    sync(llm.device)
-    elapsed = time.perf_counter() - start
-    assert all(len(r.output_ids) == max_new_tokens for r in reqs)
-    return len(reqs) * max_new_tokens / elapsed
+    engine.stats = Stats()
+    elapsed, tokens = 0.0, 0
+    for first in range(0, len(prompt_ids), batch_size):
+        reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids[first:first + batch_size])]
+        engine.scheduler.waiting.extend(reqs)
+        sync(llm.device)
+        start = time.perf_counter()
+        engine.run_to_completion()
+        sync(llm.device)
+        elapsed += time.perf_counter() - start
+        assert all(len(r.output_ids) == max_new_tokens for r in reqs)
+        tokens += len(reqs) * max_new_tokens
+    stats = engine.stats.as_dict()
+    return {"tokens_per_s": round(tokens / elapsed, 2), "mean_acceptance_length": stats["mean_acceptance_length"],
+            "acceptance_rate_per_position": stats["acceptance_rate_per_position"]}
 
 
 @torch.inference_mode()
-def time_transformers(model, prompt_ids: list[list[int]], max_new_tokens: int, pad_id: int) -> float:
-    longest = max(len(ids) for ids in prompt_ids)   # left padding, as batched generate() needs
-    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompt_ids], device=model.device)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
-    sync(model.device)
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=pad_id)
-    sync(model.device)
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == longest + max_new_tokens
-    return len(prompt_ids) * max_new_tokens / elapsed
+def time_transformers(model, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int, pad_id: int,
+                      **speculative) -> float:
+    """transformers' generate() over the same groups; `speculative`: prompt_lookup_num_tokens=K or
+    assistant_model=... (transformers supports those at batch size 1 only)."""
+    elapsed, tokens = 0.0, 0
+    for first in range(0, len(prompt_ids), batch_size):
+        group = prompt_ids[first:first + batch_size]
+        longest = max(len(ids) for ids in group)   # left padding, as batched generate() needs
+        ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in group], device=model.device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group], device=model.device)
+        sync(model.device)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad_id, **speculative)
+        sync(model.device)
+        elapsed += time.perf_counter() - start
+        assert out.shape[1] == longest + max_new_tokens
+        tokens += len(group) * max_new_tokens
+    return tokens / elapsed
 
 
 def sync(device) -> None:
@@ -94,53 +110,86 @@ def environment(llm) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m nanospec.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--target", help="model folder, hub id or .gguf (default: offline SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft", help="draft model for speculative rows")
+    ap.add_argument("--eagle", help="EAGLE head for speculative rows")
+    ap.add_argument("--ngram", action="store_true", help="prompt lookup for speculative rows")
+    ap.add_argument("--ks", default="0", help="comma-separated K values; 0 is plain decoding (needs a proposer for K > 0)")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--categories", default="", help="comma-separated prompt categories (default: all)")
+    ap.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", default="bench_results/plain.json")
+    ap.add_argument("--out", default="bench_results/bench.json")
     return ap.parse_args(argv)
+
+
+def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
+    """transformers on the same prompts: plain generate() for K = 0; prompt lookup or assisted
+    generation with the same K at batch size 1 (what transformers supports); nothing otherwise."""
+    from nanospec import checkpoint
+    pad = llm.tokenizer.eos_ids[0]
+    if k == 0:
+        return {"transformers_tokens_per_s": round(time_transformers(ref, prompts, bs, args.max_new_tokens, pad), 2)}
+    if bs != 1 or args.eagle:
+        return {}
+    if args.ngram:
+        spec = dict(prompt_lookup_num_tokens=k)
+    else:
+        if not hasattr(ref, "_bench_draft"):
+            ref._bench_draft = transformers_model(checkpoint.resolve(args.draft), llm.dtype, llm.device)
+        spec = dict(assistant_model=ref._bench_draft)
+        ref._bench_draft.generation_config.num_assistant_tokens = k
+        ref._bench_draft.generation_config.num_assistant_tokens_schedule = "constant"
+    return {"transformers_tokens_per_s": round(time_transformers(ref, prompts, bs, args.max_new_tokens, pad, **spec), 2)}
 
 
 def run(args) -> dict:
     from nanospec import LLM, checkpoint
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes))
+    ks = [int(k) for k in args.ks.split(",")]
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
+              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max(ks) if max(ks) > 0 else None)
     rows = shipped_prompts([c for c in args.categories.split(",") if c])
+    rows = rows[:args.max_prompts] if args.max_prompts else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
-    time_nanospec(llm, prompts[:2], 4)   # warm-up
+    time_nanospec(llm, prompts[:2], 2, 4)   # warm-up
     ref = None
     if not args.no_transformers:
         try:
             ref = transformers_model(checkpoint.resolve(args.target), llm.dtype, llm.device)
-            time_transformers(ref, prompts[:2], 4, pad_id=llm.tokenizer.eos_ids[0])
+            time_transformers(ref, prompts[:2], 2, 4, pad_id=llm.tokenizer.eos_ids[0])
         except ImportError:
             print("transformers is not installed: no baseline (pip install transformers)", file=sys.stderr)
     results = []
     for bs in batch_sizes:
-        batch = [prompts[i % len(prompts)] for i in range(bs)]
-        row = {"batch_size": bs, "nanospec_tokens_per_s": round(time_nanospec(llm, batch, args.max_new_tokens), 2)}
-        if ref is not None:
-            row["transformers_tokens_per_s"] = round(time_transformers(ref, batch, args.max_new_tokens,
-                                                                       llm.tokenizer.eos_ids[0]), 2)
-            row["ratio"] = round(row["nanospec_tokens_per_s"] / row["transformers_tokens_per_s"], 3)
-        results.append(row)
-        print(json.dumps(row), file=sys.stderr)
-    return {"benchmark": "plain decoding (K = 0), greedy, every request max_new_tokens long",
+        for k in ks:
+            llm.engine.num_speculative_tokens = k   # the same engine and proposer; K = 0 is plain decoding
+            measured = time_nanospec(llm, prompts, bs, args.max_new_tokens)
+            row = {"batch_size": bs, "k": k, "nanospec_tokens_per_s": measured.pop("tokens_per_s"), **measured}
+            if ref is not None:
+                row.update(transformers_row(args, llm, ref, prompts, bs, k))
+                if "transformers_tokens_per_s" in row:
+                    row["ratio"] = round(row["nanospec_tokens_per_s"] / row["transformers_tokens_per_s"], 3)
+            results.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    proposer = "ngram" if args.ngram else f"draft {args.draft}" if args.draft else f"eagle {args.eagle}" if args.eagle else None
+    return {"benchmark": "greedy, every request max_new_tokens long, all prompts batch_size at a time",
             "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]),
-            "target": args.target or checkpoint.DEFAULT_MODEL_FILE, "max_new_tokens": args.max_new_tokens,
+            "target": args.target or checkpoint.DEFAULT_MODEL_FILE, "proposer": proposer,
+            "categories": args.categories or "all", "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
             "chat_template": not args.no_chat, "environment": environment(llm), "results": results}
 
 
 def print_table(report: dict) -> None:
-    print(f"{report['target']} on {report['environment']['device']} ({report['environment']['dtype']}), "
-          f"{report['max_new_tokens']} new tokens per request")
-    print(f"{'batch':>6} {'nanospec tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
+    print(f"{report['target']} on {report['environment']['device']} ({report['environment']['dtype']}), proposer "
+          f"{report['proposer']}, {report['num_prompts']} prompts ({report['categories']}), "
+          f"{report['max_new_tokens']} new tokens each")
+    print(f"{'batch':>6} {'K':>3} {'nanospec tok/s':>15} {'accept len':>11} {'transformers tok/s':>19} {'ratio':>7}")
     for r in report["results"]:
-        print(f"{r['batch_size']:>6} {r['nanospec_tokens_per_s']:>15.1f} "
+        print(f"{r['batch_size']:>6} {r['k']:>3} {r['nanospec_tokens_per_s']:>15.1f} {r['mean_acceptance_length']:>11.2f} "
               f"{r.get('transformers_tokens_per_s', float('nan')):>19.1f} {r.get('ratio', float('nan')):>7.2f}")
 
 
