@@ -13,6 +13,7 @@ Invariants of a running request:
 """
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import deque
@@ -282,7 +283,7 @@ class Engine:
         input_ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
         _, features = self.forward(reqs, lens, self.to_device(input_ids))
         self.stats.prefill_steps += 1
-        starts = [sum(lens[:b]) for b in range(len(reqs))]
+        starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
         return [(r, [], None if features is None else features[starts[b]:starts[b] + lens[b]])
                 for b, r in enumerate(reqs)]
 
@@ -299,15 +300,8 @@ class Engine:
             proposal = Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), None, [0] * len(reqs))
         k, num_draft = proposal.draft_ids.shape[1], proposal.num_draft
         lens = [d + 1 for d in num_draft]
-        starts = [sum(lens[:b]) for b in range(len(reqs))]
-        # The flat input: each request's last token, then its drafts (gathered on the device).
-        input_ids = torch.empty(sum(lens), dtype=torch.int64, device=self.device)
-        input_ids[self.to_device(starts)] = self.to_device([r.tokens[-1] for r in reqs])
-        draft_src = [b * k + i for b in range(len(reqs)) for i in range(num_draft[b])]
-        if draft_src:
-            draft_dst = [starts[b] + 1 + i for b in range(len(reqs)) for i in range(num_draft[b])]
-            input_ids[self.to_device(draft_dst)] = proposal.draft_ids.flatten()[self.to_device(draft_src)]
-        hidden, features = self.forward(reqs, lens, input_ids)
+        starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
+        hidden, features = self.forward(reqs, lens, self.verify_input(reqs, proposal, starts, sum(lens)))
         # Logits [B, K+1, V]: row i of request b is the target after its i-th draft (padding repeats its last).
         rows = [starts[b] + min(i, num_draft[b]) for b in range(len(reqs)) for i in range(k + 1)]
         logits = self.model.logits(hidden)[self.to_device(rows)].view(len(reqs), k + 1, -1)
@@ -324,6 +318,17 @@ class Engine:
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, host[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]
+
+    def verify_input(self, reqs: list[Request], proposal: Proposal, starts: list[int], total: int) -> torch.Tensor:
+        """The flat verify input [T]: each request's last token, then its drafts (gathered on the device)."""
+        k, num_draft = proposal.draft_ids.shape[1], proposal.num_draft
+        input_ids = torch.empty(total, dtype=torch.int64, device=self.device)
+        input_ids[self.to_device(starts)] = self.to_device([r.tokens[-1] for r in reqs])
+        draft_src = [b * k + i for b in range(len(reqs)) for i in range(num_draft[b])]
+        if draft_src:
+            draft_dst = [starts[b] + 1 + i for b in range(len(reqs)) for i in range(num_draft[b])]
+            input_ids[self.to_device(draft_dst)] = proposal.draft_ids.flatten()[self.to_device(draft_src)]
+        return input_ids
 
     def commit(self, req: Request, tokens: list[int]) -> None:
         """Append new tokens one by one; the first that ends the request (EOS, a stop string, its
