@@ -119,6 +119,17 @@ def read_checkpoint(target: str | None) -> Checkpoint:
     return Checkpoint(path, config, load_safetensors(safetensors_files(path)))
 
 
+def check_weights(expected: dict, weights: dict, source: str, missing_hint: str) -> None:
+    """Every tensor the module expects is there, with the shape its config.json implies."""
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise NanospecError(f"{source} lacks {len(missing)} tensors (first: {missing[0]}); {missing_hint}")
+    for name, tensor in weights.items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            raise NanospecError(f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
+                                f"{tuple(expected[name].shape)}; the config and weights do not match")
+
+
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> CausalLM:
     """Instantiate the model and load the weights, checking every expected tensor is there."""
     with torch.device("meta"):
@@ -128,14 +139,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> C
     if ckpt.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise NanospecError(f"checkpoint {ckpt.path} lacks {len(missing)} tensors (first: {missing[0]}); "
-                            "it is incomplete or not a Llama/Qwen checkpoint")
-    for name, tensor in weights.items():
-        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
-            raise NanospecError(f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
-                                f"{tuple(expected[name].shape)}; the config and weights do not match")
+    check_weights(expected, weights, f"checkpoint {ckpt.path}", "it is incomplete or not a Llama/Qwen checkpoint")
     model = model.to_empty(device=device)
     model.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False, assign=False)
     model = model.to(dtype=dtype)

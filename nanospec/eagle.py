@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from nanospec.checkpoint import read_json
+from nanospec.checkpoint import check_weights, load_safetensors, read_json
 from nanospec.errors import NanospecError
 from nanospec.model import MLP, Attention, ModelConfig, RMSNorm, RotaryEmbedding, pack_weights
 
@@ -108,7 +108,6 @@ def read_eagle_weights(folder: str) -> dict[str, torch.Tensor]:
     if not os.path.isdir(folder):
         raise NanospecError(f"EAGLE head {folder!r} not found: give a folder with config.json and "
                             "model.safetensors (or pytorch_model.bin)")
-    from nanospec.checkpoint import load_safetensors
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if files:
         return load_safetensors([os.path.join(folder, f) for f in files])
@@ -169,11 +168,6 @@ def check_fits(config: ModelConfig, cfg: dict, weights: dict, version: int, targ
 
 def load_into(head: nn.Module, weights: dict[str, torch.Tensor], folder: str) -> None:
     expected = head.state_dict()
-    missing = sorted(k for k in expected if k not in weights and k != "t2d")
-    if missing:
-        raise NanospecError(f"EAGLE head in {folder} lacks {len(missing)} tensors (first: {missing[0]})")
-    for name, tensor in expected.items():
-        if name in weights and weights[name].shape != tensor.shape:
-            raise NanospecError(f"EAGLE head tensor {name} has shape {tuple(weights[name].shape)}, "
-                                f"expected {tuple(tensor.shape)} from its config.json")
+    required = {k: v for k, v in expected.items() if k != "t2d"}   # t2d is optional: unused here
+    check_weights(required, weights, f"EAGLE head in {folder}", "it is incomplete")
     head.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False)

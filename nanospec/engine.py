@@ -262,11 +262,10 @@ class Engine:
 
     def forward(self, reqs: list[Request], query_lens: list[int], input_ids: torch.Tensor):
         """The target over each request's next query_lens[b] positions; returns (hidden [T, H], features)."""
-        positions = [p for r, n in zip(reqs, query_lens) for p in range(r.num_cached, r.num_cached + n)]
         meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], query_lens,
                               self.kv_cache.block_size, self.device)
         capture = self.proposer.capture_layers if self.proposer else ()
-        hidden, captured = self.model(input_ids, self.to_device(positions), self.kv_cache, meta, capture)
+        hidden, captured = self.model(input_ids, meta.positions, self.kv_cache, meta, capture)
         for req, n in zip(reqs, query_lens):
             req.num_cached += n
         features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None

@@ -71,6 +71,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor   # [B] tokens in the cache after this pass, new ones included
     query_start: torch.Tensor    # [B + 1] offsets of each sequence's new tokens in the flat batch
     token_seq: torch.Tensor      # [T] which sequence each new token belongs to
+    positions: torch.Tensor      # [T] the position of each new token in its sequence
     # Derived once per pass and shared by every layer of the reference path:
     query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
     query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token
@@ -102,6 +103,7 @@ def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_l
         block_tables=tables.to(device), context_lens=torch.tensor(context_lens).to(device),
         query_start=query_start.to(device),
         token_seq=torch.repeat_interleave(torch.arange(batch), torch.tensor(query_lens)).to(device),
+        positions=query_pos[query_valid].to(device),
         query_index=query_index.to(device),
         query_valid=query_valid.to(device), attn_mask=attn_mask[:, None].to(device))
 

@@ -160,16 +160,13 @@ class ModelProposer(Proposer):
 
     def run(self, states: list[CacheState], query_lens: list[int]):
         """Grow each state's blocks for its new positions and build the attention metadata."""
-        alloc = self.kv_cache.allocator
-        positions = []
         for st, n in zip(states, query_lens):
-            alloc.grow(st.block_table, st.num_cached + n)
-            positions += range(st.num_cached, st.num_cached + n)
+            self.kv_cache.allocator.grow(st.block_table, st.num_cached + n)
         meta = build_metadata([s.block_table for s in states], [s.num_cached for s in states], query_lens,
                               self.kv_cache.block_size, self.device)
         for st, n in zip(states, query_lens):
             st.num_cached += n
-        return torch.tensor(positions, device=self.device), meta
+        return meta
 
     def free(self, request) -> None:
         if request.proposer_state is not None:
@@ -202,8 +199,8 @@ class DraftModelProposer(ModelProposer):
         return self.forward([self.state(r) for r in requests], [1] * len(requests), input_ids), None
 
     def forward(self, states, query_lens, input_ids) -> torch.Tensor:
-        positions, meta = self.run(states, query_lens)
-        hidden, _ = self.model(input_ids, positions, self.kv_cache, meta)
+        meta = self.run(states, query_lens)
+        hidden, _ = self.model(input_ids, meta.positions, self.kv_cache, meta)
         return self.model.logits(hidden[meta.query_start[1:] - 1])
 
     def rollback(self, request) -> None:
@@ -257,9 +254,9 @@ class EagleProposer(ModelProposer):
         return self.head.logits(hidden, self.target), carry
 
     def forward(self, states, query_lens, token_ids, features) -> torch.Tensor:
-        positions, meta = self.run(states, query_lens)
+        meta = self.run(states, query_lens)
         embeds = self.target.model.embed_tokens(token_ids)
-        hidden = self.head(embeds, features, positions, self.kv_cache, meta)
+        hidden = self.head(embeds, features, meta.positions, self.kv_cache, meta)
         return hidden[meta.query_start[1:] - 1]
 
     def rollback(self, request) -> None:
