@@ -3,6 +3,7 @@ transformers' generate() on the same model and prompts in the same run, for the 
 
     python -m nanospec.bench [--target ...] [--batch-sizes 1,8,32] [--max-new-tokens 64]
     python -m nanospec.bench --ngram --ks 0,2,4,6 --batch-sizes 1 --categories code_edit,summarize,extract
+    python -m nanospec.bench --ngram --ks 0,2,4,6,dynamic --batch-sizes 1,4,16 --repeats 2 --no-transformers
 
 Every request generates exactly --max-new-tokens tokens (EOS ignored, greedy), so both engines do
 the same work. Prints a table and writes JSON with the device, versions and command.
@@ -65,7 +66,7 @@ def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tok
         tokens += len(reqs) * max_new_tokens
     stats = engine.stats.as_dict()
     return {"tokens_per_s": round(tokens / elapsed, 2), "mean_acceptance_length": stats["mean_acceptance_length"],
-            "acceptance_rate_per_position": stats["acceptance_rate_per_position"]}
+            "acceptance_rate_per_position": stats["acceptance_rate_per_position"], "chosen_k": stats["chosen_k"]}
 
 
 @torch.inference_mode()
@@ -95,8 +96,12 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
 def environment(llm) -> dict:
-    env = {"device": torch.cuda.get_device_name() if llm.device.type == "cuda" else platform.processor() or "cpu",
+    env = {"device": device_name(llm.device),
            "device_type": llm.device.type, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "python": platform.python_version(), "torch": torch.__version__, "dtype": str(llm.dtype)}
     try:
@@ -113,7 +118,10 @@ def parse_args(argv=None):
     ap.add_argument("--draft", help="draft model for speculative rows")
     ap.add_argument("--eagle", help="EAGLE head for speculative rows")
     ap.add_argument("--ngram", action="store_true", help="prompt lookup for speculative rows")
-    ap.add_argument("--ks", default="0", help="comma-separated K values; 0 is plain decoding (needs a proposer for K > 0)")
+    ap.add_argument("--ks", default="0", help="comma-separated K values; 0 is plain decoding, 'dynamic' is dynamic K "
+                                              "(needs a proposer for K > 0)")
+    ap.add_argument("--profile", help="dynamic-K profile (default: the quick built-in one, measured here)")
+    ap.add_argument("--repeats", type=int, default=1, help="measure every row N times, interleaved; keep the best")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--categories", default="", help="comma-separated prompt categories (default: all)")
@@ -146,16 +154,34 @@ def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
     return {"transformers_tokens_per_s": round(time_transformers(ref, prompts, bs, args.max_new_tokens, pad, **spec), 2)}
 
 
+def parse_ks(text: str) -> list:
+    try:
+        return [k.strip() if k.strip() == "dynamic" else int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise NanospecError(f"--ks takes comma-separated integers and 'dynamic', got {text!r}")
+
+
+def dynamic_policy(args, llm, max_k: int):
+    """The dynamic-K policy the dynamic rows use: from --profile, or the quick built-in profile."""
+    from nanospec.dynamic_k import DynamicK, Profile, quick_profile
+    profile = Profile.load(args.profile) if args.profile else quick_profile(llm, max_k)
+    return profile, lambda: DynamicK(profile, max_k)   # a fresh policy per row: every row starts from the profile
+
+
 def run(args) -> dict:
     from nanospec import LLM, checkpoint
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = parse_ks(args.ks)
+    static_ks = [k for k in ks if k != "dynamic"]
+    max_k = max(static_ks, default=0) or 8   # dynamic K chooses among 0..the largest static K
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max(ks) if max(ks) > 0 else None)
+              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (
+                  args.draft or args.eagle or args.ngram) else None)
     rows = shipped_prompts([c for c in args.categories.split(",") if c])
     rows = rows[:args.max_prompts] if args.max_prompts else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up
+    profile, new_policy = dynamic_policy(args, llm, max_k) if "dynamic" in ks else (None, None)
     ref = None
     if not args.no_transformers:
         try:
@@ -165,11 +191,22 @@ def run(args) -> dict:
             print("transformers is not installed: no baseline (pip install transformers)", file=sys.stderr)
     results = []
     for bs in batch_sizes:
+        best = {}   # k -> the fastest of the repeats (rows interleaved, so drift hits every K alike)
+        for _ in range(args.repeats):
+            for k in ks:
+                # The same engine and proposer for every row; K = 0 is plain decoding.
+                llm.engine.dynamic_k = new_policy() if k == "dynamic" else None
+                llm.engine.num_speculative_tokens = max_k if k == "dynamic" else k
+                measured = time_nanospec(llm, prompts, bs, args.max_new_tokens)
+                if k not in best or measured["tokens_per_s"] > best[k]["tokens_per_s"]:
+                    best[k] = measured
+        llm.engine.dynamic_k = None
         for k in ks:
-            llm.engine.num_speculative_tokens = k   # the same engine and proposer; K = 0 is plain decoding
-            measured = time_nanospec(llm, prompts, bs, args.max_new_tokens)
+            measured = best[k]
             row = {"batch_size": bs, "k": k, "nanospec_tokens_per_s": measured.pop("tokens_per_s"), **measured}
-            if ref is not None:
+            if k != "dynamic":
+                row.pop("chosen_k")
+            if ref is not None and k != "dynamic":
                 row.update(transformers_row(args, llm, ref, prompts, bs, k))
                 if "transformers_tokens_per_s" in row:
                     row["ratio"] = round(row["nanospec_tokens_per_s"] / row["transformers_tokens_per_s"], 3)
@@ -180,17 +217,27 @@ def run(args) -> dict:
             "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]),
             "target": args.target or checkpoint.DEFAULT_MODEL_FILE, "proposer": proposer,
             "categories": args.categories or "all", "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-            "chat_template": not args.no_chat, "environment": environment(llm), "results": results}
+            "chat_template": not args.no_chat, "repeats": args.repeats, "environment": environment(llm),
+            "dynamic_k_profile": profile and {"source": args.profile or "quick built-in profile, measured in this run",
+                                              "batch_sizes": profile.batch_sizes, "ks": profile.ks,
+                                              "itl_s": profile.itl_s, "acceptance": profile.acceptance,
+                                              "seconds": profile.meta.get("seconds")},
+            "results": results}
 
 
 def print_table(report: dict) -> None:
     print(f"{report['target']} on {report['environment']['device']} ({report['environment']['dtype']}), proposer "
           f"{report['proposer']}, {report['num_prompts']} prompts ({report['categories']}), "
           f"{report['max_new_tokens']} new tokens each")
-    print(f"{'batch':>6} {'K':>3} {'nanospec tok/s':>15} {'accept len':>11} {'transformers tok/s':>19} {'ratio':>7}")
+    print(f"{'batch':>6} {'K':>7} {'nanospec tok/s':>15} {'accept len':>11} {'transformers tok/s':>19} {'ratio':>7}"
+          f" {'vs best other':>14}")
     for r in report["results"]:
-        print(f"{r['batch_size']:>6} {r['k']:>3} {r['nanospec_tokens_per_s']:>15.1f} {r['mean_acceptance_length']:>11.2f} "
-              f"{r.get('transformers_tokens_per_s', float('nan')):>19.1f} {r.get('ratio', float('nan')):>7.2f}")
+        others = [o["nanospec_tokens_per_s"] for o in report["results"]
+                  if o["batch_size"] == r["batch_size"] and o["k"] != r["k"]]
+        vs_best = r["nanospec_tokens_per_s"] / max(others) if others else float("nan")
+        print(f"{r['batch_size']:>6} {r['k']:>7} {r['nanospec_tokens_per_s']:>15.1f} {r['mean_acceptance_length']:>11.2f} "
+              f"{r.get('transformers_tokens_per_s', float('nan')):>19.1f} {r.get('ratio', float('nan')):>7.2f}"
+              f" {vs_best:>14.2f}")
 
 
 def main(argv=None) -> int:

@@ -180,15 +180,24 @@ class Stats:
     elapsed_s: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)    # [i]: steps with a draft at position i
-    accepted_per_position: list[int] = field(default_factory=list)   # [i]: ... whose draft i was accepted
+    # Per draft position i, counted over request-steps: K asked of the proposer > i (offered), a draft
+    # found there (drafted; an n-gram miss drafts less than offered), that draft accepted.
+    offered_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    chosen_k: dict[int, dict[int, int]] = field(default_factory=dict)   # batch size -> K -> decode steps
 
-    def record(self, num_draft: list[int], num_accepted: list[int]) -> None:
+    def record(self, k: int, ks: list[int], num_draft: list[int], num_accepted: list[int]) -> None:
+        """A decode step that chose K = k for a batch whose request b asked for ks[b] <= k drafts
+        (fewer near its max_tokens), got num_draft[b] and had num_accepted[b] accepted."""
         self.steps += 1
         self.request_steps += len(num_draft)
         self.drafted_tokens += sum(num_draft)
         self.accepted_tokens += sum(num_accepted)
-        for counts, per_position in ((num_draft, self.drafted_per_position), (num_accepted, self.accepted_per_position)):
+        per_k = self.chosen_k.setdefault(len(ks), {})
+        per_k[k] = per_k.get(k, 0) + 1
+        for counts, per_position in ((ks, self.offered_per_position), (num_draft, self.drafted_per_position),
+                                     (num_accepted, self.accepted_per_position)):
             for n in counts:
                 per_position.extend([0] * (n - len(per_position)))
                 for i in range(n):
@@ -206,11 +215,15 @@ class Stats:
                 "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
                 "mean_acceptance_length": round(mean_al, 4), "acceptance_rate_per_position": rates,
                 "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+                "chosen_k": {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(self.chosen_k.items())},
                 "elapsed_s": round(self.elapsed_s, 4), "tokens_per_second": round(tps, 2)}
 
 
 class Engine:
-    """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request."""
+    """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request.
+
+    K per decode step: num_speculative_tokens, or with `dynamic_k` set (a dynamic_k.DynamicK) the
+    policy's choice for the batch size; 0 while more than `disable_queue_size` requests wait or run."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_model_len: int, num_kv_blocks: int,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
@@ -227,6 +240,9 @@ class Engine:
         self.sampler = Sampler(compile=device.type == "cuda" if compile_sampler is None else compile_sampler)
         self.eos_ids = set(cfg.eos_token_ids) | set(tokenizer.eos_ids)
         self.stats = Stats()
+        self.dynamic_k = None            # a dynamic_k.DynamicK: choose K per step by goodput
+        self.disable_queue_size = None   # speculation off while more requests than this wait or run
+        self.step_k = 0                  # K of the current step
 
     def new_request(self, index: int, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         """A validated request; `scheduler.waiting.extend(...)` queues it."""
@@ -245,12 +261,22 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids))
 
+    def choose_k(self) -> int:
+        """K for the next decode step (its batch: the running requests)."""
+        queue = len(self.scheduler.waiting) + len(self.scheduler.running)
+        if not self.proposer or (self.disable_queue_size is not None and queue > self.disable_queue_size):
+            return 0
+        if self.dynamic_k:
+            return self.dynamic_k.choose(max(1, len(self.scheduler.running)))
+        return self.num_speculative_tokens
+
     def num_drafts(self, req: Request) -> int:
         """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left)."""
-        return max(0, min(self.num_speculative_tokens, req.max_len - len(req.tokens) - 1))
+        return max(0, min(self.step_k, req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:
         """One forward pass over the scheduled batch; returns the requests that got new tokens."""
+        self.step_k = self.choose_k()
         batch = self.scheduler.schedule(self.num_drafts)
         run = self.run_prefill if batch.is_prefill else self.run_verify
         results = run(batch)   # [(request, new tokens, features of its newly cached positions)]
@@ -313,7 +339,9 @@ class Engine:
                 sampling.top_p, sampling.seeds, self.to_device([len(r.tokens) for r in reqs]), sampling.truncate)
         host = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()   # the step's one device-to-host copy
         accepted = [row[-1] for row in host]
-        self.stats.record(num_draft, accepted)
+        self.stats.record(self.step_k, ks, num_draft, accepted)
+        if self.dynamic_k:
+            self.dynamic_k.observe(ks, accepted)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, host[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]

@@ -22,7 +22,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     spec.add_argument("--eagle", help="an EAGLE-1 or EAGLE-3 head trained for the target (folder)")
     spec.add_argument("--ngram", action="store_true", help="prompt lookup: draft by continuing a repeated n-gram")
     spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                      help="draft tokens per step, 1..16 (default 4 with a proposer)")
+                      help="draft tokens per step, 1..16 (default 4 with a proposer; with --dynamic-k the "
+                           "largest K it may choose, default 8)")
+    spec.add_argument("--dynamic-k", action="store_true",
+                      help="choose K per step by goodput (acceptance length / step time for the batch size)")
+    spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "
+                      "`python -m nanospec.dynamic_k profile` (default: a quick profile measured at start-up)")
+    spec.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
+                      help="no speculation while more than N requests wait or run")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     ap.add_argument("--prompts-file", help="JSON lines with a 'prompt' field")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -40,30 +47,37 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt)
-    if args.prompts_file:
-        try:
-            with open(args.prompts_file) as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        row = json.loads(line)
-                        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                            raise NanospecError(f"{args.prompts_file}:{n} has no string 'prompt' field")
-                        prompts.append(row["prompt"])
-        except FileNotFoundError:
-            raise NanospecError(f"prompts file {args.prompts_file} not found")
-        except json.JSONDecodeError as e:
-            raise NanospecError(f"{args.prompts_file} is not JSON lines ({e})")
+    prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if not prompts:
         raise NanospecError("no prompt given: use --prompt TEXT or --prompts-file FILE.jsonl")
     return prompts
 
 
+def read_prompts_file(path: str) -> list[str]:
+    """The 'prompt' field of each JSON line."""
+    prompts = []
+    try:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                        raise NanospecError(f"{path}:{n} has no string 'prompt' field")
+                    prompts.append(row["prompt"])
+    except FileNotFoundError:
+        raise NanospecError(f"prompts file {path} not found")
+    except json.JSONDecodeError as e:
+        raise NanospecError(f"{path} is not JSON lines ({e})")
+    return prompts
+
+
 def format_stats(stats: dict) -> str:
     rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"]) or "-"
+    chosen = "; ".join(f"batch {b}: " + " ".join(f"K{k} x{n}" for k, n in ks.items())
+                       for b, ks in stats["chosen_k"].items())
     return (f"[{stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f}s: "
             f"{stats['tokens_per_second']:.1f} tokens/s, mean acceptance length "
-            f"{stats['mean_acceptance_length']:.2f}, acceptance per position: {rates}]")
+            f"{stats['mean_acceptance_length']:.2f}, acceptance per position: {rates}; steps per K: {chosen}]")
 
 
 class Streamer:
@@ -93,9 +107,15 @@ def run(args) -> None:
     for p in params:
         p.validate()
     from nanospec.llm import check_speculative_args
-    check_speculative_args(args.draft, args.eagle, args.ngram, args.num_speculative_tokens)   # before loading
+    check_speculative_args(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k,
+                           args.profile, args.speculative_disable_queue_size)   # before loading
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens)
+              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
+              dynamic_k=args.dynamic_k, profile=args.profile,
+              speculative_disable_queue_size=args.speculative_disable_queue_size)
+    if llm.profile_seconds is not None and not args.json:
+        print(f"[dynamic K: measured a quick profile in {llm.profile_seconds:.1f} s; "
+              "`python -m nanospec.dynamic_k profile` saves one for --profile]", file=sys.stderr)
     stream = len(prompts) == 1 and not args.json
     outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer) if stream else None)
     if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from nanospec import checkpoint
+from nanospec.dynamic_k import DynamicK, Profile, check_profile_matches, quick_profile
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats
 from nanospec.eagle import load_eagle_head
 from nanospec.errors import NanospecError
@@ -43,16 +44,24 @@ def kv_block_bytes(config, dtype: torch.dtype, block_size: int, num_layers: int 
     return 2 * (num_layers or config.num_layers) * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
-def check_speculative_args(draft, eagle, ngram, num_speculative_tokens) -> int:
-    """K for the chosen proposer (default 4), or 0 without one; errors name the fix."""
+def check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_k=False, profile=None,
+                           disable_queue_size=None) -> int:
+    """K for the chosen proposer (default 4; with dynamic K the largest it may choose, default 8),
+    or 0 without one; errors name the fix."""
     chosen = [name for name, on in (("draft", draft), ("eagle", eagle), ("ngram", ngram)) if on]
     if len(chosen) > 1:
         raise NanospecError(f"choose one proposer, got {' and '.join(chosen)}: use --draft, --eagle or --ngram alone")
+    if profile and not dynamic_k:
+        raise NanospecError("--profile is the timing table of --dynamic-k: add --dynamic-k")
+    if disable_queue_size is not None and not (isinstance(disable_queue_size, int) and disable_queue_size >= 0):
+        raise NanospecError(f"--speculative-disable-queue-size must be an integer >= 0, got {disable_queue_size!r}")
     if not chosen:
-        if num_speculative_tokens:
-            raise NanospecError("--num-speculative-tokens needs a proposer: add --draft PATH, --eagle PATH or --ngram")
+        for flag, on in (("--num-speculative-tokens", num_speculative_tokens), ("--dynamic-k", dynamic_k),
+                         ("--speculative-disable-queue-size", disable_queue_size is not None)):
+            if on:
+                raise NanospecError(f"{flag} needs a proposer: add --draft PATH, --eagle PATH or --ngram")
         return 0
-    k = 4 if num_speculative_tokens is None else num_speculative_tokens
+    k = (8 if dynamic_k else 4) if num_speculative_tokens is None else num_speculative_tokens
     if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
         raise NanospecError(f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
     return k
@@ -71,11 +80,15 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, compile_sampler: bool | None = None,
                  draft: str | None = None, eagle: str | None = None, ngram: bool = False,
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
-                 num_kv_blocks: int | None = None):
-        k = check_speculative_args(draft, eagle, ngram, num_speculative_tokens)
+                 num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
+                 speculative_disable_queue_size: int | None = None):
+        k = check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile,
+                                   speculative_disable_queue_size)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         ckpt = checkpoint.read_checkpoint(target)
+        self.target_name = target or checkpoint.DEFAULT_MODEL_FILE
+        self.proposer_name = "ngram" if ngram else f"draft {draft}" if draft else f"eagle {eagle}" if eagle else None
         self.config = ckpt.config
         self.model = checkpoint.build_model(ckpt, self.device, self.dtype)
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.gguf_metadata)
@@ -101,6 +114,21 @@ class LLM:
             proposer = EagleProposer(head, self.model, aux_layers, num_blocks, block_size, self.device)
         self.engine = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
                              block_size, max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, k)
+        self.engine.disable_queue_size = speculative_disable_queue_size
+        self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up
+        if dynamic_k:
+            self.engine.dynamic_k = self.dynamic_k_policy(profile, k)
+
+    def dynamic_k_policy(self, profile: str | None, max_k: int):
+        """The policy from a measured profile, or from the quick built-in one measured now."""
+        if profile:
+            measured = Profile.load(profile)
+            check_profile_matches(measured, self)
+        else:
+            measured = quick_profile(self, max_k)
+            self.profile_seconds = measured.meta["seconds"]
+        self.profile = measured
+        return DynamicK(measured, max_k)
 
     def load_draft(self, draft: str):
         ckpt = checkpoint.read_checkpoint(draft)

@@ -8,6 +8,7 @@ import torch
 
 from chisquare import chi_square_pvalue
 from nanospec import LLM, SamplingParams, sampler
+from nanospec.dynamic_k import Profile
 from test_sampler import reference_probs
 
 PROPOSERS = ["ngram", "draft", "self_draft", "eagle1", "eagle3"]
@@ -84,7 +85,11 @@ def small_vocab(tmp_path_factory):
     from conftest import write_checkpoint, write_eagle_head
     root = tmp_path_factory.mktemp("small_vocab")
     target = write_checkpoint(str(root / "target"), "llama3", seed=7, num_layers=4, model_vocab=VOCAB)
-    return {"target": target,
+    # For dynamic K: K = 3 while the profile's optimistic rates hold (warm-up) and for small batches,
+    # then mostly K = 1 at batch 512 once the online rates show these random proposers' 0.2-0.5.
+    profile = Profile([1, 512], [0, 1, 3], [[1.0, 1.0, 1.0], [1.0, 1.2, 1.5]], [0.9, 0.8, 0.7])
+    profile.save(str(root / "profile.json"))
+    return {"target": target, "profile": str(root / "profile.json"),
             "draft": write_checkpoint(str(root / "draft"), "llama3", seed=8, num_layers=1, model_vocab=VOCAB),
             "eagle1": write_eagle_head(str(root / "eagle1"), target, 1, seed=9),
             "eagle3": write_eagle_head(str(root / "eagle3"), target, 3, seed=10, draft_vocab=6)}
@@ -114,22 +119,25 @@ def sampled_sequence_counts(llm, sampling: dict) -> np.ndarray:
     return counts
 
 
-def small_vocab_llm(small_vocab, name: str, k: int):
+def small_vocab_llm(small_vocab, name: str, k: int | str):
     args = {"ngram": dict(ngram=True), "draft": dict(draft=small_vocab["draft"]),
             "eagle1": dict(eagle=small_vocab["eagle1"]), "eagle3": dict(eagle=small_vocab["eagle3"])}[name]
+    k_args = dict(dynamic_k=True, profile=small_vocab["profile"]) if k == "dynamic" else dict(num_speculative_tokens=k)
     return LLM(small_vocab["target"], device="cpu", dtype="float32", kv_cache_gb=0.2, max_num_seqs=512,
-               max_num_batched_tokens=4096, num_speculative_tokens=k, **args)
+               max_num_batched_tokens=4096, **k_args, **args)
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, "dynamic"])
 @pytest.mark.parametrize("name", ["ngram", "draft", "eagle1", "eagle3"])
 def test_output_has_the_target_sequence_distribution(small_vocab, name, k, sampling):
-    """Chi-square over all 512 sequences of 3 tokens (level 1e-4: with 16 such tests, a false alarm
-    has odds of about 1 in 600; test_a_broken_sampler_is_detected_end_to_end shows the power)."""
+    """Chi-square over all 512 sequences of 3 tokens (level 1e-4: with 24 such tests, a false alarm
+    has odds of about 1 in 400; test_a_broken_sampler_is_detected_end_to_end shows the power)."""
     llm = small_vocab_llm(small_vocab, name, k)
     counts = sampled_sequence_counts(llm, SAMPLING[sampling])
     assert llm.stats["accepted_tokens"] > 0 and llm.stats["drafted_tokens"] > llm.stats["accepted_tokens"]
+    if k == "dynamic":   # the policy did change K during the run
+        assert len({k for per_batch in llm.stats["chosen_k"].values() for k in per_batch}) >= 2
     assert chi_square_pvalue(counts, exact_sequence_probs(small_vocab["target"], **SAMPLING[sampling])) > 1e-4
 
 

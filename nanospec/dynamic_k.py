@@ -1,0 +1,348 @@
+"""Dynamic K: choose the number of speculative tokens per step by goodput.
+
+A decode step of B requests that each verify K drafts takes ITL(B, K) seconds and gains each
+request AL(K) tokens on average, where
+
+    AL(K) = 1 + sum_{i<K} a_i
+
+a_i being the probability that draft i is accepted. Draft i is accepted only if drafts 0..i-1 were,
+so a_i is the probability of a run of at least i + 1 accepted drafts, and the expected run is the sum
+of those tail probabilities; the 1 is the target's own token (recovered or bonus), which every step
+emits. Goodput is AL(K) / ITL(B, K); the policy takes K* = argmax over K = 0..K_max (K = 0 is plain
+decoding, AL = 1). Speculation pays while the step is bound by reading weights (ITL barely grows
+with K) and costs once verifying B (K + 1) tokens makes it compute-bound: K* falls with the batch.
+
+ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included
+(`python -m nanospec.dynamic_k profile ...`, or a quick one at start-up), interpolated linearly
+between the profiled batch sizes and K values. a_i start from the profile and follow what the
+running requests accept once the engine has seen a few steps (AcceptanceRates). The choice is a
+few dozen floating-point operations on the host per step: no device sync, nothing per vocabulary.
+
+    python -m nanospec.dynamic_k profile [--target ...] --ngram --out profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import json
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from nanospec.bench import device_name, shipped_prompts, sync
+from nanospec.errors import NanospecError
+
+
+def interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """y(x) on the polyline through (xs[i], ys[i]) (xs ascending). Past the last point it follows
+    the last segment (a step's time keeps growing with the batch), never below the last point."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    y = ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+    return max(y, ys[-1]) if x > xs[-1] else y
+
+
+@dataclass
+class Profile:
+    batch_sizes: list[int]          # ascending, from 1
+    ks: list[int]                   # ascending, from 0
+    itl_s: list[list[float]]        # [batch][k]: seconds per decode step
+    acceptance: list[float]         # a_i for i < max(ks), greedy, over the profile's prompts
+    meta: dict = field(default_factory=dict)   # device, target, proposer, how it was measured
+
+    @property
+    def max_k(self) -> int:
+        return self.ks[-1]
+
+    def itl(self, batch_size: int) -> list[float]:
+        """ITL(batch_size, K) for every K in 0..max_k: over the batch first, then over K."""
+        at_batch = [interpolate(self.batch_sizes, [row[j] for row in self.itl_s], batch_size)
+                    for j in range(len(self.ks))]
+        return [interpolate(self.ks, at_batch, k) for k in range(self.max_k + 1)]
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"batch_sizes": self.batch_sizes, "ks": self.ks, "itl_s": self.itl_s,
+                       "acceptance": self.acceptance, "meta": self.meta}, f, indent=2)
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            profile = cls(raw["batch_sizes"], raw["ks"], raw["itl_s"], raw["acceptance"], raw.get("meta", {}))
+        except FileNotFoundError:
+            raise NanospecError(f"profile {path} not found; measure one with "
+                                "`python -m nanospec.dynamic_k profile ... --out PROFILE.json`")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise NanospecError(f"{path} is not a dynamic-K profile ({e!r}); measure one with "
+                                "`python -m nanospec.dynamic_k profile`")
+        profile.check(path)
+        return profile
+
+    def check(self, source: str = "profile") -> None:
+        def fail(what):
+            raise NanospecError(f"{source}: {what}; measure it again with `python -m nanospec.dynamic_k profile`")
+        if not self.batch_sizes or self.batch_sizes[0] != 1 or self.batch_sizes != sorted(set(self.batch_sizes)):
+            fail(f"batch_sizes must ascend from 1, got {self.batch_sizes}")
+        if len(self.ks) < 2 or self.ks[0] != 0 or self.ks != sorted(set(self.ks)):
+            fail(f"ks must ascend from 0 to at least 1, got {self.ks}")
+        if len(self.itl_s) != len(self.batch_sizes) or any(len(row) != len(self.ks) for row in self.itl_s):
+            fail("itl_s must be a [batch_sizes][ks] table")
+        if not all(t > 0 for row in self.itl_s for t in row):
+            fail("every step time in itl_s must be positive")
+        if len(self.acceptance) < self.max_k or not all(0 <= a <= 1 for a in self.acceptance):
+            fail(f"acceptance must hold {self.max_k} rates in [0, 1]")
+
+
+def acceptance_length(rates: list[float], k: int) -> float:
+    """AL(K) = 1 + sum_{i<K} a_i (see the top of this file)."""
+    return 1 + sum(rates[:k])
+
+
+def best_k(rates: list[float], itl: list[float]) -> int:
+    """argmax over K = 0..len(itl) - 1 of AL(K) / ITL(K); a tie goes to the smaller K (same goodput, less work)."""
+    goodput = [acceptance_length(rates, k) / t for k, t in enumerate(itl)]
+    return max(range(len(itl)), key=lambda k: (goodput[k], -k))
+
+
+class AcceptanceRates:
+    """a_i of the running requests, per request-step that offered draft i (asked the proposer for
+    more than i drafts, whether or not it found them: an n-gram miss counts as a rejection, so
+    AL(K) is what a request really gains per step).
+
+    Counts decay by `decay` every step, so a change of workload shows within about 1 / (1 - decay)
+    steps. Until `warmup_steps` steps offered drafts, the profile's rates hold. A position offered
+    fewer than `min_offered` (decayed) times gets the profile's conditional rate a_i / a_{i-1} times
+    the estimate before it; after a long stretch of K = 0 every count has decayed away, so the
+    profile's rates come back and the policy tries speculation again."""
+
+    def __init__(self, prior: list[float], decay: float = 0.97, warmup_steps: int = 8, min_offered: float = 2.0):
+        self.prior, self.decay = list(prior), decay
+        self.warmup_steps, self.min_offered = warmup_steps, min_offered
+        self.offered = [0.0] * len(prior)
+        self.accepted = [0.0] * len(prior)
+        self.steps = 0
+
+    def observe(self, ks: list[int], num_accepted: list[int]) -> None:
+        """One decode step: request b asked for ks[b] drafts and had num_accepted[b] accepted."""
+        n = len(self.prior)
+        self.offered = [c * self.decay for c in self.offered]
+        self.accepted = [c * self.decay for c in self.accepted]
+        for k, a in zip(ks, num_accepted):
+            for i in range(min(k, n)):
+                self.offered[i] += 1
+            for i in range(min(a, n)):
+                self.accepted[i] += 1
+        self.steps += any(ks)
+
+    def rates(self) -> list[float]:
+        if self.steps < self.warmup_steps:
+            return self.prior
+        rates = []
+        for i, prior in enumerate(self.prior):
+            if self.offered[i] >= self.min_offered:
+                rates.append(self.accepted[i] / self.offered[i])
+            elif i == 0:
+                rates.append(prior)
+            else:
+                conditional = prior / self.prior[i - 1] if self.prior[i - 1] > 0 else 0.0
+                rates.append(rates[-1] * min(conditional, 1.0))
+        return rates
+
+
+class DynamicK:
+    """The policy: choose(batch_size) -> K for this step; observe(...) after it."""
+
+    def __init__(self, profile: Profile, max_k: int | None = None, **rate_options):
+        self.profile = profile
+        self.max_k = min(profile.max_k, max_k or profile.max_k)
+        self.acceptance = AcceptanceRates(profile.acceptance[:self.max_k], **rate_options)
+        self._itl: dict[int, list[float]] = {}   # batch size -> ITL for K = 0..max_k (the profile is fixed)
+
+    def itl(self, batch_size: int) -> list[float]:
+        if batch_size not in self._itl:
+            self._itl[batch_size] = self.profile.itl(batch_size)[:self.max_k + 1]
+        return self._itl[batch_size]
+
+    def choose(self, batch_size: int) -> int:
+        return best_k(self.acceptance.rates(), self.itl(batch_size))
+
+    def observe(self, ks: list[int], num_accepted: list[int]) -> None:
+        self.acceptance.observe(ks, num_accepted)
+
+
+# ---- measuring a profile with the real engine ----
+
+def time_decode_steps(engine, prompt_ids: list[list[int]], batch_size: int, ks: list[int], steps: int) -> list[float]:
+    """For each k in ks, the median seconds of `steps` decode steps of the same `batch_size` requests
+    (prompts cycled) verifying k drafts each; prefilled once, one warm-up step per k (the first
+    also does the proposer's catch-up)."""
+    from nanospec.engine import SamplingParams
+    budget = sum((steps + 1) * (k + 1) for k in ks) + 1   # no request may finish while we time
+    params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
+    reqs = [engine.new_request(i, "", prompt_ids[i % len(prompt_ids)], params) for i in range(batch_size)]
+    scheduler = engine.scheduler
+    scheduler.waiting.extend(reqs)
+    engine.dynamic_k = None
+    while scheduler.waiting or any(r.in_prefill for r in scheduler.running):
+        engine.step()
+    medians = []
+    for k in ks:
+        engine.num_speculative_tokens = k
+        times = []
+        for _ in range(steps + 1):
+            sync(engine.device)
+            start = time.perf_counter()
+            engine.step()
+            sync(engine.device)
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times[1:]))
+    for req in list(scheduler.running):   # done measuring: drop them unfinished
+        scheduler.finish(req)
+    return medians
+
+
+def measure_acceptance(engine, prompt_ids: list[list[int]], k: int, max_new_tokens: int) -> list[float]:
+    """a_i, i < k, over the prompts (greedy, every request max_new_tokens long, run max_num_seqs at a time)."""
+    from nanospec.engine import SamplingParams, Stats
+    engine.dynamic_k, engine.num_speculative_tokens, engine.stats = None, k, Stats()
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+    group = engine.scheduler.max_num_seqs
+    for first in range(0, len(prompt_ids), group):
+        engine.scheduler.waiting.extend(engine.new_request(i, "", ids, params)
+                                        for i, ids in enumerate(prompt_ids[first:first + group]))
+        engine.run_to_completion()
+    offered, accepted = engine.stats.offered_per_position, engine.stats.accepted_per_position
+    return [round(accepted[i] / offered[i], 4) if i < len(accepted) and offered[i] else 0.0 for i in range(k)]
+
+
+def measure_profile(llm, prompt_ids: list[list[int]], batch_sizes: list[int], ks: list[int], steps: int,
+                    max_new_tokens: int, log=None) -> Profile:
+    """ITL over batch_sizes x ks and acceptance at max(ks), with llm's own engine and proposer."""
+    from nanospec.engine import Stats
+    engine = llm.engine
+    if engine.proposer is None:
+        raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH or --ngram")
+    if max(batch_sizes) > engine.scheduler.max_num_seqs:
+        raise NanospecError(f"batch size {max(batch_sizes)} is above max_num_seqs {engine.scheduler.max_num_seqs}")
+    saved = engine.dynamic_k, engine.num_speculative_tokens, engine.stats
+    engine.stats = Stats()   # the measuring steps count nowhere
+    start = time.perf_counter()
+    itl = []
+    for b in batch_sizes:
+        itl.append([round(t, 6) for t in time_decode_steps(engine, prompt_ids, b, ks, steps)])
+        if log:
+            log(f"batch {b}: step ms " + " ".join(f"K{k}={1000 * t:.1f}" for k, t in zip(ks, itl[-1])))
+    measured = itl
+    itl = monotone(itl)
+    acceptance = measure_acceptance(engine, prompt_ids, max(ks), max_new_tokens)
+    if log:
+        log("acceptance per position: " + " ".join(f"{a:.2f}" for a in acceptance))
+    engine.dynamic_k, engine.num_speculative_tokens, engine.stats = saved
+    meta = {"device": device_name(llm.device), "dtype": str(llm.dtype), "target": llm.target_name,
+            "proposer": llm.proposer_name, "num_prompts": len(prompt_ids), "steps_per_point": steps,
+            "acceptance_tokens_per_prompt": max_new_tokens, "itl_s_measured": measured,
+            "seconds": round(time.perf_counter() - start, 2)}
+    profile = Profile(list(batch_sizes), list(ks), itl, acceptance, meta)
+    profile.check()
+    return profile
+
+
+def monotone(itl: list[list[float]]) -> list[list[float]]:
+    """More work never takes less time: the running maximum over K, then over the batch, so that
+    timing noise (a median of a few steps) cannot make a larger K look cheaper than a smaller one."""
+    rows = [list(itertools.accumulate(row, max)) for row in itl]
+    columns = [list(itertools.accumulate(col, max)) for col in zip(*rows)]
+    return [list(row) for row in zip(*columns)]
+
+
+def quick_profile(llm, max_k: int) -> Profile:
+    """The built-in profile measured at start-up when none is given: a coarse grid (batch 1, 8, 64,
+    ... up to max_num_seqs; K 0, 1, 2, 4, 8 up to max_k), 3 steps a point, acceptance over 8
+    shipped prompts x 32 tokens. Interpolation fills in the rest; online rates correct acceptance."""
+    largest = llm.engine.scheduler.max_num_seqs
+    batch_sizes = sorted({b for b in (1, 8, 64) if b < largest} | {largest})
+    ks = sorted({k for k in (0, 1, 2, 4, 8) if k < max_k} | {max_k})
+    prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]][:8]
+    return measure_profile(llm, prompts, batch_sizes, ks, steps=3, max_new_tokens=32)
+
+
+def check_profile_matches(profile: Profile, llm) -> None:
+    """A profile of another model, proposer or device still runs, but its times are someone else's."""
+    mine = {"target": llm.target_name, "proposer": llm.proposer_name, "device": device_name(llm.device)}
+    differ = [f"{key} {profile.meta.get(key)!r} (running {value!r})" for key, value in mine.items()
+              if profile.meta.get(key) not in (None, value)]
+    if differ:
+        warnings.warn("the dynamic-K profile was measured for another setup: " + ", ".join(differ)
+                      + "; measure this one with `python -m nanospec.dynamic_k profile`", stacklevel=3)
+
+
+# ---- command line ----
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m nanospec.dynamic_k", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("profile", help="measure ITL(batch, K) and acceptance per position; write JSON")
+    p.add_argument("--target", help="model folder, hub id or .gguf (default: offline SmolLM2-135M-Instruct)")
+    p.add_argument("--draft")
+    p.add_argument("--eagle")
+    p.add_argument("--ngram", action="store_true")
+    p.add_argument("--out", default="profile.json")
+    p.add_argument("--prompts", help="JSON lines with a 'prompt' field (default: the shipped benchmark prompts)")
+    p.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16", help="must start at 1; the largest is max_num_seqs")
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--ks", default="", help="K values to time (default: every K in 0..max-k)")
+    p.add_argument("--steps", type=int, default=5, help="timed decode steps per point (the median counts)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt for the acceptance rates")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    return ap.parse_args(argv)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise NanospecError(f"{flag} takes comma-separated integers, got {text!r}")
+
+
+def profile_command(args) -> Profile:
+    from nanospec import LLM
+    from nanospec.generate import read_prompts_file
+    batch_sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
+    ks = sorted(set(int_list(args.ks, "--ks"))) if args.ks else list(range(args.max_k + 1))
+    if not batch_sizes or batch_sizes[0] != 1:
+        raise NanospecError(f"--batch-sizes must include 1, got {args.batch_sizes}")
+    if len(ks) < 2 or ks[0] != 0:
+        raise NanospecError(f"--ks must include 0 and at least one K >= 1, got {ks}")
+    texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1], draft=args.draft,
+              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=ks[-1])
+    prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]
+    log = lambda line: print(line, file=sys.stderr)
+    profile = measure_profile(llm, prompts, batch_sizes, ks, args.steps, args.max_new_tokens, log)
+    profile.meta["command"] = args.command_line
+    profile.save(args.out)
+    print(f"wrote {args.out} ({profile.meta['seconds']:.0f} s)")
+    return profile
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.command_line = "python -m nanospec.dynamic_k " + " ".join(sys.argv[1:] if argv is None else argv)
+    try:
+        profile_command(args)
+    except NanospecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Dynamic K: the policy takes the goodput argmax of its tables, online acceptance rates follow
+what the proposer really does, and whatever K the policy (or the queue switch-off) picks, output
+stays lossless."""
+import json
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from nanospec import LLM, SamplingParams
+from nanospec.dynamic_k import AcceptanceRates, DynamicK, Profile, best_k, main as dynamic_k_main, monotone
+from nanospec.errors import NanospecError
+from test_speculative import PROMPTS, PROPOSERS, assert_no_leak, greedy, plain_greedy, proposer_args  # noqa: F401 (fixture)
+
+# Step times in ms: batch 1 barely grows with K (bound by reading weights), batch 8 grows fast.
+TABLE = Profile(batch_sizes=[1, 8], ks=[0, 2, 4], itl_s=[[10, 11, 12], [20, 40, 60]], acceptance=[0.8, 0.5, 0.4, 0.2])
+
+
+def goodputs(profile: Profile, rates, batch: float) -> np.ndarray:
+    """The oracle, written out with numpy: ITL over the batch (np.interp inside the table; past it,
+    the line through the last two batch sizes, not below the last), then over K; argmax of AL / ITL."""
+    b, itl = np.array(profile.batch_sizes, float), np.array(profile.itl_s, float)
+    if batch <= b[-1] or len(b) == 1:
+        at_batch = np.array([np.interp(batch, b, itl[:, j]) for j in range(len(profile.ks))])
+    else:
+        slope = (itl[-1] - itl[-2]) / (b[-1] - b[-2])
+        at_batch = np.maximum(itl[-1] + slope * (batch - b[-1]), itl[-1])
+    ks = np.arange(profile.max_k + 1)
+    itl_k = np.interp(ks, profile.ks, at_batch)
+    al = 1 + np.concatenate([[0], np.cumsum(rates[:profile.max_k])])
+    return al / itl_k
+
+
+@pytest.mark.parametrize("batch, rates, expected", [
+    (1, TABLE.acceptance, 4),            # in the table: ITL flat in K, every draft pays
+    (8, TABLE.acceptance, 1),            # in the table, K = 1 interpolated between K = 0 and 2
+    (4, TABLE.acceptance, 2),            # batch interpolated between 1 and 8
+    (16, TABLE.acceptance, 1),           # past the table: extrapolated along batch 1 -> 8
+    (8, [0.05, 0.02, 0.01, 0.0], 0),     # drafts rarely accepted: plain decoding is best
+    (1000, [0.3, 0.3, 0.3, 0.3], 0),     # far past the table, verifying costs more than it gains
+])
+def test_policy_picks_the_goodput_argmax(batch, rates, expected):
+    """Worked by hand, e.g. batch 4: ITL = 14.29, 18.86, 23.43, 28.00, 32.57 ms for K = 0..4, AL = 1,
+    1.8, 2.3, 2.7, 2.9, goodput 0.0700, 0.0955, 0.0982, 0.0964, 0.0890 tokens/ms: K = 2."""
+    assert best_k(rates, TABLE.itl(batch)) == expected == int(np.argmax(goodputs(TABLE, rates, batch)))
+
+
+@st.composite
+def tables(draw):
+    batch_sizes = [1] + sorted(draw(st.sets(st.integers(2, 300), max_size=4)))
+    ks = [0] + sorted(draw(st.sets(st.integers(1, 10), min_size=1, max_size=5)))
+    itl = [[draw(st.floats(1.0, 100.0)) for _ in ks] for _ in batch_sizes]
+    rates = sorted((draw(st.floats(0.0, 1.0)) for _ in range(ks[-1])), reverse=True)
+    return Profile(batch_sizes, ks, itl, rates)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tables(), st.integers(1, 600))
+def test_policy_is_the_argmax_on_random_tables(profile, batch):
+    """Within float rounding of the oracle's best (ties go to the smaller K)."""
+    goodput = goodputs(profile, profile.acceptance, batch)
+    chosen = best_k(profile.acceptance, profile.itl(batch))
+    assert goodput[chosen] >= goodput.max() * (1 - 1e-9)
+    assert all(goodput[:chosen] < goodput[chosen] * (1 + 1e-9))
+    assert DynamicK(profile).choose(batch) == chosen
+
+
+def test_monotone_takes_the_running_maximum():
+    assert monotone([[3, 2, 4], [1, 5, 2]]) == [[3, 3, 4], [3, 5, 5]]
+
+
+def simulate_step(rng, conditional, batch, k):
+    """A proposer whose draft i is accepted with probability conditional[i] once drafts 0..i-1 were."""
+    accepted = []
+    for _ in range(batch):
+        n = 0
+        while n < k and rng.random() < conditional[n]:
+            n += 1
+        accepted.append(n)
+    return accepted
+
+
+def test_online_rates_converge_to_what_the_proposer_accepts_and_follow_a_change():
+    rng = random.Random(0)
+    prior = [0.9, 0.8, 0.7, 0.6]
+    rates = AcceptanceRates(prior, decay=0.995, warmup_steps=8)
+    for workload in ([0.6, 0.5, 0.9, 0.5], [0.95, 0.9, 0.3, 0.8]):
+        truth = np.cumprod(workload)    # a_i = P(drafts 0..i all accepted)
+        for _ in range(3000):
+            rates.observe([4] * 8, simulate_step(rng, workload, 8, 4))
+        assert np.allclose(rates.rates(), truth, atol=0.04), (rates.rates(), truth)
+
+
+def test_rates_hold_the_profile_until_warm_and_come_back_after_a_long_pause():
+    prior = [0.9, 0.6, 0.3]
+    rates = AcceptanceRates(prior, decay=0.9, warmup_steps=3)
+    for step in range(3):
+        assert rates.rates() == prior
+        rates.observe([1, 1], [0, 0])      # drafts at position 0 only, all rejected
+    assert rates.rates()[0] == 0.0
+    assert rates.rates()[1:] == [0.0, 0.0]   # positions never offered follow the profile's shape from there
+    rates.observe([2, 2], [2, 2])         # position 1 offered twice (min_offered), accepted twice
+    observed = rates.rates()
+    assert observed[1] == 1.0 and observed[2] == pytest.approx(1.0 * 0.3 / 0.6)
+    for _ in range(200):                   # K = 0 for a long time: every count decays away
+        rates.observe([0, 0], [0, 0])
+    assert rates.rates() == prior
+
+
+def write_profile(path, batch_sizes, ks, itl, acceptance) -> str:
+    Profile(batch_sizes, ks, itl, acceptance).save(str(path))
+    return str(path)
+
+
+@pytest.fixture
+def varying_profile(tmp_path):
+    """K* = 8 alone, about 3 at batch 4, 0 from batch 8 on (with the profile's high acceptance)."""
+    return write_profile(tmp_path / "profile.json", [1, 4, 8], [0, 1, 8],
+                         [[1.0, 1.0, 1.0], [1.0, 1.4, 6.0], [1.0, 2.5, 20.0]], [0.9] * 8)
+
+
+@pytest.mark.parametrize("name", PROPOSERS)
+def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, varying_profile, name):
+    """The batch shrinks from 8 to 1 as requests finish, and online rates replace the profile's:
+    K changes from step to step, output does not."""
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True, profile=varying_profile, **proposer_args(spec_models, name))
+    outs = llm.generate(PROMPTS, [greedy(max_tokens=6 + 2 * i) for i in range(len(PROMPTS))])
+    assert [o.token_ids for o in outs] == [plain_greedy[p][:6 + 2 * i] for i, p in enumerate(PROMPTS)]
+    chosen = {k for per_batch in llm.stats["chosen_k"].values() for k in per_batch}
+    assert len(chosen) >= 2, llm.stats["chosen_k"]
+    assert_no_leak(llm)
+
+
+def test_queue_switch_off_turns_speculation_off_above_the_threshold_and_on_below(spec_models, plain_greedy):
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, ngram=True,
+              num_speculative_tokens=4, max_num_seqs=3, speculative_disable_queue_size=3)
+    engine = llm.engine
+    reqs = [engine.new_request(i, p, llm.encode_prompt(p), greedy(max_tokens=4 + 2 * i)) for i, p in enumerate(PROMPTS)]
+    engine.scheduler.waiting.extend(reqs)
+    seen = set()
+    while engine.scheduler.has_work():
+        queue = len(engine.scheduler.waiting) + len(engine.scheduler.running)
+        engine.step()
+        assert engine.step_k == (0 if queue > 3 else 4), queue
+        seen.add(engine.step_k)
+    assert seen == {0, 4}
+    assert [r.output_ids for r in reqs] == [plain_greedy[p][:4 + 2 * i] for i, p in enumerate(PROMPTS)]
+
+
+def test_profile_command_writes_a_profile_that_generate_uses(checkpoints, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "profile.json"
+    assert dynamic_k_main(["profile", "--target", checkpoints["llama3"], "--ngram", "--prompts", str(prompts),
+                           "--batch-sizes", "1,3", "--max-k", "3", "--steps", "1", "--max-new-tokens", "6",
+                           "--device", "cpu", "--out", str(out)]) == 0
+    profile = Profile.load(str(out))
+    assert profile.batch_sizes == [1, 3] and profile.ks == [0, 1, 2, 3] and len(profile.acceptance) == 3
+    assert profile.meta["target"] == checkpoints["llama3"] and profile.meta["proposer"] == "ngram"
+    assert profile.meta["device"] and "--ngram" in profile.meta["command"]
+    llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, dynamic_k=True, profile=str(out), kv_cache_gb=0.05)
+    assert llm.engine.dynamic_k.max_k == 3
+    assert llm.generate("The quick brown", greedy(max_tokens=5))[0].token_ids
+
+
+def test_without_a_profile_a_quick_one_is_measured(checkpoints):
+    llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, dynamic_k=True, num_speculative_tokens=2,
+              max_num_seqs=2, kv_cache_gb=0.05)
+    assert llm.profile.batch_sizes == [1, 2] and llm.profile.ks == [0, 1, 2]
+    assert llm.profile_seconds > 0 and llm.stats["steps"] == 0   # profiling leaves no stats behind
+    assert not llm.engine.scheduler.has_work() and llm.engine.kv_cache.allocator.num_free == llm.engine.kv_cache.allocator.num_blocks
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{", "is not a dynamic-K profile"),
+    (json.dumps({"batch_sizes": [2, 4], "ks": [0, 1], "itl_s": [[1, 1], [1, 1]], "acceptance": [0.5]}), "ascend from 1"),
+    (json.dumps({"batch_sizes": [1], "ks": [1, 2], "itl_s": [[1, 1]], "acceptance": [0.5, 0.5]}), "ks must ascend from 0"),
+    (json.dumps({"batch_sizes": [1], "ks": [0, 2], "itl_s": [[1, 1]], "acceptance": [0.5]}), "acceptance must hold 2"),
+    (json.dumps({"batch_sizes": [1], "ks": [0, 1], "itl_s": [[1, 0]], "acceptance": [0.5]}), "positive"),
+])
+def test_bad_profile_is_one_clear_error(tmp_path, content, match):
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    with pytest.raises(NanospecError, match=match):
+        Profile.load(str(path))
+
+
+def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
+    from nanospec.bench import main as bench_main
+    out = tmp_path / "bench.json"
+    assert bench_main(["--target", checkpoints["llama3"], "--ngram", "--ks", "0,2,dynamic", "--batch-sizes", "1,2",
+                       "--max-prompts", "3", "--max-new-tokens", "6", "--no-transformers", "--no-chat",
+                       "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["batch_size"], r["k"]) for r in report["results"]] == [
+        (b, k) for b in (1, 2) for k in (0, 2, "dynamic")]
+    dynamic = [r for r in report["results"] if r["k"] == "dynamic"]
+    assert all(r["chosen_k"] and r["nanospec_tokens_per_s"] > 0 for r in dynamic)
+    assert report["dynamic_k_profile"]["batch_sizes"] == [1, 2] and report["dynamic_k_profile"]["ks"] == [0, 1, 2]
