@@ -32,7 +32,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from nanospec.bench import device_name, shipped_prompts, sync
 from nanospec.errors import NanospecError
 
 
@@ -182,6 +181,7 @@ def time_decode_steps(engine, prompt_ids: list[list[int]], batch_size: int, ks: 
     """For each k in ks, the median seconds of `steps` decode steps of the same `batch_size` requests
     (prompts cycled) verifying k drafts each; prefilled once, one warm-up step per k (the first
     also does the proposer's catch-up)."""
+    from nanospec.bench import sync
     from nanospec.engine import SamplingParams
     budget = sum((steps + 1) * (k + 1) for k in ks) + 1   # no request may finish while we time
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
@@ -224,6 +224,7 @@ def measure_acceptance(engine, prompt_ids: list[list[int]], k: int, max_new_toke
 def measure_profile(llm, prompt_ids: list[list[int]], batch_sizes: list[int], ks: list[int], steps: int,
                     max_new_tokens: int, log=None) -> Profile:
     """ITL over batch_sizes x ks and acceptance at max(ks), with llm's own engine and proposer."""
+    from nanospec.bench import device_name
     from nanospec.engine import Stats
     engine = llm.engine
     if engine.proposer is None:
@@ -265,6 +266,7 @@ def quick_profile(llm, max_k: int) -> Profile:
     """The built-in profile measured at start-up when none is given: a coarse grid (batch 1, 8, 64,
     ... up to max_num_seqs; K 0, 1, 2, 4, 8 up to max_k), 3 steps a point, acceptance over 8
     shipped prompts x 32 tokens. Interpolation fills in the rest; online rates correct acceptance."""
+    from nanospec.bench import shipped_prompts
     largest = llm.engine.scheduler.max_num_seqs
     batch_sizes = sorted({b for b in (1, 8, 64) if b < largest} | {largest})
     ks = sorted({k for k in (0, 1, 2, 4, 8) if k < max_k} | {max_k})
@@ -274,6 +276,7 @@ def quick_profile(llm, max_k: int) -> Profile:
 
 def check_profile_matches(profile: Profile, llm) -> None:
     """A profile of another model, proposer or device still runs, but its times are someone else's."""
+    from nanospec.bench import device_name
     mine = {"target": llm.target_name, "proposer": llm.proposer_name, "device": device_name(llm.device)}
     differ = [f"{key} {profile.meta.get(key)!r} (running {value!r})" for key, value in mine.items()
               if profile.meta.get(key) not in (None, value)]
@@ -314,6 +317,7 @@ def int_list(text: str, flag: str) -> list[int]:
 
 def profile_command(args) -> Profile:
     from nanospec import LLM
+    from nanospec.bench import shipped_prompts
     from nanospec.generate import read_prompts_file
     batch_sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
     ks = sorted(set(int_list(args.ks, "--ks"))) if args.ks else list(range(args.max_k + 1))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from nanospec import checkpoint
-from nanospec.dynamic_k import DynamicK, Profile, check_profile_matches, quick_profile
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats
 from nanospec.eagle import load_eagle_head
 from nanospec.errors import NanospecError
@@ -121,6 +120,7 @@ class LLM:
 
     def dynamic_k_policy(self, profile: str | None, max_k: int):
         """The policy from a measured profile, or from the quick built-in one measured now."""
+        from nanospec.dynamic_k import DynamicK, Profile, check_profile_matches, quick_profile
         if profile:
             measured = Profile.load(profile)
             check_profile_matches(measured, self)

@@ -1,0 +1,121 @@
+"""train_eagle.py: the training forward is the head's inference forward (training-time test
+included), a tiny run lowers its loss, writes a head that loads and decodes losslessly, and a
+stopped run resumes to the same head."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_eagle
+from nanospec import LLM, SamplingParams
+from nanospec.eagle import load_eagle_head
+from nanospec.kv_cache import KVCache, build_metadata
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello there, how", "1 2 3 4"]
+
+
+def paged_head(head, embeds, features, positions_from, cache, table):
+    """The head's own (inference) forward over consecutive elements, appending to its paged cache."""
+    n = len(embeds)
+    cache.allocator.grow(table, positions_from + n)
+    meta = build_metadata([table], [positions_from], [n], cache.block_size, embeds.device)
+    return head(embeds, features, meta.positions, cache, meta)
+
+
+def random_head(spec_models, arch):
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.01)
+    aux = train_eagle.default_aux_layers(llm.config.num_layers) if arch == "eagle3" else ()
+    cfg = train_eagle.head_config(llm.config, arch, 50, aux)
+    torch.manual_seed(0)
+    head = train_eagle.new_head(llm.config, cfg, 50)
+    for p in head.parameters():   # not the near-identity init: every path must matter
+        torch.nn.init.normal_(p, std=0.2)
+    return llm, head
+
+
+def test_eagle1_training_forward_equals_inference_forward(spec_models):
+    llm, head = random_head(spec_models, "eagle1")
+    h, n = llm.config.hidden_size, 11
+    embeds, features = torch.randn(n, h), torch.randn(n, h)
+    dense = train_eagle.eagle1_forward(head, embeds[None], features[None], torch.arange(n))[0]
+    cache = KVCache(1, 8, 4, head.config.num_kv_heads, head.config.head_dim, torch.float32, torch.device("cpu"))
+    paged = paged_head(head, embeds, features, 0, cache, [])
+    torch.testing.assert_close(dense, paged, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_training_time_test_sees_what_drafting_sees(spec_models):
+    """Step j's output at element i equals drafting: the head prefilled with real elements 0 .. i-j,
+    then fed its own output j times (with the data's tokens), one element at a time."""
+    llm, head = random_head(spec_models, "eagle3")
+    h, n, steps = llm.config.hidden_size, 9, 3
+    embeds, features = torch.randn(n, h), torch.randn(n, 3 * h)
+    past, feats, dense = [], features[None], []
+    for j in range(steps):
+        out = train_eagle.eagle3_forward(head, embeds[None], feats, torch.arange(n), past)
+        dense.append(out[0])
+        feats = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+    for j in range(steps):
+        for i in range(j, n):
+            cache = KVCache(1, 8, 4, head.config.num_kv_heads, head.config.head_dim, torch.float32, torch.device("cpu"))
+            table, real = [], i - j
+            out = paged_head(head, embeds[:real + 1], features[:real + 1], 0, cache, table)[-1:]
+            for step in range(1, j + 1):
+                out = paged_head(head, embeds[real + step:real + step + 1], out, real + step, cache, table)
+            torch.testing.assert_close(dense[j][i], out[0], atol=1e-4, rtol=1e-4, msg=f"step {j}, element {i}")
+
+
+def tiny_args(target, out, arch, steps=40, **extra):
+    args = ["--target", target, "--out", str(out), "--arch", arch, "--num-prompts", "8", "--response-tokens", "24",
+            "--seq-len", "48", "--batch-size", "4", "--steps", str(steps), "--warmup", "4", "--lr", "3e-3",
+            "--draft-vocab", "64", "--save-every", "5", "--no-eval", "--device", "cpu"]
+    return args + [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_tiny_run_lowers_loss_and_writes_a_lossless_head(spec_models, tmp_path, arch):
+    out = tmp_path / arch
+    assert train_eagle.main(tiny_args(spec_models["target"], out, arch)) == 0
+    history = json.loads((out / "train_report.json").read_text())["training"]["history"]
+    first, last = [sum(h["loss"] for h in part) / 5 for part in (history[:5], history[-5:])]
+    assert last < 0.8 * first, (first, last)
+    weights = load_file(str(out / "model.safetensors"))   # the public layout: q/k/v and gate/up apart
+    prefix = "layers.0" if arch == "eagle1" else "midlayer"
+    assert f"{prefix}.self_attn.q_proj.weight" in weights and f"{prefix}.mlp.gate_proj.weight" in weights
+    assert ("embed_tokens.weight" in weights) == (arch == "eagle1") and ("d2t" in weights) == (arch == "eagle3")
+    plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+    spec = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, eagle=str(out),
+               num_speculative_tokens=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert spec.stats["drafted_tokens"] > 0
+
+
+def test_a_stopped_run_resumes_to_the_same_head(spec_models, tmp_path, monkeypatch):
+    target = spec_models["target"]
+    assert train_eagle.main(tiny_args(target, tmp_path / "straight", "eagle1", steps=10)) == 0
+
+    real_progress = train_eagle.progress
+
+    def stop_after_7(step, *rest):
+        real_progress(step, *rest)
+        if step == 7:
+            raise KeyboardInterrupt   # the last checkpoint is step 5's
+    monkeypatch.setattr(train_eagle, "progress", stop_after_7)
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle.main(tiny_args(target, tmp_path / "stopped", "eagle1", steps=10))
+    monkeypatch.setattr(train_eagle, "progress", real_progress)
+    assert train_eagle.main(tiny_args(target, tmp_path / "stopped", "eagle1", steps=10)) == 0
+    straight, resumed = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("straight", "stopped"))
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(straight[name], resumed[name], atol=1e-6, rtol=1e-6, msg=name)
+    report = json.loads((tmp_path / "stopped" / "train_report.json").read_text())
+    assert report["training"]["steps"] == 10 and len(report["training"]["history"]) == 10
+
+
+def test_resuming_with_other_settings_is_refused(spec_models, tmp_path, capsys):
+    assert train_eagle.main(tiny_args(spec_models["target"], tmp_path, "eagle1", steps=5)) == 0
+    assert train_eagle.main(tiny_args(spec_models["target"], tmp_path, "eagle1", steps=5, lr=1e-2)) == 2
+    assert "other settings" in capsys.readouterr().err

@@ -1,0 +1,551 @@
+"""Train an EAGLE-1 or EAGLE-3 draft head for a target model; write it in the public layout.
+
+    python train_eagle.py --out heads/smollm2-eagle1                    # SmolLM2 on CPU, ~25 min
+    python train_eagle.py --target Qwen/Qwen3-8B --arch eagle3 --device cuda --out heads/qwen3-eagle3
+
+1. Data (self-distillation, as the EAGLE authors regenerate theirs): prompts from --data (JSON
+   lines with a "prompt" field) or the built-in generated set; the target answers them with nanospec,
+   so the head learns the target's own distribution.
+2. Features: one target forward over every prompt + answer, cached on disk (OUT/cache), so epochs
+   never rerun the target. EAGLE-1 reads the last hidden state (after the final norm: what the LM head
+   reads, as in the EAGLE code and vLLM); EAGLE-3 the hidden states entering three layers.
+3. Training, with the published objectives. Element i of a sequence is (feature f_i, token t_{i+1})
+   and its output predicts f_{i+1}, whose logits are the target's distribution of t_{i+2}.
+   EAGLE-1: smooth-L1 regression of f_{i+1} + 0.1 x cross-entropy against the target's distribution.
+   EAGLE-3: training-time test: step j feeds the head its own outputs of step j-1 as features, with
+   the attention pattern the drafting loop will see (real elements up to i - j, then the chain of
+   predicted ones), cross-entropy at every step, over a reduced draft vocabulary (the most frequent
+   tokens of the data; d2t / t2d map it to the target's).
+   AdamW, linear warm-up then cosine decay, gradient clipping; a progress line with loss and
+   accuracy; OUT/checkpoint.pt every --save-every steps: the same command resumes a stopped run.
+4. Output: OUT/model.safetensors + OUT/config.json (loads with --eagle OUT, and in vLLM / SGLang),
+   then the head's mean acceptance length on held-out prompts (the shipped benchmark prompts),
+   measured with the real engine, next to the n-gram proposer's, in OUT/train_report.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from nanospec import LLM, SamplingParams
+from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
+from nanospec.errors import NanospecError
+from nanospec.kv_cache import KVCache, build_metadata
+from nanospec.model import ModelConfig
+
+# ---- knobs (each is also a flag) ----
+ARCH = "eagle1"
+NUM_PROMPTS = 320           # training prompts (generated set, or the first N of --data)
+RESPONSE_TOKENS = 160       # the target's answer per prompt
+DATA_TEMPERATURE = 0.0      # how the target answers (0: greedy, the decoding the head will serve)
+SEQ_LEN = 384               # prompt + answer, truncated
+BATCH_SIZE = 8              # sequences per optimizer step
+STEPS = 400
+LR = 1e-3
+WARMUP = 20
+WEIGHT_DECAY = 0.0
+GRAD_CLIP = 0.5
+FEATURE_NOISE = 0.2         # EAGLE-1: uniform noise of this width on input features (robust to its own errors)
+TTT_STEPS = 3               # EAGLE-3: training-time-test depth
+DRAFT_VOCAB = 8192          # EAGLE-3: reduced draft vocabulary
+SAVE_EVERY = 100
+EVAL_K = 4
+EVAL_TOKENS = 64
+
+
+# ---- 1. data ----
+
+TOPICS = ["photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning",
+          "compound interest", "the immune system", "volcanoes", "the printing press", "climate change",
+          "supply and demand", "the human heart", "electric cars", "the Roman Empire", "recycling",
+          "vaccines", "the internet", "earthquakes", "honeybees", "the solar system", "sleep", "coffee",
+          "chess", "the Olympic Games", "rainbows", "democracy", "plate tectonics", "antibiotics",
+          "renewable energy", "the moon landing", "inflation", "DNA", "tides", "penguins", "bread baking",
+          "public libraries", "jazz music", "the stock market", "rain forests", "bicycles"]
+TASKS = ["reverses a string", "checks whether a number is prime", "counts the words in a sentence",
+         "returns the largest element of a list", "computes the factorial of n", "merges two sorted lists",
+         "removes duplicates from a list", "converts Celsius to Fahrenheit", "checks whether a string is a palindrome",
+         "computes the nth Fibonacci number", "sums the digits of an integer", "finds the average of a list",
+         "capitalizes every word in a sentence", "counts the vowels in a string", "flattens a nested list",
+         "returns the even numbers of a list"]
+TEMPLATES = ["Explain {topic} in simple terms.", "Write a short paragraph about {topic}.",
+             "What are three interesting facts about {topic}?", "Why is {topic} important?",
+             "Give me a beginner's guide to {topic}.", "Write a haiku about {topic}.",
+             "Summarize the history of {topic} in a few sentences.", "What is a common misconception about {topic}?",
+             "Describe {topic} to a ten-year-old.", "List the pros and cons of {topic}."]
+CODE_TEMPLATES = ["Write a Python function that {task}.", "Show me how to write a function that {task}, with an example.",
+                  "Write a JavaScript function that {task}.", "Explain step by step how to write code that {task}."]
+
+
+def generated_prompts() -> list[str]:
+    """The built-in training prompts: templates x topics, shuffled with a fixed seed. They share
+    no text with the shipped benchmark prompts, which are the held-out set."""
+    prompts = [t.format(topic=topic) for t in TEMPLATES for topic in TOPICS]
+    prompts += [t.format(task=task) for t in CODE_TEMPLATES for task in TASKS]
+    random.Random(0).shuffle(prompts)
+    return prompts
+
+
+def read_prompts(path: str | None, n: int) -> list[str]:
+    from nanospec.generate import read_prompts_file
+    prompts = read_prompts_file(path) if path else generated_prompts()
+    return prompts[:n]
+
+
+def self_distill(llm: LLM, prompts: list[str], max_tokens: int, temperature: float) -> list[tuple[list[int], int]]:
+    """(prompt + the target's own answer, prompt length) per prompt, generated by nanospec."""
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params, chat=True)
+    return [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outputs]
+
+
+# ---- 2. features, cached ----
+
+@torch.inference_mode()
+def target_features(llm: LLM, sequences: list[list[int]], aux_layers: tuple[int, ...], batch_tokens: int = 4096):
+    """For each sequence: its final hidden states [n, H] and, for EAGLE-3, the concatenated hidden
+    states entering aux_layers [n, 3H], from one prefill forward of the target (float16 on the host)."""
+    model, cfg, device = llm.model, llm.config, llm.device
+    finals, auxes = [], []
+    block_size = 16
+    for group in batches_by_tokens(sequences, batch_tokens):
+        lens = [len(s) for s in group]
+        cache = KVCache(cfg.num_layers, sum(-(-n // block_size) for n in lens), block_size, cfg.num_kv_heads,
+                        cfg.head_dim, next(model.parameters()).dtype, device)
+        tables = []
+        for n in lens:
+            tables.append([])
+            cache.allocator.grow(tables[-1], n)
+        meta = build_metadata(tables, [0] * len(lens), lens, block_size, device)
+        ids = torch.tensor([t for s in group for t in s], device=device)
+        hidden, captured = model(ids, meta.positions, cache, meta, aux_layers)
+        aux = torch.cat(captured, dim=-1) if aux_layers else None
+        for piece in hidden.split(lens):
+            finals.append(piece.half().cpu())
+        if aux is not None:
+            for piece in aux.split(lens):
+                auxes.append(piece.half().cpu())
+    return finals, auxes or None
+
+
+def batches_by_tokens(sequences, max_tokens):
+    group, total = [], 0
+    for s in sequences:
+        if group and total + len(s) > max_tokens:
+            yield group
+            group, total = [], 0
+        group.append(s)
+        total += len(s)
+    if group:
+        yield group
+
+
+def build_dataset(args, llm: LLM, aux_layers) -> dict:
+    """Self-distilled sequences and their target features, from OUT/cache when already computed."""
+    key = hashlib.sha256(json.dumps([llm.target_name, args.data, args.num_prompts, args.response_tokens,
+                                     args.data_temperature, args.seq_len, list(aux_layers)]).encode()).hexdigest()[:16]
+    path = os.path.join(args.out, "cache", f"features-{key}.pt")
+    if os.path.exists(path):
+        print(f"features: cached in {path}")
+        return torch.load(path, weights_only=True)
+    prompts = read_prompts(args.data, args.num_prompts)
+    start = time.perf_counter()
+    pairs = self_distill(llm, prompts, args.response_tokens, args.data_temperature)
+    seqs = [s[:args.seq_len] for s, _ in pairs]
+    gen_s = time.perf_counter() - start
+    print(f"data: {len(seqs)} prompts answered by the target, {sum(map(len, seqs))} tokens in {gen_s:.0f} s")
+    start = time.perf_counter()
+    finals, auxes = target_features(llm, seqs, aux_layers)
+    print(f"features: {time.perf_counter() - start:.0f} s")
+    data = {"tokens": [torch.tensor(s) for s in seqs], "prompt_lens": [p for _, p in pairs], "final": finals,
+            "aux": auxes, "generation_seconds": gen_s}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+# ---- 3. the head and its training forward ----
+
+def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers) -> dict:
+    """config.json of the head: a one-layer Llama with the target's shapes (the public layouts)."""
+    cfg = {"architectures": ["LlamaForCausalLM" if arch == "eagle1" else "LlamaForCausalLMEagle3"],
+           "model_type": "llama", "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+           "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
+           "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
+           "rope_theta": target.rope_theta, "max_position_embeddings": target.max_position_embeddings,
+           "vocab_size": target.vocab_size, "hidden_act": "silu", "tie_word_embeddings": False,
+           "bos_token_id": target.bos_token_id, "eos_token_id": target.eos_token_ids}
+    if target.rope_scaling:
+        cfg["rope_scaling"] = target.rope_scaling
+    if arch == "eagle3":
+        cfg["draft_vocab_size"] = draft_vocab
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+    return cfg
+
+
+def new_head(target_config: ModelConfig, cfg: dict, draft_vocab: int):
+    config = ModelConfig.from_hf({**cfg, "architectures": ["LlamaForCausalLM"]})
+    if cfg["architectures"][0] == "LlamaForCausalLM":
+        return Eagle1Head(config, fc_bias=True)
+    return Eagle3Head(config, target_config.hidden_size, draft_vocab, target_config.vocab_size)
+
+
+def project(attn, x, rotary, positions):
+    """q, k, v of the head's attention for x [B, T, in]: [B, heads, T, head_dim] (k, v: kv heads)."""
+    b, t, _ = x.shape
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = rotary(q.reshape(b * t, attn.num_heads, attn.head_dim), positions).view(b, t, attn.num_heads, -1)
+    k = rotary(k.reshape(b * t, attn.num_kv_heads, attn.head_dim), positions).view(b, t, attn.num_kv_heads, -1)
+    v = v.reshape(b, t, attn.num_kv_heads, attn.head_dim)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def shift(x, n: int):
+    """x [B, h, T, d] moved n places later along T (index i holds x[i - n]; the first n are zero)."""
+    return x if n == 0 else F.pad(x, (0, 0, n, 0))[:, :, :x.shape[2]]
+
+
+def ttt_attention(attn, x, rotary, positions, past: list):
+    """Attention at training-time-test step j = len(past) (0: plain causal attention). The element
+    at index i attends to the real elements (step 0) up to i - j and to the chain that produced it,
+    step s's element at i - j + s for s = 1..j (itself last): what drafting step j + 1 sees in the
+    head's KV cache. Returns the output [B, T, heads * d] and this step's (k, v) for later steps."""
+    q, k, v = project(attn, x, rotary, positions)
+    j, t = len(past), x.shape[1]
+    group = attn.num_heads // attn.num_kv_heads
+    widen = lambda kv: kv.repeat_interleave(group, dim=1)
+    k0, v0 = (k, v) if j == 0 else past[0]
+    idx = torch.arange(t, device=x.device)
+    scale = attn.head_dim ** -0.5
+    scores = [(q @ widen(k0).transpose(-1, -2) * scale).masked_fill(idx[None, :] > idx[:, None] - j, float("-inf"))]
+    chain = []   # step s's keys / values moved j - s places later: index i holds step s's element i - j + s
+    for s, (ks, vs) in enumerate(past[1:] + [(k, v)] if j else [], start=1):
+        ks, vs = shift(ks, j - s), shift(vs, j - s)
+        diagonal = (q * widen(ks)).sum(-1, keepdim=True) * scale
+        scores.append(diagonal.masked_fill((idx < j - s)[:, None], float("-inf")))   # no such element
+        chain.append((ks, vs))
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)   # every row sees at least itself
+    out = probs[..., :t] @ widen(v0)
+    for n, (ks, vs) in enumerate(chain):
+        out = out + probs[..., t + n:t + n + 1] * widen(vs)
+    b = x.shape[0]
+    return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+
+def eagle1_forward(head, embeds, features, positions):
+    """The head's inference forward (Eagle1Head.forward), dense over a padded batch [B, T, H]."""
+    layer = head.layers[0]
+    x = head.fc(torch.cat([embeds, features], dim=-1))
+    attended, _ = ttt_attention(layer.self_attn, x, head.rotary, positions, [])
+    x = x + attended
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def eagle3_forward(head, embeds, features, positions, past: list):
+    """One training-time-test step of Eagle3Head.forward; appends this step's (k, v) to past."""
+    m = head.midlayer
+    if features.shape[-1] != head.config.hidden_size:
+        features = head.fc(features)
+    both = torch.cat([m.input_layernorm(embeds), m.hidden_norm(features)], dim=-1)
+    attended, kv = ttt_attention(m.self_attn, both, head.rotary, positions, past)
+    past.append(kv)
+    x = features + attended
+    return x + m.mlp(m.post_attention_layernorm(x))
+
+
+# ---- training ----
+
+@dataclasses.dataclass
+class Batch:
+    embeds: torch.Tensor       # [B, T, H] embedding of t_{i+1} for element i
+    features: torch.Tensor     # [B, T, H or 3H] f_i
+    next_final: torch.Tensor   # [B, T, H] the target's final hidden at i + 1 (logits of t_{i+2})
+    mask: torch.Tensor         # [B, T] element trains (inside the sequence, predicting an answer token)
+    positions: torch.Tensor    # [B * T]
+
+
+def make_batch(data, rows: list[int], llm: LLM, arch: str, device) -> Batch:
+    n = max(len(data["tokens"][r]) - 1 for r in rows)   # elements 0 .. len - 2
+    embed = llm.model.model.embed_tokens
+    h = llm.config.hidden_size
+    feats = data["aux"] if arch == "eagle3" else data["final"]
+    embeds = torch.zeros(len(rows), n, h, device=device)
+    features = torch.zeros(len(rows), n, feats[rows[0]].shape[-1], device=device)
+    next_final = torch.zeros(len(rows), n, h, device=device)
+    mask = torch.zeros(len(rows), n, dtype=torch.bool, device=device)
+    for b, r in enumerate(rows):
+        tokens, m = data["tokens"][r].to(device), len(data["tokens"][r]) - 1
+        with torch.no_grad():
+            embeds[b, :m] = embed(tokens[1:]).float()
+        features[b, :m] = feats[r][:-1].float()
+        next_final[b, :m] = data["final"][r][1:].float()
+        # element i predicts t_{i+2}, the target's output at position i + 1: train where that is an answer token
+        mask[b, max(0, data["prompt_lens"][r] - 2):m] = True
+    positions = torch.arange(n, device=device).repeat(len(rows))
+    return Batch(embeds, features, next_final, mask, positions)
+
+
+def soft_cross_entropy(logits, target_probs, mask):
+    """-sum_v p(v) log q(v), averaged over masked elements; and how often argmax q == argmax p."""
+    loss = -(target_probs * torch.log_softmax(logits, dim=-1)).sum(-1)
+    agree = (logits.argmax(-1) == target_probs.argmax(-1)).float()
+    return loss[mask].mean(), agree[mask].mean()
+
+
+def eagle1_loss(head, llm, batch: Batch, noise: float):
+    features = batch.features + (torch.rand_like(batch.features) - 0.5) * noise if noise else batch.features
+    predicted = eagle1_forward(head, batch.embeds, features, batch.positions)
+    regression = F.smooth_l1_loss(predicted, batch.next_final, reduction="none").mean(-1)[batch.mask].mean()
+    with torch.no_grad():
+        target_probs = torch.softmax(llm.model.logits(batch.next_final), dim=-1)
+    ce, acc = soft_cross_entropy(llm.model.logits(predicted), target_probs, batch.mask)
+    return regression + 0.1 * ce, {"regression": regression.item(), "ce": ce.item(), "acc": acc.item()}
+
+
+def eagle3_loss(head, llm, batch: Batch, ttt_steps: int, draft_ids: torch.Tensor):
+    with torch.no_grad():   # the target's distribution over the draft vocabulary
+        target_probs = torch.softmax(llm.model.logits(batch.next_final)[..., draft_ids], dim=-1)
+    past, features, total, stats = [], batch.features, 0.0, {}
+    for j in range(ttt_steps):
+        predicted = eagle3_forward(head, batch.embeds, features, batch.positions, past)
+        mask = batch.mask.clone()
+        mask[:, :j] = False   # element i at step j continues the chain from real element i - j
+        ce, acc = soft_cross_entropy(head.lm_head(head.norm(predicted)).float(), target_probs, mask)
+        total = total + ce / ttt_steps
+        stats[f"acc{j}"] = acc.item()
+        features = torch.cat([torch.zeros_like(predicted[:, :1]), predicted[:, :-1]], dim=1)   # i gets i - 1's output
+    return total, {"ce": total.item(), **stats}
+
+
+def draft_vocabulary(data, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent tokens of the answers (target ids, ascending), for EAGLE-3."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for tokens, p in zip(data["tokens"], data["prompt_lens"]):
+        counts += torch.bincount(tokens[p:], minlength=vocab_size)
+    return torch.sort(torch.topk(counts, min(size, vocab_size)).indices).values
+
+
+def learning_rate(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(args, llm: LLM, head, data, draft_ids) -> dict:
+    device = llm.device
+    train_rows = list(range(len(data["tokens"])))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    step, history = 0, []
+    if os.path.exists(ckpt_path):
+        state = torch.load(ckpt_path, weights_only=False)
+        if state["args"] != training_args(args):
+            raise NanospecError(f"{ckpt_path} is from a run with other settings; use another --out, "
+                                "or delete it to start over")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        step, history = state["step"], state["history"]
+        print(f"resuming from {ckpt_path} at step {step}")
+    rng = random.Random(args.seed)
+    order = []
+    for _ in range(step):   # replay the sampling so that a resumed run sees the same batches
+        order = next_rows(rng, order, train_rows, args.batch_size)[1]
+    start = time.perf_counter()
+    while step < args.steps:
+        rows, order = next_rows(rng, order, train_rows, args.batch_size)
+        batch = make_batch(data, rows, llm, args.arch, device)
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, args)
+        if args.arch == "eagle1":
+            loss, stats = eagle1_loss(head, llm, batch, args.feature_noise)
+        else:
+            loss, stats = eagle3_loss(head, llm, batch, args.ttt_steps, draft_ids)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+        step += 1
+        history.append({"step": step, "loss": round(loss.item(), 5), **{k: round(v, 4) for k, v in stats.items()}})
+        progress(step, args.steps, history, start)
+        if step % args.save_every == 0 or step == args.steps:
+            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
+                        "args": training_args(args), "torch_rng": torch.get_rng_state()}, ckpt_path)
+    print()
+    return {"steps": step, "seconds_this_run": round(time.perf_counter() - start, 1), "history": history}
+
+
+def next_rows(rng, order, rows, batch_size):
+    """The next batch of a shuffled pass over the data (a new shuffle when one runs out)."""
+    if len(order) < batch_size:
+        fresh = list(rows)
+        rng.shuffle(fresh)
+        order = order + fresh
+    return order[:batch_size], order[batch_size:]
+
+
+def progress(step, total, history, start):
+    recent = history[-20:]
+    loss = sum(h["loss"] for h in recent) / len(recent)
+    acc_key = "acc" if "acc" in recent[-1] else "acc0"
+    acc = sum(h[acc_key] for h in recent) / len(recent)
+    bar = "#" * int(30 * step / total)
+    sys.stdout.write(f"\r[{bar:<30}] step {step}/{total} loss {loss:.4f} top-1 agreement {acc:.3f} "
+                     f"({time.perf_counter() - start:.0f} s)")
+    sys.stdout.flush()
+
+
+def training_args(args) -> dict:
+    keys = ["arch", "num_prompts", "response_tokens", "data_temperature", "seq_len", "batch_size", "steps", "lr",
+            "warmup", "weight_decay", "grad_clip", "feature_noise", "ttt_steps", "draft_vocab", "seed", "data", "target"]
+    return {k: getattr(args, k) for k in keys}
+
+
+# ---- 4. output and evaluation ----
+
+def unpack(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """This model's packed names -> Hugging Face's (q/k/v and gate/up apart), as the public heads store them."""
+    out = {}
+    sizes = {"qkv_proj": ([config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
+                          ("q_proj", "k_proj", "v_proj")),
+             "gate_up_proj": ([config.intermediate_size] * 2, ("gate_proj", "up_proj"))}
+    for name, tensor in state.items():
+        for fused, (split, parts) in sizes.items():
+            if f".{fused}." in name:
+                for part, piece in zip(parts, tensor.split(split)):
+                    out[name.replace(fused, part)] = piece
+                break
+        else:
+            out[name] = tensor
+    return out
+
+
+def save_head(args, llm: LLM, head, cfg: dict) -> None:
+    state = {k: v.detach().float().contiguous() for k, v in unpack(head.state_dict(), head.config).items()
+             if not k.startswith("rotary.")}
+    if args.arch == "eagle1":   # the public EAGLE-1 files carry the target's embedding
+        state["embed_tokens.weight"] = llm.model.model.embed_tokens.weight.detach().float().contiguous()
+    else:
+        state["d2t"], state["t2d"] = head.d2t.cpu(), head.t2d.cpu()
+    save_file({k: v.cpu() for k, v in state.items()}, os.path.join(args.out, "model.safetensors"))
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def acceptance_length(target: str | None, prompts: list[str], k: int, max_tokens: int, device: str, **proposer) -> dict:
+    """Mean acceptance length at K = k, T = 0 over the prompts, with the real engine."""
+    llm = LLM(target, device=device, num_speculative_tokens=k, **proposer)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), chat=True)
+    s = llm.stats
+    return {"mean_acceptance_length": s["mean_acceptance_length"],
+            "acceptance_rate_per_position": s["acceptance_rate_per_position"]}
+
+
+def evaluate(args) -> dict:
+    from nanospec.bench import shipped_prompts
+    held_out = [r["prompt"] for r in shipped_prompts()]
+    start = time.perf_counter()
+    result = {"held_out_prompts": len(held_out), "k": args.eval_k, "max_tokens": args.eval_tokens,
+              "eagle": acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device, eagle=args.out),
+              "ngram": acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device, ngram=True)}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", help="model folder, hub id or .gguf (default: offline SmolLM2-135M-Instruct)")
+    ap.add_argument("--out", required=True, help="folder for the head (and cache/, checkpoint.pt, train_report.json)")
+    ap.add_argument("--arch", choices=["eagle1", "eagle3"], default=ARCH)
+    ap.add_argument("--data", help="JSON lines with a 'prompt' field (default: the built-in generated prompts)")
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    ap.add_argument("--response-tokens", type=int, default=RESPONSE_TOKENS)
+    ap.add_argument("--data-temperature", type=float, default=DATA_TEMPERATURE)
+    ap.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--lr", type=float, default=LR)
+    ap.add_argument("--warmup", type=int, default=WARMUP)
+    ap.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
+    ap.add_argument("--grad-clip", type=float, default=GRAD_CLIP)
+    ap.add_argument("--feature-noise", type=float, default=FEATURE_NOISE)
+    ap.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
+    ap.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB)
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY)
+    ap.add_argument("--eval-k", type=int, default=EVAL_K)
+    ap.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS)
+    ap.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance measurement")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32", help="the target's dtype for data and features; the head trains in float32")
+    return ap.parse_args(argv)
+
+
+def check_args(args) -> None:
+    for name in ("num_prompts", "response_tokens", "seq_len", "batch_size", "steps", "save_every", "ttt_steps", "draft_vocab"):
+        if getattr(args, name) < 1:
+            raise NanospecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.warmup < args.steps:
+        raise NanospecError(f"--warmup must be in 0..steps-1, got {args.warmup}")
+
+
+def run(args) -> dict:
+    check_args(args)
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    wall = time.perf_counter()
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=64)
+    for p in llm.model.parameters():
+        p.requires_grad_(False)
+    aux_layers = default_aux_layers(llm.config.num_layers) if args.arch == "eagle3" else ()
+    data = build_dataset(args, llm, aux_layers)
+    draft_ids = draft_vocabulary(data, llm.config.vocab_size, args.draft_vocab).to(llm.device) if args.arch == "eagle3" else None
+    cfg = head_config(llm.config, args.arch, len(draft_ids) if draft_ids is not None else 0, aux_layers)
+    head = new_head(llm.config, cfg, len(draft_ids) if draft_ids is not None else 0).to(llm.device)
+    if draft_ids is not None:   # draft id d is target id d + d2t[d]; t2d marks the target ids it covers
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids), device=llm.device))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+    report = {"command": "python train_eagle.py " + " ".join(sys.argv[1:]), "args": training_args(args),
+              "sequences": len(data["tokens"]), "tokens": int(sum(len(t) for t in data["tokens"]))}
+    report["training"] = train(args, llm, head, data, draft_ids)
+    save_head(args, llm, head, cfg)
+    print(f"wrote the EAGLE-{args.arch[-1]} head to {args.out} (use it with --eagle {args.out})")
+    report["train_wall_seconds"] = round(time.perf_counter() - wall, 1)
+    if not args.no_eval:
+        report["eval"] = evaluate(args)
+        e = report["eval"]
+        print(f"held-out acceptance length at K={args.eval_k}, T=0: EAGLE {e['eagle']['mean_acceptance_length']:.2f}, "
+              f"n-gram {e['ngram']['mean_acceptance_length']:.2f}")
+    with open(os.path.join(args.out, "train_report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)   # progress shows up in a log file too
+    try:
+        run(args)
+    except NanospecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
