@@ -40,9 +40,9 @@ from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, run_command
 from nanospec.kv_cache import KVCache, build_metadata
-from nanospec.model import ModelConfig
+from nanospec.model import ModelConfig, unpack_weights
 
 # ---- knobs (each is also a flag) ----
 ARCH = "eagle1"
@@ -416,25 +416,8 @@ def training_args(args) -> dict:
 
 # ---- 4. output and evaluation ----
 
-def unpack(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """This model's packed names -> Hugging Face's (q/k/v and gate/up apart), as the public heads store them."""
-    out = {}
-    sizes = {"qkv_proj": ([config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
-                          ("q_proj", "k_proj", "v_proj")),
-             "gate_up_proj": ([config.intermediate_size] * 2, ("gate_proj", "up_proj"))}
-    for name, tensor in state.items():
-        for fused, (split, parts) in sizes.items():
-            if f".{fused}." in name:
-                for part, piece in zip(parts, tensor.split(split)):
-                    out[name.replace(fused, part)] = piece
-                break
-        else:
-            out[name] = tensor
-    return out
-
-
 def save_head(args, llm: LLM, head, cfg: dict) -> None:
-    state = {k: v.detach().float().contiguous() for k, v in unpack(head.state_dict(), head.config).items()
+    state = {k: v.detach().float().contiguous() for k, v in unpack_weights(head.state_dict(), head.config).items()
              if not k.startswith("rotary.")}
     if args.arch == "eagle1":   # the public EAGLE-1 files carry the target's embedding
         state["embed_tokens.weight"] = llm.model.model.embed_tokens.weight.detach().float().contiguous()
@@ -539,12 +522,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)   # progress shows up in a log file too
-    try:
-        run(args)
-    except NanospecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: run(args))
 
 
 if __name__ == "__main__":

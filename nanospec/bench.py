@@ -20,7 +20,7 @@ from importlib import resources
 
 import torch
 
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, run_command
 
 
 def shipped_prompts(categories: list[str] | None = None) -> list[dict]:
@@ -242,17 +242,15 @@ def print_table(report: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        report = run(args)
-    except NanospecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print_table(report)
+    return run_command(lambda: report(args, run(args)))
+
+
+def report(args, measured: dict) -> None:
+    print_table(measured)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(measured, f, indent=2)
     print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, run_command
 
 
 def interpolate(xs: list[float], ys: list[float], x: float) -> float:
@@ -207,16 +207,12 @@ def time_decode_steps(engine, prompt_ids: list[list[int]], batch_size: int, ks: 
     return medians
 
 
-def measure_acceptance(engine, prompt_ids: list[list[int]], k: int, max_new_tokens: int) -> list[float]:
-    """a_i, i < k, over the prompts (greedy, every request max_new_tokens long, run max_num_seqs at a time)."""
-    from nanospec.engine import SamplingParams, Stats
-    engine.dynamic_k, engine.num_speculative_tokens, engine.stats = None, k, Stats()
-    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
-    group = engine.scheduler.max_num_seqs
-    for first in range(0, len(prompt_ids), group):
-        engine.scheduler.waiting.extend(engine.new_request(i, "", ids, params)
-                                        for i, ids in enumerate(prompt_ids[first:first + group]))
-        engine.run_to_completion()
+def measure_acceptance(llm, prompt_ids: list[list[int]], k: int, max_new_tokens: int) -> list[float]:
+    """a_i, i < k, over the prompts (the bench's greedy run, max_num_seqs at a time)."""
+    from nanospec.bench import time_nanospec
+    engine = llm.engine
+    engine.dynamic_k, engine.num_speculative_tokens = None, k
+    time_nanospec(llm, prompt_ids, engine.scheduler.max_num_seqs, max_new_tokens)
     offered, accepted = engine.stats.offered_per_position, engine.stats.accepted_per_position
     return [round(accepted[i] / offered[i], 4) if i < len(accepted) and offered[i] else 0.0 for i in range(k)]
 
@@ -241,7 +237,7 @@ def measure_profile(llm, prompt_ids: list[list[int]], batch_sizes: list[int], ks
             log(f"batch {b}: step ms " + " ".join(f"K{k}={1000 * t:.1f}" for k, t in zip(ks, itl[-1])))
     measured = itl
     itl = monotone(itl)
-    acceptance = measure_acceptance(engine, prompt_ids, max(ks), max_new_tokens)
+    acceptance = measure_acceptance(llm, prompt_ids, max(ks), max_new_tokens)
     if log:
         log("acceptance per position: " + " ".join(f"{a:.2f}" for a in acceptance))
     engine.dynamic_k, engine.num_speculative_tokens, engine.stats = saved
@@ -340,12 +336,7 @@ def profile_command(args) -> Profile:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.command_line = "python -m nanospec.dynamic_k " + " ".join(sys.argv[1:] if argv is None else argv)
-    try:
-        profile_command(args)
-    except NanospecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: profile_command(args))
 
 
 if __name__ == "__main__":

@@ -2,5 +2,18 @@
 fix it; the command line prints it as one line and exits non-zero, without a traceback."""
 
 
+import sys
+
+
 class NanospecError(ValueError):
     pass
+
+
+def run_command(body) -> int:
+    """Run a command-line entry point's body: 0 when it returns, 2 with the error's one line on stderr."""
+    try:
+        body()
+    except NanospecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, run_command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,12 +132,7 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        run(args)
-    except NanospecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(lambda: run(args))
 
 
 if __name__ == "__main__":

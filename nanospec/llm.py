@@ -114,6 +114,7 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
                              block_size, max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, k)
         self.engine.disable_queue_size = speculative_disable_queue_size
+        self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up
         if dynamic_k:
             self.engine.dynamic_k = self.dynamic_k_policy(profile, k)

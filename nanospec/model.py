@@ -100,6 +100,21 @@ def pack_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return packed
 
 
+def unpack_weights(weights: dict[str, torch.Tensor], config: "ModelConfig") -> dict[str, torch.Tensor]:
+    """The inverse of pack_weights: this model's fused q/k/v and gate/up rows split back into Hugging Face's names."""
+    rows = {"qkv_proj": [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
+            "gate_up_proj": [config.intermediate_size] * 2}
+    unpacked = {}
+    for name, tensor in weights.items():
+        fused = next((f for f in PACKED if f".{f}." in name), None)
+        if fused is None:
+            unpacked[name] = tensor
+        else:
+            for part, piece in zip(PACKED[fused], tensor.split(rows[fused])):
+                unpacked[name.replace(fused, part)] = piece
+    return unpacked
+
+
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """theta^(-2i/d) per pair of dimensions, with Llama 3's long-context rescaling when configured:
     long wavelengths are divided by `factor`, short ones kept, and the band between interpolated."""
