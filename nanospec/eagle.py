@@ -24,7 +24,7 @@ from torch import nn
 
 from nanospec.checkpoint import check_weights, load_safetensors, read_json
 from nanospec.errors import NanospecError
-from nanospec.model import MLP, Attention, ModelConfig, RMSNorm, RotaryEmbedding, pack_weights
+from nanospec.model import MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding, pack_weights
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -47,7 +47,7 @@ class Eagle1Head(nn.Module):
     def __init__(self, config: ModelConfig, fc_bias: bool):
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
+        self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([Eagle1Layer(config)])
         self.rotary = RotaryEmbedding(config)
 
@@ -79,10 +79,10 @@ class Eagle3Head(nn.Module):
     def __init__(self, config: ModelConfig, target_hidden: int, draft_vocab: int, target_vocab: int):
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(3 * target_hidden, config.hidden_size, bias=False)
+        self.fc = Linear(3 * target_hidden, config.hidden_size, bias=False)
         self.midlayer = Eagle3MidLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, draft_vocab, bias=False)
+        self.lm_head = Linear(config.hidden_size, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(target_vocab, dtype=torch.bool))
         self.rotary = RotaryEmbedding(config)

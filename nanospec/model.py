@@ -160,6 +160,22 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear with a CPU fast path for the few rows of a decode or verify step.
+
+    For 1-256 float32 rows, torch's CPU F.linear (x @ W.T) reads W 2-5x slower than W @ x.T
+    does, and one row runs as a matrix-vector product slower than two rows. Measured on a 2-core
+    EPYC, torch 2.13, weights cold in cache, SmolLM2's 49152 x 576 LM head: F.linear 12 / 28 / 42 /
+    21 ms at 1 / 2 / 3 / 4 rows, W @ x.T 5-6 ms (one row padded to two). Same math, another kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not 1 <= len(x) <= 256:
+            return super().forward(x)
+        rows = x.contiguous() if len(x) > 1 else x.repeat(2, 1)
+        out = (self.weight @ rows.T).T[:len(x)]
+        return out if self.bias is None else out + self.bias
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, input_size: int | None = None):
         super().__init__()
@@ -167,8 +183,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         h, bias = config.hidden_size, config.qkv_bias
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(input_size or h, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.qkv_proj = Linear(input_size or h, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -198,8 +214,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -235,7 +251,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -103,3 +103,19 @@ def test_hub_id_resolves_from_local_cache_offline(tmp_path, monkeypatch, checkpo
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
     assert checkpoint.resolve("tiny/qwen3") == str(snapshot)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64, 256, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_fast_path_computes_x_times_w_transposed(rows, bias):
+    from nanospec.model import Linear
+    torch.manual_seed(rows)
+    layer = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 48)
+    expected = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+    out = layer(x)
+    assert out.shape == (rows, 80) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    out.sum().backward()   # train_eagle trains through it
+    torch.testing.assert_close(layer.weight.grad.double(), torch.ones(rows, 80).double().T @ x.double(),
+                               rtol=1e-5, atol=1e-4)
