@@ -179,8 +179,8 @@ class DynamicK:
 
 def time_decode_steps(engine, prompt_ids: list[list[int]], batch_size: int, ks: list[int], steps: int) -> list[float]:
     """For each k in ks, the median seconds of `steps` decode steps of the same `batch_size` requests
-    (prompts cycled) verifying k drafts each; prefilled once, one warm-up step per k (the first
-    also does the proposer's catch-up)."""
+    (prompts cycled) verifying exactly k drafts each (ExactlyK); prefilled once, one warm-up step
+    per k (the first also does the proposer's catch-up)."""
     from nanospec.bench import sync
     from nanospec.engine import SamplingParams
     budget = sum((steps + 1) * (k + 1) for k in ks) + 1   # no request may finish while we time
@@ -188,23 +188,47 @@ def time_decode_steps(engine, prompt_ids: list[list[int]], batch_size: int, ks: 
     reqs = [engine.new_request(i, "", prompt_ids[i % len(prompt_ids)], params) for i in range(batch_size)]
     scheduler = engine.scheduler
     scheduler.waiting.extend(reqs)
-    engine.dynamic_k = None
-    while scheduler.waiting or any(r.in_prefill for r in scheduler.running):
-        engine.step()
-    medians = []
-    for k in ks:
-        engine.num_speculative_tokens = k
-        times = []
-        for _ in range(steps + 1):
-            sync(engine.device)
-            start = time.perf_counter()
+    engine.dynamic_k, proposer = None, engine.proposer
+    engine.proposer = ExactlyK(proposer)
+    try:
+        while scheduler.waiting or any(r.in_prefill for r in scheduler.running):
             engine.step()
-            sync(engine.device)
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times[1:]))
-    for req in list(scheduler.running):   # done measuring: drop them unfinished
-        scheduler.finish(req)
+        medians = []
+        for k in ks:
+            engine.num_speculative_tokens = k
+            times = []
+            for _ in range(steps + 1):
+                sync(engine.device)
+                start = time.perf_counter()
+                engine.step()
+                sync(engine.device)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times[1:]))
+    finally:
+        engine.proposer = proposer
+        for req in list(scheduler.running):   # done measuring: drop them unfinished
+            scheduler.finish(req)
     return medians
+
+
+class ExactlyK:
+    """The engine's proposer while a profile is timed: every request verifies exactly the K drafts
+    it asked for. An n-gram proposer that finds no match drafts fewer (or none), and the step then
+    costs what a smaller K costs; timed that way, a large K looks free and the policy picks it even
+    where verifying K drafts is slow. Missing drafts are padded with token 0 (they are rejected, and
+    the requests are dropped after timing anyway)."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    def __getattr__(self, name):   # everything but propose is the real proposer's
+        return getattr(self.proposer, name)
+
+    def propose(self, requests, ks, sampling):
+        proposal = self.proposer.propose(requests, ks, sampling)
+        if proposal.draft_probs is None:   # one-hot drafts: draft_ids is already padded to max(ks)
+            proposal.num_draft = list(ks)
+        return proposal
 
 
 def measure_acceptance(llm, prompt_ids: list[list[int]], k: int, max_new_tokens: int) -> list[float]:
@@ -236,7 +260,7 @@ def measure_profile(llm, prompt_ids: list[list[int]], batch_sizes: list[int], ks
         if log:
             log(f"batch {b}: step ms " + " ".join(f"K{k}={1000 * t:.1f}" for k, t in zip(ks, itl[-1])))
     measured = itl
-    itl = monotone(itl)
+    itl = monotone_in_batch(itl)
     acceptance = measure_acceptance(llm, prompt_ids, max(ks), max_new_tokens)
     if log:
         log("acceptance per position: " + " ".join(f"{a:.2f}" for a in acceptance))
@@ -250,11 +274,12 @@ def measure_profile(llm, prompt_ids: list[list[int]], batch_sizes: list[int], ks
     return profile
 
 
-def monotone(itl: list[list[float]]) -> list[list[float]]:
-    """More work never takes less time: the running maximum over K, then over the batch, so that
-    timing noise (a median of a few steps) cannot make a larger K look cheaper than a smaller one."""
-    rows = [list(itertools.accumulate(row, max)) for row in itl]
-    columns = [list(itertools.accumulate(col, max)) for col in zip(*rows)]
+def monotone_in_batch(itl: list[list[float]]) -> list[list[float]]:
+    """More requests never take less time: the running maximum over the batch, so that timing
+    noise (a median of a few steps) cannot make a larger batch look cheaper. Not over K: on a CPU
+    verifying more tokens can really be cheaper (a 5-row matmul may beat a 3-row one), and the
+    policy should see that."""
+    columns = [list(itertools.accumulate(col, max)) for col in zip(*itl)]
     return [list(row) for row in zip(*columns)]
 
 

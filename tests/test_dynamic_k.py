@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanospec import LLM, SamplingParams
-from nanospec.dynamic_k import AcceptanceRates, DynamicK, Profile, best_k, main as dynamic_k_main, monotone
+from nanospec.dynamic_k import AcceptanceRates, DynamicK, Profile, best_k, main as dynamic_k_main, monotone_in_batch
 from nanospec.errors import NanospecError
 from test_speculative import PROMPTS, PROPOSERS, assert_no_leak, greedy, plain_greedy, proposer_args  # noqa: F401 (fixture)
 
@@ -66,8 +66,8 @@ def test_policy_is_the_argmax_on_random_tables(profile, batch):
     assert DynamicK(profile).choose(batch) == chosen
 
 
-def test_monotone_takes_the_running_maximum():
-    assert monotone([[3, 2, 4], [1, 5, 2]]) == [[3, 3, 4], [3, 5, 5]]
+def test_monotone_in_batch_takes_the_running_maximum_over_the_batch_only():
+    assert monotone_in_batch([[3, 2, 4], [1, 5, 2]]) == [[3, 2, 4], [3, 5, 4]]
 
 
 def simulate_step(rng, conditional, batch, k):
@@ -162,6 +162,20 @@ def test_profile_command_writes_a_profile_that_generate_uses(checkpoints, tmp_pa
     llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, dynamic_k=True, profile=str(out), kv_cache_gb=0.05)
     assert llm.engine.dynamic_k.max_k == 3
     assert llm.generate("The quick brown", greedy(max_tokens=5))[0].token_ids
+
+
+def test_profile_times_steps_that_verify_exactly_k_drafts(checkpoints):
+    # Random prompts give n-gram almost no matches: without ExactlyK most timed steps would verify
+    # no draft at all and every K would cost what K = 0 costs.
+    from nanospec.dynamic_k import time_decode_steps
+    llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, num_speculative_tokens=3, max_num_seqs=2,
+              kv_cache_gb=0.05)
+    engine, rng = llm.engine, random.Random(0)
+    prompts = [[rng.randrange(1, 200) for _ in range(12)] for _ in range(2)]
+    assert len(time_decode_steps(engine, prompts, 2, [0, 3], steps=2)) == 2
+    assert engine.stats.drafted_per_position == [2 * 3] * 3   # K = 3: 3 steps x 2 requests, each at 3 drafts
+    assert engine.proposer is llm.engine.proposer and type(engine.proposer).__name__ == "NgramProposer"
+    assert not engine.scheduler.has_work()
 
 
 def test_without_a_profile_a_quick_one_is_measured(checkpoints):
