@@ -221,6 +221,7 @@ def run(args) -> dict:
             "dynamic_k_profile": profile and {"source": args.profile or "quick built-in profile, measured in this run",
                                               "batch_sizes": profile.batch_sizes, "ks": profile.ks,
                                               "itl_s": profile.itl_s, "acceptance": profile.acceptance,
+                                              "drafted": profile.drafted,
                                               "seconds": profile.meta.get("seconds")},
             "results": results}
 

@@ -8,15 +8,20 @@ request AL(K) tokens on average, where
 a_i being the probability that draft i is accepted. Draft i is accepted only if drafts 0..i-1 were,
 so a_i is the probability of a run of at least i + 1 accepted drafts, and the expected run is the sum
 of those tail probabilities; the 1 is the target's own token (recovered or bonus), which every step
-emits. Goodput is AL(K) / ITL(B, K); the policy takes K* = argmax over K = 0..K_max (K = 0 is plain
-decoding, AL = 1). Speculation pays while the step is bound by reading weights (ITL barely grows
-with K) and costs once verifying B (K + 1) tokens makes it compute-bound: K* falls with the batch.
+emits. Goodput is AL(K) / ITL(B, D(K)); the policy takes K* = argmax over K = 0..K_max (K = 0 is
+plain decoding, AL = 1). Speculation pays while the step is bound by reading weights (ITL barely
+grows with K) and costs once verifying B (K + 1) tokens makes it compute-bound: K* falls with the batch.
 
-ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included
-(`python -m nanospec.dynamic_k profile ...`, or a quick one at start-up), interpolated linearly
-between the profiled batch sizes and K values. a_i start from the profile and follow what the
-running requests accept once the engine has seen a few steps (AcceptanceRates). The choice is a
-few dozen floating-point operations on the host per step: no device sync, nothing per vocabulary.
+D(K) = sum_{i<K} d_i is the number of drafts a request really verifies when asked for K, d_i being
+the probability that the proposer finds a draft i at all: 1 for a draft model or EAGLE, less for
+n-gram, which drafts nothing where it finds no match, and the step then costs what a smaller K costs.
+
+ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included,
+every request verifying exactly K drafts (`python -m nanospec.dynamic_k profile ...`, or a quick one
+at start-up), interpolated linearly between the profiled batch sizes and K values (and at the
+fractional D(K)). a_i and d_i start from the profile and follow what the running requests do once
+the engine has seen a few steps (AcceptanceRates). The choice is a few hundred floating-point
+operations on the host per step: no device sync, nothing per vocabulary.
 
     python -m nanospec.dynamic_k profile [--target ...] --ngram --out profile.json
 """
@@ -52,6 +57,11 @@ class Profile:
     itl_s: list[list[float]]        # [batch][k]: seconds per decode step
     acceptance: list[float]         # a_i for i < max(ks), greedy, over the profile's prompts
     meta: dict = field(default_factory=dict)   # device, target, proposer, how it was measured
+    drafted: list[float] | None = None         # d_i, the same way (None: the proposer always drafts)
+
+    def __post_init__(self):
+        if self.drafted is None:
+            self.drafted = [1.0] * len(self.acceptance)
 
     @property
     def max_k(self) -> int:
@@ -66,14 +76,15 @@ class Profile:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump({"batch_sizes": self.batch_sizes, "ks": self.ks, "itl_s": self.itl_s,
-                       "acceptance": self.acceptance, "meta": self.meta}, f, indent=2)
+                       "acceptance": self.acceptance, "drafted": self.drafted, "meta": self.meta}, f, indent=2)
 
     @classmethod
     def load(cls, path: str) -> "Profile":
         try:
             with open(path) as f:
                 raw = json.load(f)
-            profile = cls(raw["batch_sizes"], raw["ks"], raw["itl_s"], raw["acceptance"], raw.get("meta", {}))
+            profile = cls(raw["batch_sizes"], raw["ks"], raw["itl_s"], raw["acceptance"], raw.get("meta", {}),
+                          raw.get("drafted"))
         except FileNotFoundError:
             raise NanospecError(f"profile {path} not found; measure one with "
                                 "`python -m nanospec.dynamic_k profile ... --out PROFILE.json`")
@@ -94,8 +105,10 @@ class Profile:
             fail("itl_s must be a [batch_sizes][ks] table")
         if not all(t > 0 for row in self.itl_s for t in row):
             fail("every step time in itl_s must be positive")
-        if len(self.acceptance) < self.max_k or not all(0 <= a <= 1 for a in self.acceptance):
-            fail(f"acceptance must hold {self.max_k} rates in [0, 1]")
+        for name in ("acceptance", "drafted"):
+            rates = getattr(self, name)
+            if len(rates) < self.max_k or not all(0 <= a <= 1 for a in rates):
+                fail(f"{name} must hold {self.max_k} rates in [0, 1]")
 
 
 def acceptance_length(rates: list[float], k: int) -> float:
@@ -103,16 +116,19 @@ def acceptance_length(rates: list[float], k: int) -> float:
     return 1 + sum(rates[:k])
 
 
-def best_k(rates: list[float], itl: list[float]) -> int:
-    """argmax over K = 0..len(itl) - 1 of AL(K) / ITL(K); a tie goes to the smaller K (same goodput, less work)."""
-    goodput = [acceptance_length(rates, k) / t for k, t in enumerate(itl)]
-    return max(range(len(itl)), key=lambda k: (goodput[k], -k))
+def best_k(rates: list[float], itl: list[float], drafted: list[float] | None = None) -> int:
+    """argmax over K = 0..len(itl) - 1 of AL(K) / ITL(D(K)), ITL given at K = 0, 1, ...; a tie goes
+    to the smaller K (same goodput, less work). drafted None: D(K) = K."""
+    ks = list(range(len(itl)))
+    cost = itl if drafted is None else [interpolate(ks, itl, sum(drafted[:k])) for k in ks]
+    goodput = [acceptance_length(rates, k) / t for k, t in zip(ks, cost)]
+    return max(ks, key=lambda k: (goodput[k], -k))
 
 
 class AcceptanceRates:
-    """a_i of the running requests, per request-step that offered draft i (asked the proposer for
-    more than i drafts, whether or not it found them: an n-gram miss counts as a rejection, so
-    AL(K) is what a request really gains per step).
+    """a_i (draft i accepted) and d_i (draft i found) of the running requests, per request-step that
+    offered draft i (asked the proposer for more than i drafts, whether or not it found them: an
+    n-gram miss counts as a rejection, so AL(K) is what a request really gains per step).
 
     Counts decay by `decay` every step, so a change of workload shows within about 1 / (1 - decay)
     steps. Until `warmup_steps` steps offered drafts, the profile's rates hold. A position offered
@@ -120,36 +136,44 @@ class AcceptanceRates:
     the estimate before it; after a long stretch of K = 0 every count has decayed away, so the
     profile's rates come back and the policy tries speculation again."""
 
-    def __init__(self, prior: list[float], decay: float = 0.97, warmup_steps: int = 8, min_offered: float = 2.0):
+    def __init__(self, prior: list[float], prior_drafted: list[float] | None = None, decay: float = 0.97,
+                 warmup_steps: int = 8, min_offered: float = 2.0):
         self.prior, self.decay = list(prior), decay
+        self.prior_drafted = list(prior_drafted) if prior_drafted is not None else [1.0] * len(prior)
         self.warmup_steps, self.min_offered = warmup_steps, min_offered
         self.offered = [0.0] * len(prior)
+        self.found = [0.0] * len(prior)
         self.accepted = [0.0] * len(prior)
         self.steps = 0
 
-    def observe(self, ks: list[int], num_accepted: list[int]) -> None:
-        """One decode step: request b asked for ks[b] drafts and had num_accepted[b] accepted."""
+    def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None) -> None:
+        """One decode step: request b asked for ks[b] drafts, got num_draft[b] (default ks[b]) and
+        had num_accepted[b] accepted."""
         n = len(self.prior)
-        self.offered = [c * self.decay for c in self.offered]
-        self.accepted = [c * self.decay for c in self.accepted]
-        for k, a in zip(ks, num_accepted):
-            for i in range(min(k, n)):
-                self.offered[i] += 1
-            for i in range(min(a, n)):
-                self.accepted[i] += 1
+        for counts, per_request in ((self.offered, ks), (self.found, num_draft or ks), (self.accepted, num_accepted)):
+            counts[:] = [c * self.decay for c in counts]
+            for m in per_request:
+                for i in range(min(m, n)):
+                    counts[i] += 1
         self.steps += any(ks)
 
     def rates(self) -> list[float]:
+        return self._estimate(self.accepted, self.prior)
+
+    def drafted(self) -> list[float]:
+        return self._estimate(self.found, self.prior_drafted)
+
+    def _estimate(self, counts: list[float], prior: list[float]) -> list[float]:
         if self.steps < self.warmup_steps:
-            return self.prior
+            return prior
         rates = []
-        for i, prior in enumerate(self.prior):
+        for i, p in enumerate(prior):
             if self.offered[i] >= self.min_offered:
-                rates.append(self.accepted[i] / self.offered[i])
+                rates.append(counts[i] / self.offered[i])
             elif i == 0:
-                rates.append(prior)
+                rates.append(p)
             else:
-                conditional = prior / self.prior[i - 1] if self.prior[i - 1] > 0 else 0.0
+                conditional = p / prior[i - 1] if prior[i - 1] > 0 else 0.0
                 rates.append(rates[-1] * min(conditional, 1.0))
         return rates
 
@@ -157,11 +181,12 @@ class AcceptanceRates:
 class DynamicK:
     """The policy: choose(batch_size) -> K for this step; observe(...) after it."""
 
-    def __init__(self, profile: Profile, max_k: int | None = None, **rate_options):
+    def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8, **rate_options):
         self.profile = profile
         self.max_k = min(profile.max_k, max_k or profile.max_k)
-        self.acceptance = AcceptanceRates(profile.acceptance[:self.max_k], **rate_options)
+        self.acceptance = AcceptanceRates(profile.acceptance[:self.max_k], profile.drafted[:self.max_k], **rate_options)
         self._itl: dict[int, list[float]] = {}   # batch size -> ITL for K = 0..max_k (the profile is fixed)
+        self.probe_every, self.steps = probe_every, 0
 
     def itl(self, batch_size: int) -> list[float]:
         if batch_size not in self._itl:
@@ -169,10 +194,17 @@ class DynamicK:
         return self._itl[batch_size]
 
     def choose(self, batch_size: int) -> int:
-        return best_k(self.acceptance.rates(), self.itl(batch_size))
+        """K* for this step; every probe_every-th step K* + 1 instead. Only drafts that are offered
+        get observed: without probes, a workload that accepts far more than the profile's prompts
+        would stay at the K (or the K = 0) the profile suggests. A probe observes position K*, so
+        the policy climbs one position at a time where that pays, at the cost of one slightly
+        longer step in probe_every."""
+        self.steps += 1
+        k = best_k(self.acceptance.rates(), self.itl(batch_size), self.acceptance.drafted())
+        return min(k + 1, self.max_k) if self.probe_every and self.steps % self.probe_every == 0 else k
 
-    def observe(self, ks: list[int], num_accepted: list[int]) -> None:
-        self.acceptance.observe(ks, num_accepted)
+    def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None) -> None:
+        self.acceptance.observe(ks, num_accepted, num_draft)
 
 
 # ---- measuring a profile with the real engine ----
@@ -231,14 +263,17 @@ class ExactlyK:
         return proposal
 
 
-def measure_acceptance(llm, prompt_ids: list[list[int]], k: int, max_new_tokens: int) -> list[float]:
-    """a_i, i < k, over the prompts (the bench's greedy run, max_num_seqs at a time)."""
+def measure_acceptance(llm, prompt_ids: list[list[int]], k: int, max_new_tokens: int) -> tuple[list[float], list[float]]:
+    """a_i and d_i, i < k, over the prompts (the bench's greedy run, max_num_seqs at a time)."""
     from nanospec.bench import time_nanospec
     engine = llm.engine
     engine.dynamic_k, engine.num_speculative_tokens = None, k
     time_nanospec(llm, prompt_ids, engine.scheduler.max_num_seqs, max_new_tokens)
-    offered, accepted = engine.stats.offered_per_position, engine.stats.accepted_per_position
-    return [round(accepted[i] / offered[i], 4) if i < len(accepted) and offered[i] else 0.0 for i in range(k)]
+    offered = engine.stats.offered_per_position
+
+    def per_offered(counts):
+        return [round(counts[i] / offered[i], 4) if i < len(counts) and offered[i] else 0.0 for i in range(k)]
+    return per_offered(engine.stats.accepted_per_position), per_offered(engine.stats.drafted_per_position)
 
 
 def measure_profile(llm, prompt_ids: list[list[int]], batch_sizes: list[int], ks: list[int], steps: int,
@@ -261,15 +296,16 @@ def measure_profile(llm, prompt_ids: list[list[int]], batch_sizes: list[int], ks
             log(f"batch {b}: step ms " + " ".join(f"K{k}={1000 * t:.1f}" for k, t in zip(ks, itl[-1])))
     measured = itl
     itl = monotone_in_batch(itl)
-    acceptance = measure_acceptance(llm, prompt_ids, max(ks), max_new_tokens)
+    acceptance, drafted = measure_acceptance(llm, prompt_ids, max(ks), max_new_tokens)
     if log:
         log("acceptance per position: " + " ".join(f"{a:.2f}" for a in acceptance))
+        log("drafts found per position: " + " ".join(f"{d:.2f}" for d in drafted))
     engine.dynamic_k, engine.num_speculative_tokens, engine.stats = saved
     meta = {"device": device_name(llm.device), "dtype": str(llm.dtype), "target": llm.target_name,
             "proposer": llm.proposer_name, "num_prompts": len(prompt_ids), "steps_per_point": steps,
             "acceptance_tokens_per_prompt": max_new_tokens, "itl_s_measured": measured,
             "seconds": round(time.perf_counter() - start, 2)}
-    profile = Profile(list(batch_sizes), list(ks), itl, acceptance, meta)
+    profile = Profile(list(batch_sizes), list(ks), itl, acceptance, meta, drafted)
     profile.check()
     return profile
 
@@ -285,14 +321,14 @@ def monotone_in_batch(itl: list[list[float]]) -> list[list[float]]:
 
 def quick_profile(llm, max_k: int) -> Profile:
     """The built-in profile measured at start-up when none is given: a coarse grid (batch 1, 8, 64,
-    ... up to max_num_seqs; K 0, 1, 2, 4, 8 up to max_k), 3 steps a point, acceptance over 8
+    ... up to max_num_seqs; K 0, 1, 2, 3, 4, 6, 8 up to max_k), 5 steps a point, acceptance over 8
     shipped prompts x 32 tokens. Interpolation fills in the rest; online rates correct acceptance."""
     from nanospec.bench import shipped_prompts
     largest = llm.engine.scheduler.max_num_seqs
     batch_sizes = sorted({b for b in (1, 8, 64) if b < largest} | {largest})
-    ks = sorted({k for k in (0, 1, 2, 4, 8) if k < max_k} | {max_k})
+    ks = sorted({k for k in (0, 1, 2, 3, 4, 6, 8) if k < max_k} | {max_k})
     prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]][:8]
-    return measure_profile(llm, prompts, batch_sizes, ks, steps=3, max_new_tokens=32)
+    return measure_profile(llm, prompts, batch_sizes, ks, steps=5, max_new_tokens=32)
 
 
 def check_profile_matches(profile: Profile, llm) -> None:

@@ -341,7 +341,7 @@ class Engine:
         accepted = [row[-1] for row in host]
         self.stats.record(self.step_k, ks, num_draft, accepted)
         if self.dynamic_k:
-            self.dynamic_k.observe(ks, accepted)
+            self.dynamic_k.observe(ks, accepted, num_draft)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, host[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]

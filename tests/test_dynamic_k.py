@@ -46,6 +46,20 @@ def test_policy_picks_the_goodput_argmax(batch, rates, expected):
     assert best_k(rates, TABLE.itl(batch)) == expected == int(np.argmax(goodputs(TABLE, rates, batch)))
 
 
+def test_drafts_the_proposer_does_not_find_cost_nothing():
+    """ITL for K = 0..4 verified drafts: 10, 10, 20, 20, 30 ms; a_i = 0.5, 0.4, 0.3, 0.2. A draft
+    model finds every draft (D(K) = K): goodput 0.100, 0.150, 0.095, 0.110, 0.080 -> K = 1. An
+    n-gram proposer that finds draft i with probability 0.25 verifies D(4) = 1 draft at K = 4:
+    ITL(D(K)) = 10, 10, 10, 10, 10 -> AL rises with K -> K = 4."""
+    itl, rates = [10, 10, 20, 20, 30], [0.5, 0.4, 0.3, 0.2]
+    assert best_k(rates, itl) == best_k(rates, itl, [1.0] * 4) == 1
+    assert best_k(rates, itl, [0.25] * 4) == 4
+    observed = AcceptanceRates([0.5] * 4, [1.0] * 4, warmup_steps=1)
+    for _ in range(50):
+        observed.observe([4] * 8, [1] * 8, [2] * 8)   # asked 4, found 2, accepted 1
+    assert observed.drafted() == pytest.approx([1, 1, 0, 0]) and observed.rates() == pytest.approx([1, 0, 0, 0])
+
+
 @st.composite
 def tables(draw):
     batch_sizes = [1] + sorted(draw(st.sets(st.integers(2, 300), max_size=4)))
@@ -90,6 +104,22 @@ def test_online_rates_converge_to_what_the_proposer_accepts_and_follow_a_change(
         for _ in range(3000):
             rates.observe([4] * 8, simulate_step(rng, workload, 8, 4))
         assert np.allclose(rates.rates(), truth, atol=0.04), (rates.rates(), truth)
+
+
+@pytest.mark.parametrize("probe_every, expected", [(8, 4), (0, 0)])
+def test_probes_find_a_workload_that_accepts_far_more_than_the_profile(probe_every, expected):
+    """The profile's prompts barely accept drafts (K = 0 is best at batch 8); the workload accepts
+    each next draft with probability 0.9: AL = 1, 2.71, 4.10 at K = 0, 2, 4 over 20, 24, 28 ms, so
+    K = 4 is best. Probes (K* + 1 every 8th step) find it; without them the policy never drafts,
+    never observes, and stays at K = 0."""
+    profile = Profile([1, 8], [0, 2, 4], [[10, 11, 12], [20, 24, 28]], acceptance=[0.05, 0.01, 0.0, 0.0])
+    policy, rng = DynamicK(profile, probe_every=probe_every), random.Random(0)
+    chosen = []
+    for _ in range(400):
+        k = policy.choose(8)
+        chosen.append(k)
+        policy.observe([k] * 8, simulate_step(rng, [0.9] * 4, 8, k))
+    assert chosen[0] == 0 and set(chosen[-40:]) == {expected}
 
 
 def test_rates_hold_the_profile_until_warm_and_come_back_after_a_long_pause():
