@@ -39,23 +39,25 @@ def test_eagle1_training_forward_equals_inference_forward(spec_models):
     llm, head = random_head(spec_models, "eagle1")
     h, n = llm.config.hidden_size, 11
     embeds, features = torch.randn(n, h), torch.randn(n, h)
-    dense = train_eagle.eagle1_forward(head, embeds[None], features[None], torch.arange(n))[0]
+    dense = train_eagle.eagle1_forward(head, embeds[None], features[None], torch.arange(n), [])[0]
     cache = KVCache(1, 8, 4, head.config.num_kv_heads, head.config.head_dim, torch.float32, torch.device("cpu"))
     paged = paged_head(head, embeds, features, 0, cache, [])
     torch.testing.assert_close(dense, paged, atol=1e-4, rtol=1e-4)
 
 
-def test_eagle3_training_time_test_sees_what_drafting_sees(spec_models):
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_training_time_test_sees_what_drafting_sees(spec_models, arch):
     """Step j's output at element i equals drafting: the head prefilled with real elements 0 .. i-j,
     then fed its own output j times (with the data's tokens), one element at a time."""
-    llm, head = random_head(spec_models, "eagle3")
+    llm, head = random_head(spec_models, arch)
     h, n, steps = llm.config.hidden_size, 9, 3
-    embeds, features = torch.randn(n, h), torch.randn(n, 3 * h)
+    embeds, features = torch.randn(n, h), torch.randn(n, (3 if arch == "eagle3" else 1) * h)
+    forward = train_eagle.eagle3_forward if arch == "eagle3" else train_eagle.eagle1_forward
     past, feats, dense = [], features[None], []
     for j in range(steps):
-        out = train_eagle.eagle3_forward(head, embeds[None], feats, torch.arange(n), past)
+        out = forward(head, embeds[None], feats, torch.arange(n), past)
         dense.append(out[0])
-        feats = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+        feats = train_eagle.next_input_features(out)
     for j in range(steps):
         for i in range(j, n):
             cache = KVCache(1, 8, 4, head.config.num_kv_heads, head.config.head_dim, torch.float32, torch.device("cpu"))
