@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nanospec import LLM, SamplingParams
+from nanospec import LLM
 from nanospec.dynamic_k import AcceptanceRates, DynamicK, Profile, best_k, main as dynamic_k_main, monotone_in_batch
 from nanospec.errors import NanospecError
 from test_speculative import PROMPTS, PROPOSERS, assert_no_leak, greedy, plain_greedy, proposer_args  # noqa: F401 (fixture)

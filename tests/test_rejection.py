@@ -1,6 +1,5 @@
 """The rejection sampler is lossless: whatever the draft proposes, the emitted tokens follow the
 target's distribution p exactly, and the number of accepted drafts follows its closed form."""
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

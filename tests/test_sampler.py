@@ -1,6 +1,5 @@
 """The sampler draws from exactly the distribution temperature / top-k / top-p define, per row,
 reproducibly from (seed, position), whatever else shares the batch."""
-import math
 
 import numpy as np
 import torch

@@ -2,7 +2,6 @@
 included), a tiny run lowers its loss, writes a head that loads and decodes losslessly, and a
 stopped run resumes to the same head."""
 import json
-import os
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ from safetensors.torch import load_file
 
 import train_eagle
 from nanospec import LLM, SamplingParams
-from nanospec.eagle import load_eagle_head
 from nanospec.kv_cache import KVCache, build_metadata
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello there, how", "1 2 3 4"]
