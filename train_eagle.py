@@ -211,7 +211,9 @@ def batches_by_tokens(sequences, max_tokens):
 
 def build_dataset(args, llm: LLM, aux_layers) -> dict:
     """Self-distilled sequences and their target features, from OUT/cache when already computed."""
-    key = hashlib.sha256(json.dumps([llm.target_name, args.data, args.num_prompts, args.response_tokens,
+    # The built-in prompts' recipe is part of the key: a cache from another recipe is not these data.
+    recipe = None if args.data else [TOPICS, TASKS, STAGE1, ON_TEXT, ON_CODE, STAGE2_SHARE]
+    key = hashlib.sha256(json.dumps([llm.target_name, args.data, recipe, args.num_prompts, args.response_tokens,
                                      args.data_temperature, args.seq_len, list(aux_layers)]).encode()).hexdigest()[:16]
     path = os.path.join(args.out, "cache", f"features-{key}.pt")
     if os.path.exists(path):

@@ -170,10 +170,11 @@ def dynamic_policy(args, llm, max_k: int):
 
 def run(args) -> dict:
     from nanospec import LLM, checkpoint
+    from nanospec.llm import DEFAULT_DYNAMIC_MAX_K
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = parse_ks(args.ks)
     static_ks = [k for k in ks if k != "dynamic"]
-    max_k = max(static_ks, default=0) or 8   # dynamic K chooses among 0..the largest static K
+    max_k = max(static_ks, default=0) or DEFAULT_DYNAMIC_MAX_K   # dynamic K chooses among 0..the largest static K
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (
                   args.draft or args.eagle or args.ngram) else None)

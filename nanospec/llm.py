@@ -37,6 +37,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_DYNAMIC_MAX_K = 8     # the largest K dynamic K may choose, unless told
 
 
 def kv_block_bytes(config, dtype: torch.dtype, block_size: int, num_layers: int | None = None) -> int:
@@ -60,7 +61,7 @@ def check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_
             if on:
                 raise NanospecError(f"{flag} needs a proposer: add --draft PATH, --eagle PATH or --ngram")
         return 0
-    k = (8 if dynamic_k else 4) if num_speculative_tokens is None else num_speculative_tokens
+    k = (DEFAULT_DYNAMIC_MAX_K if dynamic_k else 4) if num_speculative_tokens is None else num_speculative_tokens
     if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
         raise NanospecError(f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
     return k
