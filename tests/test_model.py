@@ -107,15 +107,20 @@ def test_hub_id_resolves_from_local_cache_offline(tmp_path, monkeypatch, checkpo
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 64, 256, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_fast_path_computes_x_times_w_transposed(rows, bias):
+def test_linear_fast_paths_compute_x_times_w_transposed(rows, bias):
     from nanospec.model import Linear
     torch.manual_seed(rows)
     layer = Linear(48, 80, bias=bias)
     x = torch.randn(rows, 48)
-    expected = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
-    out = layer(x)
+    expected = lambda: x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+    with torch.inference_mode():   # the fast paths: W @ x.T for 1-2 rows, the packed copy above
+        out = layer(x)
     assert out.shape == (rows, 80) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    out.sum().backward()   # train_eagle trains through it
+    torch.testing.assert_close(out.double(), expected(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():          # the weight changes in place: the packed copy follows
+        layer.weight.mul_(-2)
+        torch.testing.assert_close(layer(x).double(), expected(), rtol=1e-5, atol=1e-5)
+    out = layer(x)                 # with a gradient: plain F.linear (train_eagle trains through it)
+    out.sum().backward()
     torch.testing.assert_close(layer.weight.grad.double(), torch.ones(rows, 80).double().T @ x.double(),
                                rtol=1e-5, atol=1e-4)
