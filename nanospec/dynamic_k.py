@@ -19,9 +19,13 @@ n-gram, which drafts nothing where it finds no match, and the step then costs wh
 ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included,
 every request verifying exactly K drafts (`python -m nanospec.dynamic_k profile ...`, or a quick one
 at start-up), interpolated linearly between the profiled batch sizes and K values (and at the
-fractional D(K)). a_i and d_i start from the profile and follow what the running requests do once
-the engine has seen a few steps (AcceptanceRates). The choice is a few hundred floating-point
-operations on the host per step: no device sync, nothing per vocabulary.
+fractional D(K)). Neither half of goodput is trusted blindly once the engine runs: a_i and d_i
+follow what the running requests accept (AcceptanceRates), and ITL is corrected by how long the
+engine's own steps take next to what the profile predicts (StepTimes: the profile's prompts are not
+the workload's, contexts grow, a shared machine slows down). Every probe_every-th step tries a
+neighbour of K* (K* + 1, then K* - 1), so both corrections also see the K's the policy does not pick.
+The choice is a few hundred floating-point operations on the host per step: no device sync (the step
+time is read after the step's one device-to-host copy), nothing per vocabulary.
 
     python -m nanospec.dynamic_k profile [--target ...] --ngram --out profile.json
 """
@@ -116,13 +120,17 @@ def acceptance_length(rates: list[float], k: int) -> float:
     return 1 + sum(rates[:k])
 
 
-def best_k(rates: list[float], itl: list[float], drafted: list[float] | None = None) -> int:
-    """argmax over K = 0..len(itl) - 1 of AL(K) / ITL(D(K)), ITL given at K = 0, 1, ...; a tie goes
-    to the smaller K (same goodput, less work). drafted None: D(K) = K."""
+def step_cost(itl: list[float], drafted: list[float] | None = None) -> list[float]:
+    """ITL(D(K)) for K = 0..len(itl) - 1, ITL given at 0, 1, ... verified drafts; drafted None: D(K) = K."""
     ks = list(range(len(itl)))
-    cost = itl if drafted is None else [interpolate(ks, itl, sum(drafted[:k])) for k in ks]
-    goodput = [acceptance_length(rates, k) / t for k, t in zip(ks, cost)]
-    return max(ks, key=lambda k: (goodput[k], -k))
+    return list(itl) if drafted is None else [interpolate(ks, itl, sum(drafted[:k])) for k in ks]
+
+
+def best_k(rates: list[float], cost: list[float]) -> int:
+    """argmax over K = 0..len(cost) - 1 of AL(K) / cost[K]; a tie goes to the smaller K (same
+    goodput, less work)."""
+    goodput = [acceptance_length(rates, k) / t for k, t in enumerate(cost)]
+    return max(range(len(cost)), key=lambda k: (goodput[k], -k))
 
 
 class AcceptanceRates:
@@ -131,20 +139,21 @@ class AcceptanceRates:
     n-gram miss counts as a rejection, so AL(K) is what a request really gains per step).
 
     Counts decay by `decay` every step, so a change of workload shows within about 1 / (1 - decay)
-    steps. Until `warmup_steps` steps offered drafts, the profile's rates hold. A position offered
-    fewer than `min_offered` (decayed) times gets the profile's conditional rate a_i / a_{i-1} times
-    the estimate before it; after a long stretch of K = 0 every count has decayed away, so the
-    profile's rates come back and the policy tries speculation again."""
+    steps. Each rate blends what was observed with a prior worth `prior_weight` request-steps:
+    (count_i + m x_i) / (offered_i + m). x_0 is the profile's rate; x_i, i > 0, is the profile's
+    conditional rate prior_i / prior_{i-1} times the estimate at i - 1, so a position rarely offered
+    follows the profile's shape from the level observed before it. There is no warm-up gate: a single
+    probe step that shows drafts being accepted already moves the estimate (a gate counted in steps
+    with drafts would hold the profile's rates for as long as the policy, trusting them, picks K = 0).
+    After a long stretch of K = 0 every count has decayed away and the profile's rates are back."""
 
     def __init__(self, prior: list[float], prior_drafted: list[float] | None = None, decay: float = 0.97,
-                 warmup_steps: int = 8, min_offered: float = 2.0):
-        self.prior, self.decay = list(prior), decay
+                 prior_weight: float = 4.0):
+        self.prior, self.decay, self.prior_weight = list(prior), decay, prior_weight
         self.prior_drafted = list(prior_drafted) if prior_drafted is not None else [1.0] * len(prior)
-        self.warmup_steps, self.min_offered = warmup_steps, min_offered
         self.offered = [0.0] * len(prior)
         self.found = [0.0] * len(prior)
         self.accepted = [0.0] * len(prior)
-        self.steps = 0
 
     def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None) -> None:
         """One decode step: request b asked for ks[b] drafts, got num_draft[b] (default ks[b]) and
@@ -155,7 +164,6 @@ class AcceptanceRates:
             for m in per_request:
                 for i in range(min(m, n)):
                     counts[i] += 1
-        self.steps += any(ks)
 
     def rates(self) -> list[float]:
         return self._estimate(self.accepted, self.prior)
@@ -164,18 +172,47 @@ class AcceptanceRates:
         return self._estimate(self.found, self.prior_drafted)
 
     def _estimate(self, counts: list[float], prior: list[float]) -> list[float]:
-        if self.steps < self.warmup_steps:
-            return prior
-        rates = []
+        rates, m = [], self.prior_weight
         for i, p in enumerate(prior):
-            if self.offered[i] >= self.min_offered:
-                rates.append(counts[i] / self.offered[i])
-            elif i == 0:
-                rates.append(p)
+            if i == 0:
+                x = p
             else:
-                conditional = p / prior[i - 1] if prior[i - 1] > 0 else 0.0
-                rates.append(rates[-1] * min(conditional, 1.0))
+                x = rates[-1] * min(p / prior[i - 1], 1.0) if prior[i - 1] > 0 else 0.0
+            rates.append((counts[i] + m * x) / (self.offered[i] + m))
         return rates
+
+
+class StepTimes:
+    """How long the engine's decode steps really take, as a ratio to what the profile predicts for
+    them, per (batch size, K): a decayed mean per cell (weights decay by `decay` a step, so a cell
+    follows a change within about 1 / (1 - decay) of its own observations). A K not seen at a batch
+    size gets the ratio of the nearest K seen there (the cost of verifying drafts is mostly off the
+    same way for K and K + 1), a batch size with nothing seen the mean over every step (the machine
+    is 30% slower today: every cell is)."""
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.now = 0                                           # steps observed
+        self.overall = (0.0, 1.0, 0)                           # (weight, mean ratio, step of the last update)
+        self.cells: dict[int, dict[int, tuple[float, float, int]]] = {}   # batch -> K -> the same
+
+    def observe(self, batch_size: int, k: int, ratio: float) -> None:
+        self.now += 1
+        self.overall = self._add(self.overall, ratio)
+        row = self.cells.setdefault(batch_size, {})
+        row[k] = self._add(row.get(k, (0.0, 1.0, 0)), ratio)
+
+    def ratio(self, batch_size: int, k: int) -> float:
+        row = self.cells.get(batch_size)
+        if not row:
+            return self.overall[1]
+        nearest = min(row, key=lambda seen: (abs(seen - k), -seen))
+        return row[nearest][1]
+
+    def _add(self, cell: tuple[float, float, int], ratio: float) -> tuple[float, float, int]:
+        weight, mean, at = cell
+        weight = weight * self.decay ** (self.now - at) + 1
+        return weight, mean + (ratio - mean) / weight, self.now
 
 
 class DynamicK:
@@ -185,6 +222,7 @@ class DynamicK:
         self.profile = profile
         self.max_k = min(profile.max_k, max_k or profile.max_k)
         self.acceptance = AcceptanceRates(profile.acceptance[:self.max_k], profile.drafted[:self.max_k], **rate_options)
+        self.step_times = StepTimes(rate_options.get("decay", 0.97))
         self._itl: dict[int, list[float]] = {}   # batch size -> ITL for K = 0..max_k (the profile is fixed)
         self.probe_every, self.steps = probe_every, 0
 
@@ -193,18 +231,36 @@ class DynamicK:
             self._itl[batch_size] = self.profile.itl(batch_size)[:self.max_k + 1]
         return self._itl[batch_size]
 
-    def choose(self, batch_size: int) -> int:
-        """K* for this step; every probe_every-th step K* + 1 instead. Only drafts that are offered
-        get observed: without probes, a workload that accepts far more than the profile's prompts
-        would stay at the K (or the K = 0) the profile suggests. A probe observes position K*, so
-        the policy climbs one position at a time where that pays, at the cost of one slightly
-        longer step in probe_every."""
-        self.steps += 1
-        k = best_k(self.acceptance.rates(), self.itl(batch_size), self.acceptance.drafted())
-        return min(k + 1, self.max_k) if self.probe_every and self.steps % self.probe_every == 0 else k
+    def cost(self, batch_size: int) -> list[float]:
+        """Expected seconds of a step at K = 0..max_k: the profile at D(K), times the measured ratio."""
+        profiled = step_cost(self.itl(batch_size), self.acceptance.drafted())
+        return [t * self.step_times.ratio(batch_size, k) for k, t in enumerate(profiled)]
 
-    def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None) -> None:
+    def choose(self, batch_size: int) -> int:
+        """K* for this step; every probe_every-th decode step a neighbour, K* + 1 and K* - 1 in turn.
+        Only what is tried gets observed: without probes upward, a workload that accepts far more
+        than the profile's prompts would stay at the K (or the K = 0) the profile suggests; without
+        probes downward, a K that really costs more than the profile says, next to a cheaper one,
+        would never show it. The policy climbs one K at a time where that pays, at the cost of one
+        slightly worse step in probe_every."""
+        k = best_k(self.acceptance.rates(), self.cost(batch_size))
+        probe = self.steps + 1   # the number of the decode step this choice is for
+        if not self.probe_every or probe % self.probe_every:
+            return k
+        up = (probe // self.probe_every) % 2 == 1 or k == 0
+        return min(k + 1, self.max_k) if up else k - 1
+
+    def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
+                seconds: float | None = None) -> None:
+        """A decode step: request b asked for ks[b] drafts, found num_draft[b], had num_accepted[b]
+        accepted; the step took `seconds` (None: not timed)."""
+        self.steps += 1
         self.acceptance.observe(ks, num_accepted, num_draft)
+        if seconds is not None:
+            batch, verified = len(ks), num_draft or ks
+            itl = self.itl(batch)
+            predicted = interpolate(list(range(len(itl))), itl, sum(verified) / batch)
+            self.step_times.observe(batch, max(ks), seconds / predicted)
 
 
 # ---- measuring a profile with the real engine ----

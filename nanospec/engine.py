@@ -316,6 +316,7 @@ class Engine:
     def run_verify(self, batch: Batch):
         """The speculative step: propose, verify [last token, d_1 .. d_k] per request in one target
         forward, rejection-sample. With no proposer (or K = 0) this is plain decoding."""
+        start = time.perf_counter()
         reqs = batch.requests
         ks = [n - 1 for n in batch.query_lens]
         sampling = SamplingBatch.of(reqs, self.device)
@@ -340,8 +341,8 @@ class Engine:
         host = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()   # the step's one device-to-host copy
         accepted = [row[-1] for row in host]
         self.stats.record(self.step_k, ks, num_draft, accepted)
-        if self.dynamic_k:
-            self.dynamic_k.observe(ks, accepted, num_draft)
+        if self.dynamic_k:   # timed after the one copy above, so the device's work is in it; no extra sync
+            self.dynamic_k.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, host[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]

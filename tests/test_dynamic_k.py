@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanospec import LLM
-from nanospec.dynamic_k import AcceptanceRates, DynamicK, Profile, best_k, main as dynamic_k_main, monotone_in_batch
+from nanospec.dynamic_k import (AcceptanceRates, DynamicK, Profile, StepTimes, best_k, main as dynamic_k_main,
+                                monotone_in_batch, step_cost)
 from nanospec.errors import NanospecError
 from test_speculative import PROMPTS, PROPOSERS, assert_no_leak, greedy, plain_greedy, proposer_args  # noqa: F401 (fixture)
 
@@ -52,12 +53,14 @@ def test_drafts_the_proposer_does_not_find_cost_nothing():
     n-gram proposer that finds draft i with probability 0.25 verifies D(4) = 1 draft at K = 4:
     ITL(D(K)) = 10, 10, 10, 10, 10 -> AL rises with K -> K = 4."""
     itl, rates = [10, 10, 20, 20, 30], [0.5, 0.4, 0.3, 0.2]
-    assert best_k(rates, itl) == best_k(rates, itl, [1.0] * 4) == 1
-    assert best_k(rates, itl, [0.25] * 4) == 4
-    observed = AcceptanceRates([0.5] * 4, [1.0] * 4, warmup_steps=1)
+    assert best_k(rates, itl) == best_k(rates, step_cost(itl, [1.0] * 4)) == 1
+    assert best_k(rates, step_cost(itl, [0.25] * 4)) == 4
+    observed = AcceptanceRates([0.5] * 4, [1.0] * 4)
     for _ in range(50):
         observed.observe([4] * 8, [1] * 8, [2] * 8)   # asked 4, found 2, accepted 1
-    assert observed.drafted() == pytest.approx([1, 1, 0, 0]) and observed.rates() == pytest.approx([1, 0, 0, 0])
+    # (the prior's 4 pseudo-request-steps against ~200 observed ones keep it a hair off 0 and 1)
+    assert observed.drafted() == pytest.approx([1, 1, 0, 0], abs=0.03)
+    assert observed.rates() == pytest.approx([1, 0, 0, 0], abs=0.03)
 
 
 @st.composite
@@ -98,7 +101,7 @@ def simulate_step(rng, conditional, batch, k):
 def test_online_rates_converge_to_what_the_proposer_accepts_and_follow_a_change():
     rng = random.Random(0)
     prior = [0.9, 0.8, 0.7, 0.6]
-    rates = AcceptanceRates(prior, decay=0.995, warmup_steps=8)
+    rates = AcceptanceRates(prior, decay=0.995)
     for workload in ([0.6, 0.5, 0.9, 0.5], [0.95, 0.9, 0.3, 0.8]):
         truth = np.cumprod(workload)    # a_i = P(drafts 0..i all accepted)
         for _ in range(3000):
@@ -106,36 +109,72 @@ def test_online_rates_converge_to_what_the_proposer_accepts_and_follow_a_change(
         assert np.allclose(rates.rates(), truth, atol=0.04), (rates.rates(), truth)
 
 
+def run_policy(policy, steps, accept, step_ms=None, batch=8):
+    """Drive the policy like the engine: choose, simulate the step, observe. Returns the K's chosen
+    on the steps that were not probes."""
+    rng, chosen = random.Random(0), []
+    for step in range(1, steps + 1):
+        k = policy.choose(batch)
+        if not policy.probe_every or step % policy.probe_every:
+            chosen.append(k)
+        policy.observe([k] * batch, simulate_step(rng, accept, batch, k),
+                       seconds=None if step_ms is None else step_ms[k] * rng.uniform(0.8, 1.2))
+    return chosen
+
+
 @pytest.mark.parametrize("probe_every, expected", [(8, 4), (0, 0)])
 def test_probes_find_a_workload_that_accepts_far_more_than_the_profile(probe_every, expected):
     """The profile's prompts barely accept drafts (K = 0 is best at batch 8); the workload accepts
     each next draft with probability 0.9: AL = 1, 2.71, 4.10 at K = 0, 2, 4 over 20, 24, 28 ms, so
-    K = 4 is best. Probes (K* + 1 every 8th step) find it; without them the policy never drafts,
-    never observes, and stays at K = 0."""
+    K = 4 is best. Probes (a neighbour of K* every 8th step) find it; without them the policy never
+    drafts, never observes, and stays at K = 0."""
     profile = Profile([1, 8], [0, 2, 4], [[10, 11, 12], [20, 24, 28]], acceptance=[0.05, 0.01, 0.0, 0.0])
-    policy, rng = DynamicK(profile, probe_every=probe_every), random.Random(0)
-    chosen = []
-    for _ in range(400):
-        k = policy.choose(8)
-        chosen.append(k)
-        policy.observe([k] * 8, simulate_step(rng, [0.9] * 4, 8, k))
+    chosen = run_policy(DynamicK(profile, probe_every=probe_every), 400, [0.9] * 4)
     assert chosen[0] == 0 and set(chosen[-40:]) == {expected}
 
 
-def test_rates_hold_the_profile_until_warm_and_come_back_after_a_long_pause():
+@pytest.mark.parametrize("probe_every, expected", [(8, 1), (0, 4)])
+def test_measured_step_times_correct_a_profile_that_makes_large_k_look_cheap(probe_every, expected):
+    """The profile says batch 8 verifies 4 drafts almost for free (20, 21, 22, 23, 24 ms): with
+    a_i = 0.6, 0.4, 0.3, 0.2, K = 4 (AL 2.5). The real steps take 20, 24, 32, 44, 60 ms (+-20%
+    noise): goodput 0.050, 0.067, 0.063, 0.052, 0.042 per ms, K = 1 is best. Measured step times
+    and probes downward walk the policy there; without probes it only sees K = 4, every cell looks
+    equally slower than the profile, and it stays."""
+    profile = Profile([1, 8], [0, 4], [[10, 10], [20, 24]], acceptance=[0.6, 0.4, 0.3, 0.2])
+    conditional = [0.6, 0.4 / 0.6, 0.3 / 0.4, 0.2 / 0.3]
+    chosen = run_policy(DynamicK(profile, probe_every=probe_every), 600, conditional, step_ms=[20, 24, 32, 44, 60])
+    assert chosen[0] == 4 and set(chosen[-40:]) == {expected}
+
+
+def test_step_time_ratio_comes_from_the_cell_its_nearest_k_or_every_step():
+    times = StepTimes(decay=0.5)
+    assert times.ratio(4, 2) == 1.0                 # nothing seen: the profile as it is
+    times.observe(4, 2, 2.0)
+    times.observe(4, 2, 1.0)                        # decayed mean: (0.5 * 2 + 1) / 1.5
+    times.observe(4, 5, 3.0)
+    times.observe(1, 0, 0.5)
+    assert times.ratio(4, 2) == pytest.approx(4 / 3)
+    assert times.ratio(4, 1) == times.ratio(4, 3) == pytest.approx(4 / 3)   # nearest K seen at batch 4: 2
+    assert times.ratio(4, 4) == times.ratio(4, 8) == 3.0                     # nearest: 5 (a tie goes up)
+    overall = (2.0 / 8 + 1.0 / 4 + 3.0 / 2 + 0.5) / (1 / 8 + 1 / 4 + 1 / 2 + 1)   # weights halve a step
+    assert times.ratio(16, 3) == pytest.approx(overall)   # batch 16 never seen: the mean over every step
+
+
+def test_rates_blend_the_profile_with_what_is_observed_and_come_back_after_a_long_pause():
     prior = [0.9, 0.6, 0.3]
-    rates = AcceptanceRates(prior, decay=0.9, warmup_steps=3)
-    for step in range(3):
-        assert rates.rates() == prior
-        rates.observe([1, 1], [0, 0])      # drafts at position 0 only, all rejected
-    assert rates.rates()[0] == 0.0
-    assert rates.rates()[1:] == [0.0, 0.0]   # positions never offered follow the profile's shape from there
-    rates.observe([2, 2], [2, 2])         # position 1 offered twice (min_offered), accepted twice
-    observed = rates.rates()
-    assert observed[1] == 1.0 and observed[2] == pytest.approx(1.0 * 0.3 / 0.6)
-    for _ in range(200):                   # K = 0 for a long time: every count decays away
-        rates.observe([0, 0], [0, 0])
+    rates = AcceptanceRates(prior, decay=1.0, prior_weight=2.0)
     assert rates.rates() == prior
+    rates.observe([1, 1], [0, 0])          # position 0 offered twice, both rejected
+    # (0 + 2 * 0.9) / (2 + 2); positions never offered follow the profile's shape from there
+    assert rates.rates() == pytest.approx([0.45, 0.45 * 0.6 / 0.9, 0.45 * 0.6 / 0.9 * 0.5])
+    rates.observe([2, 2], [2, 2])          # both offered two drafts, both accepted
+    first = (2 + 2 * 0.9) / (4 + 2)
+    second = (2 + 2 * first * 0.6 / 0.9) / (2 + 2)
+    assert rates.rates() == pytest.approx([first, second, second * 0.5])
+    rates.decay = 0.9
+    for _ in range(300):                   # K = 0 for a long time: every count decays away
+        rates.observe([0, 0], [0, 0])
+    assert rates.rates() == pytest.approx(prior)
 
 
 def write_profile(path, batch_sizes, ks, itl, acceptance) -> str:
