@@ -193,8 +193,8 @@ def run(args) -> dict:
     results = []
     for bs in batch_sizes:
         best = {}   # k -> the fastest of the repeats (rows interleaved, so drift hits every K alike)
-        for _ in range(args.repeats):
-            for k in ks:
+        for repeat in range(args.repeats):
+            for k in ks[repeat % len(ks):] + ks[:repeat % len(ks)]:   # each repeat starts at another row
                 # The same engine and proposer for every row; K = 0 is plain decoding.
                 llm.engine.dynamic_k = new_policy() if k == "dynamic" else None
                 llm.engine.num_speculative_tokens = max_k if k == "dynamic" else k

@@ -184,35 +184,48 @@ class AcceptanceRates:
 
 class StepTimes:
     """How long the engine's decode steps really take, as a ratio to what the profile predicts for
-    them, per (batch size, K): a decayed mean per cell (weights decay by `decay` a step, so a cell
-    follows a change within about 1 / (1 - decay) of its own observations). A K not seen at a batch
-    size gets the ratio of the nearest K seen there (the cost of verifying drafts is mostly off the
-    same way for K and K + 1), a batch size with nothing seen the mean over every step (the machine
-    is 30% slower today: every cell is)."""
+    them, modelled per batch size as a line in x, the drafts a request verified in the step:
+    ratio(x). Fitted by least squares over the steps seen at that batch size (each weighted by
+    decay^age, so the fit follows a change within about 1 / (1 - decay) steps); the line's level
+    is shrunk toward the mean ratio over every step and its slope toward 0, by `prior_weight`
+    pseudo-steps each.
 
-    def __init__(self, decay: float = 0.97):
-        self.decay = decay
-        self.now = 0                                           # steps observed
-        self.overall = (0.0, 1.0, 0)                           # (weight, mean ratio, step of the last update)
-        self.cells: dict[int, dict[int, tuple[float, float, int]]] = {}   # batch -> K -> the same
+    Why a line and not a ratio per K: a step's time moves +-20% on a shared CPU, so a K seen only in
+    a few probe steps would be judged on noise; the line pools every step's evidence (n-gram steps
+    verify anything from 0 to K drafts, probes add K* +- 1) into two numbers. The mean over every
+    step is what a batch size not seen yet gets (the machine is 30% slower today: every batch is)."""
 
-    def observe(self, batch_size: int, k: int, ratio: float) -> None:
+    def __init__(self, decay: float = 0.97, prior_weight: float = 2.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.now = 0                                    # steps observed
+        self.overall = (0.0, 1.0, 0)                    # (weight, mean ratio, step of the last update)
+        self.sums: dict[int, tuple[list[float], int]] = {}   # batch -> ([w, wx, wxx, wr, wxr], step of the last update)
+
+    def observe(self, batch_size: int, drafts: float, ratio: float) -> None:
         self.now += 1
-        self.overall = self._add(self.overall, ratio)
-        row = self.cells.setdefault(batch_size, {})
-        row[k] = self._add(row.get(k, (0.0, 1.0, 0)), ratio)
-
-    def ratio(self, batch_size: int, k: int) -> float:
-        row = self.cells.get(batch_size)
-        if not row:
-            return self.overall[1]
-        nearest = min(row, key=lambda seen: (abs(seen - k), -seen))
-        return row[nearest][1]
-
-    def _add(self, cell: tuple[float, float, int], ratio: float) -> tuple[float, float, int]:
-        weight, mean, at = cell
+        weight, mean, at = self.overall
         weight = weight * self.decay ** (self.now - at) + 1
-        return weight, mean + (ratio - mean) / weight, self.now
+        self.overall = weight, mean + (ratio - mean) / weight, self.now
+        sums = self._decayed(batch_size)
+        for i, term in enumerate((1.0, drafts, drafts * drafts, ratio, drafts * ratio)):
+            sums[i] += term
+        self.sums[batch_size] = sums, self.now
+
+    def ratio(self, batch_size: int, drafts: float) -> float:
+        """The fitted line at `drafts`: through the weighted mean (x_mean, r_mean) of the batch's steps,
+        r_mean shrunk toward the mean over every step, the slope toward 0 (both by prior_weight)."""
+        w, wx, wxx, wr, wxr = self._decayed(batch_size)
+        m = self.prior_weight
+        if w < 1e-9:
+            return self.overall[1]
+        x_mean = wx / w
+        r_mean = (wr + m * self.overall[1]) / (w + m)
+        slope = (wxr - wx * wr / w) / (wxx - wx * x_mean + m)   # centred covariance / (variance + m)
+        return max(r_mean + slope * (drafts - x_mean), 0.1)     # a line fitted on few points must not make a step free
+
+    def _decayed(self, batch_size: int) -> list[float]:
+        sums, at = self.sums.get(batch_size, ([0.0] * 5, self.now))
+        return [v * self.decay ** (self.now - at) for v in sums]
 
 
 class DynamicK:
@@ -233,8 +246,9 @@ class DynamicK:
 
     def cost(self, batch_size: int) -> list[float]:
         """Expected seconds of a step at K = 0..max_k: the profile at D(K), times the measured ratio."""
-        profiled = step_cost(self.itl(batch_size), self.acceptance.drafted())
-        return [t * self.step_times.ratio(batch_size, k) for k, t in enumerate(profiled)]
+        drafted = self.acceptance.drafted()
+        profiled = step_cost(self.itl(batch_size), drafted)
+        return [t * self.step_times.ratio(batch_size, sum(drafted[:k])) for k, t in enumerate(profiled)]
 
     def choose(self, batch_size: int) -> int:
         """K* for this step; every probe_every-th decode step a neighbour, K* + 1 and K* - 1 in turn.
@@ -258,9 +272,9 @@ class DynamicK:
         self.acceptance.observe(ks, num_accepted, num_draft)
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks
-            itl = self.itl(batch)
-            predicted = interpolate(list(range(len(itl))), itl, sum(verified) / batch)
-            self.step_times.observe(batch, max(ks), seconds / predicted)
+            itl, drafts = self.itl(batch), sum(verified) / batch
+            predicted = interpolate(list(range(len(itl))), itl, drafts)
+            self.step_times.observe(batch, drafts, seconds / predicted)
 
 
 # ---- measuring a profile with the real engine ----
@@ -377,14 +391,15 @@ def monotone_in_batch(itl: list[list[float]]) -> list[list[float]]:
 
 def quick_profile(llm, max_k: int) -> Profile:
     """The built-in profile measured at start-up when none is given: a coarse grid (batch 1, 8, 64,
-    ... up to max_num_seqs; K 0, 1, 2, 3, 4, 6, 8 up to max_k), 5 steps a point, acceptance over 8
-    shipped prompts x 32 tokens. Interpolation fills in the rest; online rates correct acceptance."""
+    ... up to max_num_seqs; K 0, 1, 2, 3, 4, 6, 8 up to max_k), 9 steps a point (the median: a step's
+    time moves +-20% on a shared CPU), acceptance over 8 shipped prompts x 32 tokens. Interpolation
+    fills in the rest; measured step times and online rates correct it while the engine runs."""
     from nanospec.bench import shipped_prompts
     largest = llm.engine.scheduler.max_num_seqs
     batch_sizes = sorted({b for b in (1, 8, 64) if b < largest} | {largest})
     ks = sorted({k for k in (0, 1, 2, 3, 4, 6, 8) if k < max_k} | {max_k})
     prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]][:8]
-    return measure_profile(llm, prompts, batch_sizes, ks, steps=5, max_new_tokens=32)
+    return measure_profile(llm, prompts, batch_sizes, ks, steps=9, max_new_tokens=32)
 
 
 def check_profile_matches(profile: Profile, llm) -> None:

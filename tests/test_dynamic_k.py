@@ -3,6 +3,7 @@ what the proposer really does, and whatever K the policy (or the queue switch-of
 stays lossless."""
 import json
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -137,27 +138,28 @@ def test_probes_find_a_workload_that_accepts_far_more_than_the_profile(probe_eve
 def test_measured_step_times_correct_a_profile_that_makes_large_k_look_cheap(probe_every, expected):
     """The profile says batch 8 verifies 4 drafts almost for free (20, 21, 22, 23, 24 ms): with
     a_i = 0.6, 0.4, 0.3, 0.2, K = 4 (AL 2.5). The real steps take 20, 24, 32, 44, 60 ms (+-20%
-    noise): goodput 0.050, 0.067, 0.063, 0.052, 0.042 per ms, K = 1 is best. Measured step times
-    and probes downward walk the policy there; without probes it only sees K = 4, every cell looks
-    equally slower than the profile, and it stays."""
+    noise): goodput 0.050, 0.067, 0.063, 0.052, 0.042 per ms, K = 1 is best (K = 2 within 6%, so
+    noise makes the policy visit it too). Measured step times and probes downward walk the policy
+    there; without probes it only sees K = 4, the steps look uniformly slower than the profile, and
+    it stays."""
     profile = Profile([1, 8], [0, 4], [[10, 10], [20, 24]], acceptance=[0.6, 0.4, 0.3, 0.2])
     conditional = [0.6, 0.4 / 0.6, 0.3 / 0.4, 0.2 / 0.3]
     chosen = run_policy(DynamicK(profile, probe_every=probe_every), 600, conditional, step_ms=[20, 24, 32, 44, 60])
-    assert chosen[0] == 4 and set(chosen[-40:]) == {expected}
+    assert chosen[0] == 4 and Counter(chosen[-100:]).most_common(1)[0][0] == expected, Counter(chosen[-100:])
 
 
-def test_step_time_ratio_comes_from_the_cell_its_nearest_k_or_every_step():
-    times = StepTimes(decay=0.5)
-    assert times.ratio(4, 2) == 1.0                 # nothing seen: the profile as it is
-    times.observe(4, 2, 2.0)
-    times.observe(4, 2, 1.0)                        # decayed mean: (0.5 * 2 + 1) / 1.5
-    times.observe(4, 5, 3.0)
-    times.observe(1, 0, 0.5)
-    assert times.ratio(4, 2) == pytest.approx(4 / 3)
-    assert times.ratio(4, 1) == times.ratio(4, 3) == pytest.approx(4 / 3)   # nearest K seen at batch 4: 2
-    assert times.ratio(4, 4) == times.ratio(4, 8) == 3.0                     # nearest: 5 (a tie goes up)
-    overall = (2.0 / 8 + 1.0 / 4 + 3.0 / 2 + 0.5) / (1 / 8 + 1 / 4 + 1 / 2 + 1)   # weights halve a step
-    assert times.ratio(16, 3) == pytest.approx(overall)   # batch 16 never seen: the mean over every step
+def test_step_time_ratio_is_a_line_in_the_drafts_fitted_per_batch_size():
+    times = StepTimes(decay=1.0, prior_weight=2.0)
+    assert times.ratio(4, 0) == times.ratio(4, 3) == 1.0   # nothing seen: the profile as it is
+    times.observe(1, 2.0, 1.5)          # one step: the level is the overall mean (1.5 too), the slope 0
+    assert times.ratio(1, 0) == times.ratio(1, 5) == 1.5
+    times.observe(1, 4.0, 2.5)          # a second: level (1.5 + 2.5 + 2 * 2) / 4 at x = 3, slope 1 / (2 + 2)
+    assert times.ratio(1, 3) == pytest.approx(2.0) and times.ratio(1, 5) == pytest.approx(2.0 + 2 * 0.25)
+    for _ in range(400):                # batch 4: the real steps cost 1.2 + 0.3 x the profile's
+        for x in (0, 1, 2, 3, 4):
+            times.observe(4, x, 1.2 + 0.3 * x)
+    assert [times.ratio(4, x) for x in (0, 2.5, 4)] == pytest.approx([1.2, 1.95, 2.4], rel=0.01)
+    assert times.ratio(16, 3) == pytest.approx((1.5 + 2.5 + 400 * 5 * 1.8) / 2002)   # unseen: the mean over every step
 
 
 def test_rates_blend_the_profile_with_what_is_observed_and_come_back_after_a_long_pause():
