@@ -172,8 +172,8 @@ class Linear(nn.Linear):
     packed 11 / 38 ms. For 1-2 rows W @ x.T (one row padded to two) is the fastest, a little ahead
     of the packed copy (engine step at batch 1: 52-55 vs 59-65 ms). Same math, other kernels.
 
-    The packed copy is made on first use and remade when the weight changes (a new tensor or an
-    in-place update moves the key); the weight stays the parameter (state_dict, training and the GPU
+    The packed copy (as much memory again as the weight) is made on first use and remade when the
+    weight changes (a new tensor or an in-place update moves the key); the weight stays the parameter (state_dict, training and the GPU
     see a plain nn.Linear). Anything that needs a gradient, other dtypes and devices take F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
