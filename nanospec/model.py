@@ -173,8 +173,9 @@ class Linear(nn.Linear):
     of the packed copy (engine step at batch 1: 52-55 vs 59-65 ms). Same math, other kernels.
 
     The packed copy (as much memory again as the weight) is made on first use and remade when the
-    weight changes (a new tensor or an in-place update moves the key); the weight stays the parameter (state_dict, training and the GPU
-    see a plain nn.Linear). Anything that needs a gradient, other dtypes and devices take F.linear."""
+    weight changes (a new tensor or an in-place update moves the key); the weight stays the
+    parameter (state_dict, training and the GPU see a plain nn.Linear). Anything that needs a
+    gradient, other dtypes and devices take F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32 or (
