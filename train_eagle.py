@@ -396,7 +396,7 @@ def eagle1_loss(head, llm, batch: Batch, noise: float, ttt_steps: int, vocab_wei
     features = batch.features + (torch.rand_like(batch.features) - 0.5) * noise if noise else batch.features
 
     def loss_of(predicted, target_probs, mask):
-        regression = F.smooth_l1_loss(predicted, batch.next_final[mask], reduction="none").mean(-1).mean()
+        regression = F.smooth_l1_loss(predicted, batch.next_final[mask])   # mean over rows and dims
         ce, agree = soft_cross_entropy(F.linear(predicted, vocab_weight).float(), target_probs)
         return regression + 0.1 * ce, agree
 
