@@ -126,6 +126,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--categories", default="", help="comma-separated prompt categories (default: all)")
     ap.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    ap.add_argument("--num-requests", type=int, default=0,
+                    help="cycle the prompts to N requests, so that large batches run full and rows run longer (0: each once)")
     ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--device", default="auto")
@@ -180,6 +182,11 @@ def run(args) -> dict:
                   args.draft or args.eagle or args.ngram) else None)
     rows = shipped_prompts([c for c in args.categories.split(",") if c])
     rows = rows[:args.max_prompts] if args.max_prompts else rows
+    if not rows:
+        raise NanospecError(f"no shipped prompt is in --categories {args.categories!r}")
+    if args.num_requests < 0:
+        raise NanospecError(f"--num-requests must be >= 0, got {args.num_requests}")
+    rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up
     profile, new_policy = dynamic_policy(args, llm, max_k) if "dynamic" in ks else (None, None)
@@ -217,7 +224,8 @@ def run(args) -> dict:
     return {"benchmark": "greedy, every request max_new_tokens long, all prompts batch_size at a time",
             "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]),
             "target": args.target or checkpoint.DEFAULT_MODEL_FILE, "proposer": proposer,
-            "categories": args.categories or "all", "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "categories": args.categories or "all", "num_prompts": len(prompts),
+            "distinct_prompts": len(set(map(tuple, prompts))), "max_new_tokens": args.max_new_tokens,
             "chat_template": not args.no_chat, "repeats": args.repeats, "environment": environment(llm),
             "dynamic_k_profile": profile and {"source": args.profile or "quick built-in profile, measured in this run",
                                               "batch_sizes": profile.batch_sizes, "ks": profile.ks,

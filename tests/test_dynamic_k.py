@@ -283,3 +283,17 @@ def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
     dynamic = [r for r in report["results"] if r["k"] == "dynamic"]
     assert all(r["chosen_k"] and r["nanospec_tokens_per_s"] > 0 for r in dynamic)
     assert report["dynamic_k_profile"]["batch_sizes"] == [1, 2] and report["dynamic_k_profile"]["ks"] == [0, 1, 2]
+
+
+def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoints, tmp_path, capsys):
+    from nanospec.bench import main as bench_main
+    out = tmp_path / "bench.json"
+    common = ["--target", checkpoints["llama3"], "--ks", "0", "--batch-sizes", "4", "--max-new-tokens", "3",
+              "--no-transformers", "--no-chat", "--device", "cpu"]
+    assert bench_main(common + ["--max-prompts", "3", "--num-requests", "7", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["num_prompts"], report["distinct_prompts"]) == (7, 3)
+    assert bench_main(common + ["--num-requests", "-1"]) != 0
+    assert "--num-requests must be >= 0" in capsys.readouterr().err
+    assert bench_main(common + ["--categories", "no_such_category"]) != 0
+    assert "no shipped prompt is in --categories" in capsys.readouterr().err
