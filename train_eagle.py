@@ -1,6 +1,6 @@
 """Train an EAGLE-1 or EAGLE-3 draft head for a target model; write it in the public layout.
 
-    python train_eagle.py --out heads/smollm2-eagle1                    # SmolLM2 on a 2-core CPU, ~25 min
+    python train_eagle.py --out heads/smollm2-eagle1                    # SmolLM2 on a 2-core CPU, ~29 min
     python train_eagle.py --target Qwen/Qwen3-8B --arch eagle3 --device cuda --out heads/qwen3-eagle3
 
 1. Data (self-distillation, as the EAGLE authors regenerate theirs): prompts from --data (JSON
@@ -51,12 +51,12 @@ from nanospec.model import ModelConfig, unpack_weights
 
 # ---- knobs (each is also a flag) ----
 ARCH = "eagle1"
-NUM_PROMPTS = 1200          # training prompts (generated set, or the first N of --data)
+NUM_PROMPTS = 1000          # training prompts (generated set, or the first N of --data)
 RESPONSE_TOKENS = 128       # the target's answer per prompt
 DATA_TEMPERATURE = 0.0      # how the target answers (0: greedy, the decoding the head will serve)
 SEQ_LEN = 512               # prompt + answer, truncated
 BATCH_SIZE = 8              # sequences per optimizer step
-STEPS = 300                 # ~2 s a step for SmolLM2 on a 2-core CPU (EAGLE-1, 3 TTT steps)
+STEPS = 600                 # ~2 s a step for SmolLM2 on a 2-core CPU (EAGLE-1, 3 TTT steps)
 LR = 1e-3
 WARMUP = 20
 WEIGHT_DECAY = 0.0
