@@ -110,7 +110,6 @@ def test_speculative_flags(checkpoints):
 
 
 def test_draft_with_another_vocabulary_is_refused(checkpoints, tmp_path):
-    from conftest import CORPUS
     other = corrupt(checkpoints["llama3"], tmp_path, "tokenizer.json", None)
     import tokenizers
     tok = tokenizers.Tokenizer.from_file(os.path.join(checkpoints["llama3"], "tokenizer.json"))
