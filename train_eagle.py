@@ -564,15 +564,13 @@ def parse_args(argv=None):
 
 
 def data_dtype(dtype: str, device: str) -> str:
-    """auto: bfloat16 where matmuls run natively in it (CUDA; CPUs with AVX-512 BF16 or AMX, where
-    oneDNN's bfloat16 matmul is 2-3x float32's), else float32. For SmolLM2 its features differ from
-    float32's by ~2% per row, about the size of the FEATURE_NOISE the head trains with."""
-    if dtype != "auto":
-        return dtype
-    if resolve_device(device).type == "cuda":
-        return "bfloat16"
+    """auto: the engine's auto (bfloat16 on CUDA, float32 on CPU), except bfloat16 on CPUs with
+    AVX-512 BF16 or AMX, where oneDNN's bfloat16 matmul is 2-3x float32's. For SmolLM2 its features
+    differ from float32's by ~2% per row, about the size of the FEATURE_NOISE the head trains with."""
     native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)   # private: guarded
-    return "bfloat16" if native is not None and native() else "float32"
+    if dtype == "auto" and resolve_device(device).type == "cpu" and native is not None and native():
+        return "bfloat16"
+    return dtype
 
 
 def check_args(args) -> None:
