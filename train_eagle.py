@@ -56,7 +56,7 @@ RESPONSE_TOKENS = 128       # the target's answer per prompt
 DATA_TEMPERATURE = 0.0      # how the target answers (0: greedy, the decoding the head will serve)
 SEQ_LEN = 512               # prompt + answer, truncated
 BATCH_SIZE = 8              # sequences per optimizer step
-STEPS = 600                 # ~2 s a step for SmolLM2 on a 2-core CPU (EAGLE-1, 3 TTT steps)
+STEPS = 900                 # ~1.4 s a step for SmolLM2 on a 2-core CPU (EAGLE-1, 3 TTT steps, bfloat16 matmuls)
 LR = 1e-3
 WARMUP = 20
 WEIGHT_DECAY = 0.0
@@ -72,21 +72,54 @@ DTYPE = "auto"              # the target's dtype for data and features: bfloat16
 
 # ---- 1. data ----
 
+# Subjects of the generated prompts. None is the subject of a held-out (shipped benchmark) prompt.
 TOPICS = ["photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning",
-          "compound interest", "the immune system", "volcanoes", "the printing press", "climate change",
-          "supply and demand", "the human heart", "electric cars", "the Roman Empire", "recycling",
-          "vaccines", "the internet", "earthquakes", "honeybees", "the solar system", "sleep", "coffee",
-          "chess", "the Olympic Games", "rainbows", "democracy", "plate tectonics", "antibiotics",
-          "renewable energy", "the moon landing", "inflation", "DNA", "tides", "penguins", "bread baking",
-          "public libraries", "jazz music", "the stock market", "rain forests", "bicycles"]
-TASKS = ["reverses a string", "checks whether a number is prime", "counts the words in a sentence",
-         "returns the largest element of a list", "computes the factorial of n", "merges two sorted lists",
-         "removes duplicates from a list", "converts Celsius to Fahrenheit", "checks whether a string is a palindrome",
-         "computes the nth Fibonacci number", "sums the digits of an integer", "finds the average of a list",
-         "capitalizes every word in a sentence", "counts the vowels in a string", "flattens a nested list",
-         "returns the even numbers of a list", "reads a CSV file and prints each row", "sorts a list of dictionaries by a key",
-         "validates an email address", "groups words by their first letter"]
-# Each template becomes one prompt per topic / task / random problem (stage 1: short questions).
+          "compound interest", "the immune system", "volcanoes", "the printing press", "supply and demand", "the human heart", "electric cars", "the Roman Empire", "recycling", "vaccines",
+          "the internet", "earthquakes", "sleep", "coffee", "chess", "the Olympic Games", "rainbows", "democracy",
+          "plate tectonics", "antibiotics", "renewable energy", "the moon landing", "inflation", "DNA", "tides",
+          "penguins", "jazz music", "the stock market", "rain forests", "ancient Egypt", "the Great Wall of China",
+          "the Renaissance", "the Industrial Revolution", "the Cold War", "the Silk Road", "the Vikings",
+          "ancient Greece", "the steam engine", "the telephone", "electricity", "magnets", "gravity",
+          "nuclear power", "solar panels", "wind turbines", "batteries", "semiconductors", "smartphones",
+          "cloud computing", "cybersecurity", "encryption", "open-source software", "databases", "spreadsheets",
+          "email", "social media", "video games", "virtual reality", "3D printing", "robots", "drones",
+          "self-driving cars", "airplanes", "high-speed trains", "container ships", "rockets", "satellites", "GPS",
+          "the periodic table", "atoms", "chemical reactions", "acids and bases", "evolution", "cells",
+          "bacteria", "viruses", "fungi", "the human brain", "memory", "muscles", "bones", "nutrition",
+          "vitamins", "meditation", "stress", "friendship", "teamwork", "public speaking", "time management",
+          "credit cards", "taxes", "banks", "cryptocurrency", "startups", "marketing",
+          "negotiation", "job interviews", "remote work", "learning a new language", "museums", "photography",
+          "painting", "sculpture", "classical music", "the guitar", "the piano", "opera", "film making",
+          "theater", "poetry", "comic books", "board games", "football", "basketball", "tennis", "swimming",
+          "deserts", "oceans", "coral reefs", "rivers", "glaciers", "hurricanes", "tornadoes", "lightning",
+          "wolves", "elephants", "whales", "octopuses", "ants", "butterflies", "bird migration", "dogs", "cats",
+          "horses", "gardening", "composting", "rice", "chocolate", "tea", "cheese", "spices", "Mars", "comets",
+          "galaxies", "telescopes", "time zones", "maps", "writing systems", "prime numbers", "probability",
+          "statistics", "geometry", "fractions", "architecture", "bridges", "skyscrapers", "public transport",
+          "plastic pollution", "air pollution", "deforestation", "endangered species", "national parks",
+          "tourism", "festivals", "volunteering", "elections", "the United Nations", "human rights",
+          "newspapers", "advertising", "fashion", "cotton", "glass", "steel", "concrete", "salt", "sugar"]
+TASKS = ["reverses a string", "checks whether a number is prime", "returns the largest element of a list",
+         "computes the factorial of n", "removes duplicates from a list", "converts Celsius to Fahrenheit",
+         "sums the digits of an integer", "finds the average of a list", "capitalizes every word in a sentence",
+         "counts the vowels in a string", "flattens a nested list", "returns the even numbers of a list",
+         "sorts a list of dictionaries by a key", "validates an email address", "groups words by their first letter",
+         "computes the greatest common divisor of two numbers", "checks whether two strings are anagrams",
+         "rotates a list by k positions", "finds the second smallest number in a list",
+         "converts a binary string to an integer", "splits a list into chunks of size n", "transposes a matrix",
+         "computes the dot product of two vectors", "checks whether the brackets in a string are balanced",
+         "finds the longest word in a sentence", "converts an integer to Roman numerals",
+         "generates all subsets of a list", "performs a binary search on a sorted list", "implements bubble sort",
+         "counts the lines in a text file", "writes a list of dictionaries to a JSON file",
+         "computes the median of a list", "finds the common elements of two lists",
+         "removes the punctuation from a string", "converts seconds to hours, minutes and seconds",
+         "finds the missing number in a list of 1 to n", "turns two lists into a dictionary",
+         "checks the strength of a password", "generates a random password", "computes the area of a circle",
+         "computes the edit distance between two strings", "finds the most common element of a list",
+         "converts a string to title case", "computes the cumulative sum of a list",
+         "returns the keys of a dictionary sorted by value", "checks whether a list is sorted",
+         "compresses a string with run-length encoding", "converts a hex color to RGB"]
+# Each template + subject is one prompt (stage 1: short questions); the math ones draw random numbers.
 STAGE1 = {
     "explain": ["Explain {topic} in simple terms.", "Write a short paragraph about {topic}.",
                 "What are three interesting facts about {topic}?", "Why is {topic} important?",
@@ -99,11 +132,12 @@ STAGE1 = {
                    "Make a markdown table with three facts about {topic}."],
     "code": ["Write a Python function that {task}.", "Show me how to write a function that {task}, with an example.",
              "Write a JavaScript function that {task}.", "Explain step by step how to write code that {task}."],
-    "math": ["Solve for x: {a}x + {b} = {c}. Explain each step.", "What is {p}% of {n}? Show your work.",
+    "math": ["Find x if {a}x + {b} = {c}, and show the working.", "What is {p}% of {n}? Show your work.",
              "A car travels {d} km in {h} hours. What is its average speed?",
              "A shirt costs ${n} and is discounted by {p}%. What is the new price?",
              "Compute {a} * {n} step by step."],
 }
+STAGE1_SHARE = {"explain": 0.4, "creative": 0.15, "structured": 0.1, "code": 0.2, "math": 0.15}
 # Stage 2: the target's own stage-1 answers become the context of tasks that copy from it.
 ON_TEXT = ["Summarize the text below in two sentences.\n\n{text}", "Give the text below a title and a one-line summary.\n\n{text}",
            "Rewrite the text below as a bulleted list.\n\n{text}", "Copy the first and the last sentence of the text below.\n\n{text}",
@@ -116,18 +150,26 @@ ON_CODE = ["Add a docstring and type hints to this code. Return the full code:\n
 STAGE2_SHARE = 0.4          # of the generated prompts
 
 
-def stage1_prompts(rng: random.Random) -> list[tuple[str, str]]:
-    """(kind, prompt) for every template x topic / task, and 40 random problems per math template."""
-    prompts = [(kind, t.format(topic=topic)) for kind in ("explain", "creative", "structured")
-               for t in STAGE1[kind] for topic in TOPICS]
-    prompts += [("code", t.format(task=task)) for t in STAGE1["code"] for task in TASKS]
-    for t in STAGE1["math"]:
-        for _ in range(40):
-            prompts.append(("math", t.format(a=rng.randint(2, 19), b=rng.randint(1, 99), c=rng.randint(100, 300),
-                                             p=rng.choice([5, 10, 15, 20, 25, 30, 40, 75]), n=rng.randint(12, 480),
-                                             d=rng.randint(60, 900), h=rng.randint(2, 9))))
+def stage1_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """n (kind, prompt) pairs in the STAGE1_SHARE mix: distinct template + subject pairs drawn at
+    random (one repeats only once all of its kind are used), math with random numbers."""
+    counts = {kind: round(n * share) for kind, share in STAGE1_SHARE.items()}
+    counts["math"] = max(0, n - sum(c for kind, c in counts.items() if kind != "math"))
+    prompts = [("math", rng.choice(STAGE1["math"]).format(**math_numbers(rng))) for _ in range(counts["math"])]
+    for kind in ("explain", "creative", "structured", "code"):
+        subjects = [{"task": t} for t in TASKS] if kind == "code" else [{"topic": t} for t in TOPICS]
+        pairs, drawn = [t.format(**s) for t in STAGE1[kind] for s in subjects], []
+        while len(drawn) < counts[kind]:
+            rng.shuffle(pairs)
+            drawn += pairs
+        prompts += [(kind, p) for p in drawn[:counts[kind]]]
     rng.shuffle(prompts)
-    return prompts
+    return prompts[:n]
+
+
+def math_numbers(rng: random.Random) -> dict:
+    return dict(a=rng.randint(2, 19), b=rng.randint(1, 99), c=rng.randint(100, 300), n=rng.randint(12, 480),
+                p=rng.choice([5, 10, 15, 20, 25, 30, 40, 75]), d=rng.randint(60, 900), h=rng.randint(2, 9))
 
 
 def stage2_prompts(rng: random.Random, answers: list[tuple[str, str]], n: int) -> list[str]:
@@ -164,7 +206,7 @@ def training_sequences(llm: LLM, data_file: str | None, n: int, max_tokens: int,
         from nanospec.generate import read_prompts_file
         return self_distill(llm, read_prompts_file(data_file)[:n], max_tokens, temperature)[0]
     rng = random.Random(0)
-    first = stage1_prompts(rng)[:n - int(n * STAGE2_SHARE)]
+    first = stage1_prompts(rng, n - int(n * STAGE2_SHARE))
     pairs, texts = self_distill(llm, [p for _, p in first], max_tokens, temperature)
     second = stage2_prompts(rng, [(kind, t) for (kind, _), t in zip(first, texts)], n - len(first))
     return pairs + self_distill(llm, second, max_tokens, temperature, seed=len(first))[0]
@@ -214,7 +256,7 @@ def batches_by_tokens(sequences, max_tokens):
 def build_dataset(args, llm: LLM, aux_layers) -> dict:
     """Self-distilled sequences and their target features, from OUT/cache when already computed."""
     # The built-in prompts' recipe is part of the key: a cache from another recipe is not these data.
-    recipe = None if args.data else [TOPICS, TASKS, STAGE1, ON_TEXT, ON_CODE, STAGE2_SHARE]
+    recipe = None if args.data else [TOPICS, TASKS, STAGE1, STAGE1_SHARE, ON_TEXT, ON_CODE, STAGE2_SHARE]
     key = hashlib.sha256(json.dumps([llm.target_name, str(llm.dtype), args.data, recipe, args.num_prompts, args.response_tokens,
                                      args.data_temperature, args.seq_len, list(aux_layers)]).encode()).hexdigest()[:16]
     path = os.path.join(args.out, "cache", f"features-{key}.pt")
@@ -223,13 +265,17 @@ def build_dataset(args, llm: LLM, aux_layers) -> dict:
         return torch.load(path, weights_only=True)
     start = time.perf_counter()
     pairs = training_sequences(llm, args.data, args.num_prompts, args.response_tokens, args.data_temperature)
-    seqs = [s[:args.seq_len] for s, _ in pairs]
     gen_s = time.perf_counter() - start
-    print(f"data: {len(seqs)} prompts answered by the target, {sum(map(len, seqs))} tokens in {gen_s:.0f} s")
+    kept = [(s[:args.seq_len], p) for s, p in pairs if p < min(len(s), args.seq_len)]   # an answer token fits
+    if not kept:
+        raise NanospecError(f"no prompt leaves room for an answer token within --seq-len {args.seq_len}; raise it")
+    seqs = [s for s, _ in kept]
+    print(f"data: {len(pairs)} prompts answered by the target, {sum(map(len, seqs))} tokens in {gen_s:.0f} s"
+          + (f" ({len(pairs) - len(kept)} left out: their prompt fills --seq-len)" if len(kept) < len(pairs) else ""))
     start = time.perf_counter()
     finals, auxes = target_features(llm, seqs, aux_layers)
     print(f"features: {time.perf_counter() - start:.0f} s")
-    data = {"tokens": [torch.tensor(s) for s in seqs], "prompt_lens": [p for _, p in pairs], "final": finals,
+    data = {"tokens": [torch.tensor(s) for s in seqs], "prompt_lens": [p for _, p in kept], "final": finals,
             "aux": auxes, "generation_seconds": gen_s}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(data, path)
@@ -450,16 +496,20 @@ def train(args, llm: LLM, head, data, vocab_ids) -> dict:
     order = []
     for _ in range(step):   # replay the sampling so that a resumed run sees the same batches
         order = next_rows(rng, order, train_rows, args.batch_size)[1]
+    # Where the target runs in bfloat16 (the device computes it natively), so do the head's matmuls
+    # (autocast: 1.5x the float32 step on this CPU); its weights and optimizer stay float32.
+    mixed = llm.dtype == torch.bfloat16
     start = time.perf_counter()
     while step < args.steps:
         rows, order = next_rows(rng, order, train_rows, args.batch_size)
         batch = make_batch(data, rows, llm, args.arch, device)
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, args)
-        if args.arch == "eagle1":
-            loss, stats = eagle1_loss(head, llm, batch, args.feature_noise, args.ttt_steps, vocab_weight)
-        else:
-            loss, stats = eagle3_loss(head, llm, batch, args.ttt_steps, vocab_weight)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+            if args.arch == "eagle1":
+                loss, stats = eagle1_loss(head, llm, batch, args.feature_noise, args.ttt_steps, vocab_weight)
+            else:
+                loss, stats = eagle3_loss(head, llm, batch, args.ttt_steps, vocab_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
@@ -559,7 +609,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default=DTYPE, help="the target's dtype for data and features (auto: bfloat16 on CUDA and on "
-                    "CPUs with native bfloat16, else float32); the head trains in float32 and is evaluated at the serving default")
+                    "CPUs with native bfloat16, else float32); the head keeps float32 weights (its matmuls follow the target's dtype) "
+                    "and is evaluated at the serving default")
     return ap.parse_args(argv)
 
 

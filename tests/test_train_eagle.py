@@ -68,7 +68,7 @@ def test_training_time_test_sees_what_drafting_sees(spec_models, arch):
 
 def tiny_args(target, out, arch, steps=40, **extra):
     args = ["--target", target, "--out", str(out), "--arch", arch, "--num-prompts", "8", "--response-tokens", "24",
-            "--seq-len", "48", "--batch-size", "4", "--steps", str(steps), "--warmup", "4", "--lr", "3e-3",
+            "--seq-len", "112", "--batch-size", "4", "--steps", str(steps), "--warmup", "4", "--lr", "3e-3",
             "--draft-vocab", "64", "--save-every", "5", "--no-eval", "--device", "cpu"]
     return args + [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
@@ -76,7 +76,7 @@ def tiny_args(target, out, arch, steps=40, **extra):
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 def test_tiny_run_lowers_loss_and_writes_a_lossless_head(spec_models, tmp_path, arch):
     out = tmp_path / arch
-    assert train_eagle.main(tiny_args(spec_models["target"], out, arch)) == 0
+    assert train_eagle.main(tiny_args(spec_models["target"], out, arch, steps=100)) == 0
     history = json.loads((out / "train_report.json").read_text())["training"]["history"]
     first, last = [sum(h["loss"] for h in part) / 5 for part in (history[:5], history[-5:])]
     assert last < 0.8 * first, (first, last)
@@ -119,3 +119,10 @@ def test_resuming_with_other_settings_is_refused(spec_models, tmp_path, capsys):
     assert train_eagle.main(tiny_args(spec_models["target"], tmp_path, "eagle1", steps=5)) == 0
     assert train_eagle.main(tiny_args(spec_models["target"], tmp_path, "eagle1", steps=5, lr=1e-2)) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_prompts_that_fill_the_sequence_length_are_left_out_or_refused(spec_models, tmp_path, capsys):
+    assert train_eagle.main(tiny_args(spec_models["target"], tmp_path / "some", "eagle1", steps=5, seq_len=60)) == 0
+    assert "left out: their prompt fills --seq-len" in capsys.readouterr().out
+    assert train_eagle.main(tiny_args(spec_models["target"], tmp_path / "none", "eagle1", steps=5, seq_len=8)) == 2
+    assert "raise it" in capsys.readouterr().err
