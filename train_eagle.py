@@ -1,6 +1,6 @@
 """Train an EAGLE-1 or EAGLE-3 draft head for a target model; write it in the public layout.
 
-    python train_eagle.py --out heads/smollm2-eagle1                    # SmolLM2 on a 2-core CPU, ~27 min
+    python train_eagle.py --out heads/smollm2-eagle1                    # SmolLM2 on a 2-core CPU, ~30 min
     python train_eagle.py --target Qwen/Qwen3-8B --arch eagle3 --device cuda --out heads/qwen3-eagle3
 
 1. Data (self-distillation, as the EAGLE authors regenerate theirs): prompts from --data (JSON
