@@ -56,7 +56,7 @@ RESPONSE_TOKENS = 128       # the target's answer per prompt
 DATA_TEMPERATURE = 0.0      # how the target answers (0: greedy, the decoding the head will serve)
 SEQ_LEN = 512               # prompt + answer, truncated
 BATCH_SIZE = 8              # sequences per optimizer step
-STEPS = 900                 # ~1.4 s a step for SmolLM2 on a 2-core CPU (EAGLE-1, 3 TTT steps, bfloat16 matmuls)
+STEPS = 900                 # ~1.2 s a step for SmolLM2 on a 2-core CPU (EAGLE-1, 3 TTT steps, bfloat16 matmuls)
 LR = 1e-3
 WARMUP = 20
 WEIGHT_DECAY = 0.0
@@ -74,7 +74,8 @@ DTYPE = "auto"              # the target's dtype for data and features: bfloat16
 
 # Subjects of the generated prompts. None is the subject of a held-out (shipped benchmark) prompt.
 TOPICS = ["photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning",
-          "compound interest", "the immune system", "volcanoes", "the printing press", "supply and demand", "the human heart", "electric cars", "the Roman Empire", "recycling", "vaccines",
+          "compound interest", "the immune system", "volcanoes", "the printing press", "supply and demand",
+          "the human heart", "electric cars", "the Roman Empire", "recycling", "vaccines",
           "the internet", "earthquakes", "sleep", "coffee", "chess", "the Olympic Games", "rainbows", "democracy",
           "plate tectonics", "antibiotics", "renewable energy", "the moon landing", "inflation", "DNA", "tides",
           "penguins", "jazz music", "the stock market", "rain forests", "ancient Egypt", "the Great Wall of China",
