@@ -23,8 +23,9 @@
    AdamW, linear warm-up then cosine decay, gradient clipping; a progress line with loss and
    accuracy; OUT/checkpoint.pt every --save-every steps: the same command resumes a stopped run.
 4. Output: OUT/model.safetensors + OUT/config.json (loads with --eagle OUT, and in vLLM / SGLang),
-   then the head's mean acceptance length on held-out prompts (the shipped benchmark prompts),
-   measured with the real engine, next to the n-gram proposer's, in OUT/train_report.json.
+   then the head's mean acceptance length on held-out prompts (the shipped benchmark prompts), over
+   all and per category, measured with the real engine, next to the n-gram proposer's, in
+   OUT/train_report.json.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from nanospec import LLM, SamplingParams
 from nanospec.llm import resolve_device
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
 from nanospec.errors import NanospecError, run_command
+from nanospec.engine import Stats
 from nanospec.kv_cache import KVCache, build_metadata
 from nanospec.model import ModelConfig, unpack_weights
 
@@ -564,24 +566,37 @@ def save_head(args, llm: LLM, head, cfg: dict) -> None:
         json.dump(cfg, f, indent=2)
 
 
-def acceptance_length(target: str | None, prompts: list[str], k: int, max_tokens: int, device: str, **proposer) -> dict:
-    """Mean acceptance length at K = k, T = 0 over the prompts, with the real engine."""
+def acceptance_length(target: str | None, prompts: list[dict], k: int, max_tokens: int, device: str, **proposer) -> dict:
+    """Mean acceptance length at K = k, T = 0 with the real engine, over the prompts ({"prompt",
+    "category"}) and per category: one generate call per category, their stats added up."""
     llm = LLM(target, device=device, num_speculative_tokens=k, **proposer)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), chat=True)
-    s = llm.stats
+    total, per_category = Stats(), {}
+    for category in dict.fromkeys(r["category"] for r in prompts):
+        group = [r["prompt"] for r in prompts if r["category"] == category]
+        llm.generate(group, SamplingParams(temperature=0, max_tokens=max_tokens), chat=True)
+        per_category[category] = llm.stats["mean_acceptance_length"]
+        total.add(llm.engine.stats)
+    s = total.as_dict()
     return {"mean_acceptance_length": s["mean_acceptance_length"],
-            "acceptance_rate_per_position": s["acceptance_rate_per_position"]}
+            "acceptance_rate_per_position": s["acceptance_rate_per_position"], "per_category": per_category}
 
 
 def evaluate(args) -> dict:
     from nanospec.bench import shipped_prompts
-    held_out = [r["prompt"] for r in shipped_prompts()]
+    held_out = shipped_prompts()
     start = time.perf_counter()
     result = {"held_out_prompts": len(held_out), "k": args.eval_k, "max_tokens": args.eval_tokens,
               "eagle": acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device, eagle=args.out),
               "ngram": acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device, ngram=True)}
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def print_evaluation(e: dict) -> None:
+    print(f"held-out acceptance length at K={e['k']}, T=0: EAGLE {e['eagle']['mean_acceptance_length']:.2f}, "
+          f"n-gram {e['ngram']['mean_acceptance_length']:.2f}")
+    for category, al in e["eagle"]["per_category"].items():
+        print(f"  {category:<12} EAGLE {al:.2f}  n-gram {e['ngram']['per_category'][category]:.2f}")
 
 
 def parse_args(argv=None):
@@ -661,9 +676,7 @@ def run(args) -> dict:
     report["train_wall_seconds"] = round(time.perf_counter() - wall, 1)
     if not args.no_eval:
         report["eval"] = evaluate(args)
-        e = report["eval"]
-        print(f"held-out acceptance length at K={args.eval_k}, T=0: EAGLE {e['eagle']['mean_acceptance_length']:.2f}, "
-              f"n-gram {e['ngram']['mean_acceptance_length']:.2f}")
+        print_evaluation(report["eval"])
     with open(os.path.join(args.out, "train_report.json"), "w") as f:
         json.dump(report, f, indent=2)
     return report

@@ -203,6 +203,19 @@ class Stats:
                 for i in range(n):
                     per_position[i] += 1
 
+    def add(self, other: Stats) -> None:
+        """Count another run's steps and tokens in this one (stats over several generate calls)."""
+        for name in ("generated_tokens", "steps", "request_steps", "prefill_steps", "preemptions", "elapsed_s",
+                     "drafted_tokens", "accepted_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("offered_per_position", "drafted_per_position", "accepted_per_position"):
+            pairs = itertools.zip_longest(getattr(self, name), getattr(other, name), fillvalue=0)
+            setattr(self, name, [a + b for a, b in pairs])
+        for batch_size, ks in other.chosen_k.items():
+            per_k = self.chosen_k.setdefault(batch_size, {})
+            for k, n in ks.items():
+                per_k[k] = per_k.get(k, 0) + n
+
     def as_dict(self) -> dict:
         tps = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
         # Acceptance length: the tokens a request gains in a step, 1 (the target's own: recovered or

@@ -95,3 +95,23 @@ def test_bad_input_is_named(tiny_llm):
     with pytest.raises(NanospecError, match="empty"):
         tiny_llm.generate([""], greedy())
     assert_no_leak(tiny_llm)   # a rejected batch queues nothing
+
+
+def test_stats_of_two_calls_add_up_to_one_call_over_both(checkpoints):
+    """Stats.add (train_eagle's per-category evaluation): counts over separate generate calls equal
+    the counts of one call over all their prompts (n-gram drafts and greedy tokens do not depend on
+    the batch)."""
+    llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, num_speculative_tokens=3, kv_cache_gb=0.05)
+    prompts = [p * 3 for p in PROMPTS]   # repeated text: the n-gram proposer finds drafts
+    llm.generate(prompts, greedy())
+    together = llm.stats
+    total = type(llm.engine.stats)()
+    for part in (prompts[:3], prompts[3:]):
+        llm.generate(part, greedy())
+        total.add(llm.engine.stats)
+    added = total.as_dict()
+    assert together["accepted_tokens"] > 0
+    for key in ("generated_tokens", "drafted_tokens", "accepted_tokens", "mean_acceptance_length",
+                "acceptance_rate_per_position"):
+        assert added[key] == together[key], key
+    assert sum(n for ks in added["chosen_k"].values() for n in ks.values()) == added["steps"]
