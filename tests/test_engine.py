@@ -3,6 +3,7 @@ one at a time, a tiny KV pool (preempting) equals an ample one, seeds reproduce,
 import pytest
 
 from nanospec import LLM, NanospecError, SamplingParams
+from nanospec.engine import Stats
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "1234567890 numbers 3.14159 and",
            "héllo wörld, ça va?", "User: hello there!\nAssistant:", "It was the best of times. It was",
@@ -105,7 +106,7 @@ def test_stats_of_two_calls_add_up_to_one_call_over_both(checkpoints):
     prompts = [p * 3 for p in PROMPTS]   # repeated text: the n-gram proposer finds drafts
     llm.generate(prompts, greedy())
     together = llm.stats
-    total = type(llm.engine.stats)()
+    total = Stats()
     for part in (prompts[:3], prompts[3:]):
         llm.generate(part, greedy())
         total.add(llm.engine.stats)
