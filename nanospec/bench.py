@@ -118,8 +118,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft", help="draft model for speculative rows")
     ap.add_argument("--eagle", help="EAGLE head for speculative rows")
     ap.add_argument("--ngram", action="store_true", help="prompt lookup for speculative rows")
-    ap.add_argument("--ks", default="0", help="comma-separated K values; 0 is plain decoding, 'dynamic' is dynamic K "
-                                              "(needs a proposer for K > 0)")
+    ap.add_argument("--ks", default="0", help="comma-separated K values; 0 is plain decoding, 'dynamic' is dynamic K, "
+                                              "'dynamic-per-request' dynamic K per request (needs a proposer for K > 0)")
     ap.add_argument("--profile", help="dynamic-K profile (default: the quick built-in one, measured here)")
     ap.add_argument("--repeats", type=int, default=1, help="measure every row N times, interleaved; keep the best")
     ap.add_argument("--batch-sizes", default="1,8,32")
@@ -156,18 +156,22 @@ def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
     return {"transformers_tokens_per_s": round(time_transformers(ref, prompts, bs, args.max_new_tokens, pad, **spec), 2)}
 
 
+DYNAMIC_ROWS = ("dynamic", "dynamic-per-request")
+
+
 def parse_ks(text: str) -> list:
     try:
-        return [k.strip() if k.strip() == "dynamic" else int(k) for k in text.split(",") if k.strip()]
+        return [k.strip() if k.strip() in DYNAMIC_ROWS else int(k) for k in text.split(",") if k.strip()]
     except ValueError:
-        raise NanospecError(f"--ks takes comma-separated integers and 'dynamic', got {text!r}")
+        raise NanospecError(f"--ks takes comma-separated integers, 'dynamic' and 'dynamic-per-request', got {text!r}")
 
 
 def dynamic_policy(args, llm, max_k: int):
     """The dynamic-K policy the dynamic rows use: from --profile, or the quick built-in profile."""
     from nanospec.dynamic_k import DynamicK, Profile, quick_profile
     profile = Profile.load(args.profile) if args.profile else quick_profile(llm, max_k)
-    return profile, lambda: DynamicK(profile, max_k)   # a fresh policy per row: every row starts from the profile
+    # a fresh policy per row: every row starts from the profile
+    return profile, lambda row: DynamicK(profile, max_k, per_request=row == "dynamic-per-request")
 
 
 def run(args) -> dict:
@@ -175,7 +179,7 @@ def run(args) -> dict:
     from nanospec.llm import DEFAULT_DYNAMIC_MAX_K
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = parse_ks(args.ks)
-    static_ks = [k for k in ks if k != "dynamic"]
+    static_ks = [k for k in ks if k not in DYNAMIC_ROWS]
     max_k = max(static_ks, default=0) or DEFAULT_DYNAMIC_MAX_K   # dynamic K chooses among 0..the largest static K
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (
@@ -189,7 +193,8 @@ def run(args) -> dict:
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up
-    profile, new_policy = dynamic_policy(args, llm, max_k) if "dynamic" in ks else (None, None)
+    dynamic = any(k in DYNAMIC_ROWS for k in ks)
+    profile, new_policy = dynamic_policy(args, llm, max_k) if dynamic else (None, None)
     ref = None
     if not args.no_transformers:
         try:
@@ -203,8 +208,8 @@ def run(args) -> dict:
         for repeat in range(args.repeats):
             for k in ks[repeat % len(ks):] + ks[:repeat % len(ks)]:   # each repeat starts at another row
                 # The same engine and proposer for every row; K = 0 is plain decoding.
-                llm.engine.dynamic_k = new_policy() if k == "dynamic" else None
-                llm.engine.num_speculative_tokens = max_k if k == "dynamic" else k
+                llm.engine.dynamic_k = new_policy(k) if k in DYNAMIC_ROWS else None
+                llm.engine.num_speculative_tokens = max_k if k in DYNAMIC_ROWS else k
                 measured = time_nanospec(llm, prompts, bs, args.max_new_tokens)
                 if k not in best or measured["tokens_per_s"] > best[k]["tokens_per_s"]:
                     best[k] = measured
@@ -212,9 +217,9 @@ def run(args) -> dict:
         for k in ks:
             measured = best[k]
             row = {"batch_size": bs, "k": k, "nanospec_tokens_per_s": measured.pop("tokens_per_s"), **measured}
-            if k != "dynamic":
+            if k not in DYNAMIC_ROWS:
                 row.pop("chosen_k")
-            if ref is not None and k != "dynamic":
+            if ref is not None and k not in DYNAMIC_ROWS:
                 row.update(transformers_row(args, llm, ref, prompts, bs, k))
                 if "transformers_tokens_per_s" in row:
                     row["ratio"] = round(row["nanospec_tokens_per_s"] / row["transformers_tokens_per_s"], 3)
@@ -239,13 +244,13 @@ def print_table(report: dict) -> None:
     print(f"{report['target']} on {report['environment']['device']} ({report['environment']['dtype']}), proposer "
           f"{report['proposer']}, {report['num_prompts']} prompts ({report['categories']}), "
           f"{report['max_new_tokens']} new tokens each")
-    print(f"{'batch':>6} {'K':>7} {'nanospec tok/s':>15} {'accept len':>11} {'transformers tok/s':>19} {'ratio':>7}"
+    print(f"{'batch':>6} {'K':>19} {'nanospec tok/s':>15} {'accept len':>11} {'transformers tok/s':>19} {'ratio':>7}"
           f" {'vs best other':>14}")
     for r in report["results"]:
         others = [o["nanospec_tokens_per_s"] for o in report["results"]
                   if o["batch_size"] == r["batch_size"] and o["k"] != r["k"]]
         vs_best = r["nanospec_tokens_per_s"] / max(others) if others else float("nan")
-        print(f"{r['batch_size']:>6} {r['k']:>7} {r['nanospec_tokens_per_s']:>15.1f} {r['mean_acceptance_length']:>11.2f} "
+        print(f"{r['batch_size']:>6} {r['k']:>19} {r['nanospec_tokens_per_s']:>15.1f} {r['mean_acceptance_length']:>11.2f} "
               f"{r.get('transformers_tokens_per_s', float('nan')):>19.1f} {r.get('ratio', float('nan')):>7.2f}"
               f" {vs_best:>14.2f}")
 

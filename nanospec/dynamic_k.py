@@ -16,6 +16,12 @@ D(K) = sum_{i<K} d_i is the number of drafts a request really verifies when aske
 the probability that the proposer finds a draft i at all: 1 for a draft model or EAGLE, less for
 n-gram, which drafts nothing where it finds no match, and the step then costs what a smaller K costs.
 
+Per request (`per_request=True`): requests differ (an n-gram request that copies its prompt accepts
+five drafts a step, one that writes new text almost none), and a step's time depends on how many
+drafts it verifies in all, not on whose. So drafts go where they are accepted: request b gets K_b,
+chosen to maximise sum_b AL_b(K_b) / ITL(B, mean_b D(K_b)), AL_b from the shared rates scaled by
+what request b accepted lately next to what those rates expected of it (allocate, scaled_rates).
+
 ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included,
 every request verifying exactly K drafts (`python -m nanospec.dynamic_k profile ...`, or a quick one
 at start-up), interpolated linearly between the profiled batch sizes and K values (and at the
@@ -126,6 +132,38 @@ def step_cost(itl: list[float], drafted: list[float] | None = None) -> list[floa
     return list(itl) if drafted is None else [interpolate(ks, itl, sum(drafted[:k])) for k in ks]
 
 
+def allocate(rates: list[list[float]], drafted: list[float], cost_at) -> list[int]:
+    """K per request: the argmax over (K_0, .., K_B-1) of (B + sum_b sum_{i<K_b} rates[b][i]) /
+    cost_at(x), x = sum_b sum_{i<K_b} drafted[i] / B the drafts a request verifies on average.
+    Every rates[b] must not increase with i. For a given number of drafts in all, the gain is largest
+    when they are the most likely accepted ones, and taking them in that order never takes a
+    request's draft i + 1 before its draft i; so walking the drafts from the most to the least likely
+    accepted and keeping the best prefix finds the argmax (exactly when every draft is found,
+    drafted = 1; with n-gram misses the order ignores that a missed draft costs nothing)."""
+    batch = len(rates)
+    order = sorted((-a, i, b) for b, row in enumerate(rates) for i, a in enumerate(row))
+    gain, drafts = float(batch), 0.0
+    best, best_n = gain / cost_at(0.0), 0
+    for n, (minus_a, i, b) in enumerate(order, 1):
+        gain, drafts = gain - minus_a, drafts + drafted[i]
+        goodput = gain / cost_at(drafts / batch)
+        if goodput > best:   # a tie keeps the shorter prefix: same goodput, less work
+            best, best_n = goodput, n
+    ks = [0] * batch
+    for _, _, b in order[:best_n]:
+        ks[b] += 1
+    return ks
+
+
+def scaled_rates(rates: list[float], record: list[float], prior_weight: float = 2.0) -> list[float]:
+    """One request's a_i: the shared rates times (accepted + m) / (expected + m), record = [drafts
+    the request had accepted, drafts the shared rates expected of it] (decayed), capped at 1 and made
+    non-increasing in i (a_i is the probability of a run of at least i + 1 accepted)."""
+    accepted, expected = record
+    scale = (accepted + prior_weight) / (expected + prior_weight)
+    return list(itertools.accumulate((min(1.0, a * scale) for a in rates), min))
+
+
 def best_k(rates: list[float], cost: list[float]) -> int:
     """argmax over K = 0..len(cost) - 1 of AL(K) / cost[K]; a tie goes to the smaller K (same
     goodput, less work)."""
@@ -231,8 +269,9 @@ class StepTimes:
 class DynamicK:
     """The policy: choose(batch_size) -> K for this step; observe(...) after it."""
 
-    def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8, **rate_options):
-        self.profile = profile
+    def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8, per_request: bool = False,
+                 request_decay: float = 0.8, **rate_options):
+        self.profile, self.per_request, self.request_decay = profile, per_request, request_decay
         self.max_k = min(profile.max_k, max_k or profile.max_k)
         self.acceptance = AcceptanceRates(profile.acceptance[:self.max_k], profile.drafted[:self.max_k], **rate_options)
         self.step_times = StepTimes(rate_options.get("decay", 0.97))
@@ -250,6 +289,21 @@ class DynamicK:
         profiled = step_cost(self.itl(batch_size), drafted)
         return [t * self.step_times.ratio(batch_size, sum(drafted[:k])) for k, t in enumerate(profiled)]
 
+    def choose_per_request(self, requests) -> list[int]:
+        """K for each request (see allocate; each keeps its record in request.dynamic_k_record), with
+        the probes of choose: every probe_every-th step each request one K up, then one K down."""
+        batch = max(1, len(requests))
+        rates = self.acceptance.rates()
+        ks_grid = list(range(self.max_k + 1))   # cost at whole drafts per request, interpolated between
+        grid = [t * self.step_times.ratio(batch, x) for x, t in zip(ks_grid, self.itl(batch))]
+        ks = allocate([scaled_rates(rates, r.dynamic_k_record) for r in requests], self.acceptance.drafted(),
+                      lambda x: interpolate(ks_grid, grid, x))
+        probe = self.steps + 1
+        if not self.probe_every or probe % self.probe_every:
+            return ks
+        up = (probe // self.probe_every) % 2 == 1
+        return [min(k + 1, self.max_k) if up or k == 0 else k - 1 for k in ks]
+
     def choose(self, batch_size: int) -> int:
         """K* for this step; every probe_every-th decode step a neighbour, K* + 1 and K* - 1 in turn.
         Only what is tried gets observed: without probes upward, a workload that accepts far more
@@ -265,10 +319,18 @@ class DynamicK:
         return min(k + 1, self.max_k) if up else k - 1
 
     def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
-                seconds: float | None = None) -> None:
+                seconds: float | None = None, requests=None) -> None:
         """A decode step: request b asked for ks[b] drafts, found num_draft[b], had num_accepted[b]
-        accepted; the step took `seconds` (None: not timed)."""
+        accepted; the step took `seconds` (None: not timed). With per_request, `requests` are the
+        step's requests, whose records this updates."""
         self.steps += 1
+        if self.per_request and requests:
+            rates = self.acceptance.rates()   # what the shared rates expected, before this step moves them
+            for req, k, accepted in zip(requests, ks, num_accepted):
+                if k:
+                    record = req.dynamic_k_record
+                    record[0] = record[0] * self.request_decay + accepted
+                    record[1] = record[1] * self.request_decay + sum(rates[:k])
         self.acceptance.observe(ks, num_accepted, num_draft)
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks

@@ -64,6 +64,8 @@ class Request:
     finish_reason: str | None = None
     text: str = ""
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
+    # dynamic K per request: drafts it had accepted, drafts the shared rates expected (both decayed)
+    dynamic_k_record: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     @property
     def output_ids(self) -> list[int]:
@@ -236,7 +238,8 @@ class Engine:
     """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request.
 
     K per decode step: num_speculative_tokens, or with `dynamic_k` set (a dynamic_k.DynamicK) the
-    policy's choice for the batch size; 0 while more than `disable_queue_size` requests wait or run."""
+    policy's choice for the batch size (with its per_request, a K per request, and the step's K is
+    their largest); 0 while more than `disable_queue_size` requests wait or run."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_model_len: int, num_kv_blocks: int,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
@@ -256,6 +259,7 @@ class Engine:
         self.dynamic_k = None            # a dynamic_k.DynamicK: choose K per step by goodput
         self.disable_queue_size = None   # speculation off while more requests than this wait or run
         self.step_k = 0                  # K of the current step
+        self.request_k = {}              # id(request) -> its K in the current step, where per request
 
     def new_request(self, index: int, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         """A validated request; `scheduler.waiting.extend(...)` queues it."""
@@ -275,17 +279,23 @@ class Engine:
         return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids))
 
     def choose_k(self) -> int:
-        """K for the next decode step (its batch: the running requests)."""
+        """K for the next decode step (its batch: the running requests), and self.request_k."""
+        self.request_k = {}
         queue = len(self.scheduler.waiting) + len(self.scheduler.running)
         if not self.proposer or (self.disable_queue_size is not None and queue > self.disable_queue_size):
             return 0
+        if self.dynamic_k and self.dynamic_k.per_request:
+            decoding = [r for r in self.scheduler.running if not r.in_prefill]
+            ks = self.dynamic_k.choose_per_request(decoding)
+            self.request_k = {id(r): k for r, k in zip(decoding, ks)}
+            return max(ks, default=0)
         if self.dynamic_k:
             return self.dynamic_k.choose(max(1, len(self.scheduler.running)))
         return self.num_speculative_tokens
 
     def num_drafts(self, req: Request) -> int:
         """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left)."""
-        return max(0, min(self.step_k, req.max_len - len(req.tokens) - 1))
+        return max(0, min(self.request_k.get(id(req), self.step_k), req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:
         """One forward pass over the scheduled batch; returns the requests that got new tokens."""
@@ -355,7 +365,7 @@ class Engine:
         accepted = [row[-1] for row in host]
         self.stats.record(self.step_k, ks, num_draft, accepted)
         if self.dynamic_k:   # timed after the one copy above, so the device's work is in it; no extra sync
-            self.dynamic_k.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start)
+            self.dynamic_k.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, host[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]

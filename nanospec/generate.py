@@ -26,6 +26,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "largest K it may choose, default 8)")
     spec.add_argument("--dynamic-k", action="store_true",
                       help="choose K per step by goodput (acceptance length / step time for the batch size)")
+    spec.add_argument("--per-request-k", action="store_true",
+                      help="with --dynamic-k, a K per request: drafts go to the requests that accept them")
     spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "
                       "`python -m nanospec.dynamic_k profile` (default: a quick profile measured at start-up)")
     spec.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
@@ -108,10 +110,10 @@ def run(args) -> None:
         p.validate()
     from nanospec.llm import check_speculative_args
     check_speculative_args(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k,
-                           args.profile, args.speculative_disable_queue_size)   # before loading
+                           args.profile, args.speculative_disable_queue_size, args.per_request_k)   # before loading
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
-              dynamic_k=args.dynamic_k, profile=args.profile,
+              dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
               speculative_disable_queue_size=args.speculative_disable_queue_size)
     if llm.profile_seconds is not None and not args.json:
         print(f"[dynamic K: measured a quick profile in {llm.profile_seconds:.1f} s; "

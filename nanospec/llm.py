@@ -45,7 +45,7 @@ def kv_block_bytes(config, dtype: torch.dtype, block_size: int, num_layers: int 
 
 
 def check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_k=False, profile=None,
-                           disable_queue_size=None) -> int:
+                           disable_queue_size=None, per_request_k=False) -> int:
     """K for the chosen proposer (default 4; with dynamic K the largest it may choose, default 8),
     or 0 without one; errors name the fix."""
     chosen = [name for name, on in (("draft", draft), ("eagle", eagle), ("ngram", ngram)) if on]
@@ -53,6 +53,8 @@ def check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_
         raise NanospecError(f"choose one proposer, got {' and '.join(chosen)}: use --draft, --eagle or --ngram alone")
     if profile and not dynamic_k:
         raise NanospecError("--profile is the timing table of --dynamic-k: add --dynamic-k")
+    if per_request_k and not dynamic_k:
+        raise NanospecError("--per-request-k is a mode of --dynamic-k: add --dynamic-k")
     if disable_queue_size is not None and not (isinstance(disable_queue_size, int) and disable_queue_size >= 0):
         raise NanospecError(f"--speculative-disable-queue-size must be an integer >= 0, got {disable_queue_size!r}")
     if not chosen:
@@ -81,9 +83,9 @@ class LLM:
                  draft: str | None = None, eagle: str | None = None, ngram: bool = False,
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
-                 speculative_disable_queue_size: int | None = None):
+                 speculative_disable_queue_size: int | None = None, per_request_k: bool = False):
         k = check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile,
-                                   speculative_disable_queue_size)
+                                   speculative_disable_queue_size, per_request_k)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         ckpt = checkpoint.read_checkpoint(target)
@@ -118,9 +120,9 @@ class LLM:
         self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up
         if dynamic_k:
-            self.engine.dynamic_k = self.dynamic_k_policy(profile, k)
+            self.engine.dynamic_k = self.dynamic_k_policy(profile, k, per_request_k)
 
-    def dynamic_k_policy(self, profile: str | None, max_k: int):
+    def dynamic_k_policy(self, profile: str | None, max_k: int, per_request: bool = False):
         """The policy from a measured profile, or from the quick built-in one measured now."""
         from nanospec.dynamic_k import DynamicK, Profile, check_profile_matches, quick_profile
         if profile:
@@ -130,7 +132,7 @@ class LLM:
             measured = quick_profile(self, max_k)
             self.profile_seconds = measured.meta["seconds"]
         self.profile = measured
-        return DynamicK(measured, max_k)
+        return DynamicK(measured, max_k, per_request=per_request)
 
     def load_draft(self, draft: str):
         ckpt = checkpoint.read_checkpoint(draft)

@@ -87,6 +87,7 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
     (["--ngram", "--num-speculative-tokens", "0"], "must be an integer in 1..16"),
     (["--num-speculative-tokens", "4"], "needs a proposer"),
     (["--ngram", "--draft", "x"], "choose one proposer"),
+    (["--ngram", "--per-request-k"], "--per-request-k is a mode of --dynamic-k"),
     (["--eagle", "/no/such/head"], "EAGLE head '/no/such/head' not found"),
 ])
 def test_bad_arguments_are_one_clear_line(checkpoints, args, match):

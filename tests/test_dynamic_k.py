@@ -1,17 +1,19 @@
 """Dynamic K: the policy takes the goodput argmax of its tables, online acceptance rates follow
 what the proposer really does, and whatever K the policy (or the queue switch-off) picks, output
 stays lossless."""
+import itertools
 import json
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanospec import LLM
-from nanospec.dynamic_k import (AcceptanceRates, DynamicK, Profile, StepTimes, best_k, main as dynamic_k_main,
-                                monotone_in_batch, step_cost)
+from nanospec.dynamic_k import (AcceptanceRates, DynamicK, Profile, StepTimes, allocate, best_k, interpolate,
+                                main as dynamic_k_main, monotone_in_batch, scaled_rates, step_cost)
 from nanospec.errors import NanospecError
 from test_speculative import PROMPTS, PROPOSERS, assert_no_leak, greedy, plain_greedy, proposer_args  # noqa: F401 (fixture)
 
@@ -82,6 +84,56 @@ def test_policy_is_the_argmax_on_random_tables(profile, batch):
     assert goodput[chosen] >= goodput.max() * (1 - 1e-9)
     assert all(goodput[:chosen] < goodput[chosen] * (1 + 1e-9))
     assert DynamicK(profile).choose(batch) == chosen
+
+
+@st.composite
+def per_request_tables(draw):
+    """Rates per request (each non-increasing) and a step cost over the mean drafts per request, a
+    polyline of any shape through x = 0..max_k."""
+    batch, max_k = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    rates = [sorted((draw(st.floats(0.0, 1.0)) for _ in range(max_k)), reverse=True) for _ in range(batch)]
+    cost = [draw(st.floats(1.0, 100.0)) for _ in range(max_k + 1)]
+    return rates, cost
+
+
+@settings(max_examples=300, deadline=None)
+@given(per_request_tables())
+def test_per_request_allocation_is_the_argmax_over_every_k_per_request(table):
+    """The oracle tries every (K_0, .., K_B-1) in 0..max_k^B."""
+    rates, cost = table
+    batch, max_k = len(rates), len(cost) - 1
+    cost_at = lambda x: interpolate(list(range(max_k + 1)), cost, x)
+
+    def goodput(ks):
+        gain = batch + sum(sum(row[:k]) for row, k in zip(rates, ks))
+        return gain / cost_at(sum(ks) / batch)
+    best = max(goodput(ks) for ks in itertools.product(range(max_k + 1), repeat=batch))
+    assert goodput(allocate(rates, [1.0] * max_k, cost_at)) >= best * (1 - 1e-9)
+
+
+def test_per_request_allocation_by_hand():
+    """Two requests, a_i 0.9, 0.8 and 0.1, 0.05; a step costs 10 ms + 2 ms per draft a request
+    verifies on average. K = (2, 0): (2 + 1.7) / 12 = 0.308 per ms; the best one K for both,
+    K = 1: (2 + 1.0) / 12 = 0.25; K = 2: 3.85 / 14 = 0.275."""
+    cost_at = lambda x: 10 + 2 * x
+    assert allocate([[0.9, 0.8], [0.1, 0.05]], [1.0, 1.0], cost_at) == [2, 0]
+    assert scaled_rates([0.6, 0.5, 0.2], [0.0, 0.0]) == [0.6, 0.5, 0.2]                 # no record: the shared rates
+    assert scaled_rates([0.6, 0.5, 0.2], [6.0, 2.0], prior_weight=2.0) == [1.0, 1.0, 0.4]   # twice as good, capped at 1
+    assert scaled_rates([0.6, 0.5, 0.2], [0.0, 2.0], prior_weight=2.0) == [0.3, 0.25, 0.1]
+
+
+def test_a_request_that_keeps_rejecting_gets_a_smaller_k():
+    """Batch 2 with a profile where K = 2 is best for both: one request accepts every draft, the
+    other none. Per request, the second falls to K = 0 and the first climbs to max_k; one K for the
+    batch stays between."""
+    profile = Profile([1, 2], [0, 4], [[10, 12], [10, 14]], acceptance=[0.5, 0.3, 0.1, 0.05])
+    policy = DynamicK(profile, per_request=True, probe_every=0)
+    requests = [SimpleNamespace(dynamic_k_record=[0.0, 0.0]) for _ in range(2)]
+    assert policy.choose_per_request(requests) == [2, 2]
+    for _ in range(30):
+        ks = policy.choose_per_request(requests)
+        policy.observe(ks, [ks[0], 0], requests=requests)
+    assert policy.choose_per_request(requests) == [4, 0]
 
 
 def test_monotone_in_batch_takes_the_running_maximum_over_the_batch_only():
@@ -191,11 +243,13 @@ def varying_profile(tmp_path):
                          [[1.0, 1.0, 1.0], [1.0, 1.4, 6.0], [1.0, 2.5, 20.0]], [0.9] * 8)
 
 
+@pytest.mark.parametrize("per_request", [False, True])
 @pytest.mark.parametrize("name", PROPOSERS)
-def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, varying_profile, name):
+def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, varying_profile, name, per_request):
     """The batch shrinks from 8 to 1 as requests finish, and online rates replace the profile's:
-    K changes from step to step, output does not."""
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True, profile=varying_profile, **proposer_args(spec_models, name))
+    K changes from step to step (and from request to request), output does not."""
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True,
+              profile=varying_profile, per_request_k=per_request, **proposer_args(spec_models, name))
     outs = llm.generate(PROMPTS, [greedy(max_tokens=6 + 2 * i) for i in range(len(PROMPTS))])
     assert [o.token_ids for o in outs] == [plain_greedy[p][:6 + 2 * i] for i, p in enumerate(PROMPTS)]
     chosen = {k for per_batch in llm.stats["chosen_k"].values() for k in per_batch}
@@ -274,13 +328,13 @@ def test_bad_profile_is_one_clear_error(tmp_path, content, match):
 def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
     from nanospec.bench import main as bench_main
     out = tmp_path / "bench.json"
-    assert bench_main(["--target", checkpoints["llama3"], "--ngram", "--ks", "0,2,dynamic", "--batch-sizes", "1,2",
+    assert bench_main(["--target", checkpoints["llama3"], "--ngram", "--ks", "0,2,dynamic,dynamic-per-request", "--batch-sizes", "1,2",
                        "--max-prompts", "3", "--max-new-tokens", "6", "--no-transformers", "--no-chat",
                        "--device", "cpu", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [(r["batch_size"], r["k"]) for r in report["results"]] == [
-        (b, k) for b in (1, 2) for k in (0, 2, "dynamic")]
-    dynamic = [r for r in report["results"] if r["k"] == "dynamic"]
+        (b, k) for b in (1, 2) for k in (0, 2, "dynamic", "dynamic-per-request")]
+    dynamic = [r for r in report["results"] if r["k"] in ("dynamic", "dynamic-per-request")]
     assert all(r["chosen_k"] and r["nanospec_tokens_per_s"] > 0 for r in dynamic)
     assert report["dynamic_k_profile"]["batch_sizes"] == [1, 2] and report["dynamic_k_profile"]["ks"] == [0, 1, 2]
 

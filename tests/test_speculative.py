@@ -122,21 +122,22 @@ def sampled_sequence_counts(llm, sampling: dict) -> np.ndarray:
 def small_vocab_llm(small_vocab, name: str, k: int | str):
     args = {"ngram": dict(ngram=True), "draft": dict(draft=small_vocab["draft"]),
             "eagle1": dict(eagle=small_vocab["eagle1"]), "eagle3": dict(eagle=small_vocab["eagle3"])}[name]
-    k_args = dict(dynamic_k=True, profile=small_vocab["profile"]) if k == "dynamic" else dict(num_speculative_tokens=k)
+    k_args = dict(num_speculative_tokens=k) if isinstance(k, int) else dict(
+        dynamic_k=True, profile=small_vocab["profile"], per_request_k=k == "dynamic-per-request")
     return LLM(small_vocab["target"], device="cpu", dtype="float32", kv_cache_gb=0.2, max_num_seqs=512,
                max_num_batched_tokens=4096, **k_args, **args)
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
-@pytest.mark.parametrize("k", [1, 3, "dynamic"])
+@pytest.mark.parametrize("k", [1, 3, "dynamic", "dynamic-per-request"])
 @pytest.mark.parametrize("name", ["ngram", "draft", "eagle1", "eagle3"])
 def test_output_has_the_target_sequence_distribution(small_vocab, name, k, sampling):
-    """Chi-square over all 512 sequences of 3 tokens (level 1e-4: with 24 such tests, a false alarm
-    has odds of about 1 in 400; test_a_broken_sampler_is_detected_end_to_end shows the power)."""
+    """Chi-square over all 512 sequences of 3 tokens (level 1e-4: with 32 such tests, a false alarm
+    has odds of about 1 in 300; test_a_broken_sampler_is_detected_end_to_end shows the power)."""
     llm = small_vocab_llm(small_vocab, name, k)
     counts = sampled_sequence_counts(llm, SAMPLING[sampling])
     assert llm.stats["accepted_tokens"] > 0 and llm.stats["drafted_tokens"] > llm.stats["accepted_tokens"]
-    if k == "dynamic":   # the policy did change K during the run
+    if not isinstance(k, int):   # the policy did change K during the run
         assert len({k for per_batch in llm.stats["chosen_k"].values() for k in per_batch}) >= 2
     assert chi_square_pvalue(counts, exact_sequence_probs(small_vocab["target"], **SAMPLING[sampling])) > 1e-4
 
