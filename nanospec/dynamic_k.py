@@ -301,11 +301,7 @@ class DynamicK:
         grid = [t * self.step_times.ratio(batch, x) for x, t in zip(ks_grid, self.itl(batch))]
         ks = allocate([scaled_rates(rates, r.dynamic_k_record) for r in requests], self.acceptance.drafted(),
                       lambda x: interpolate(ks_grid, grid, x))
-        probe = self.steps + 1
-        if not self.probe_every or probe % self.probe_every:
-            return ks
-        up = (probe // self.probe_every) % 2 == 1
-        return [min(k + 1, self.max_k) if up or k == 0 else k - 1 for k in ks]
+        return [self.probed(k) for k in ks]
 
     def choose(self, batch_size: int) -> int:
         """K* for this step; every probe_every-th decode step a neighbour, K* + 1 and K* - 1 in turn.
@@ -314,7 +310,10 @@ class DynamicK:
         probes downward, a K that really costs more than the profile says, next to a cheaper one,
         would never show it. The policy climbs one K at a time where that pays, at the cost of one
         slightly worse step in probe_every."""
-        k = best_k(self.acceptance.rates(), self.cost(batch_size))
+        return self.probed(best_k(self.acceptance.rates(), self.cost(batch_size)))
+
+    def probed(self, k: int) -> int:
+        """k, or on every probe_every-th decode step its neighbour: k + 1 and k - 1 in turn (k + 1 from 0)."""
         probe = self.steps + 1   # the number of the decode step this choice is for
         if not self.probe_every or probe % self.probe_every:
             return k
