@@ -66,7 +66,8 @@ def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tok
         tokens += len(reqs) * max_new_tokens
     stats = engine.stats.as_dict()
     return {"tokens_per_s": round(tokens / elapsed, 2), "mean_acceptance_length": stats["mean_acceptance_length"],
-            "acceptance_rate_per_position": stats["acceptance_rate_per_position"], "chosen_k": stats["chosen_k"]}
+            "acceptance_rate_per_position": stats["acceptance_rate_per_position"], "chosen_k": stats["chosen_k"],
+            "request_k": stats["request_k"]}
 
 
 @torch.inference_mode()
@@ -218,7 +219,7 @@ def run(args) -> dict:
             measured = best[k]
             row = {"batch_size": bs, "k": k, "nanospec_tokens_per_s": measured.pop("tokens_per_s"), **measured}
             if k not in DYNAMIC_ROWS:
-                row.pop("chosen_k")
+                row.pop("chosen_k"), row.pop("request_k")
             if ref is not None and k not in DYNAMIC_ROWS:
                 row.update(transformers_row(args, llm, ref, prompts, bs, k))
                 if "transformers_tokens_per_s" in row:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -188,6 +188,9 @@ class Stats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     chosen_k: dict[int, dict[int, int]] = field(default_factory=dict)   # batch size -> K -> decode steps
+    # batch size -> K a request asked for -> request-steps (the step's K, or less near max_tokens;
+    # with per-request K, each request's own)
+    request_k: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def record(self, k: int, ks: list[int], num_draft: list[int], num_accepted: list[int]) -> None:
         """A decode step that chose K = k for a batch whose request b asked for ks[b] <= k drafts
@@ -196,8 +199,8 @@ class Stats:
         self.request_steps += len(num_draft)
         self.drafted_tokens += sum(num_draft)
         self.accepted_tokens += sum(num_accepted)
-        per_k = self.chosen_k.setdefault(len(ks), {})
-        per_k[k] = per_k.get(k, 0) + 1
+        count_in(self.chosen_k, len(ks), {k: 1})
+        count_in(self.request_k, len(ks), Counter(ks))
         for counts, per_position in ((ks, self.offered_per_position), (num_draft, self.drafted_per_position),
                                      (num_accepted, self.accepted_per_position)):
             for n in counts:
@@ -213,10 +216,9 @@ class Stats:
         for name in ("offered_per_position", "drafted_per_position", "accepted_per_position"):
             pairs = itertools.zip_longest(getattr(self, name), getattr(other, name), fillvalue=0)
             setattr(self, name, [a + b for a, b in pairs])
-        for batch_size, ks in other.chosen_k.items():
-            per_k = self.chosen_k.setdefault(batch_size, {})
-            for k, n in ks.items():
-                per_k[k] = per_k.get(k, 0) + n
+        for mine, theirs in ((self.chosen_k, other.chosen_k), (self.request_k, other.request_k)):
+            for batch_size, ks in theirs.items():
+                count_in(mine, batch_size, ks)
 
     def as_dict(self) -> dict:
         tps = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
@@ -230,8 +232,18 @@ class Stats:
                 "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
                 "mean_acceptance_length": round(mean_al, 4), "acceptance_rate_per_position": rates,
                 "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
-                "chosen_k": {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(self.chosen_k.items())},
+                "chosen_k": histogram(self.chosen_k), "request_k": histogram(self.request_k),
                 "elapsed_s": round(self.elapsed_s, 4), "tokens_per_second": round(tps, 2)}
+
+
+def count_in(per_batch: dict[int, dict[int, int]], batch_size: int, counts) -> None:
+    per_k = per_batch.setdefault(batch_size, {})
+    for k, n in counts.items():
+        per_k[k] = per_k.get(k, 0) + n
+
+
+def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]:
+    return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
 
 
 class Engine:

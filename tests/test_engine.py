@@ -116,3 +116,5 @@ def test_stats_of_two_calls_add_up_to_one_call_over_both(checkpoints):
                 "acceptance_rate_per_position"):
         assert added[key] == together[key], key
     assert sum(n for ks in added["chosen_k"].values() for n in ks.values()) == added["steps"]
+    for b, ks in added["request_k"].items():   # every request of a step of batch b counted once
+        assert sum(ks.values()) == int(b) * sum(added["chosen_k"][b].values()), (b, ks)
