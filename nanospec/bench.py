@@ -218,8 +218,9 @@ def run(args) -> dict:
         for k in ks:
             measured = best[k]
             row = {"batch_size": bs, "k": k, "nanospec_tokens_per_s": measured.pop("tokens_per_s"), **measured}
-            if k not in DYNAMIC_ROWS:
-                row.pop("chosen_k"), row.pop("request_k")
+            if k not in DYNAMIC_ROWS:   # the K histograms say something only where K moves
+                for key in ("chosen_k", "request_k"):
+                    row.pop(key)
             if ref is not None and k not in DYNAMIC_ROWS:
                 row.update(transformers_row(args, llm, ref, prompts, bs, k))
                 if "transformers_tokens_per_s" in row:
