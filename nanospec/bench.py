@@ -46,24 +46,33 @@ def transformers_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int) -> dict:
-    """All prompts, batch_size at a time, each group run to completion; tokens/s over the whole set."""
+def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int,
+                  continuous: bool = False) -> dict:
+    """All prompts, batch_size at a time, each group run to completion (so a group lasts as long as
+    its slowest request); or, continuous, all queued at once and at most batch_size running, a
+    finished request's place taken by the next (continuous batching). Tokens/s over the whole set."""
     from nanospec import SamplingParams
     from nanospec.engine import Stats
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
     engine = llm.engine
     engine.stats = Stats()
     elapsed, tokens = 0.0, 0
-    for first in range(0, len(prompt_ids), batch_size):
-        reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids[first:first + batch_size])]
-        engine.scheduler.waiting.extend(reqs)
-        sync(llm.device)
-        start = time.perf_counter()
-        engine.run_to_completion()
-        sync(llm.device)
-        elapsed += time.perf_counter() - start
-        assert all(len(r.output_ids) == max_new_tokens for r in reqs)
-        tokens += len(reqs) * max_new_tokens
+    group = len(prompt_ids) if continuous else batch_size
+    saved_max_num_seqs = engine.scheduler.max_num_seqs
+    engine.scheduler.max_num_seqs = min(batch_size, saved_max_num_seqs)
+    try:
+        for first in range(0, len(prompt_ids), group):
+            reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids[first:first + group])]
+            engine.scheduler.waiting.extend(reqs)
+            sync(llm.device)
+            start = time.perf_counter()
+            engine.run_to_completion()
+            sync(llm.device)
+            elapsed += time.perf_counter() - start
+            assert all(len(r.output_ids) == max_new_tokens for r in reqs)
+            tokens += len(reqs) * max_new_tokens
+    finally:
+        engine.scheduler.max_num_seqs = saved_max_num_seqs
     stats = engine.stats.as_dict()
     return {"tokens_per_s": round(tokens / elapsed, 2), "mean_acceptance_length": stats["mean_acceptance_length"],
             "acceptance_rate_per_position": stats["acceptance_rate_per_position"], "chosen_k": stats["chosen_k"],
@@ -129,6 +138,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     ap.add_argument("--num-requests", type=int, default=0,
                     help="cycle the prompts to N requests, so that large batches run full and rows run longer (0: each once)")
+    ap.add_argument("--continuous", action="store_true",
+                    help="queue every request at once and keep batch-size running (continuous batching), "
+                         "instead of groups of batch-size run to completion one after another")
     ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--device", default="auto")
@@ -189,6 +201,9 @@ def run(args) -> dict:
     rows = rows[:args.max_prompts] if args.max_prompts else rows
     if not rows:
         raise NanospecError(f"no shipped prompt is in --categories {args.categories!r}")
+    if args.continuous and not args.no_transformers:
+        raise NanospecError("--continuous has no transformers baseline (its generate() runs fixed batches); "
+                            "add --no-transformers")
     if args.num_requests < 0:
         raise NanospecError(f"--num-requests must be >= 0, got {args.num_requests}")
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
@@ -212,7 +227,7 @@ def run(args) -> dict:
                 # The same engine and proposer for every row; K = 0 is plain decoding.
                 llm.engine.dynamic_k = new_policy(k) if k in DYNAMIC_ROWS else None
                 llm.engine.num_speculative_tokens = max_k if k in DYNAMIC_ROWS else k
-                measured = time_nanospec(llm, prompts, bs, args.max_new_tokens)
+                measured = time_nanospec(llm, prompts, bs, args.max_new_tokens, args.continuous)
                 each[k].append(measured["tokens_per_s"])
                 if k not in best or measured["tokens_per_s"] > best[k]["tokens_per_s"]:
                     best[k] = measured
@@ -231,7 +246,9 @@ def run(args) -> dict:
             results.append(row)
             print(json.dumps(row), file=sys.stderr)
     proposer = "ngram" if args.ngram else f"draft {args.draft}" if args.draft else f"eagle {args.eagle}" if args.eagle else None
-    return {"benchmark": "greedy, every request max_new_tokens long, all prompts batch_size at a time",
+    batching = ("all queued, batch_size running (continuous batching)" if args.continuous
+                else "all prompts batch_size at a time, each group run to completion")
+    return {"benchmark": f"greedy, every request max_new_tokens long, {batching}",
             "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]),
             "target": args.target or checkpoint.DEFAULT_MODEL_FILE, "proposer": proposer,
             "categories": args.categories or "all", "num_prompts": len(prompts),

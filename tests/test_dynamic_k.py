@@ -353,3 +353,21 @@ def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoint
     assert "--num-requests must be >= 0" in capsys.readouterr().err
     assert bench_main(common + ["--categories", "no_such_category"]) != 0
     assert "no shipped prompt is in --categories" in capsys.readouterr().err
+    assert bench_main([a for a in common if a != "--no-transformers"] + ["--continuous"]) != 0
+    assert "--continuous has no transformers baseline" in capsys.readouterr().err
+
+
+def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):
+    from nanospec.bench import shipped_prompts, time_nanospec
+    engine = tiny_llm.engine
+    prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:7]]
+    runs, running = [], []
+    run_to_completion, step = engine.run_to_completion, engine.step
+    monkeypatch.setattr(engine, "run_to_completion", lambda: (runs.append(len(engine.scheduler.waiting)), run_to_completion())[1])
+    monkeypatch.setattr(engine, "step", lambda: (running.append(len(engine.scheduler.running)), step())[1])
+    before = engine.scheduler.max_num_seqs
+    assert time_nanospec(tiny_llm, prompts, 4, 3)["tokens_per_s"] > 0
+    assert runs == [4, 3]                  # groups of 4, one after another
+    runs.clear(), running.clear()
+    assert time_nanospec(tiny_llm, prompts, 4, 3, continuous=True)["tokens_per_s"] > 0
+    assert runs == [7] and max(running) == 4 and engine.scheduler.max_num_seqs == before
