@@ -4,9 +4,12 @@ transformers' generate() on the same model and prompts in the same run, for the 
     python -m nanospec.bench [--target ...] [--batch-sizes 1,8,32] [--max-new-tokens 64]
     python -m nanospec.bench --ngram --ks 0,2,4,6 --batch-sizes 1 --categories code_edit,summarize,extract
     python -m nanospec.bench --ngram --ks 0,2,4,6,dynamic --batch-sizes 1,4,16 --repeats 2 --no-transformers
+    python -m nanospec.bench --ngram --ks 0,4,dynamic --batch-sizes 4 --num-requests 48 --continuous --no-transformers
 
 Every request generates exactly --max-new-tokens tokens (EOS ignored, greedy), so both engines do
-the same work. Prints a table and writes JSON with the device, versions and command.
+the same work. Requests run in groups of the batch size, each group to completion (what batched
+generate() does), or with --continuous as a server runs them: all queued, a finished request's
+place taken by the next. Prints a table and writes JSON with the device, versions and command.
 """
 from __future__ import annotations
 
