@@ -363,13 +363,15 @@ class Engine:
         lens = [d + 1 for d in num_draft]
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
         hidden, features = self.forward(reqs, lens, self.verify_input(reqs, proposal, starts, sum(lens)))
-        # Logits [B, K+1, V]: row i of request b is the target after its i-th draft (padding repeats its last).
-        rows = [starts[b] + min(i, num_draft[b]) for b in range(len(reqs)) for i in range(k + 1)]
-        logits = self.model.logits(hidden)[self.to_device(rows)].view(len(reqs), k + 1, -1)
+        # [B, K+1] rows: row i of request b is the target after its i-th draft (padding repeats its last).
+        rows = self.to_device([starts[b] + min(i, num_draft[b]) for b in range(len(reqs)) for i in range(k + 1)])
+        logits = self.model.logits(hidden)   # [T, V], one row per verified position
         num_draft_t = self.to_device(num_draft)
-        if sampling.greedy:
-            tokens, num_accepted = self.sampler.verify_greedy(logits, proposal.draft_ids, num_draft_t)
+        if sampling.greedy:   # the argmax of each of the T rows, then the padded gather: ids, not [B, K+1, V] logits
+            target_ids = logits.argmax(-1)[rows].view(len(reqs), k + 1)
+            tokens, num_accepted = self.sampler.verify_greedy(target_ids, proposal.draft_ids, num_draft_t)
         else:
+            logits = logits[rows].view(len(reqs), k + 1, -1)
             tokens, num_accepted = self.sampler.rejection_sample(
                 logits, proposal.draft_ids, proposal.draft_probs, num_draft_t, sampling.temperature, sampling.top_k,
                 sampling.top_p, sampling.seeds, self.to_device([len(r.tokens) for r in reqs]), sampling.truncate)

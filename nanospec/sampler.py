@@ -173,14 +173,14 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, draft
     return tokens, num_accepted
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor):
-    """rejection_sample for a batch where every request is greedy, without the softmax over the
-    vocabulary: accept while the draft equals the target's argmax; the outputs are the argmaxes."""
+def verify_greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor):
+    """rejection_sample for a batch where every request is greedy, given the target's argmax at each
+    position, target_ids [B, K+1] (no softmax, nothing over the vocabulary here): accept while the
+    draft equals the argmax; the outputs are the argmaxes."""
     k = draft_ids.shape[1]
-    argmax = target_logits.argmax(-1)                                                       # [B, K+1]
     offsets = torch.arange(k, device=draft_ids.device)
-    match = (draft_ids == argmax[:, :k]) & (offsets[None, :] < num_draft[:, None])
-    return argmax, match.long().cumprod(-1).sum(-1)
+    match = (draft_ids == target_ids[:, :k]) & (offsets[None, :] < num_draft[:, None])
+    return target_ids, match.long().cumprod(-1).sum(-1)
 
 
 class Sampler:

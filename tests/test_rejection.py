@@ -134,7 +134,7 @@ def test_skipping_the_residual_is_detected(monkeypatch):
 def test_greedy_accepts_while_draft_is_argmax():
     logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 5.0], [1.0, 0.0, 0.0]]] * 3)
     drafts = torch.tensor([[1, 0, 2], [1, 2, 2], [0, 0, 2]])
-    tokens, accepted = verify_greedy(logits, drafts, torch.tensor([3, 3, 3]))
+    tokens, accepted = verify_greedy(logits.argmax(-1), drafts, torch.tensor([3, 3, 3]))
     assert accepted.tolist() == [3, 1, 0]
     assert tokens.tolist() == [[1, 0, 2, 0]] * 3    # output: accepted drafts, then the argmax
     ones = torch.ones(3)
