@@ -21,10 +21,6 @@ five drafts a step, one that writes new text almost none), and a step's time dep
 drafts it verifies in all, not on whose. So drafts go where they are accepted: request b gets K_b,
 chosen to maximise sum_b AL_b(K_b) / ITL(B, mean_b D(K_b)), AL_b from the shared rates scaled by
 what request b accepted lately next to what those rates expected of it (allocate, scaled_rates).
-One K for the batch uses the same records: AL(K) of the batch is the mean of its requests' AL_b(K),
-so the a_i it maximises over are the mean of their scaled rates (batch_rates). The shared rates pool
-every request of the last few dozen steps; the batch in front of the policy need not be like them
-(the last requests of a run, left running alone, are the slowest because they accept the least).
 
 ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included,
 every request verifying exactly K drafts (`python -m nanospec.dynamic_k profile ...`, or a quick one
@@ -274,7 +270,7 @@ class StepTimes:
 
 
 class DynamicK:
-    """The policy: choose(batch_size, requests) -> K for this step; observe(...) after it."""
+    """The policy: choose(batch_size) -> K for this step; observe(...) after it."""
 
     def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8, per_request: bool = False,
                  request_decay: float = 0.95, **rate_options):
@@ -307,24 +303,14 @@ class DynamicK:
                       lambda x: interpolate(ks_grid, grid, x))
         return [self.probed(k) for k in ks]
 
-    def batch_rates(self, requests=None) -> list[float]:
-        """a_i of this step's batch: the mean over its requests of their scaled rates (see the top of
-        this file); the shared rates without requests."""
-        rates = self.acceptance.rates()
-        if not requests:
-            return rates
-        scaled = [scaled_rates(rates, r.dynamic_k_record) for r in requests]
-        return [sum(column) / len(scaled) for column in zip(*scaled)]
-
-    def choose(self, batch_size: int, requests=None) -> int:
-        """K* for this step's batch (batch_size requests; with `requests`, their records weigh the
-        rates, see batch_rates); every probe_every-th decode step a neighbour, K* + 1 and K* - 1 in turn.
+    def choose(self, batch_size: int) -> int:
+        """K* for this step; every probe_every-th decode step a neighbour, K* + 1 and K* - 1 in turn.
         Only what is tried gets observed: without probes upward, a workload that accepts far more
         than the profile's prompts would stay at the K (or the K = 0) the profile suggests; without
         probes downward, a K that really costs more than the profile says, next to a cheaper one,
         would never show it. The policy climbs one K at a time where that pays, at the cost of one
         slightly worse step in probe_every."""
-        return self.probed(best_k(self.batch_rates(requests), self.cost(batch_size)))
+        return self.probed(best_k(self.acceptance.rates(), self.cost(batch_size)))
 
     def probed(self, k: int) -> int:
         """k, or on every probe_every-th decode step its neighbour: k + 1 and k - 1 in turn (k + 1 from 0)."""
@@ -337,10 +323,10 @@ class DynamicK:
     def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
                 seconds: float | None = None, requests=None) -> None:
         """A decode step: request b asked for ks[b] drafts, found num_draft[b], had num_accepted[b]
-        accepted; the step took `seconds` (None: not timed). `requests`, the step's requests: their
-        records are updated."""
+        accepted; the step took `seconds` (None: not timed). With per_request, `requests` are the
+        step's requests, whose records this updates."""
         self.steps += 1
-        if requests:
+        if self.per_request and requests:
             rates = self.acceptance.rates()   # what the shared rates expected, before this step moves them
             for req, k, accepted in zip(requests, ks, num_accepted):
                 if k:

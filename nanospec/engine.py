@@ -296,14 +296,14 @@ class Engine:
         queue = len(self.scheduler.waiting) + len(self.scheduler.running)
         if not self.proposer or (self.disable_queue_size is not None and queue > self.disable_queue_size):
             return 0
-        if not self.dynamic_k:
-            return self.num_speculative_tokens
-        decoding = [r for r in self.scheduler.running if not r.in_prefill]
-        if self.dynamic_k.per_request:
+        if self.dynamic_k and self.dynamic_k.per_request:
+            decoding = [r for r in self.scheduler.running if not r.in_prefill]
             ks = self.dynamic_k.choose_per_request(decoding)
             self.request_k = {id(r): k for r, k in zip(decoding, ks)}
             return max(ks, default=0)
-        return self.dynamic_k.choose(max(1, len(decoding)), decoding)
+        if self.dynamic_k:
+            return self.dynamic_k.choose(max(1, len(self.scheduler.running)))
+        return self.num_speculative_tokens
 
     def num_drafts(self, req: Request) -> int:
         """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left)."""

@@ -136,20 +136,6 @@ def test_a_request_that_keeps_rejecting_gets_a_smaller_k():
     assert policy.choose_per_request(requests) == [4, 0]
 
 
-def test_one_k_for_the_batch_follows_the_records_of_the_requests_in_it():
-    """The same two requests with one K for the batch: the shared rates pool both, but once only one
-    of them is left running, its K is chosen from its own record: the one that accepts every draft
-    gets max_k, the one that accepts none less than the pooled rates would give it (at batch 1 a
-    draft costs 0.5 ms on 10, so a little acceptance still pays for K = 2)."""
-    profile = Profile([1, 2], [0, 4], [[10, 12], [10, 14]], acceptance=[0.5, 0.3, 0.1, 0.05])
-    policy = DynamicK(profile, probe_every=0)
-    accepts_all, accepts_none = (SimpleNamespace(dynamic_k_record=[0.0, 0.0]) for _ in range(2))
-    for _ in range(30):
-        k = policy.choose(2, [accepts_all, accepts_none])
-        policy.observe([k, k], [k, 0], requests=[accepts_all, accepts_none])
-    assert (policy.choose(1, [accepts_none]), policy.choose(1), policy.choose(1, [accepts_all])) == (2, 3, 4)
-
-
 def test_monotone_in_batch_takes_the_running_maximum_over_the_batch_only():
     assert monotone_in_batch([[3, 2, 4], [1, 5, 2]]) == [[3, 2, 4], [3, 5, 4]]
 
