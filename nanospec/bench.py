@@ -9,7 +9,8 @@ transformers' generate() on the same model and prompts in the same run, for the 
 Every request generates exactly --max-new-tokens tokens (EOS ignored, greedy), so both engines do
 the same work. Requests run in groups of the batch size, each group to completion (what batched
 generate() does), or with --continuous as a server runs them: all queued, a finished request's
-place taken by the next. Prints a table and writes JSON with the device, versions and command.
+place taken by the next. The rows (K values) take turns group by group, so the drift of a shared
+machine hits them alike. Prints a table and writes JSON with the device, versions and command.
 """
 from __future__ import annotations
 
@@ -49,37 +50,53 @@ def transformers_model(path: str, dtype: torch.dtype, device: torch.device):
     return model.to(device=device, dtype=dtype).eval()
 
 
+def groups(prompt_ids: list[list[int]], batch_size: int, continuous: bool = False) -> list[list[list[int]]]:
+    """How the bench runs the prompts: batch_size at a time, or all at once (continuous)."""
+    size = len(prompt_ids) if continuous else batch_size
+    return [prompt_ids[first:first + size] for first in range(0, len(prompt_ids), size)]
+
+
+def run_group(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int) -> tuple[float, int]:
+    """Queue the prompts and run them to completion, at most batch_size at a time, a finished
+    request's place taken by the next (continuous batching); (seconds, tokens generated)."""
+    from nanospec import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+    engine = llm.engine
+    saved_max_num_seqs = engine.scheduler.max_num_seqs
+    engine.scheduler.max_num_seqs = min(batch_size, saved_max_num_seqs)
+    try:
+        reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids)]
+        engine.scheduler.waiting.extend(reqs)
+        sync(llm.device)
+        start = time.perf_counter()
+        engine.run_to_completion()
+        sync(llm.device)
+        seconds = time.perf_counter() - start
+    finally:
+        engine.scheduler.max_num_seqs = saved_max_num_seqs
+    assert all(len(r.output_ids) == max_new_tokens for r in reqs)
+    return seconds, len(reqs) * max_new_tokens
+
+
+def summary(stats, seconds: float, tokens: int) -> dict:
+    stats = stats.as_dict()
+    return {"tokens_per_s": round(tokens / seconds, 2), "mean_acceptance_length": stats["mean_acceptance_length"],
+            "acceptance_rate_per_position": stats["acceptance_rate_per_position"], "chosen_k": stats["chosen_k"],
+            "request_k": stats["request_k"]}
+
+
 def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int,
                   continuous: bool = False) -> dict:
     """All prompts, batch_size at a time, each group run to completion (so a group lasts as long as
     its slowest request); or, continuous, all queued at once and at most batch_size running, a
     finished request's place taken by the next (continuous batching). Tokens/s over the whole set."""
-    from nanospec import SamplingParams
     from nanospec.engine import Stats
-    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
-    engine = llm.engine
-    engine.stats = Stats()
-    elapsed, tokens = 0.0, 0
-    group = len(prompt_ids) if continuous else batch_size
-    saved_max_num_seqs = engine.scheduler.max_num_seqs
-    engine.scheduler.max_num_seqs = min(batch_size, saved_max_num_seqs)
-    try:
-        for first in range(0, len(prompt_ids), group):
-            reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids[first:first + group])]
-            engine.scheduler.waiting.extend(reqs)
-            sync(llm.device)
-            start = time.perf_counter()
-            engine.run_to_completion()
-            sync(llm.device)
-            elapsed += time.perf_counter() - start
-            assert all(len(r.output_ids) == max_new_tokens for r in reqs)
-            tokens += len(reqs) * max_new_tokens
-    finally:
-        engine.scheduler.max_num_seqs = saved_max_num_seqs
-    stats = engine.stats.as_dict()
-    return {"tokens_per_s": round(tokens / elapsed, 2), "mean_acceptance_length": stats["mean_acceptance_length"],
-            "acceptance_rate_per_position": stats["acceptance_rate_per_position"], "chosen_k": stats["chosen_k"],
-            "request_k": stats["request_k"]}
+    llm.engine.stats = Stats()
+    seconds, tokens = 0.0, 0
+    for group in groups(prompt_ids, batch_size, continuous):
+        s, t = run_group(llm, group, batch_size, max_new_tokens)
+        seconds, tokens = seconds + s, tokens + t
+    return summary(llm.engine.stats, seconds, tokens)
 
 
 @torch.inference_mode()
@@ -190,6 +207,30 @@ def dynamic_policy(args, llm, max_k: int):
     return profile, lambda row: DynamicK(profile, max_k, per_request=row == "dynamic-per-request")
 
 
+def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, new_policy, max_k: int) -> dict:
+    """One repeat of every row (K, or a dynamic policy) over the prompts, the rows interleaved group
+    by group: each group of batch_size prompts runs once per row before the next group starts, so
+    a shared machine's drift (it moves 10-30% within minutes) hits every row alike. Each row keeps
+    its own statistics and its own dynamic-K policy (fresh for the repeat, learning over its
+    groups). With --continuous the whole queue is one group: rows run one after another."""
+    from nanospec.engine import Stats
+    engine = llm.engine
+    rows = {k: {"policy": new_policy(k) if k in DYNAMIC_ROWS else None, "stats": Stats(), "seconds": 0.0,
+                "tokens": 0} for k in ks}
+    try:
+        for group in groups(prompts, batch_size, args.continuous):
+            for k, row in rows.items():
+                # The same engine and proposer for every row; K = 0 is plain decoding.
+                engine.dynamic_k, engine.stats = row["policy"], row["stats"]
+                engine.num_speculative_tokens = max_k if k in DYNAMIC_ROWS else k
+                seconds, tokens = run_group(llm, group, batch_size, args.max_new_tokens)
+                row["seconds"] += seconds
+                row["tokens"] += tokens
+    finally:
+        engine.dynamic_k = None
+    return {k: summary(row["stats"], row["seconds"], row["tokens"]) for k, row in rows.items()}
+
+
 def run(args) -> dict:
     from nanospec import LLM, checkpoint
     from nanospec.llm import DEFAULT_DYNAMIC_MAX_K
@@ -226,15 +267,11 @@ def run(args) -> dict:
         best = {}   # k -> the fastest of the repeats (rows interleaved, so drift hits every K alike)
         each = {k: [] for k in ks}   # k -> tokens/s of every repeat, in order: the spread the best hides
         for repeat in range(args.repeats):
-            for k in ks[repeat % len(ks):] + ks[:repeat % len(ks)]:   # each repeat starts at another row
-                # The same engine and proposer for every row; K = 0 is plain decoding.
-                llm.engine.dynamic_k = new_policy(k) if k in DYNAMIC_ROWS else None
-                llm.engine.num_speculative_tokens = max_k if k in DYNAMIC_ROWS else k
-                measured = time_nanospec(llm, prompts, bs, args.max_new_tokens, args.continuous)
+            order = ks[repeat % len(ks):] + ks[:repeat % len(ks)]   # each repeat starts at another row
+            for k, measured in time_rows(llm, prompts, bs, order, args, new_policy, max_k).items():
                 each[k].append(measured["tokens_per_s"])
                 if k not in best or measured["tokens_per_s"] > best[k]["tokens_per_s"]:
                     best[k] = measured
-        llm.engine.dynamic_k = None
         for k in ks:
             measured = best[k]
             row = {"batch_size": bs, "k": k, "nanospec_tokens_per_s": measured.pop("tokens_per_s"),
