@@ -25,10 +25,11 @@ what request b accepted lately next to what those rates expected of it (allocate
 ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included,
 every request verifying exactly K drafts (`python -m nanospec.dynamic_k profile ...`, or a quick one
 at start-up), interpolated linearly between the profiled batch sizes and K values (and at the
-fractional D(K)). Neither half of goodput is trusted blindly once the engine runs: a_i and d_i
-follow what the running requests accept (AcceptanceRates), and ITL is corrected by how long the
-engine's own steps take next to what the profile predicts (StepTimes: the profile's prompts are not
-the workload's, contexts grow, a shared machine slows down). Every probe_every-th step tries a
+fractional D(K)). Neither half of goodput is trusted blindly once the engine runs: after a
+warm-up of a few decode steps on the profile alone, a_i and d_i follow what the running requests
+accept (AcceptanceRates), and ITL is corrected by how long the engine's own steps take next to what
+the profile predicts (StepTimes: the profile's prompts are not the workload's, contexts grow, a
+shared machine slows down). Every probe_every-th step tries a
 neighbour of K* (K* + 1, then K* - 1), so both corrections also see the K's the policy does not pick.
 The choice is a few hundred floating-point operations on the host per step: no device sync (the step
 time is read after the step's one device-to-host copy), nothing per vocabulary.
@@ -183,10 +184,10 @@ class AcceptanceRates:
     steps. Each rate blends what was observed with a prior worth `prior_weight` request-steps:
     (count_i + m x_i) / (offered_i + m). x_0 is the profile's rate; x_i, i > 0, is the profile's
     conditional rate prior_i / prior_{i-1} times the estimate at i - 1, so a position rarely offered
-    follows the profile's shape from the level observed before it. There is no warm-up gate: a single
-    probe step that shows drafts being accepted already moves the estimate (a gate counted in steps
-    with drafts would hold the profile's rates for as long as the policy, trusting them, picks K = 0).
-    After a long stretch of K = 0 every count has decayed away and the profile's rates are back."""
+    follows the profile's shape from the level observed before it. After a long stretch of K = 0
+    every count has decayed away and the profile's rates are back. (The policy's warm-up, in
+    DynamicK, is counted in decode steps, whatever their K: a gate counted in steps with drafts
+    would hold the profile's rates for as long as the policy, trusting them, picks K = 0.)"""
 
     def __init__(self, prior: list[float], prior_drafted: list[float] | None = None, decay: float = 0.97,
                  prior_weight: float = 4.0):
@@ -270,16 +271,34 @@ class StepTimes:
 
 
 class DynamicK:
-    """The policy: choose(batch_size) -> K for this step; observe(...) after it."""
+    """The policy: choose(batch_size) -> K for this step; observe(...) after it.
+
+    For its first warmup_steps decode steps the policy goes by the profile alone, observing all the
+    while; then by the online rates and step times. Without the warm-up, one unusual first step sets
+    the course: n-gram drafts on a request's first step come from the chat template (its last
+    tokens also end the system and user turns), are all rejected, and the rates they leave made the
+    policy decode at K = 0 until its first probe (logged on SmolLM2 at batch 4: K = 4, then six
+    steps of K = 0, while this workload's best K was 3-6). After four steps the estimates rest on
+    the steps the profile chose, the unusual one among them."""
 
     def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8, per_request: bool = False,
-                 request_decay: float = 0.95, **rate_options):
+                 request_decay: float = 0.95, warmup_steps: int = 4, **rate_options):
         self.profile, self.per_request, self.request_decay = profile, per_request, request_decay
         self.max_k = min(profile.max_k, max_k or profile.max_k)
         self.acceptance = AcceptanceRates(profile.acceptance[:self.max_k], profile.drafted[:self.max_k], **rate_options)
         self.step_times = StepTimes(rate_options.get("decay", 0.97))
         self._itl: dict[int, list[float]] = {}   # batch size -> ITL for K = 0..max_k (the profile is fixed)
-        self.probe_every, self.steps = probe_every, 0
+        self.probe_every, self.steps, self.warmup_steps = probe_every, 0, warmup_steps
+
+    def rates(self) -> tuple[list[float], list[float]]:
+        """(a_i, d_i) the policy goes by: the profile's while it warms up, then the online estimates."""
+        if self.steps < self.warmup_steps:
+            return self.acceptance.prior, self.acceptance.prior_drafted
+        return self.acceptance.rates(), self.acceptance.drafted()
+
+    def time_ratio(self, batch_size: int, drafts: float) -> float:
+        """Measured step time over the profile's (StepTimes), 1 while the policy warms up."""
+        return 1.0 if self.steps < self.warmup_steps else self.step_times.ratio(batch_size, drafts)
 
     def itl(self, batch_size: int) -> list[float]:
         if batch_size not in self._itl:
@@ -288,18 +307,18 @@ class DynamicK:
 
     def cost(self, batch_size: int) -> list[float]:
         """Expected seconds of a step at K = 0..max_k: the profile at D(K), times the measured ratio."""
-        drafted = self.acceptance.drafted()
+        drafted = self.rates()[1]
         profiled = step_cost(self.itl(batch_size), drafted)
-        return [t * self.step_times.ratio(batch_size, sum(drafted[:k])) for k, t in enumerate(profiled)]
+        return [t * self.time_ratio(batch_size, sum(drafted[:k])) for k, t in enumerate(profiled)]
 
     def choose_per_request(self, requests) -> list[int]:
         """K for each request (see allocate; each keeps its record in request.dynamic_k_record), with
         the probes of choose: every probe_every-th step each request one K up, then one K down."""
         batch = max(1, len(requests))
-        rates = self.acceptance.rates()
+        rates, drafted = self.rates()
         ks_grid = list(range(self.max_k + 1))   # cost at whole drafts per request, interpolated between
-        grid = [t * self.step_times.ratio(batch, x) for x, t in zip(ks_grid, self.itl(batch))]
-        ks = allocate([scaled_rates(rates, r.dynamic_k_record) for r in requests], self.acceptance.drafted(),
+        grid = [t * self.time_ratio(batch, x) for x, t in zip(ks_grid, self.itl(batch))]
+        ks = allocate([scaled_rates(rates, r.dynamic_k_record) for r in requests], drafted,
                       lambda x: interpolate(ks_grid, grid, x))
         return [self.probed(k) for k in ks]
 
@@ -310,7 +329,7 @@ class DynamicK:
         probes downward, a K that really costs more than the profile says, next to a cheaper one,
         would never show it. The policy climbs one K at a time where that pays, at the cost of one
         slightly worse step in probe_every."""
-        return self.probed(best_k(self.acceptance.rates(), self.cost(batch_size)))
+        return self.probed(best_k(self.rates()[0], self.cost(batch_size)))
 
     def probed(self, k: int) -> int:
         """k, or on every probe_every-th decode step its neighbour: k + 1 and k - 1 in turn (k + 1 from 0)."""
@@ -327,7 +346,7 @@ class DynamicK:
         step's requests, whose records this updates."""
         self.steps += 1
         if self.per_request and requests:
-            rates = self.acceptance.rates()   # what the shared rates expected, before this step moves them
+            rates = self.rates()[0]   # what the shared rates expected, before this step moves them
             for req, k, accepted in zip(requests, ks, num_accepted):
                 if k:
                     record = req.dynamic_k_record

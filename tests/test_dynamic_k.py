@@ -200,6 +200,22 @@ def test_measured_step_times_correct_a_profile_that_makes_large_k_look_cheap(pro
     assert chosen[0] == 4 and Counter(chosen[-100:]).most_common(1)[0][0] == expected, Counter(chosen[-100:])
 
 
+def test_the_policy_goes_by_the_profile_while_it_warms_up_then_by_what_it_observes():
+    """Batch 8, the profile's rates 0.9 .. 0.6: K = 4. Every step verifies 4 drafts per request
+    and none is accepted: without a warm-up the policy leaves K = 4 after one step; with four warm-up
+    steps it keeps the profile's K = 4 for four steps and then, on the same evidence, chooses what
+    the policy without a warm-up chooses by then."""
+    profile = Profile([1, 8], [0, 4], [[10, 10], [20, 24]], acceptance=[0.9, 0.8, 0.7, 0.6])
+    chosen = {}
+    for warmup in (0, 4):
+        policy, chosen[warmup] = DynamicK(profile, probe_every=0, warmup_steps=warmup), []
+        for _ in range(8):
+            chosen[warmup].append(policy.choose(8))
+            policy.observe([4] * 8, [0] * 8, seconds=0.1)   # 4x the profile's time: not used while warming up
+        assert chosen[warmup][:max(warmup, 1)] == [4] * max(warmup, 1)
+    assert chosen[0][1] < 4 and chosen[4][4:] == chosen[0][4:]
+
+
 def test_step_time_ratio_is_a_line_in_the_drafts_fitted_per_batch_size():
     times = StepTimes(decay=1.0, prior_weight=2.0)
     assert times.ratio(4, 0) == times.ratio(4, 3) == 1.0   # nothing seen: the profile as it is
@@ -371,3 +387,21 @@ def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_ll
     runs.clear(), running.clear()
     assert time_nanospec(tiny_llm, prompts, 4, 3, continuous=True)["tokens_per_s"] > 0
     assert runs == [7] and max(running) == 4 and engine.scheduler.max_num_seqs == before
+
+
+def test_bench_rows_take_turns_group_by_group(tiny_llm, monkeypatch):
+    """Drift on a shared machine must hit every row alike: each group runs once per row, in the
+    repeat's row order, before the next group; each row keeps its own statistics."""
+    from nanospec import bench
+    prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in bench.shipped_prompts()[:7]]
+    calls, run_group = [], bench.run_group
+    monkeypatch.setattr(bench, "run_group", lambda llm, group, bs, n: (
+        calls.append((llm.engine.num_speculative_tokens, len(group), llm.engine.stats)), run_group(llm, group, bs, n))[1])
+    args = SimpleNamespace(continuous=False, max_new_tokens=3)
+    measured = bench.time_rows(tiny_llm, prompts, 4, [2, 0], args, None, 2)
+    assert [(k, n) for k, n, _ in calls] == [(2, 4), (0, 4), (2, 3), (0, 3)]
+    assert calls[0][2] is calls[2][2] and calls[0][2] is not calls[1][2]
+    assert list(measured) == [2, 0] and all(m["tokens_per_s"] > 0 for m in measured.values())
+    calls.clear()
+    bench.time_rows(tiny_llm, prompts, 4, [0, 2], SimpleNamespace(continuous=True, max_new_tokens=3), None, 2)
+    assert [(k, n) for k, n, _ in calls] == [(0, 7), (2, 7)]   # continuous: the whole queue is one group
