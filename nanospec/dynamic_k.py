@@ -29,8 +29,8 @@ fractional D(K)). Neither half of goodput is trusted blindly once the engine run
 warm-up of a few decode steps on the profile alone, a_i and d_i follow what the running requests
 accept (AcceptanceRates), and ITL is corrected by how long the engine's own steps take next to what
 the profile predicts (StepTimes: the profile's prompts are not the workload's, contexts grow, a
-shared machine slows down). Every probe_every-th step tries a
-neighbour of K* (K* + 1, then K* - 1), so both corrections also see the K's the policy does not pick.
+shared machine slows down). Every probe_every-th step tries a neighbour of K* (K* + 1, then
+K* - 1), so both corrections also see the K's the policy does not pick.
 The choice is a few hundred floating-point operations on the host per step: no device sync (the step
 time is read after the step's one device-to-host copy), nothing per vocabulary.
 
@@ -275,11 +275,11 @@ class DynamicK:
 
     For its first warmup_steps decode steps the policy goes by the profile alone, observing all the
     while; then by the online rates and step times. Without the warm-up, one unusual first step sets
-    the course: n-gram drafts on a request's first step come from the chat template (its last
-    tokens also end the system and user turns), are all rejected, and the rates they leave made the
-    policy decode at K = 0 until its first probe (logged on SmolLM2 at batch 4: K = 4, then six
-    steps of K = 0, while this workload's best K was 3-6). After four steps the estimates rest on
-    the steps the profile chose, the unusual one among them."""
+    the course: n-gram's drafts on a request's first step are chat-template tokens (for SmolLM2's
+    template, the assistant header `<|im_start|>assistant` once more), all rejected, and the rates
+    they left made the policy decode at K = 0 until its first probe (logged on SmolLM2 at batch 4:
+    K = 4, then six steps of K = 0, while this workload's best K was 3-6). After four steps the
+    estimates rest on the steps the profile chose, the unusual one among them."""
 
     def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8, per_request: bool = False,
                  request_decay: float = 0.95, warmup_steps: int = 4, **rate_options):
