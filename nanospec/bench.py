@@ -105,8 +105,7 @@ def time_transformers(model, prompt_ids: list[list[int]], batch_size: int, max_n
     """transformers' generate() over the same groups; `speculative`: prompt_lookup_num_tokens=K or
     assistant_model=... (transformers supports those at batch size 1 only)."""
     elapsed, tokens = 0.0, 0
-    for first in range(0, len(prompt_ids), batch_size):
-        group = prompt_ids[first:first + batch_size]
+    for group in groups(prompt_ids, batch_size):
         longest = max(len(ids) for ids in group)   # left padding, as batched generate() needs
         ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in group], device=model.device)
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group], device=model.device)
