@@ -10,7 +10,9 @@ policy interpolates it). With the table as both the clock and the policy's profi
 choices are judged on what they are worth, not on a shared CPU's 10-30% drift between rows.
 
 Decode steps only: prefill costs every row the same and is left out, so the ratios between rows
-are those of the decode time, a little wider than a benchmark's.
+are those of the decode time, a little wider than a benchmark's. A request that ends at EOS is
+replayed without its EOS token (the engine drops it from the output it returns): one token, and at
+most one step, fewer than the engine takes for it.
 
     python -m nanospec.replay --profile profile.json --batch-sizes 1,4,16 --num-requests 48 [--continuous]
 """
