@@ -127,10 +127,15 @@ def acceptance_length(rates: list[float], k: int) -> float:
     return 1 + sum(rates[:k])
 
 
+def itl_at(itl: list[float], drafts: float) -> float:
+    """A step's time at `drafts` verified drafts per request (fractional: a mean over the batch),
+    itl given at 0, 1, 2, ... drafts."""
+    return interpolate(list(range(len(itl))), itl, drafts)
+
+
 def step_cost(itl: list[float], drafted: list[float] | None = None) -> list[float]:
     """ITL(D(K)) for K = 0..len(itl) - 1, ITL given at 0, 1, ... verified drafts; drafted None: D(K) = K."""
-    ks = list(range(len(itl)))
-    return list(itl) if drafted is None else [interpolate(ks, itl, sum(drafted[:k])) for k in ks]
+    return list(itl) if drafted is None else [itl_at(itl, sum(drafted[:k])) for k in range(len(itl))]
 
 
 def allocate(rates: list[list[float]], drafted: list[float], cost_at) -> list[int]:
@@ -316,10 +321,10 @@ class DynamicK:
         the probes of choose: every probe_every-th step each request one K up, then one K down."""
         batch = max(1, len(requests))
         rates, drafted = self.rates()
-        ks_grid = list(range(self.max_k + 1))   # cost at whole drafts per request, interpolated between
-        grid = [t * self.time_ratio(batch, x) for x, t in zip(ks_grid, self.itl(batch))]
+        # cost at whole drafts per request, interpolated between
+        grid = [t * self.time_ratio(batch, x) for x, t in enumerate(self.itl(batch))]
         ks = allocate([scaled_rates(rates, r.dynamic_k_record) for r in requests], drafted,
-                      lambda x: interpolate(ks_grid, grid, x))
+                      lambda x: itl_at(grid, x))
         return [self.probed(k) for k in ks]
 
     def choose(self, batch_size: int) -> int:
@@ -355,9 +360,8 @@ class DynamicK:
         self.acceptance.observe(ks, num_accepted, num_draft)
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks
-            itl, drafts = self.itl(batch), sum(verified) / batch
-            predicted = interpolate(list(range(len(itl))), itl, drafts)
-            self.step_times.observe(batch, drafts, seconds / predicted)
+            drafts = sum(verified) / batch
+            self.step_times.observe(batch, drafts, seconds / itl_at(self.itl(batch), drafts))
 
 
 # ---- measuring a profile with the real engine ----

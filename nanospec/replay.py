@@ -22,7 +22,7 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
-from nanospec.dynamic_k import DynamicK, Profile, int_list, interpolate
+from nanospec.dynamic_k import DynamicK, Profile, int_list, itl_at
 from nanospec.errors import NanospecError, run_command
 from nanospec.proposer import NgramIndex
 
@@ -57,12 +57,6 @@ def ngram_trace(prompt: list[int], output: list[int], max_k: int, min_n: int = 1
     return Trace(len(output), found, matched)
 
 
-def step_seconds(profile: Profile, batch: int, drafts: int) -> float:
-    """The clock: ITL(batch, drafts / batch) from the table."""
-    itl = profile.itl(batch)
-    return interpolate(list(range(len(itl))), itl, drafts / batch)
-
-
 def replay(traces: list[Trace], batch_size: int, policy: int | DynamicK, clock: Profile, max_tokens: int,
            continuous: bool = False) -> tuple[int, float]:
     """Step the traces as the engine would with a static K (an int) or a DynamicK; (tokens, seconds).
@@ -78,7 +72,7 @@ def replay(traces: list[Trace], batch_size: int, policy: int | DynamicK, clock: 
         ks = [max(0, min(k, max_tokens - r.done - 1)) for k, r in zip(ks, running)]
         found = [min(k, r.trace.found[r.done]) for k, r in zip(ks, running)]
         accepted = [min(f, r.trace.matched[r.done]) for f, r in zip(found, running)]
-        step = step_seconds(clock, len(running), sum(found))
+        step = itl_at(clock.itl(len(running)), sum(found) / len(running))   # the clock
         if isinstance(policy, DynamicK):
             policy.observe(ks, accepted, found, seconds=step, requests=running)
         seconds += step
