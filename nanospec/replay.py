@@ -63,6 +63,8 @@ def replay(traces: list[Trace], batch_size: int, policy: int | DynamicK, clock: 
     In groups (the bench's default, as generate() runs them) batch_size requests start together and
     the next group starts when the last of them is done; continuous: a finished request's place is
     taken by the next. Each request's K is capped as the engine caps it (K accepted + 1 <= tokens left)."""
+    if batch_size < 1:
+        raise NanospecError(f"batch size must be >= 1, got {batch_size}")
     queue, running, tokens, seconds = [Running(t) for t in traces], [], 0, 0.0
     while queue or running:
         if continuous or not running:
@@ -145,12 +147,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def replay_command(args) -> None:
     profile = Profile.load(args.profile)
     policy_profile = Profile.load(args.policy_profile) if args.policy_profile else None
-    if profile.max_k < args.max_k:
-        raise NanospecError(f"the profile times K up to {profile.max_k}; lower --max-k to at most that")
+    if not 1 <= args.max_k <= profile.max_k:
+        raise NanospecError(f"--max-k must be in 1..{profile.max_k} (the profile times K up to {profile.max_k}), "
+                            f"got {args.max_k}")
+    if args.num_requests < 0:
+        raise NanospecError(f"--num-requests must be >= 0, got {args.num_requests}")
+    batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise NanospecError(f"--batch-sizes takes batch sizes >= 1, got {args.batch_sizes!r}")
     traces = record_traces(args)
     print(f"{len(traces)} requests, {sum(t.length for t in traces)} tokens; "
           f"{'continuous' if args.continuous else 'groups'}; tokens/s of decode time on the profile's clock")
-    for batch in int_list(args.batch_sizes, "--batch-sizes"):
+    for batch in batch_sizes:
         if batch > profile.batch_sizes[-1]:
             print(f"  (batch {batch} is beyond the profile's batch sizes: extrapolated)")
         result = compare(traces, batch, profile, args.max_new_tokens, args.continuous, args.max_k,

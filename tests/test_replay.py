@@ -5,6 +5,7 @@ import pytest
 
 from nanospec import LLM, SamplingParams
 from nanospec.dynamic_k import Profile
+from nanospec.errors import NanospecError
 from nanospec.replay import Trace, compare, ngram_trace, replay
 from test_speculative import PROMPTS
 
@@ -91,5 +92,13 @@ def test_replay_command_records_a_workload_and_prints_every_row(checkpoints, tmp
     assert main(args + ["--max-k", "2", "--continuous"]) == 0
     out = capsys.readouterr().out
     assert "continuous" in out and out.count("dynamic / best") == 2 and "K=2:" in out
-    assert main(args + ["--max-k", "4"]) == 2
-    assert "lower --max-k" in capsys.readouterr().err
+    for bad, message in ((["--max-k", "4"], "--max-k must be in 1..2"), (["--max-k", "0"], "--max-k must be in 1..2"),
+                         (["--max-k", "2", "--num-requests", "-1"], "--num-requests must be >= 0"),
+                         (["--max-k", "2", "--batch-sizes", "0,2"], "--batch-sizes takes batch sizes >= 1")):
+        assert main(args + bad) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_replay_rejects_an_empty_batch_instead_of_looping():
+    with pytest.raises(NanospecError, match="batch size must be >= 1"):
+        replay(workload(False, requests=2), 0, 2, CLOCK, max_tokens=64)
