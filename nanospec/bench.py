@@ -9,8 +9,8 @@ transformers' generate() on the same model and prompts in the same run, for the 
 Every request generates exactly --max-new-tokens tokens (EOS ignored, greedy), so both engines do
 the same work. Requests run in groups of the batch size, each group to completion (what batched
 generate() does), or with --continuous as a server runs them: all queued, a finished request's
-place taken by the next. The rows (K values) take turns group by group, so the drift of a shared
-machine hits them alike. Prints a table and writes JSON with the device, versions and command.
+place taken by the next. The rows (K values) run side by side, each an engine of its own over the
+same weights, and take turns a step at a time, so the drift of a shared machine hits them alike. Prints a table and writes JSON with the device, versions and command.
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def parse_args(argv=None):
     ap.add_argument("--ks", default="0", help="comma-separated K values; 0 is plain decoding, 'dynamic' is dynamic K, "
                                               "'dynamic-per-request' dynamic K per request (needs a proposer for K > 0)")
     ap.add_argument("--profile", help="dynamic-K profile (default: the quick built-in one, measured here)")
-    ap.add_argument("--repeats", type=int, default=1, help="measure every row N times, interleaved; keep the best")
+    ap.add_argument("--repeats", type=int, default=1, help="measure every row N times; report the best and all N together")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--categories", default="", help="comma-separated prompt categories (default: all)")
@@ -207,27 +207,44 @@ def dynamic_policy(args, llm, max_k: int):
 
 
 def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, new_policy, max_k: int) -> dict:
-    """One repeat of every row (K, or a dynamic policy) over the prompts, the rows interleaved group
-    by group: each group of batch_size prompts runs once per row before the next group starts, so
-    a shared machine's drift (it moves 10-30% within minutes) hits every row alike. Each row keeps
-    its own statistics and its own dynamic-K policy (fresh for the repeat, learning over its
-    groups). With --continuous the whole queue is one group: rows run one after another."""
-    from nanospec.engine import Stats
-    engine = llm.engine
-    rows = {k: {"policy": new_policy(k) if k in DYNAMIC_ROWS else None, "stats": Stats(), "seconds": 0.0,
-                "tokens": 0} for k in ks}
-    try:
-        for group in groups(prompts, batch_size, args.continuous):
-            for k, row in rows.items():
-                # The same engine and proposer for every row; K = 0 is plain decoding.
-                engine.dynamic_k, engine.stats = row["policy"], row["stats"]
-                engine.num_speculative_tokens = max_k if k in DYNAMIC_ROWS else k
-                seconds, tokens = run_group(llm, group, batch_size, args.max_new_tokens)
-                row["seconds"] += seconds
-                row["tokens"] += tokens
-    finally:
-        engine.dynamic_k = None
-    return {k: summary(row["stats"], row["seconds"], row["tokens"]) for k, row in rows.items()}
+    """One repeat of every row (K, or a dynamic policy) over the prompts, the rows side by side: each
+    row is an engine of its own (the same weights; its own KV cache, scheduler, statistics and
+    dynamic-K policy, fresh for the repeat), and the rows take turns a step at a time, so that a
+    shared machine's drift (it moves 10-30% within minutes) hits every row alike. A row counts the
+    time of its own steps only. In groups, a row queues its next group once its last one is done;
+    with --continuous it queues all its requests at once."""
+    from nanospec import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True)
+    rows = []
+    for k in ks:
+        engine = llm.engine.twin()
+        engine.scheduler.max_num_seqs = batch_size
+        engine.dynamic_k = new_policy(k) if k in DYNAMIC_ROWS else None
+        engine.num_speculative_tokens = max_k if k in DYNAMIC_ROWS else k   # K = 0 is plain decoding
+        rows.append({"k": k, "engine": engine, "groups": groups(prompts, batch_size, args.continuous),
+                     "requests": [], "seconds": 0.0})
+    while True:
+        busy = 0
+        for row in rows:
+            engine = row["engine"]
+            if not engine.scheduler.has_work() and row["groups"]:
+                group = row["groups"].pop(0)
+                reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(group)]
+                engine.scheduler.waiting.extend(reqs)
+                row["requests"] += reqs
+            if engine.scheduler.has_work():
+                busy += 1
+                sync(llm.device)
+                start = time.perf_counter()
+                engine.step()
+                sync(llm.device)
+                row["seconds"] += time.perf_counter() - start
+        if not busy:
+            break
+    for row in rows:
+        assert all(len(r.output_ids) == args.max_new_tokens for r in row["requests"])
+    return {row["k"]: summary(row["engine"].stats, row["seconds"], len(row["requests"]) * args.max_new_tokens)
+            for row in rows}
 
 
 def run(args) -> dict:
@@ -263,19 +280,24 @@ def run(args) -> dict:
             print("transformers is not installed: no baseline (pip install transformers)", file=sys.stderr)
     results = []
     for bs in batch_sizes:
-        best = {}   # k -> the fastest of the repeats (rows interleaved, so drift hits every K alike)
-        each = {k: [] for k in ks}   # k -> tokens/s of every repeat, in order: the spread the best hides
+        best = {}   # k -> the fastest of the repeats (rows side by side, so drift hits every K alike)
+        each = {k: [] for k in ks}   # k -> every repeat's measurement, in order: the spread the best hides
         for repeat in range(args.repeats):
             order = ks[repeat % len(ks):] + ks[:repeat % len(ks)]   # each repeat starts at another row
             for k, measured in time_rows(llm, prompts, bs, order, args, new_policy, max_k).items():
-                each[k].append(measured["tokens_per_s"])
+                each[k].append(measured)
                 if k not in best or measured["tokens_per_s"] > best[k]["tokens_per_s"]:
                     best[k] = measured
         for k in ks:
-            measured = best[k]
+            measured = dict(best[k])
+            speeds = [m["tokens_per_s"] for m in each[k]]
             row = {"batch_size": bs, "k": k, "nanospec_tokens_per_s": measured.pop("tokens_per_s"),
-                   "tokens_per_s_each_repeat": each[k], **measured}
-            if k not in DYNAMIC_ROWS:   # the K histograms say something only where K moves
+                   "tokens_per_s_each_repeat": speeds,
+                   # every repeat generates the same tokens: all of them over all the repeats' seconds
+                   "tokens_per_s_all_repeats": round(len(speeds) / sum(1 / s for s in speeds), 2), **measured}
+            if k in DYNAMIC_ROWS:
+                row["chosen_k_each_repeat"] = [m["chosen_k"] for m in each[k]]
+            else:   # the K histograms say something only where K moves
                 for key in ("chosen_k", "request_k"):
                     row.pop(key)
             if ref is not None and k not in DYNAMIC_ROWS:
@@ -305,15 +327,17 @@ def print_table(report: dict) -> None:
     print(f"{report['target']} on {report['environment']['device']} ({report['environment']['dtype']}), proposer "
           f"{report['proposer']}, {report['num_prompts']} prompts ({report['categories']}), "
           f"{report['max_new_tokens']} new tokens each")
-    print(f"{'batch':>6} {'K':>19} {'nanospec tok/s':>15} {'accept len':>11} {'transformers tok/s':>19} {'ratio':>7}"
-          f" {'vs best other':>14}")
+    print(f"{'batch':>6} {'K':>19} {'nanospec tok/s':>15} {'all repeats':>12} {'accept len':>11}"
+          f" {'transformers tok/s':>19} {'ratio':>7} {'vs best other':>14} {'(all repeats)':>14}")
     for r in report["results"]:
-        others = [o["nanospec_tokens_per_s"] for o in report["results"]
-                  if o["batch_size"] == r["batch_size"] and o["k"] != r["k"]]
-        vs_best = r["nanospec_tokens_per_s"] / max(others) if others else float("nan")
-        print(f"{r['batch_size']:>6} {r['k']:>19} {r['nanospec_tokens_per_s']:>15.1f} {r['mean_acceptance_length']:>11.2f} "
-              f"{r.get('transformers_tokens_per_s', float('nan')):>19.1f} {r.get('ratio', float('nan')):>7.2f}"
-              f" {vs_best:>14.2f}")
+        others = [o for o in report["results"] if o["batch_size"] == r["batch_size"] and o["k"] != r["k"]]
+
+        def vs_best(key):
+            return r[key] / max(o[key] for o in others) if others else float("nan")
+        print(f"{r['batch_size']:>6} {r['k']:>19} {r['nanospec_tokens_per_s']:>15.1f} {r['tokens_per_s_all_repeats']:>12.1f}"
+              f" {r['mean_acceptance_length']:>11.2f} {r.get('transformers_tokens_per_s', float('nan')):>19.1f}"
+              f" {r.get('ratio', float('nan')):>7.2f} {vs_best('nanospec_tokens_per_s'):>14.2f}"
+              f" {vs_best('tokens_per_s_all_repeats'):>14.2f}")
 
 
 def main(argv=None) -> int:

@@ -18,6 +18,7 @@ proposer never runs out of blocks before the target's scheduler preempts.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,11 @@ class Proposer:
 
     def free(self, request) -> None:
         request.proposer_state = None
+
+    def twin(self) -> "Proposer":
+        """This proposer for another engine: the same weights, state of its own (n-gram keeps
+        all of its state in the requests)."""
+        return self
 
 
 class NgramIndex:
@@ -167,6 +173,11 @@ class ModelProposer(Proposer):
         for st, n in zip(states, query_lens):
             st.num_cached += n
         return meta
+
+    def twin(self) -> "ModelProposer":
+        twin = copy.copy(self)
+        twin.kv_cache = self.kv_cache.empty_like()
+        return twin
 
     def free(self, request) -> None:
         if request.proposer_state is not None:

@@ -350,10 +350,13 @@ def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
     report = json.loads(out.read_text())
     assert [(r["batch_size"], r["k"]) for r in report["results"]] == [
         (b, k) for b in (1, 2) for k in (0, 2, "dynamic", "dynamic-per-request")]
-    for r in report["results"]:   # every repeat is kept, and the row is their best
-        assert len(r["tokens_per_s_each_repeat"]) == 2 and r["nanospec_tokens_per_s"] == max(r["tokens_per_s_each_repeat"])
+    for r in report["results"]:   # every repeat is kept; the row is their best, and all of them together
+        each = r["tokens_per_s_each_repeat"]
+        assert len(each) == 2 and r["nanospec_tokens_per_s"] == max(each)
+        assert r["tokens_per_s_all_repeats"] == pytest.approx(2 / (1 / each[0] + 1 / each[1]), abs=0.01)
     dynamic = [r for r in report["results"] if r["k"] in ("dynamic", "dynamic-per-request")]
     assert all(r["chosen_k"] and r["nanospec_tokens_per_s"] > 0 for r in dynamic)
+    assert all(len(r["chosen_k_each_repeat"]) == 2 and r["chosen_k"] in r["chosen_k_each_repeat"] for r in dynamic)
     assert report["dynamic_k_profile"]["batch_sizes"] == [1, 2] and report["dynamic_k_profile"]["ks"] == [0, 1, 2]
 
 
@@ -389,19 +392,27 @@ def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_ll
     assert runs == [7] and max(running) == 4 and engine.scheduler.max_num_seqs == before
 
 
-def test_bench_rows_take_turns_group_by_group(tiny_llm, monkeypatch):
-    """Drift on a shared machine must hit every row alike: each group runs once per row, in the
-    repeat's row order, before the next group; each row keeps its own statistics."""
+def test_bench_rows_take_turns_step_by_step(tiny_llm, monkeypatch):
+    """Drift on a shared machine must hit every row alike: each row is an engine of its own over
+    the same model, and the rows take turns a step at a time; each row queues its groups one after
+    another (continuous: all at once) and keeps its own statistics."""
     from nanospec import bench
+    from nanospec.engine import Engine
     prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in bench.shipped_prompts()[:7]]
-    calls, run_group = [], bench.run_group
-    monkeypatch.setattr(bench, "run_group", lambda llm, group, bs, n: (
-        calls.append((llm.engine.num_speculative_tokens, len(group), llm.engine.stats)), run_group(llm, group, bs, n))[1])
-    args = SimpleNamespace(continuous=False, max_new_tokens=3)
-    measured = bench.time_rows(tiny_llm, prompts, 4, [2, 0], args, None, 2)
-    assert [(k, n) for k, n, _ in calls] == [(2, 4), (0, 4), (2, 3), (0, 3)]
-    assert calls[0][2] is calls[2][2] and calls[0][2] is not calls[1][2]
+    steps, step = [], Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: (steps.append(
+        (self, self.num_speculative_tokens, len(self.scheduler.waiting) + len(self.scheduler.running))), step(self))[1])
+    measured = bench.time_rows(tiny_llm, prompts, 4, [2, 0], SimpleNamespace(continuous=False, max_new_tokens=3),
+                               None, 2)
+    engines = {k: e for e, k, _ in steps}
+    assert len(engines) == 2 and tiny_llm.engine not in engines.values()
+    assert engines[2].model is tiny_llm.model and engines[2].kv_cache is not tiny_llm.engine.kv_cache
+    assert [k for _, k, _ in steps[:6]] == [2, 0, 2, 0, 2, 0]
+    for k in (2, 0):   # a group of 4, then (once it is done) the last 3
+        queued = [n for e, _, n in steps if e is engines[k]]
+        assert queued[0] == 4 and 3 in queued and queued.index(3) > queued.index(4)
+    assert engines[2].stats.steps > 0 and engines[0].stats.drafted_tokens == 0
     assert list(measured) == [2, 0] and all(m["tokens_per_s"] > 0 for m in measured.values())
-    calls.clear()
+    steps.clear()
     bench.time_rows(tiny_llm, prompts, 4, [0, 2], SimpleNamespace(continuous=True, max_new_tokens=3), None, 2)
-    assert [(k, n) for k, n, _ in calls] == [(0, 7), (2, 7)]   # continuous: the whole queue is one group
+    assert steps[0][2] == 7 and max(len(e.scheduler.running) for e, _, _ in steps) <= 4

@@ -1,6 +1,7 @@
 """Speculative decoding is lossless, for every proposer: greedy output equals plain greedy output
 token for token, and sampled output has exactly the target's sequence distribution."""
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -72,6 +73,32 @@ def test_preemption_changes_nothing(spec_models, plain_greedy, name):
     assert tiny.stats["preemptions"] > 0
     assert_no_leak(tiny)
     assert_no_leak(ample)
+
+
+@pytest.mark.parametrize("name", PROPOSERS)
+def test_twin_engines_decode_side_by_side(spec_models, plain_greedy, name):
+    """Engine.twin (the benchmark's rows): two engines over one model and proposer, at K = 3 and
+    K = 1, stepped in turn, each decode as plain greedy decoding does, in caches of their own (a
+    draft's or EAGLE head's pool has as many blocks as the target's, so it cannot be shared)."""
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=3,
+              **proposer_args(spec_models, name))
+    twins = [llm.engine.twin(), llm.engine.twin()]
+    twins[1].num_speculative_tokens = 1
+    requests = [[e.new_request(i, p, llm.encode_prompt(p), greedy()) for i, p in enumerate(PROMPTS)] for e in twins]
+    for engine, reqs in zip(twins, requests):
+        engine.scheduler.waiting.extend(reqs)
+    while any(e.scheduler.has_work() for e in twins):
+        for engine in [e for e in twins if e.scheduler.has_work()]:
+            engine.step()
+    for engine, reqs in zip(twins, requests):
+        assert [r.output_ids for r in reqs] == [plain_greedy[p] for p in PROMPTS]
+        assert engine.model is llm.model and engine.kv_cache is not llm.engine.kv_cache
+        if hasattr(llm.engine.proposer, "kv_cache"):   # sized like the target's pool, so one each
+            assert engine.proposer.kv_cache is not llm.engine.proposer.kv_cache
+        assert engine.stats.drafted_tokens > 0
+        assert_no_leak(SimpleNamespace(engine=engine))
+    assert_no_leak(llm)
+    assert llm.engine.stats.steps == 0
 
 
 # End to end, sampled: a target with an 8-token vocabulary, so that every sequence of 3 generated
