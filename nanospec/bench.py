@@ -215,9 +215,14 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
     with --continuous it queues all its requests at once."""
     from nanospec import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True)
+    # Each row's KV cache holds batch_size of the longest requests (on a GPU the LLM's own pool
+    # takes most of the free memory: one like it per row would not fit).
+    allocator = llm.engine.kv_cache.allocator
+    longest = max(len(ids) for ids in prompts) + args.max_new_tokens + max_k + 1
+    num_blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
     rows = []
     for k in ks:
-        engine = llm.engine.twin()
+        engine = llm.engine.twin(num_blocks)
         engine.scheduler.max_num_seqs = batch_size
         engine.dynamic_k = new_policy(k) if k in DYNAMIC_ROWS else None
         engine.num_speculative_tokens = max_k if k in DYNAMIC_ROWS else k   # K = 0 is plain decoding

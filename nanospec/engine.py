@@ -273,13 +273,15 @@ class Engine:
         self.step_k = 0                  # K of the current step
         self.request_k = {}              # id(request) -> its K in the current step, where per request
 
-    def twin(self) -> "Engine":
+    def twin(self, num_kv_blocks: int | None = None) -> "Engine":
         """Another engine over the same model, tokenizer, sampler and proposer weights, with a KV
-        cache, scheduler, statistics and policy of its own (the benchmark runs its rows side by side)."""
+        cache (of num_kv_blocks blocks; default as many as this one's), scheduler, statistics and
+        policy of its own (the benchmark runs its rows side by side)."""
         cache, scheduler = self.kv_cache, self.scheduler
-        twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, cache.allocator.num_blocks,
-                      cache.block_size, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
-                      self.proposer and self.proposer.twin(), self.num_speculative_tokens)
+        num_blocks = num_kv_blocks or cache.allocator.num_blocks
+        twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
+                      scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
+                      self.proposer and self.proposer.twin(num_blocks), self.num_speculative_tokens)
         twin.sampler, twin.disable_queue_size = self.sampler, self.disable_queue_size
         return twin
 

@@ -54,9 +54,9 @@ class Proposer:
     def free(self, request) -> None:
         request.proposer_state = None
 
-    def twin(self) -> "Proposer":
-        """This proposer for another engine: the same weights, state of its own (n-gram keeps
-        all of its state in the requests)."""
+    def twin(self, num_blocks: int) -> "Proposer":
+        """This proposer for another engine of num_blocks KV blocks: the same weights, state of its
+        own (n-gram keeps all of its state in the requests)."""
         return self
 
 
@@ -174,9 +174,9 @@ class ModelProposer(Proposer):
             st.num_cached += n
         return meta
 
-    def twin(self) -> "ModelProposer":
+    def twin(self, num_blocks: int) -> "ModelProposer":
         twin = copy.copy(self)
-        twin.kv_cache = self.kv_cache.empty_like()
+        twin.kv_cache = self.kv_cache.empty_like(num_blocks)
         return twin
 
     def free(self, request) -> None:

@@ -407,6 +407,8 @@ def test_bench_rows_take_turns_step_by_step(tiny_llm, monkeypatch):
     engines = {k: e for e, k, _ in steps}
     assert len(engines) == 2 and tiny_llm.engine not in engines.values()
     assert engines[2].model is tiny_llm.model and engines[2].kv_cache is not tiny_llm.engine.kv_cache
+    # a pool for the bench's requests, not another like the LLM's (on a GPU that takes most of the memory)
+    assert engines[2].kv_cache.allocator.num_blocks < tiny_llm.engine.kv_cache.allocator.num_blocks
     assert [k for _, k, _ in steps[:6]] == [2, 0, 2, 0, 2, 0]
     for k in (2, 0):   # a group of 4, then (once it is done) the last 3
         queued = [n for e, _, n in steps if e is engines[k]]
