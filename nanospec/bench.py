@@ -10,7 +10,8 @@ Every request generates exactly --max-new-tokens tokens (EOS ignored, greedy), s
 the same work. Requests run in groups of the batch size, each group to completion (what batched
 generate() does), or with --continuous as a server runs them: all queued, a finished request's
 place taken by the next. The rows (K values) run side by side, each an engine of its own over the
-same weights, and take turns a step at a time, so the drift of a shared machine hits them alike. Prints a table and writes JSON with the device, versions and command.
+same weights, and take turns a step at a time, so the drift of a shared machine hits them alike.
+Prints a table and writes JSON with the device, versions and command.
 """
 from __future__ import annotations
 
