@@ -57,22 +57,33 @@ def groups(prompt_ids: list[list[int]], batch_size: int, continuous: bool = Fals
     return [prompt_ids[first:first + size] for first in range(0, len(prompt_ids), size)]
 
 
+def queue_requests(engine, prompt_ids: list[list[int]], max_new_tokens: int) -> list:
+    """Queue the bench's requests: greedy, each exactly max_new_tokens long (EOS ignored)."""
+    from nanospec import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+    reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids)]
+    engine.scheduler.waiting.extend(reqs)
+    return reqs
+
+
+def timed(device, work):
+    """(what work() returns, its seconds), the device's queued work included."""
+    sync(device)
+    start = time.perf_counter()
+    result = work()
+    sync(device)
+    return result, time.perf_counter() - start
+
+
 def run_group(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int) -> tuple[float, int]:
     """Queue the prompts and run them to completion, at most batch_size at a time, a finished
     request's place taken by the next (continuous batching); (seconds, tokens generated)."""
-    from nanospec import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
     engine = llm.engine
     saved_max_num_seqs = engine.scheduler.max_num_seqs
     engine.scheduler.max_num_seqs = min(batch_size, saved_max_num_seqs)
     try:
-        reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids)]
-        engine.scheduler.waiting.extend(reqs)
-        sync(llm.device)
-        start = time.perf_counter()
-        engine.run_to_completion()
-        sync(llm.device)
-        seconds = time.perf_counter() - start
+        reqs = queue_requests(engine, prompt_ids, max_new_tokens)
+        _, seconds = timed(llm.device, engine.run_to_completion)
     finally:
         engine.scheduler.max_num_seqs = saved_max_num_seqs
     assert all(len(r.output_ids) == max_new_tokens for r in reqs)
@@ -110,12 +121,10 @@ def time_transformers(model, prompt_ids: list[list[int]], batch_size: int, max_n
         longest = max(len(ids) for ids in group)   # left padding, as batched generate() needs
         ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in group], device=model.device)
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group], device=model.device)
-        sync(model.device)
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad_id, **speculative)
-        sync(model.device)
-        elapsed += time.perf_counter() - start
+        out, seconds = timed(model.device, lambda: model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=pad_id, **speculative))
+        elapsed += seconds
         assert out.shape[1] == longest + max_new_tokens
         tokens += len(group) * max_new_tokens
     return tokens / elapsed
@@ -214,8 +223,6 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
     shared machine's drift (it moves 10-30% within minutes) hits every row alike. A row counts the
     time of its own steps only. In groups, a row queues its next group once its last one is done;
     with --continuous it queues all its requests at once."""
-    from nanospec import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True)
     # Each row's KV cache holds batch_size of the longest requests (on a GPU the LLM's own pool
     # takes most of the free memory: one like it per row would not fit).
     allocator = llm.engine.kv_cache.allocator
@@ -234,17 +241,10 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
         for row in rows:
             engine = row["engine"]
             if not engine.scheduler.has_work() and row["groups"]:
-                group = row["groups"].pop(0)
-                reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(group)]
-                engine.scheduler.waiting.extend(reqs)
-                row["requests"] += reqs
+                row["requests"] += queue_requests(engine, row["groups"].pop(0), args.max_new_tokens)
             if engine.scheduler.has_work():
                 busy += 1
-                sync(llm.device)
-                start = time.perf_counter()
-                engine.step()
-                sync(llm.device)
-                row["seconds"] += time.perf_counter() - start
+                row["seconds"] += timed(llm.device, engine.step)[1]
         if not busy:
             break
     for row in rows:

@@ -370,7 +370,7 @@ def time_decode_steps(engine, prompt_ids: list[list[int]], batch_size: int, ks: 
     """For each k in ks, the median seconds of `steps` decode steps of the same `batch_size` requests
     (prompts cycled) verifying exactly k drafts each (ExactlyK); prefilled once, one warm-up step
     per k (the first also does the proposer's catch-up)."""
-    from nanospec.bench import sync
+    from nanospec.bench import timed
     from nanospec.engine import SamplingParams
     budget = sum((steps + 1) * (k + 1) for k in ks) + 1   # no request may finish while we time
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
@@ -387,11 +387,7 @@ def time_decode_steps(engine, prompt_ids: list[list[int]], batch_size: int, ks: 
             engine.num_speculative_tokens = k
             times = []
             for _ in range(steps + 1):
-                sync(engine.device)
-                start = time.perf_counter()
-                engine.step()
-                sync(engine.device)
-                times.append(time.perf_counter() - start)
+                times.append(timed(engine.device, engine.step)[1])
             medians.append(statistics.median(times[1:]))
     finally:
         engine.proposer = proposer

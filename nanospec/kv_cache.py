@@ -118,11 +118,10 @@ class KVCache:
                                 dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks, block_size)
 
-    def empty_like(self, num_blocks: int | None = None) -> "KVCache":
-        """An empty pool for the same model (another engine over it), of num_blocks (default: as many)."""
-        num_layers, _, blocks, block_size, num_kv_heads, head_dim = self.pool.shape
-        return KVCache(num_layers, num_blocks or blocks, block_size, num_kv_heads, head_dim, self.pool.dtype,
-                       self.pool.device)
+    def empty_like(self, num_blocks: int) -> "KVCache":
+        """An empty pool of num_blocks for the same model (another engine over it)."""
+        num_layers, _, _, block_size, num_kv_heads, head_dim = self.pool.shape
+        return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.pool.dtype, self.pool.device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool[i, 0], self.pool[i, 1]   # each [num_blocks, block_size, kv_heads, head_dim]
