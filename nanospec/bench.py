@@ -213,7 +213,8 @@ def dynamic_policy(args, llm, max_k: int):
     from nanospec.dynamic_k import DynamicK, Profile, quick_profile
     profile = Profile.load(args.profile) if args.profile else quick_profile(llm, max_k)
     # a fresh policy per row: every row starts from the profile
-    return profile, lambda row: DynamicK(profile, max_k, per_request=row == "dynamic-per-request")
+    spans = getattr(llm.engine.proposer, "acceptance_in_spans", False)   # None: checked where the rows run
+    return profile, lambda row: DynamicK(profile, max_k, per_request=row == "dynamic-per-request", spans=spans)
 
 
 def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, new_policy, max_k: int) -> dict:

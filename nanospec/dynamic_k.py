@@ -202,9 +202,10 @@ class AcceptanceRates:
         self.found = [0.0] * len(prior)
         self.accepted = [0.0] * len(prior)
 
-    def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None) -> None:
+    def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
+                requests=None) -> None:
         """One decode step: request b asked for ks[b] drafts, got num_draft[b] (default ks[b]) and
-        had num_accepted[b] accepted."""
+        had num_accepted[b] accepted (whose request it was does not matter here; it does to SpanRates)."""
         n = len(self.prior)
         for counts, per_request in ((self.offered, ks), (self.found, num_draft or ks), (self.accepted, num_accepted)):
             counts[:] = [c * self.decay for c in counts]
@@ -227,6 +228,108 @@ class AcceptanceRates:
                 x = rates[-1] * min(p / prior[i - 1], 1.0) if prior[i - 1] > 0 else 0.0
             rates.append((counts[i] + m * x) / (self.offered[i] + m))
         return rates
+
+
+class SpanRates:
+    """a_i and d_i for a proposer that drafts the text ahead (n-gram), from the spans it gets right.
+
+    Per-step rates measured at one K misjudge another: a request that copies its prompt for 20
+    tokens spends 10 steps doing it at K = 1 and 3 at K = 6, so the larger K is, the fewer of its
+    steps fall in a copy and the lower every measured a_i (replayed on SmolLM2 at batch 16: a_0 is
+    0.60 at K = 1 and 0.40 at K = 6). Judged on the rates of the K it runs, every K looks best to
+    itself; the policy settled one K above the best static K (4 where 3 was best, goodput -3%).
+
+    What does not depend on K is the text: where the proposer starts to be right, and for how many
+    tokens (a span of L, then a token it gets wrong). A step that accepts all k drafts goes on with
+    the span; one that accepts fewer, or finds fewer than asked, ends it at what it accepted; a
+    step without drafts, or a request that leaves the batch, ends it where it is. At K a span of L
+    takes L // (K + 1) + 1 steps for its L + 1 tokens (the +1 is the target's own, which ends it), so
+
+        AL(K) = E[L + 1] / E[L // (K + 1) + 1]
+
+    (for a geometric L, P(L >= j) = p^j, that is 1 + p + .. + p^K, the usual formula) and
+    a_i = AL(i + 1) - AL(i). D(K) likewise: the full steps verify K drafts, the last one r = L mod
+    (K + 1) accepted ones plus whatever the proposer found past them (e_i, counted on the steps that
+    ended a span), and d_i = D(i + 1) - D(i). Not for a draft model or EAGLE: their draft i is worse
+    the deeper i lies within a step (they build on their own unverified tokens), which per-position
+    rates (AcceptanceRates) capture and spans do not.
+
+    A step that accepts all k drafts cannot tell whether the target's own token after them was the
+    proposer's next draft too; spans count it in (n-gram's match usually goes on), which overstates
+    the spans that end exactly there: on text, AL(K) comes out 1-2% high (tests/test_replay.py). The
+    spans (capped at 16 (K_max + 1): longer ones count as that) decay by `decay` per step; the rates
+    blend with the profile's by prior_weight spans."""
+
+    def __init__(self, prior: list[float], prior_drafted: list[float] | None = None, decay: float = 0.99,
+                 prior_weight: float = 4.0):
+        self.prior, self.decay, self.prior_weight = list(prior), decay, prior_weight
+        self.prior_drafted = list(prior_drafted) if prior_drafted is not None else [1.0] * len(prior)
+        self.spans = [0.0] * (16 * (len(prior) + 1) + 1)   # [L]: decayed count of spans of L tokens
+        self.open: dict[int, tuple[object, int]] = {}       # id(request) -> (request, tokens of its open span)
+        self.past_accepted = [0.0] * len(prior)             # [i]: span-ending steps that offered draft i past the accepted
+        self.past_found = [0.0] * len(prior)                # ... and found it
+
+    def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
+                requests=None) -> None:
+        """One decode step (as AcceptanceRates.observe); `requests` tell whose spans go on (default:
+        the batch's slots, for a batch whose requests stay put)."""
+        requests = requests if requests is not None else range(len(ks))
+        for counts in (self.spans, self.past_accepted, self.past_found):
+            counts[:] = [c * self.decay for c in counts]
+        here = {id(r) for r in requests}
+        for key in [key for key in self.open if key not in here]:   # finished or preempted: its span ends where it is
+            self.end_span(self.open.pop(key)[1] - 1)
+        for req, k, accepted, found in zip(requests, ks, num_accepted, num_draft or ks):
+            _, span = self.open.pop(id(req), (req, 0))
+            if k == 0:   # says nothing of the text; an open span ends where it is
+                self.end_span(span - 1)
+            elif accepted == k == found:
+                self.open[id(req)] = req, span + k + 1
+            else:
+                self.end_span(span + accepted)
+                for i in range(accepted, k):
+                    self.past_accepted[i] += 1
+                    self.past_found[i] += i < found
+
+    def end_span(self, length: int) -> None:
+        """Count a span of `length` tokens. An open span of n tokens that ends where it is (no next
+        step tells how it went on) counts as n - 1 and its last token (the target's own): its steps
+        and tokens stay those it really took; -1 is no span at all."""
+        if length >= 0:
+            self.spans[min(length, len(self.spans) - 1)] += 1
+
+    def acceptance_length(self, k: int) -> float:
+        tokens = sum(n * (length + 1) for length, n in enumerate(self.spans))
+        return tokens / sum(n * (length // (k + 1) + 1) for length, n in enumerate(self.spans))
+
+    def drafts(self, k: int) -> float:
+        """D(k): drafts a request verifies per step at K = k."""
+        m = self.prior_weight
+        found_past = [(f + m * d) / (a + m) for f, a, d in zip(self.past_found, self.past_accepted, self.prior_drafted)]
+        drafts = steps = 0.0
+        for length, n in enumerate(self.spans):
+            full, last = divmod(length, k + 1)
+            drafts += n * (k * full + last + sum(found_past[last:k]))
+            steps += n * (full + 1)
+        return drafts / steps
+
+    def rates(self) -> list[float]:
+        """a_i = AL(i + 1) - AL(i), non-increasing (a run of i + 2 accepted is no likelier than i + 1)."""
+        als = [self.acceptance_length(k) for k in range(len(self.prior) + 1)] if self.weight() else None
+        observed = [als[i + 1] - als[i] for i in range(len(self.prior))] if als else self.prior
+        return list(itertools.accumulate(self.blend(observed, self.prior), min))
+
+    def drafted(self) -> list[float]:
+        ds = [self.drafts(k) for k in range(len(self.prior) + 1)] if self.weight() else None
+        observed = [ds[i + 1] - ds[i] for i in range(len(self.prior))] if ds else self.prior_drafted
+        return self.blend(observed, self.prior_drafted)
+
+    def weight(self) -> float:
+        return sum(self.spans)
+
+    def blend(self, observed: list[float], prior: list[float]) -> list[float]:
+        w, m = self.weight(), self.prior_weight
+        return [(w * x + m * p) / (w + m) for x, p in zip(observed, prior)]
 
 
 class StepTimes:
@@ -287,10 +390,11 @@ class DynamicK:
     estimates rest on the steps the profile chose, the unusual one among them."""
 
     def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8, per_request: bool = False,
-                 request_decay: float = 0.95, warmup_steps: int = 4, **rate_options):
+                 request_decay: float = 0.95, warmup_steps: int = 4, spans: bool = False, **rate_options):
         self.profile, self.per_request, self.request_decay = profile, per_request, request_decay
         self.max_k = min(profile.max_k, max_k or profile.max_k)
-        self.acceptance = AcceptanceRates(profile.acceptance[:self.max_k], profile.drafted[:self.max_k], **rate_options)
+        rates = SpanRates if spans else AcceptanceRates   # spans: for n-gram (Proposer.acceptance_in_spans)
+        self.acceptance = rates(profile.acceptance[:self.max_k], profile.drafted[:self.max_k], **rate_options)
         self.step_times = StepTimes(rate_options.get("decay", 0.97))
         self._itl: dict[int, list[float]] = {}   # batch size -> ITL for K = 0..max_k (the profile is fixed)
         self.probe_every, self.steps, self.warmup_steps = probe_every, 0, warmup_steps
@@ -357,7 +461,7 @@ class DynamicK:
                     record = req.dynamic_k_record
                     record[0] = record[0] * self.request_decay + accepted
                     record[1] = record[1] * self.request_decay + sum(rates[:k])
-        self.acceptance.observe(ks, num_accepted, num_draft)
+        self.acceptance.observe(ks, num_accepted, num_draft, requests)
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks
             drafts = sum(verified) / batch

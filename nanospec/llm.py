@@ -132,7 +132,7 @@ class LLM:
             measured = quick_profile(self, max_k)
             self.profile_seconds = measured.meta["seconds"]
         self.profile = measured
-        return DynamicK(measured, max_k, per_request=per_request)
+        return DynamicK(measured, max_k, per_request=per_request, spans=self.engine.proposer.acceptance_in_spans)
 
     def load_draft(self, draft: str):
         ckpt = checkpoint.read_checkpoint(draft)

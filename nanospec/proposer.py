@@ -38,6 +38,7 @@ class Proposal:
 class Proposer:
     capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
     needs_features = False
+    acceptance_in_spans = False             # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
 
     def propose(self, requests, ks: list[int], sampling: SamplingBatch) -> Proposal:
         raise NotImplementedError
@@ -87,6 +88,8 @@ class NgramIndex:
 class NgramProposer(Proposer):
     """Prompt lookup (Saxena 2023): no model, and very good when the answer copies its context
     (code edits, summaries, extraction). Drafts are one-hot: q(d) = 1."""
+
+    acceptance_in_spans = True   # its drafts are the text after a match: right for a span, however split into steps
 
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
         self.device, self.min_n, self.max_n = device, min_n, max_n

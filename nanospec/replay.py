@@ -103,6 +103,7 @@ def compare(traces: list[Trace], batch_size: int, profile: Profile, max_tokens: 
     for k in range(max_k + 1):
         tokens, seconds = replay(traces, batch_size, k, profile, max_tokens, continuous)
         rows[str(k)] = tokens / seconds
+    policy_options = {"spans": True, **policy_options}   # the traces are n-gram's (Proposer.acceptance_in_spans)
     policy = DynamicK(policy_profile or profile, max_k, **policy_options)
     tokens, seconds = replay(traces, batch_size, policy, profile, max_tokens, continuous)
     rows["dynamic"] = tokens / seconds

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanospec import LLM
-from nanospec.dynamic_k import (AcceptanceRates, DynamicK, Profile, StepTimes, allocate, best_k, interpolate,
-                                main as dynamic_k_main, monotone_in_batch, scaled_rates, step_cost)
+from nanospec.dynamic_k import (AcceptanceRates, DynamicK, Profile, SpanRates, StepTimes, allocate, best_k,
+                                interpolate, main as dynamic_k_main, monotone_in_batch, scaled_rates, step_cost)
 from nanospec.errors import NanospecError
 from test_speculative import PROMPTS, PROPOSERS, assert_no_leak, greedy, plain_greedy, proposer_args  # noqa: F401 (fixture)
 
@@ -160,6 +160,28 @@ def test_online_rates_converge_to_what_the_proposer_accepts_and_follow_a_change(
         for _ in range(3000):
             rates.observe([4] * 8, simulate_step(rng, workload, 8, 4))
         assert np.allclose(rates.rates(), truth, atol=0.04), (rates.rates(), truth)
+
+
+def test_spans_follow_each_request_across_steps_by_hand():
+    rates = SpanRates([0.5] * 3, decay=1.0)
+    a, b = object(), object()
+    rates.observe([3, 3], [3, 1], [3, 3], requests=[a, b])   # a: all 3 right, goes on (4 tokens); b: a span of 1
+    rates.observe([3, 3], [2, 0], [3, 0], requests=[a, b])   # a: 4 + 2 = 6, ends; b: found nothing, a span of 0
+    rates.observe([2], [2], [2], requests=[b])               # a has left (nothing open); b goes on (3 tokens)
+    rates.observe([0], [0], [0], requests=[b])               # no drafts: b's span ends where it is, as 2
+    assert {n: c for n, c in enumerate(rates.spans) if c} == {0: 1, 1: 1, 2: 1, 6: 1}
+    # 13 tokens in 4 spans; at K = 1 they take 1 + 1 + 2 + 4 steps, at K = 3 1 + 1 + 1 + 2
+    assert rates.acceptance_length(1) == 13 / 8 and rates.acceptance_length(3) == 13 / 5
+    assert rates.rates()[0] == pytest.approx((4 * (13 / 8 - 1) + 4 * 0.5) / 8)   # blended with the profile, 4 spans each
+    # past the accepted on span-ending steps: b offered 1, 2 (found) then 0, 1, 2 (none); a offered 2 (found)
+    assert rates.past_accepted == [1, 2, 3] and rates.past_found == [0, 1, 2]
+    found_past = [(0 + 4) / (1 + 4), (1 + 4) / (2 + 4), (2 + 4) / (3 + 4)]   # blended with the profile's d_i = 1
+    # K = 1: spans 0, 1, 2, 6 verify e_0, 1, 1 + e_0, 3 + e_0 drafts in 8 steps
+    assert rates.drafts(1) == pytest.approx((3 * found_past[0] + 5) / 8)
+    left = SpanRates([0.5], decay=1.0)
+    left.observe([1], [1], requests=[a])
+    left.observe([1], [1], requests=[b])                     # a left with 2 tokens open: a span of 1 and its last
+    assert {n: c for n, c in enumerate(left.spans) if c} == {1: 1}
 
 
 def run_policy(policy, steps, accept, step_ms=None, batch=8):
