@@ -15,6 +15,9 @@ grows with K) and costs once verifying B (K + 1) tokens makes it compute-bound: 
 D(K) = sum_{i<K} d_i is the number of drafts a request really verifies when asked for K, d_i being
 the probability that the proposer finds a draft i at all: 1 for a draft model or EAGLE, less for
 n-gram, which drafts nothing where it finds no match, and the step then costs what a smaller K costs.
+For n-gram, a_i and d_i counted per step favour the K they were counted at (a copy takes fewer steps
+at a larger K, so fewer of the steps fall in one); they are read off the spans of text it drafts
+right instead, which do not depend on K (SpanRates).
 
 Per request (`per_request=True`): requests differ (an n-gram request that copies its prompt accepts
 five drafts a step, one that writes new text almost none), and a step's time depends on how many
@@ -27,7 +30,7 @@ every request verifying exactly K drafts (`python -m nanospec.dynamic_k profile 
 at start-up), interpolated linearly between the profiled batch sizes and K values (and at the
 fractional D(K)). Neither half of goodput is trusted blindly once the engine runs: after a
 warm-up of a few decode steps on the profile alone, a_i and d_i follow what the running requests
-accept (AcceptanceRates), and ITL is corrected by how long the engine's own steps take next to what
+accept (AcceptanceRates, or SpanRates), and ITL is corrected by how long the engine's own steps take next to what
 the profile predicts (StepTimes: the profile's prompts are not the workload's, contexts grow, a
 shared machine slows down). Every probe_every-th step tries a neighbour of K* (K* + 1, then
 K* - 1), so both corrections also see the K's the policy does not pick.
@@ -268,12 +271,14 @@ class SpanRates:
         self.open: dict[int, tuple[object, int]] = {}       # id(request) -> (request, tokens of its open span)
         self.past_accepted = [0.0] * len(prior)             # [i]: span-ending steps that offered draft i past the accepted
         self.past_found = [0.0] * len(prior)                # ... and found it
+        self.estimates = None                               # (a_i, d_i), worked out once a step
 
     def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
                 requests=None) -> None:
         """One decode step (as AcceptanceRates.observe); `requests` tell whose spans go on (default:
         the batch's slots, for a batch whose requests stay put)."""
         requests = requests if requests is not None else range(len(ks))
+        self.estimates = None
         for counts in (self.spans, self.past_accepted, self.past_found):
             counts[:] = [c * self.decay for c in counts]
         here = {id(r) for r in requests}
@@ -306,23 +311,33 @@ class SpanRates:
         """D(k): drafts a request verifies per step at K = k."""
         m = self.prior_weight
         found_past = [(f + m * d) / (a + m) for f, a, d in zip(self.past_found, self.past_accepted, self.prior_drafted)]
+        found_before = [0.0, *itertools.accumulate(found_past)]   # [i]: sum of found_past[:i]
         drafts = steps = 0.0
         for length, n in enumerate(self.spans):
             full, last = divmod(length, k + 1)
-            drafts += n * (k * full + last + sum(found_past[last:k]))
+            drafts += n * (k * full + last + found_before[k] - found_before[min(last, k)])
             steps += n * (full + 1)
         return drafts / steps
 
     def rates(self) -> list[float]:
         """a_i = AL(i + 1) - AL(i), non-increasing (a run of i + 2 accepted is no likelier than i + 1)."""
-        als = [self.acceptance_length(k) for k in range(len(self.prior) + 1)] if self.weight() else None
-        observed = [als[i + 1] - als[i] for i in range(len(self.prior))] if als else self.prior
-        return list(itertools.accumulate(self.blend(observed, self.prior), min))
+        return self.estimate()[0]
 
     def drafted(self) -> list[float]:
-        ds = [self.drafts(k) for k in range(len(self.prior) + 1)] if self.weight() else None
-        observed = [ds[i + 1] - ds[i] for i in range(len(self.prior))] if ds else self.prior_drafted
-        return self.blend(observed, self.prior_drafted)
+        """d_i = D(i + 1) - D(i)."""
+        return self.estimate()[1]
+
+    def estimate(self) -> tuple[list[float], list[float]]:
+        if self.estimates is None:
+            ks = range(len(self.prior) + 1)
+            if self.weight():
+                als, ds = [self.acceptance_length(k) for k in ks], [self.drafts(k) for k in ks]
+                rates, drafted = [b - a for a, b in itertools.pairwise(als)], [b - a for a, b in itertools.pairwise(ds)]
+            else:
+                rates, drafted = self.prior, self.prior_drafted
+            self.estimates = (list(itertools.accumulate(self.blend(rates, self.prior), min)),
+                              self.blend(drafted, self.prior_drafted))
+        return self.estimates
 
     def weight(self) -> float:
         return sum(self.spans)
