@@ -34,8 +34,9 @@ accept (AcceptanceRates, or SpanRates), and ITL is corrected by how long the eng
 the profile predicts (StepTimes: the profile's prompts are not the workload's, contexts grow, a
 shared machine slows down). Every probe_every-th step tries a neighbour of K* (K* + 1, then
 K* - 1), so both corrections also see the K's the policy does not pick.
-The choice is a few hundred floating-point operations on the host per step: no device sync (the step
-time is read after the step's one device-to-host copy), nothing per vocabulary.
+The choice is a few hundred floating-point operations on the host per step (a few thousand with
+spans): no device sync (the step time is read after the step's one device-to-host copy), nothing
+per vocabulary.
 
     python -m nanospec.dynamic_k profile [--target ...] --ngram --out profile.json
 """
@@ -303,19 +304,23 @@ class SpanRates:
         if length >= 0:
             self.spans[min(length, len(self.spans) - 1)] += 1
 
-    def acceptance_length(self, k: int) -> float:
-        tokens = sum(n * (length + 1) for length, n in enumerate(self.spans))
-        return tokens / sum(n * (length // (k + 1) + 1) for length, n in enumerate(self.spans))
+    def seen(self) -> list[tuple[int, float]]:
+        """(L, decayed count) for the span lengths seen, the rest left out (most are never seen)."""
+        return [(length, n) for length, n in enumerate(self.spans) if n > 1e-9]
 
-    def drafts(self, k: int) -> float:
+    def acceptance_length(self, k: int, seen=None) -> float:
+        seen = seen or self.seen()
+        return sum(n * (length + 1) for length, n in seen) / sum(n * (length // (k + 1) + 1) for length, n in seen)
+
+    def drafts(self, k: int, seen=None) -> float:
         """D(k): drafts a request verifies per step at K = k."""
         m = self.prior_weight
         found_past = [(f + m * d) / (a + m) for f, a, d in zip(self.past_found, self.past_accepted, self.prior_drafted)]
         found_before = [0.0, *itertools.accumulate(found_past)]   # [i]: sum of found_past[:i]
         drafts = steps = 0.0
-        for length, n in enumerate(self.spans):
+        for length, n in seen or self.seen():
             full, last = divmod(length, k + 1)
-            drafts += n * (k * full + last + found_before[k] - found_before[min(last, k)])
+            drafts += n * (k * full + last + found_before[k] - found_before[last])
             steps += n * (full + 1)
         return drafts / steps
 
@@ -331,7 +336,8 @@ class SpanRates:
         if self.estimates is None:
             ks = range(len(self.prior) + 1)
             if self.weight():
-                als, ds = [self.acceptance_length(k) for k in ks], [self.drafts(k) for k in ks]
+                seen = self.seen()
+                als, ds = [self.acceptance_length(k, seen) for k in ks], [self.drafts(k, seen) for k in ks]
                 rates, drafted = [b - a for a, b in itertools.pairwise(als)], [b - a for a, b in itertools.pairwise(ds)]
             else:
                 rates, drafted = self.prior, self.prior_drafted
