@@ -334,9 +334,8 @@ class SpanRates:
 
     def estimate(self) -> tuple[list[float], list[float]]:
         if self.estimates is None:
-            ks = range(len(self.prior) + 1)
-            if self.weight():
-                seen = self.seen()
+            ks, seen = range(len(self.prior) + 1), self.seen()
+            if seen:   # else nothing seen, or all of it decayed away (a long stretch of K = 0)
                 als, ds = [self.acceptance_length(k, seen) for k in ks], [self.drafts(k, seen) for k in ks]
                 rates, drafted = [b - a for a, b in itertools.pairwise(als)], [b - a for a, b in itertools.pairwise(ds)]
             else:

@@ -178,6 +178,10 @@ def test_spans_follow_each_request_across_steps_by_hand():
     found_past = [(0 + 4) / (1 + 4), (1 + 4) / (2 + 4), (2 + 4) / (3 + 4)]   # blended with the profile's d_i = 1
     # K = 1: spans 0, 1, 2, 6 verify e_0, 1, 1 + e_0, 3 + e_0 drafts in 8 steps
     assert rates.drafts(1) == pytest.approx((3 * found_past[0] + 5) / 8)
+    rates.decay = 0.9
+    for _ in range(300):                                     # K = 0 for a long time: every span decays away
+        rates.observe([0], [0], [0], requests=[b])
+    assert rates.rates() == [0.5] * 3
     left = SpanRates([0.5], decay=1.0)
     left.observe([1], [1], requests=[a])
     left.observe([1], [1], requests=[b])                     # a left with 2 tokens open: a span of 1 and its last
