@@ -213,7 +213,7 @@ def dynamic_policy(args, llm, max_k: int):
     from nanospec.dynamic_k import DynamicK, Profile, quick_profile
     profile = Profile.load(args.profile) if args.profile else quick_profile(llm, max_k)
     # a fresh policy per row: every row starts from the profile
-    spans = getattr(llm.engine.proposer, "acceptance_in_spans", False)   # None: checked where the rows run
+    spans = llm.engine.proposer.acceptance_in_spans   # (run checked that dynamic rows have a proposer)
     return profile, lambda row: DynamicK(profile, max_k, per_request=row == "dynamic-per-request", spans=spans)
 
 
@@ -260,6 +260,9 @@ def run(args) -> dict:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = parse_ks(args.ks)
     static_ks = [k for k in ks if k not in DYNAMIC_ROWS]
+    if any(k != 0 for k in ks) and not (args.draft or args.eagle or args.ngram):
+        raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
+                            "--eagle PATH or --ngram (or --ks 0 for plain decoding)")
     max_k = max(static_ks, default=0) or DEFAULT_DYNAMIC_MAX_K   # dynamic K chooses among 0..the largest static K
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (

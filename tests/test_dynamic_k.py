@@ -400,6 +400,9 @@ def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoint
     assert "no shipped prompt is in --categories" in capsys.readouterr().err
     assert bench_main([a for a in common if a != "--no-transformers"] + ["--continuous"]) != 0
     assert "--continuous has no transformers baseline" in capsys.readouterr().err
+    for ks in ("0,2", "0,dynamic"):   # without a proposer these rows would silently decode plainly
+        assert bench_main([a if a != "0" else ks for a in common]) != 0
+        assert "need a proposer: add --draft PATH, --eagle PATH or --ngram" in capsys.readouterr().err
 
 
 def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):
