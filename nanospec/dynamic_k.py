@@ -8,9 +8,10 @@ request AL(K) tokens on average, where
 a_i being the probability that draft i is accepted. Draft i is accepted only if drafts 0..i-1 were,
 so a_i is the probability of a run of at least i + 1 accepted drafts, and the expected run is the sum
 of those tail probabilities; the 1 is the target's own token (recovered or bonus), which every step
-emits. Goodput is AL(K) / ITL(B, D(K)); the policy takes K* = argmax over K = 0..K_max (K = 0 is
-plain decoding, AL = 1). Speculation pays while the step is bound by reading weights (ITL barely
-grows with K) and costs once verifying B (K + 1) tokens makes it compute-bound: K* falls with the batch.
+emits. Goodput is AL(K) / ITL(B, D(K)) (in expectation over the drafts found: step_cost); the
+policy takes K* = argmax over K = 0..K_max (K = 0 is plain decoding, AL = 1). Speculation pays
+while the step is bound by reading weights (ITL barely grows with K) and costs once verifying
+B (K + 1) tokens makes it compute-bound: K* falls with the batch.
 
 D(K) = sum_{i<K} d_i is the number of drafts a request really verifies when asked for K, d_i being
 the probability that the proposer finds a draft i at all: 1 for a draft model or EAGLE, less for
@@ -46,6 +47,7 @@ import argparse
 import bisect
 import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -137,9 +139,28 @@ def itl_at(itl: list[float], drafts: float) -> float:
     return interpolate(list(range(len(itl))), itl, drafts)
 
 
-def step_cost(itl: list[float], drafted: list[float] | None = None) -> list[float]:
-    """ITL(D(K)) for K = 0..len(itl) - 1, ITL given at 0, 1, ... verified drafts; drafted None: D(K) = K."""
-    return list(itl) if drafted is None else [itl_at(itl, sum(drafted[:k])) for k in range(len(itl))]
+def step_cost(time_at, drafted: list[float], batch: int, exact_up_to: int = 16) -> list[float]:
+    """Expected seconds of a step of `batch` requests at K = 0..len(drafted), time_at(x) being those
+    of a step whose requests verify x drafts each on average. Asked for K, a request verifies
+    D(K) = sum_{i<K} d_i drafts on average, but not evenly: an n-gram proposer finds a match
+    (probability q = d_0, at least D(K) / K) and drafts about D(K) / q tokens, or finds none and
+    drafts nothing. So x is n D(K) / (q batch) for n ~ Binomial(batch, q) requests that found, and
+    the expected time is E[time_at(x)], not time_at(D(K)): at batch 1 a step verifies 0 drafts or
+    about K, and the step time is not a line there: the first draft costs the most (SmolLM2 on this
+    CPU, dynamic_k_cpu_profile_b1_4_16.json: 11.6 ms, then 5.0 ms a draft), so time_at(D(K))
+    undercharges a middle K against a large one (replayed on SmolLM2's n-gram steps at batch 1, the
+    policy went from 0.954 and 0.961 of the best static K to 0.990 and 0.971, on two profiles).
+    Past exact_up_to requests x is close to its mean: time_at(D(K))."""
+    costs = [time_at(0.0)]
+    for k in range(1, len(drafted) + 1):
+        drafts = sum(drafted[:k])
+        q = min(1.0, max(drafted[0], drafts / k))
+        if batch > exact_up_to or q >= 1.0 or drafts <= 0:
+            costs.append(time_at(drafts))
+        else:
+            costs.append(sum(math.comb(batch, n) * q ** n * (1 - q) ** (batch - n) * time_at(n * drafts / (q * batch))
+                             for n in range(batch + 1)))
+    return costs
 
 
 def allocate(rates: list[list[float]], drafted: list[float], cost_at) -> list[int]:
@@ -305,8 +326,16 @@ class SpanRates:
             self.spans[min(length, len(self.spans) - 1)] += 1
 
     def seen(self) -> list[tuple[int, float]]:
-        """(L, decayed count) for the span lengths seen, the rest left out (most are never seen)."""
-        return [(length, n) for length, n in enumerate(self.spans) if n > 1e-9]
+        """(L, decayed count) for the span lengths seen, the rest left out (most are never seen). An
+        open span of n tokens counts too, as one of n - 1 (as if it ended where it is), until it
+        ends: at batch 1 a copy in progress is most of what the policy should go by (counting ended
+        spans only, it kept K = 2 through
+        the 12 steps of a 36-token copy, logged on SmolLM2 at batch 1)."""
+        counts = {length: n for length, n in enumerate(self.spans) if n > 1e-9}
+        for _, tokens in self.open.values():
+            length = min(tokens - 1, len(self.spans) - 1)
+            counts[length] = counts.get(length, 0.0) + 1.0
+        return sorted(counts.items())
 
     def acceptance_length(self, k: int, seen=None) -> float:
         seen = seen or self.seen()
@@ -345,7 +374,7 @@ class SpanRates:
         return self.estimates
 
     def weight(self) -> float:
-        return sum(self.spans)
+        return sum(n for _, n in self.seen())
 
     def blend(self, observed: list[float], prior: list[float]) -> list[float]:
         w, m = self.weight(), self.prior_weight
@@ -435,10 +464,11 @@ class DynamicK:
         return self._itl[batch_size]
 
     def cost(self, batch_size: int) -> list[float]:
-        """Expected seconds of a step at K = 0..max_k: the profile at D(K), times the measured ratio."""
-        drafted = self.rates()[1]
-        profiled = step_cost(self.itl(batch_size), drafted)
-        return [t * self.time_ratio(batch_size, sum(drafted[:k])) for k, t in enumerate(profiled)]
+        """Expected seconds of a step at K = 0..max_k (step_cost): the profile at the drafts verified,
+        times the measured ratio."""
+        itl = self.itl(batch_size)
+        return step_cost(lambda x: itl_at(itl, x) * self.time_ratio(batch_size, x), self.rates()[1][:len(itl) - 1],
+                         batch_size)
 
     def choose_per_request(self, requests) -> list[int]:
         """K for each request (see allocate; each keeps its record in request.dynamic_k_record), with

@@ -9,10 +9,11 @@ all takes ITL(B, D / B) seconds of a step-time table (a dynamic-K Profile, inter
 policy interpolates it). With the table as both the clock and the policy's profile, the policy's
 choices are judged on what they are worth, not on a shared CPU's 10-30% drift between rows.
 
-Decode steps only: prefill costs every row the same and is left out, so the ratios between rows
-are those of the decode time, a little wider than a benchmark's. A request that ends at EOS is
-replayed without its EOS token (the engine drops it from the output it returns): one token, and at
-most one step, fewer than the engine takes for it.
+The workload is the benchmark's: every request writes max_new_tokens tokens, EOS or not (on traces
+that stopped at EOS, a different workload, dynamic K looked 1-2% closer to the best static K than
+on these, at 36bc668 with the bench's profile). Decode steps only: prefill costs
+every row the same and is left out, so the ratios between rows are those of the decode time, a
+little wider than a benchmark's.
 
     python -m nanospec.replay --profile profile.json --batch-sizes 1,4,16 --num-requests 48 [--continuous]
 """
@@ -122,7 +123,7 @@ def record_traces(args) -> list[Trace]:
         raise NanospecError(f"no shipped prompt is in the categories {args.categories!r}")
     llm = LLM(args.target, device=args.device, dtype=args.dtype, ngram=True, max_num_seqs=len(rows))
     prompts = [llm.encode_prompt(r["prompt"], chat=True) for r in rows]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_new_tokens))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True))
     ngram = llm.engine.proposer
     traces = [ngram_trace(p, o.token_ids, args.max_k, ngram.min_n, ngram.max_n) for p, o in zip(prompts, outputs)]
     return [traces[i % len(traces)] for i in range(args.num_requests or len(traces))]
