@@ -135,11 +135,16 @@ def acceptance_length(rates: list[float], k: int) -> float:
 
 def itl_at(itl: list[float], drafts: float) -> float:
     """A step's time at `drafts` verified drafts per request (fractional: a mean over the batch),
-    itl given at 0, 1, 2, ... drafts."""
-    return interpolate(list(range(len(itl))), itl, drafts)
+    itl given at 0, 1, 2, ... drafts (interpolate on that grid, without building it: the policy
+    asks a hundred times a step)."""
+    if len(itl) == 1:
+        return itl[0]
+    i = min(int(max(drafts, 0.0)), len(itl) - 2)
+    y = itl[i] + (itl[i + 1] - itl[i]) * (drafts - i)
+    return max(y, itl[-1]) if drafts > len(itl) - 1 else y
 
 
-def step_cost(time_at, drafted: list[float], batch: int, exact_up_to: int = 16) -> list[float]:
+def step_cost(time_at, drafted: list[float], batch: int, exact_up_to: int = 8) -> list[float]:
     """Expected seconds of a step of `batch` requests at K = 0..len(drafted), time_at(x) being those
     of a step whose requests verify x drafts each on average. Asked for K, a request verifies
     D(K) = sum_{i<K} d_i drafts on average, but not evenly: an n-gram proposer finds a match
@@ -150,7 +155,8 @@ def step_cost(time_at, drafted: list[float], batch: int, exact_up_to: int = 16) 
     CPU, dynamic_k_cpu_profile_b1_4_16.json: 11.6 ms, then 5.0 ms a draft), so time_at(D(K))
     undercharges a middle K against a large one (replayed on SmolLM2's n-gram steps at batch 1, the
     policy went from 0.954 and 0.961 of the best static K to 0.990 and 0.971, on two profiles).
-    Past exact_up_to requests x is close to its mean: time_at(D(K))."""
+    Past exact_up_to requests x is close to its mean: time_at(D(K)) (replayed at batch 16, the
+    policy chose as well either way, and the sum over batch + 1 terms took half its host time)."""
     costs = [time_at(0.0)]
     for k in range(1, len(drafted) + 1):
         drafts = sum(drafted[:k])
@@ -399,9 +405,11 @@ class StepTimes:
         self.now = 0                                    # steps observed
         self.overall = (0.0, 1.0, 0)                    # (weight, mean ratio, step of the last update)
         self.sums: dict[int, tuple[list[float], int]] = {}   # batch -> ([w, wx, wxx, wr, wxr], step of the last update)
+        self.lines: dict[int, tuple[float, float, float] | None] = {}   # batch -> the line fitted this step
 
     def observe(self, batch_size: int, drafts: float, ratio: float) -> None:
         self.now += 1
+        self.lines.clear()
         weight, mean, at = self.overall
         weight = weight * self.decay ** (self.now - at) + 1
         self.overall = weight, mean + (ratio - mean) / weight, self.now
@@ -413,14 +421,22 @@ class StepTimes:
     def ratio(self, batch_size: int, drafts: float) -> float:
         """The fitted line at `drafts`: through the weighted mean (x_mean, r_mean) of the batch's steps,
         r_mean shrunk toward the mean over every step, the slope toward 0 (both by prior_weight)."""
+        if batch_size not in self.lines:   # fitted once a step: the policy asks for many x
+            self.lines[batch_size] = self.fit(batch_size)
+        if self.lines[batch_size] is None:
+            return self.overall[1]
+        x_mean, r_mean, slope = self.lines[batch_size]
+        return max(r_mean + slope * (drafts - x_mean), 0.1)     # a line fitted on few points must not make a step free
+
+    def fit(self, batch_size: int) -> tuple[float, float, float] | None:
+        """(x_mean, r_mean, slope) of the batch's line, None where no step of that batch is left."""
         w, wx, wxx, wr, wxr = self._decayed(batch_size)
         m = self.prior_weight
         if w < 1e-9:
-            return self.overall[1]
+            return None
         x_mean = wx / w
-        r_mean = (wr + m * self.overall[1]) / (w + m)
         slope = (wxr - wx * wr / w) / (wxx - wx * x_mean + m)   # centred covariance / (variance + m)
-        return max(r_mean + slope * (drafts - x_mean), 0.1)     # a line fitted on few points must not make a step free
+        return x_mean, (wr + m * self.overall[1]) / (w + m), slope
 
     def _decayed(self, batch_size: int) -> list[float]:
         sums, at = self.sums.get(batch_size, ([0.0] * 5, self.now))
