@@ -144,29 +144,30 @@ def itl_at(itl: list[float], drafts: float) -> float:
     return max(y, itl[-1]) if drafts > len(itl) - 1 else y
 
 
-def step_cost(time_at, drafted: list[float], batch: int, exact_up_to: int = 8) -> list[float]:
-    """Expected seconds of a step of `batch` requests at K = 0..len(drafted), time_at(x) being those
-    of a step whose requests verify x drafts each on average. Asked for K, a request verifies
-    D(K) = sum_{i<K} d_i drafts on average, but not evenly: an n-gram proposer finds a match
-    (probability q = d_0, at least D(K) / K) and drafts about D(K) / q tokens, or finds none and
-    drafts nothing. So x is n D(K) / (q batch) for n ~ Binomial(batch, q) requests that found, and
-    the expected time is E[time_at(x)], not time_at(D(K)): at batch 1 a step verifies 0 drafts or
-    about K, and the step time is not a line there: the first draft costs the most (SmolLM2 on this
-    CPU, dynamic_k_cpu_profile_b1_4_16.json: 11.6 ms, then 5.0 ms a draft), so time_at(D(K))
-    undercharges a middle K against a large one (replayed on SmolLM2's n-gram steps at batch 1, the
-    policy went from 0.954 and 0.961 of the best static K to 0.990 and 0.971, on two profiles).
-    Past exact_up_to requests x is close to its mean: time_at(D(K)) (replayed at batch 16, the
-    policy chose as well either way, and the sum over batch + 1 terms took half its host time)."""
-    costs = [time_at(0.0)]
-    for k in range(1, len(drafted) + 1):
-        drafts = sum(drafted[:k])
-        q = min(1.0, max(drafted[0], drafts / k))
-        if batch > exact_up_to or q >= 1.0 or drafts <= 0:
-            costs.append(time_at(drafts))
-        else:
-            costs.append(sum(math.comb(batch, n) * q ** n * (1 - q) ** (batch - n) * time_at(n * drafts / (q * batch))
-                             for n in range(batch + 1)))
-    return costs
+def step_cost(time_at, drafted: list[float], batch: int) -> list[float]:
+    """Expected seconds of a step of `batch` requests at K = 0..len(drafted) (expected_time), time_at(x)
+    being those of a step whose requests verify x drafts each on average. Asked for K, a request
+    verifies D(K) = sum_{i<K} d_i drafts on average: an n-gram proposer finds a match (probability
+    q = d_0, at least D(K) / K) and drafts about D(K) / q tokens, or finds none and drafts nothing."""
+    return [expected_time(time_at, sum(drafted[:k]), max(drafted[0], sum(drafted[:k]) / k) if k else 1.0, batch)
+            for k in range(len(drafted) + 1)]
+
+
+def expected_time(time_at, drafts: float, finding: float, batch: int, exact_up_to: int = 8) -> float:
+    """E[time_at(x)] for a step of `batch` requests that verify `drafts` each on average, each finding
+    drafts with probability `finding` (then drafts / finding of them) or none: x = n drafts /
+    (finding batch), n ~ Binomial(batch, finding). Not time_at(drafts): at batch 1 a step verifies 0
+    drafts or about K, and the step time is not a line there: the first draft costs the most
+    (SmolLM2 on this CPU, dynamic_k_cpu_profile_b1_4_16.json: 11.6 ms, then 5.0 ms a draft), so
+    time_at(D(K)) undercharges a middle K against a large one (replayed on SmolLM2's n-gram steps at
+    batch 1, the policy went from 0.954 and 0.961 of the best static K to 0.990 and 0.971, on two
+    profiles). Past exact_up_to requests x is close to its mean: time_at(drafts) (replayed at batch
+    16, the policy chose as well either way, and the sum over batch + 1 terms took half its host time)."""
+    q = min(1.0, finding)
+    if batch > exact_up_to or q >= 1.0 or drafts <= 0:
+        return time_at(drafts)
+    return sum(math.comb(batch, n) * q ** n * (1 - q) ** (batch - n) * time_at(n * drafts / (q * batch))
+               for n in range(batch + 1))
 
 
 def allocate(rates: list[list[float]], drafted: list[float], cost_at) -> list[int]:
@@ -491,10 +492,11 @@ class DynamicK:
         the probes of choose: every probe_every-th step each request one K up, then one K down."""
         batch = max(1, len(requests))
         rates, drafted = self.rates()
-        # cost at whole drafts per request, interpolated between
-        grid = [t * self.time_ratio(batch, x) for x, t in enumerate(self.itl(batch))]
+        itl = self.itl(batch)
+        def time_at(x):
+            return itl_at(itl, x) * self.time_ratio(batch, x)
         ks = allocate([scaled_rates(rates, r.dynamic_k_record) for r in requests], drafted,
-                      lambda x: itl_at(grid, x))
+                      lambda x: expected_time(time_at, x, max(drafted[0], x / self.max_k), batch))
         return [self.probed(k) for k in ks]
 
     def choose(self, batch_size: int) -> int:

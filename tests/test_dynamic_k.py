@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from nanospec import LLM
 from nanospec.dynamic_k import (AcceptanceRates, DynamicK, Profile, SpanRates, StepTimes, allocate, best_k,
-                                interpolate, main as dynamic_k_main, monotone_in_batch, scaled_rates, step_cost)
+                                expected_time, interpolate, main as dynamic_k_main, monotone_in_batch, scaled_rates,
+                                step_cost)
 from nanospec.errors import NanospecError
 from test_speculative import PROMPTS, PROPOSERS, assert_no_leak, greedy, plain_greedy, proposer_args  # noqa: F401 (fixture)
 
@@ -75,7 +76,8 @@ def test_step_cost_is_the_mean_over_which_requests_find_drafts():
         return x * x   # any curve: the expectation is over which requests found, not the curve's shape
     expected = sum(time_at(2 * len(found) / 3) / 8 for n in range(4) for found in itertools.combinations(range(3), n))
     assert step_cost(time_at, [0.5, 0.5], batch=3)[2] == pytest.approx(expected)
-    assert step_cost(time_at, [0.5, 0.5], batch=3, exact_up_to=2)[2] == time_at(1.0)   # a large batch: the mean
+    assert expected_time(time_at, 1.0, 0.5, batch=3) == pytest.approx(expected)
+    assert expected_time(time_at, 1.0, 0.5, batch=3, exact_up_to=2) == time_at(1.0)   # a large batch: the mean
 
 
 @st.composite
