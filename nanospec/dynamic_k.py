@@ -336,8 +336,7 @@ class SpanRates:
         """(L, decayed count) for the span lengths seen, the rest left out (most are never seen). An
         open span of n tokens counts too, as one of n - 1 (as if it ended where it is), until it
         ends: at batch 1 a copy in progress is most of what the policy should go by (counting ended
-        spans only, it kept K = 2 through
-        the 12 steps of a 36-token copy, logged on SmolLM2 at batch 1)."""
+        spans only, it kept K = 2 through the 12 steps of a 36-token copy, logged on SmolLM2)."""
         counts = {length: n for length, n in enumerate(self.spans) if n > 1e-9}
         for _, tokens in self.open.values():
             length = min(tokens - 1, len(self.spans) - 1)
@@ -381,7 +380,7 @@ class SpanRates:
         return self.estimates
 
     def weight(self) -> float:
-        return sum(n for _, n in self.seen())
+        return sum(self.spans) + len(self.open)   # what seen() counts, the open spans with it
 
     def blend(self, observed: list[float], prior: list[float]) -> list[float]:
         w, m = self.weight(), self.prior_weight

@@ -11,9 +11,9 @@ choices are judged on what they are worth, not on a shared CPU's 10-30% drift be
 
 The workload is the benchmark's: every request writes max_new_tokens tokens, EOS or not (on traces
 that stopped at EOS, a different workload, dynamic K looked 1-2% closer to the best static K than
-on these, at 36bc668 with the bench's profile). Decode steps only: prefill costs
-every row the same and is left out, so the ratios between rows are those of the decode time, a
-little wider than a benchmark's.
+on these, at 36bc668 with the bench's profile). Decode steps only: prefill costs every row the same
+and is left out, so the ratios between rows are those of the decode time, a little wider than a
+benchmark's.
 
     python -m nanospec.replay --profile profile.json --batch-sizes 1,4,16 --num-requests 48 [--continuous]
 """

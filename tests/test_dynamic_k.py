@@ -67,6 +67,12 @@ def test_drafts_the_proposer_does_not_find_cost_nothing():
     assert best_k(rates, step_cost(time_at, [0.25] * 4, batch=64)) == 4
     assert step_cost(time_at, [0.25] * 4, batch=1) == pytest.approx([10, 10, 12.5, 12.5, 15])
     assert best_k(rates, step_cost(time_at, [0.25] * 4, batch=1)) == 3
+    observed = AcceptanceRates([0.5] * 4, [1.0] * 4)
+    for _ in range(50):
+        observed.observe([4] * 8, [1] * 8, [2] * 8)   # asked 4, found 2, accepted 1
+    # (the prior's 4 pseudo-request-steps against ~200 observed ones keep it a hair off 0 and 1)
+    assert observed.drafted() == pytest.approx([1, 1, 0, 0], abs=0.03)
+    assert observed.rates() == pytest.approx([1, 0, 0, 0], abs=0.03)
 
 
 def test_step_cost_is_the_mean_over_which_requests_find_drafts():
