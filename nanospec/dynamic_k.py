@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import itertools
 import json
 import math
@@ -148,23 +149,26 @@ def step_cost(time_at, drafted: list[float], batch: int) -> list[float]:
     """Expected seconds of a step of `batch` requests at K = 0..len(drafted) (expected_time), time_at(x)
     being those of a step whose requests verify x drafts each on average. Asked for K, a request
     verifies D(K) = sum_{i<K} d_i drafts on average: an n-gram proposer finds a match (probability
-    q = d_0, at least D(K) / K) and drafts about D(K) / q tokens, or finds none and drafts nothing."""
-    return [expected_time(time_at, sum(drafted[:k]), max(drafted[0], sum(drafted[:k]) / k) if k else 1.0, batch)
-            for k in range(len(drafted) + 1)]
+    d_0) and drafts about D(K) / d_0 tokens, or finds none and drafts nothing."""
+    verified = [0.0, *itertools.accumulate(drafted)]   # [K]: D(K)
+    return [expected_time(time_at, verified[k], drafted[0], batch, k) for k in range(len(verified))]
 
 
-def expected_time(time_at, drafts: float, finding: float, batch: int, exact_up_to: int = 8) -> float:
+def expected_time(time_at, drafts: float, finding: float, batch: int, most: float, exact_up_to: int = 8) -> float:
     """E[time_at(x)] for a step of `batch` requests that verify `drafts` each on average, each finding
-    drafts with probability `finding` (then drafts / finding of them) or none: x = n drafts /
-    (finding batch), n ~ Binomial(batch, finding). Not time_at(drafts): at batch 1 a step verifies 0
-    drafts or about K, and the step time is not a line there: the first draft costs the most
-    (SmolLM2 on this CPU, dynamic_k_cpu_profile_b1_4_16.json: 11.6 ms, then 5.0 ms a draft), so
+    drafts with probability q = `finding` (at least drafts / most: no request drafts more than
+    `most`), then drafts / q of them, or none: x = n drafts / (q batch), n ~ Binomial(batch, q).
+    Not time_at(drafts): at batch 1 a step verifies 0 drafts or about K, and the step time is not a
+    line there: the first draft costs the most (SmolLM2 on this CPU,
+    dynamic_k_cpu_profile_b1_4_16.json: 11.6 ms, then 5.0 ms a draft), so
     time_at(D(K)) undercharges a middle K against a large one (replayed on SmolLM2's n-gram steps at
     batch 1, the policy went from 0.954 and 0.961 of the best static K to 0.990 and 0.971, on two
     profiles). Past exact_up_to requests x is close to its mean: time_at(drafts) (replayed at batch
     16, the policy chose as well either way, and the sum over batch + 1 terms took half its host time)."""
-    q = min(1.0, finding)
-    if batch > exact_up_to or q >= 1.0 or drafts <= 0:
+    if batch > exact_up_to or drafts <= 0:
+        return time_at(drafts)
+    q = min(1.0, max(finding, drafts / most))
+    if q >= 1.0:
         return time_at(drafts)
     return sum(math.comb(batch, n) * q ** n * (1 - q) ** (batch - n) * time_at(n * drafts / (q * batch))
                for n in range(batch + 1))
@@ -479,23 +483,23 @@ class DynamicK:
             self._itl[batch_size] = self.profile.itl(batch_size)[:self.max_k + 1]
         return self._itl[batch_size]
 
-    def cost(self, batch_size: int) -> list[float]:
-        """Expected seconds of a step at K = 0..max_k (step_cost): the profile at the drafts verified,
+    def step_time(self, batch_size: int, drafts: float) -> float:
+        """Seconds of a step whose requests verify `drafts` each on average: the profile's ITL there,
         times the measured ratio."""
-        itl = self.itl(batch_size)
-        return step_cost(lambda x: itl_at(itl, x) * self.time_ratio(batch_size, x), self.rates()[1][:len(itl) - 1],
-                         batch_size)
+        return itl_at(self.itl(batch_size), drafts) * self.time_ratio(batch_size, drafts)
+
+    def cost(self, batch_size: int) -> list[float]:
+        """Expected seconds of a step at K = 0..max_k (step_cost)."""
+        return step_cost(functools.partial(self.step_time, batch_size), self.rates()[1], batch_size)
 
     def choose_per_request(self, requests) -> list[int]:
         """K for each request (see allocate; each keeps its record in request.dynamic_k_record), with
         the probes of choose: every probe_every-th step each request one K up, then one K down."""
         batch = max(1, len(requests))
         rates, drafted = self.rates()
-        itl = self.itl(batch)
-        def time_at(x):
-            return itl_at(itl, x) * self.time_ratio(batch, x)
+        time_at = functools.partial(self.step_time, batch)
         ks = allocate([scaled_rates(rates, r.dynamic_k_record) for r in requests], drafted,
-                      lambda x: expected_time(time_at, x, max(drafted[0], x / self.max_k), batch))
+                      lambda x: expected_time(time_at, x, drafted[0], batch, self.max_k))
         return [self.probed(k) for k in ks]
 
     def choose(self, batch_size: int) -> int:

@@ -82,8 +82,8 @@ def test_step_cost_is_the_mean_over_which_requests_find_drafts():
         return x * x   # any curve: the expectation is over which requests found, not the curve's shape
     expected = sum(time_at(2 * len(found) / 3) / 8 for n in range(4) for found in itertools.combinations(range(3), n))
     assert step_cost(time_at, [0.5, 0.5], batch=3)[2] == pytest.approx(expected)
-    assert expected_time(time_at, 1.0, 0.5, batch=3) == pytest.approx(expected)
-    assert expected_time(time_at, 1.0, 0.5, batch=3, exact_up_to=2) == time_at(1.0)   # a large batch: the mean
+    assert expected_time(time_at, 1.0, 0.5, batch=3, most=2) == pytest.approx(expected)
+    assert expected_time(time_at, 1.0, 0.5, batch=3, most=2, exact_up_to=2) == time_at(1.0)   # a large batch: the mean
 
 
 @st.composite
