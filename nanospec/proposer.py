@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nanospec.kv_cache import KVCache, build_metadata
-from nanospec.sampler import DRAFT, SamplingBatch, race, target_probs, uniform_noise
+from nanospec.sampler import DRAFT, SamplingBatch, pick, target_probs, uniform_noise
 
 
 @dataclass
@@ -132,7 +132,7 @@ def draw(logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor, posi
         return logits.argmax(-1), None
     q = target_probs(logits, sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows],
                      sampling.truncate)
-    return race(q, uniform_noise(sampling.seeds[rows], positions, DRAFT, logits.shape[-1])), q
+    return pick(q, uniform_noise(sampling.seeds[rows], positions, DRAFT)), q
 
 
 class ModelProposer(Proposer):

@@ -1,15 +1,18 @@
 """Sampling without host syncs: each row of a batch has its own temperature, top-k, top-p and seed.
 
-Two ideas keep it batched, reproducible and sync-free:
+Three ideas keep it exact, batched, reproducible and sync-free:
 - `target_probs` turns logits into the exact distribution a request samples from (temperature,
   then top-k, then top-p on what top-k kept, renormalized); greedy rows (T = 0) become one-hot on
-  the argmax, so greedy and sampled rows share every later step.
-- randomness is counter-based: the uniform noise for (seed, position, stream, vocab index) is a
-  hash of those numbers, like Philox. A request's draws therefore do not depend on which other
-  requests share its batch, or on preemption and recompute, and need no generator state.
-A token is drawn by the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) independent,
-which picks i with probability p_i / sum(p) (the "Gumbel-max" trick in another dress). The weights
-need not be normalized, which lets the rejection sampler race over max(p - q, 0) directly.
+  the argmax, so greedy and sampled rows share every later step. A row that truncates nothing keeps
+  its softmax bit for bit, whatever the other rows do.
+- a token is drawn by inverting the cumulative distribution: the first index whose cumulative
+  weight exceeds u * total, for one uniform u per draw (`pick`). The weights need not be
+  normalized, which lets the rejection sampler draw from max(p - q, 0) directly. The sum is taken in
+  float64 and u has 53 bits, so a token of probability 1e-12 is still drawn at its probability,
+  and a token of weight 0 never is (it adds nothing to the sum: no u lands on it).
+- randomness is counter-based: u for (seed, position, stream) is a hash of those numbers, like
+  Philox. A request's draws therefore do not depend on which other requests share its batch, or
+  on preemption and recompute, and need no generator state.
 
 Noise streams (one draw per stream per token position, so no draw is ever reused):
   EMIT   the token the target emits at a position: plain sampling, recovered and bonus tokens
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 
 MASK32 = 0xFFFFFFFF
 EMIT, ACCEPT, DRAFT = 0, 1, 2
+NOISE_BITS = 52
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -35,7 +39,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash with good avalanche (Wellons' "lowbias32")."""
+    """A 32-bit integer hash with good avalanche (Wellons' "lowbias32"); a bijection of 32 bits."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -43,19 +47,50 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, stream: int, size: int) -> torch.Tensor:
-    """Uniform (0, 1) floats [N, size], a pure function of (seed, position, stream, column).
+def _fold(h: torch.Tensor, x) -> torch.Tensor:
+    """Hash a counter x into the state h. For a fixed h it is a bijection of x (two positions of one
+    request never collide); h enters twice, so that states which differ only in low bits do not
+    map one request's counters onto another's (h ^ x alone would: h ^ x == h' ^ x')."""
+    return _mix32((_mix32(h ^ x) + h) & MASK32)
 
-    seeds, positions: [N] int64. `stream` separates independent uses at one position (the
-    acceptance test, the recovered token, the bonus token)."""
-    # A chain, not a symmetric combination: hash(seed), then fold in each counter in turn.
-    row = _mix32((seeds & MASK32) + 0x9E3779B9)
-    row = _mix32(row ^ ((seeds >> 32) & MASK32))
-    row = _mix32(row ^ (positions & MASK32))
-    row = _mix32(row ^ stream)
-    cols = torch.arange(size, device=seeds.device, dtype=torch.int64)
-    bits = _mix32(_mix32(row[:, None] ^ cols[None, :]))
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+def _counter_hash(seeds: torch.Tensor, positions: torch.Tensor, stream: int, key: int) -> torch.Tensor:
+    """32 bits, a pure function of (key, seed, position, stream): a chain that folds in each counter."""
+    h = _mix32((seeds & MASK32) ^ key)
+    h = _fold(h, (seeds >> 32) & MASK32)
+    h = _fold(h, positions & MASK32)
+    return _fold(h, stream)
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """52 random bits -> float64 strictly inside (0, 1): (bits + 1/2) / 2^52 is exact in float64
+    (53 significant bits), from 2^-53 to 1 - 2^-53: never 0, never 1."""
+    return (bits.double() + 0.5) * 2.0 ** -NOISE_BITS
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform (0, 1) float64 [N], a pure function of (seed, position, stream); seeds, positions:
+    [N] int64. `stream` separates independent uses at one position (acceptance test, draws).
+    Two independently keyed 32-bit chains give the 52 bits."""
+    hi = _counter_hash(seeds, positions, stream, key=0x9E3779B9)
+    lo = _counter_hash(seeds, positions, stream, key=0x85EBCA6B)
+    return unit_interval((hi << (NOISE_BITS - 32)) | (lo >> (64 - NOISE_BITS)))
+
+
+def pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw an index per row of weights [N, V] (>= 0, not necessarily normalized) by the inverse
+    CDF: the first index i with cdf[i] > u * total. u: [N] uniforms in (0, 1) -> [N], or [N, M]
+    -> [N, M] (M draws from each row). Index i is drawn with probability weights[i] / total."""
+    cdf = weights.double().cumsum(-1)                                        # [N, V]
+    total = cdf[:, -1:]
+    # x < total, even where u * total rounds up to it, so the index exists and is <= the last
+    # positive weight. cdf[i - 1] <= x < cdf[i] means cdf grew at i: weights[i] > 0.
+    x = torch.minimum(u.view(len(weights), -1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, x, right=True).clamp(max=weights.shape[-1] - 1)
+    # A cumulative sum that is not flat over a zero weight (a parallel scan may round so) must
+    # still not pick it: fall back to the argmax, a positive weight.
+    idx = torch.where(weights.gather(-1, idx) > 0, idx, weights.argmax(-1, keepdim=True))
+    return idx.view(u.shape)
 
 
 @dataclass
@@ -82,43 +117,60 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
                  top_p: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """The distribution each row samples from. logits: [N, V]; temperature, top_p: [N] float;
     top_k: [N] int (0 = off). Greedy rows (temperature 0) become one-hot on the argmax.
-    truncate=False skips top-k/top-p (the caller knows no row uses them: saves a sort)."""
+    truncate=False skips top-k/top-p (the caller knows no row uses them: saves a sort); rows that
+    use neither come out the same either way."""
     vocab = logits.shape[-1]
+    logits = logits.float()
     greedy = temperature == 0
-    scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
-    probs = torch.softmax(scaled, dim=-1)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
-    if not truncate:
-        return torch.where(greedy[:, None], one_hot, probs)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    in_top_k = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
-    kept = sorted_probs * in_top_k
-    # top-p over what top-k kept: keep a token while the (renormalized) mass before it is < top_p,
-    # so the most likely token is always kept.
-    mass_before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)
-    keep_sorted = in_top_k & (mass_before < top_p[:, None])
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    probs = torch.where(keep, probs, 0.0)
-    probs = probs / probs.sum(-1, keepdim=True)
+    probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    one_hot = F.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
+    if truncate:
+        probs = truncate_top_k_top_p(probs, logits, top_k, top_p)
     return torch.where(greedy[:, None], one_hot, probs)
 
 
-def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Draw one index per row from probs [N, V] using uniform noise [N, V]: argmax p / Exp(1)."""
-    return (probs / -torch.log(noise)).argmax(-1)
+def top_p_keeps(mass_before: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p keeps a token while the mass before it is < top_p, so the most likely is always kept.
+    top_p = 1 keeps everything: the mass before a tail token can round to 1."""
+    return (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+
+
+def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor,
+                         top_p: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] cut to the top_k most likely, then to the top_p of what is left, renormalized."""
+    vocab = probs.shape[-1]
+    # Rank by the logits, stably: ties keep index order, so rank 0 is logits.argmax() (top_k = 1 is
+    # greedy), even where distinct logits round to one probability.
+    order = logits.argsort(dim=-1, descending=True, stable=True)
+    sorted_probs = probs.gather(-1, order).double()
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    in_top_k = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
+    kept = sorted_probs * in_top_k
+    kept_cdf = kept.cumsum(-1)
+    mass_before = (kept_cdf - kept) / kept_cdf[:, -1:]           # renormalized over what top-k kept
+    keep_sorted = in_top_k & top_p_keeps(mass_before, top_p)
+    # The kept mass as the end of a scan, not a sum: a reduction over one long row is split across
+    # threads differently depending on how many rows the batch has; a scan runs each row in order.
+    kept_mass = (sorted_probs * keep_sorted).cumsum(-1)[:, -1:]
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    cut = (torch.where(keep, probs.double(), 0.0) / kept_mass).float()
+    # A row that truncates nothing keeps its softmax bit for bit (no renormalization by a sum that
+    # is 1 only up to rounding): its draws must not depend on whether another row truncates.
+    return torch.where(((top_k > 0) | (top_p < 1))[:, None], cut, probs)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, truncate: bool = True) -> torch.Tensor:
     """One token per row of logits [N, V], for the request at `positions` (the index of the new token)."""
     probs = target_probs(logits, temperature, top_k, top_p, truncate)
-    return race(probs, uniform_noise(seeds, positions, stream=EMIT, size=logits.shape[-1]))
+    return pick(probs, uniform_noise(seeds, positions, EMIT))
 
 
 def acceptance_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
-    """min(1, p(d) / q(d)) for a draft d drawn from q (so q(d) > 0; one-hot drafts have q(d) = 1)."""
-    return (p_draft / q_draft).clamp(max=1.0)
+    """min(1, p(d) / q(d)) for a draft d drawn from q (so q(d) > 0; one-hot drafts have q(d) = 1);
+    0 where q(d) = 0, a draft q could not have drawn."""
+    p_draft, q_draft = p_draft.double(), q_draft.double()
+    return torch.where(q_draft > 0, p_draft / q_draft, 0.0).clamp(max=1.0)
 
 
 def next_token_weights(p_next: torch.Tensor, q_next: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -155,28 +207,42 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, draft
     rows = lambda x: x.repeat_interleave(k_plus_1)
     p = target_probs(target_logits.reshape(-1, vocab), rows(temperature), rows(top_k), rows(top_p),
                      truncate).view(batch, k_plus_1, vocab)
-    q = draft_probs if draft_probs is not None else F.one_hot(draft_ids, vocab).to(p.dtype)
+    if draft_probs is None or k == 0:
+        return verify_one_hot(p, draft_ids, num_draft, seeds, positions)
+    q = draft_probs
     # 1. Accept d_i with probability min(1, p(d_i) / q(d_i)).
     p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)                         # [B, K]
     q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1)                                # [B, K]
     offsets = torch.arange(k, device=draft_ids.device)
-    u = uniform_noise(seeds.repeat_interleave(k), (positions[:, None] + offsets).flatten(), ACCEPT, 1).view(batch, k)
+    u = uniform_noise(seeds.repeat_interleave(k), (positions[:, None] + offsets).flatten(), ACCEPT).view(batch, k)
     accepted = (u < acceptance_probability(p_draft, q_draft)) & (offsets[None, :] < num_draft[:, None])
     num_accepted = accepted.long().cumprod(-1).sum(-1)                                      # length of the accepted prefix
     # 2. One more token at index n = num_accepted: recovered after a rejection, bonus otherwise.
     take = lambda x: x.gather(1, num_accepted.clamp(max=x.shape[1] - 1)[:, None, None].expand(-1, 1, vocab)).squeeze(1)
-    p_next, q_next = take(p), take(q) if k > 0 else torch.zeros_like(p[:, 0])
-    weights = next_token_weights(p_next, q_next, rejected=num_accepted < num_draft)
-    next_token = race(weights, uniform_noise(seeds, positions + num_accepted, EMIT, vocab))
-    tokens = torch.cat([draft_ids, draft_ids[:, :1]], dim=1) if k > 0 else next_token[:, None].clone()
-    tokens = tokens.scatter(1, num_accepted[:, None], next_token[:, None])
+    weights = next_token_weights(take(p), take(q), rejected=num_accepted < num_draft)
+    next_token = pick(weights, uniform_noise(seeds, positions + num_accepted, EMIT))
+    tokens = torch.cat([draft_ids, draft_ids[:, :1]], dim=1).scatter(1, num_accepted[:, None], next_token[:, None])
     return tokens, num_accepted
 
 
+def verify_one_hot(p: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor, seeds: torch.Tensor,
+                   positions: torch.Tensor):
+    """rejection_sample for drafts without probabilities (n-gram, greedy drafts: q one-hot on d),
+    p: [B, K+1, V]. Draw the target's own token t_i ~ p_i at every position, with the EMIT noise of
+    that position (what plain sampling draws there), and accept d_i while it equals t_i. That is the
+    rule above: d is accepted with probability p(d) = min(1, p(d) / q(d)), and after a rejection t is
+    p given t != d, i.e. normalize(max(p - q, 0)). Drawn this way the output is the plain sampler's,
+    token for token, whatever the drafts and K."""
+    batch, k_plus_1, vocab = p.shape
+    offsets = torch.arange(k_plus_1, device=p.device)
+    u = uniform_noise(seeds.repeat_interleave(k_plus_1), (positions[:, None] + offsets).flatten(), EMIT)
+    return verify_greedy(pick(p.reshape(-1, vocab), u).view(batch, k_plus_1), draft_ids, num_draft)
+
+
 def verify_greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor):
-    """rejection_sample for a batch where every request is greedy, given the target's argmax at each
-    position, target_ids [B, K+1] (no softmax, nothing over the vocabulary here): accept while the
-    draft equals the argmax; the outputs are the argmaxes."""
+    """Accept each request's drafts while they equal the target's own tokens target_ids [B, K+1];
+    the outputs are target_ids. For a batch where every request is greedy these are the argmaxes
+    (no softmax, nothing over the vocabulary here)."""
     k = draft_ids.shape[1]
     offsets = torch.arange(k, device=draft_ids.device)
     match = (draft_ids == target_ids[:, :k]) & (offsets[None, :] < num_draft[:, None])

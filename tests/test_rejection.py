@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from chisquare import chi_square_pvalue
 from nanospec import sampler
-from nanospec.sampler import (acceptance_probability, next_token_weights, race, rejection_sample, target_probs,
+from nanospec.sampler import (acceptance_probability, next_token_weights, pick, rejection_sample, target_probs,
                               uniform_noise, verify_greedy)
 
 logit = st.one_of(st.floats(-6, 6), st.just(float("-inf")))   # -inf: a token with probability 0
@@ -86,8 +86,8 @@ def run_batch(one_hot_drafts: bool, num_draft: torch.Tensor, temperature=1.0, to
         draft_ids, draft_probs, q = torch.tensor([[0, 1, 2]]).expand(n, -1), None, None
     else:
         q = target_probs(Q_LOGITS, t[:K], tk[:K], tp[:K])
-        noise = torch.stack([uniform_noise(seeds, torch.full((n,), j), sampler.DRAFT, VOCAB) for j in range(K)], 1)
-        draft_ids = race(q.expand(n, -1, -1).reshape(-1, VOCAB), noise.reshape(-1, VOCAB)).view(n, K)
+        noise = torch.stack([uniform_noise(seeds, torch.full((n,), j), sampler.DRAFT) for j in range(K)], 1)
+        draft_ids = pick(q.expand(n, -1, -1).reshape(-1, VOCAB), noise.flatten()).view(n, K)
         draft_probs = q.expand(n, -1, -1)
     tokens, accepted = rejection_sample(P_LOGITS.expand(n, -1, -1), draft_ids, draft_probs, num_draft, t, tk, tp,
                                         seeds, positions=torch.zeros(n, dtype=torch.long))
