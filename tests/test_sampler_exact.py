@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanospec import sampler
-from nanospec.sampler import EMIT, pick, target_probs, uniform_noise, unit_interval
+from nanospec.sampler import EMIT, pick, target_probs, uniform_noise
 
 VOCAB = 151_936
 KINDS = ["tail", "top_k_4", "top_p_0.5", "top_k_1", "greedy"]
@@ -82,7 +82,7 @@ def test_a_tail_of_1e_8_tokens_is_drawn_at_its_mass(draws):
 
 def test_noise_is_strictly_inside_the_unit_interval():
     """At the extreme bit patterns (where rounding could reach 0 or 1) and over 10^6 draws."""
-    extremes = unit_interval(torch.tensor([0, 1, 2**sampler.NOISE_BITS - 2, 2**sampler.NOISE_BITS - 1]))
+    extremes = sampler.unit_interval(torch.tensor([0, 1, 2**sampler.NOISE_BITS - 2, 2**sampler.NOISE_BITS - 1]))
     assert (extremes > 0).all() and (extremes < 1).all()
     u = uniform_noise(torch.arange(10**6), torch.arange(10**6) % 977, EMIT)
     assert 0 < u.min() and u.max() < 1
