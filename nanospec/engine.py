@@ -246,6 +246,12 @@ def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]
     return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
 
 
+def emittable_vocab(config, tokenizer) -> int:
+    """How many ids (0 .. n - 1) a request may hold: those the model has an embedding and logits for
+    and the tokenizer decodes."""
+    return min(config.vocab_size, tokenizer.vocab_size)
+
+
 class Engine:
     """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request.
 
@@ -267,6 +273,10 @@ class Engine:
                                    on_free=proposer.free if proposer else None)
         self.sampler = Sampler(compile=device.type == "cuda" if compile_sampler is None else compile_sampler)
         self.eos_ids = set(cfg.eos_token_ids) | set(tokenizer.eos_ids)
+        # The ids a request may hold: the model has logits for them and the tokenizer decodes them.
+        # An embedding padded past the tokenizer (Qwen: 151,936 rows, 151,665 tokens) never emits
+        # its padding: the logits are cut to this size before sampling.
+        self.vocab_size = emittable_vocab(cfg, tokenizer)
         self.stats = Stats()
         self.dynamic_k = None            # a dynamic_k.DynamicK: choose K per step by goodput
         self.disable_queue_size = None   # speculation off while more requests than this wait or run
@@ -290,6 +300,10 @@ class Engine:
         params.validate()
         if not prompt_ids:
             raise NanospecError(f"prompt {index} is empty; give at least one token of text")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+            raise NanospecError(f"prompt {index} holds token id {bad!r}, outside this model and tokenizer's "
+                                f"ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
         if len(prompt_ids) >= self.max_model_len:
             raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "
                                 f"{self.max_model_len}; shorten the prompt or raise max_model_len")
@@ -377,7 +391,7 @@ class Engine:
         hidden, features = self.forward(reqs, lens, self.verify_input(reqs, proposal, starts, sum(lens)))
         # [B, K+1] rows: row i of request b is the target after its i-th draft (padding repeats its last).
         rows = self.to_device([starts[b] + min(i, num_draft[b]) for b in range(len(reqs)) for i in range(k + 1)])
-        logits = self.model.logits(hidden)   # [T, V], one row per verified position
+        logits = self.model.logits(hidden)[:, :self.vocab_size]   # [T, V], one row per verified position
         num_draft_t = self.to_device(num_draft)
         if sampling.greedy:   # the argmax of each of the T rows, then the padded gather: ids, not [B, K+1, V] logits
             target_ids = logits.argmax(-1)[rows].view(len(reqs), k + 1)

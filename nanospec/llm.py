@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from nanospec import checkpoint
-from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats
+from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
 from nanospec.eagle import load_eagle_head
 from nanospec.errors import NanospecError
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer
@@ -107,13 +107,14 @@ class LLM:
         if head is not None:
             block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
         num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
+        vocab = emittable_vocab(self.config, self.tokenizer)
         proposer = None
         if ngram:
             proposer = NgramProposer(self.device, ngram_min, ngram_max)
         elif draft_model is not None:
-            proposer = DraftModelProposer(draft_model, num_blocks, block_size, self.config.vocab_size, self.device)
+            proposer = DraftModelProposer(draft_model, num_blocks, block_size, vocab, self.device)
         elif head is not None:
-            proposer = EagleProposer(head, self.model, aux_layers, num_blocks, block_size, self.device)
+            proposer = EagleProposer(head, self.model, aux_layers, num_blocks, block_size, vocab, self.device)
         self.engine = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
                              block_size, max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, k)
         self.engine.disable_queue_size = speculative_disable_queue_size
@@ -137,6 +138,10 @@ class LLM:
     def load_draft(self, draft: str):
         ckpt = checkpoint.read_checkpoint(draft)
         check_same_tokenizer(self.tokenizer, load_tokenizer(ckpt.path, ckpt.gguf_metadata), draft)
+        vocab = emittable_vocab(self.config, self.tokenizer)
+        if ckpt.config.vocab_size < vocab:   # the target could emit an id the draft cannot embed
+            raise NanospecError(f"draft model {draft} embeds {ckpt.config.vocab_size} token ids but the target "
+                                f"can emit {vocab}; use a draft whose embedding covers the tokenizer")
         return checkpoint.build_model(ckpt, self.device, self.dtype)
 
     def default_kv_cache_gb(self) -> float:
@@ -150,9 +155,7 @@ class LLM:
         return self.engine.stats.as_dict()
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if not isinstance(prompt, str):   # already token ids
-            if not all(isinstance(t, int) and 0 <= t < self.config.vocab_size for t in prompt):
-                raise NanospecError(f"a token-id prompt must hold ids in 0..{self.config.vocab_size - 1}")
+        if not isinstance(prompt, str):   # already token ids; the engine checks their range
             return list(prompt)
         return self.tokenizer.apply_chat_template(prompt) if chat else self.tokenizer.encode(prompt)
 

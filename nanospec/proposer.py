@@ -139,19 +139,26 @@ class ModelProposer(Proposer):
     """What the draft model and EAGLE share: a paged cache of their own and a K-step drafting loop
     whose tokens stay on the device (no host sync between draft steps)."""
 
-    def __init__(self, kv_cache: KVCache, vocab: int, device: torch.device):
-        self.kv_cache, self.vocab, self.device = kv_cache, vocab, device
+    def __init__(self, kv_cache: KVCache, vocab: int, max_positions: int, device: torch.device):
+        # vocab: the ids the engine emits (its drafts are over those); max_positions: its context
+        self.kv_cache, self.vocab, self.max_positions, self.device = kv_cache, vocab, max_positions, device
 
     def state(self, request) -> CacheState:
         if request.proposer_state is None:
             request.proposer_state = CacheState()
         return request.proposer_state
 
+    def max_drafts(self, request) -> int:
+        """How many drafts this proposer can make for the request now: positions up to
+        len(tokens) + K - 2 are fed, and its position table ends at max_positions."""
+        return max(0, self.max_positions + 1 - len(request.tokens))
+
     @torch.inference_mode()
     def propose(self, requests, ks, sampling) -> Proposal:
+        ks = [min(k, self.max_drafts(r)) for r, k in zip(requests, ks)]   # 0: drafts nothing this step
         batch, k = len(requests), max(ks)
         draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=self.device)
-        draft_probs = None if sampling.greedy else torch.zeros(batch, k, self.vocab, device=self.device)
+        draft_probs = None if sampling.greedy or k == 0 else torch.zeros(batch, k, self.vocab, device=self.device)
         carry = None   # what step i passes to step i + 1 (the draft's hidden states, for EAGLE)
         for i in range(k):
             rows = [b for b in range(batch) if ks[b] > i]
@@ -200,7 +207,7 @@ class DraftModelProposer(ModelProposer):
         cfg = model.config
         dtype = next(model.parameters()).dtype
         super().__init__(KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                 dtype, device), vocab, device)
+                                 dtype, device), vocab, cfg.max_position_embeddings, device)
         self.model = model
 
     def first_step(self, requests, batch, rows_t):
@@ -234,11 +241,11 @@ class EagleProposer(ModelProposer):
 
     needs_features = True
 
-    def __init__(self, head, target, aux_layers, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, head, target, aux_layers, num_blocks: int, block_size: int, vocab: int, device: torch.device):
         cfg = head.config
         dtype = next(head.parameters()).dtype
         super().__init__(KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device),
-                         target.config.vocab_size, device)
+                         vocab, cfg.max_position_embeddings, device)
         self.head, self.target = head, target
         self.capture_layers = tuple(aux_layers or ())
 
@@ -247,6 +254,12 @@ class EagleProposer(ModelProposer):
 
     def observe(self, request, features) -> None:
         self.state(request).pending.append(features)
+
+    def max_drafts(self, request) -> int:
+        """None before the target has given a feature to start from: a one-token prompt before its
+        first step (the target caches all but the last token, so has computed no feature yet)."""
+        st = self.state(request)
+        return super().max_drafts(request) if st.num_real or any(len(f) for f in st.pending) else 0
 
     def first_step(self, requests, batch, rows_t):
         states = [self.state(r) for r in requests]

@@ -93,6 +93,14 @@ def pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.view(u.shape)
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """What a batch's top-k / top-p need, known on the host: its largest top_k (0: none) and whether
+    any row uses top-p. Top-k alone is a threshold (no sort over the vocabulary); top-p sorts."""
+    top_k: int
+    top_p: bool
+
+
 @dataclass
 class SamplingBatch:
     """The sampling parameters of a batch's requests, on the device."""
@@ -101,7 +109,7 @@ class SamplingBatch:
     top_p: torch.Tensor          # [B] float
     seeds: torch.Tensor          # [B] int64
     greedy: bool                 # every request is greedy
-    truncate: bool               # some request uses top-k or top-p
+    truncate: Truncation | bool  # False: no request uses top-k or top-p
 
     @classmethod
     def of(cls, requests, device: torch.device) -> "SamplingBatch":
@@ -110,23 +118,47 @@ class SamplingBatch:
         return cls(tensor([p.temperature for p in params], torch.float32), tensor([p.top_k for p in params], torch.int64),
                    tensor([p.top_p for p in params], torch.float32), tensor([r.seed for r in requests], torch.int64),
                    greedy=all(p.temperature == 0 for p in params),
-                   truncate=any(p.top_k or p.top_p < 1 for p in params))
+                   truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
+                       max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor, truncate: bool = True) -> torch.Tensor:
+                 top_p: torch.Tensor, truncate: Truncation | bool = True) -> torch.Tensor:
     """The distribution each row samples from. logits: [N, V]; temperature, top_p: [N] float;
     top_k: [N] int (0 = off). Greedy rows (temperature 0) become one-hot on the argmax.
-    truncate=False skips top-k/top-p (the caller knows no row uses them: saves a sort); rows that
-    use neither come out the same either way."""
+    truncate: False skips top-k/top-p (the caller knows no row uses them), a Truncation says what
+    the rows use, True: anything. Rows that use neither come out the same every way."""
     vocab = logits.shape[-1]
     logits = logits.float()
     greedy = temperature == 0
     probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
     one_hot = F.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
     if truncate:
-        probs = truncate_top_k_top_p(probs, logits, top_k, top_p)
+        limits = truncate if isinstance(truncate, Truncation) else Truncation(vocab, True)
+        cut = truncate_top_k_top_p if limits.top_p or limits.top_k > vocab // 2 else truncate_top_k
+        # A row that truncates nothing keeps its softmax bit for bit (no renormalization by a sum
+        # that is 1 only up to rounding): its draws must not depend on whether another row truncates.
+        probs = torch.where(((top_k > 0) | (top_p < 1))[:, None], cut(probs, logits, top_k, top_p, limits), probs)
     return torch.where(greedy[:, None], one_hot, probs)
+
+
+def renormalize(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] where keep, 0 elsewhere, divided by the kept mass. The mass is the end of a
+    scan, not a sum: a reduction over one long row is split across threads differently depending
+    on how many rows the batch has; a scan runs each row in order, so a row's result is its own."""
+    kept = torch.where(keep, probs.double(), 0.0)
+    return (kept / kept.cumsum(-1)[:, -1:]).float()
+
+
+def truncate_top_k(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   limits: Truncation) -> torch.Tensor:
+    """Top-k alone, without a sort over the vocabulary: keep the logits above the k-th largest,
+    and of those equal to it the first ones by index (as a stable sort ranks them), k in all."""
+    k = top_k.clamp(1, limits.top_k)[:, None]                                   # [N, 1]
+    kth = logits.topk(limits.top_k, dim=-1).values.gather(-1, k - 1)            # the k-th largest logit
+    above, tied = logits > kth, logits == kth
+    keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    return renormalize(probs, keep)
 
 
 def top_p_keeps(mass_before: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -136,7 +168,7 @@ def top_p_keeps(mass_before: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor,
-                         top_p: torch.Tensor) -> torch.Tensor:
+                         top_p: torch.Tensor, limits: Truncation | None = None) -> torch.Tensor:
     """probs [N, V] cut to the top_k most likely, then to the top_p of what is left, renormalized."""
     vocab = probs.shape[-1]
     # Rank by the logits, stably: ties keep index order, so rank 0 is logits.argmax() (top_k = 1 is
@@ -149,18 +181,11 @@ def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch
     kept_cdf = kept.cumsum(-1)
     mass_before = (kept_cdf - kept) / kept_cdf[:, -1:]           # renormalized over what top-k kept
     keep_sorted = in_top_k & top_p_keeps(mass_before, top_p)
-    # The kept mass as the end of a scan, not a sum: a reduction over one long row is split across
-    # threads differently depending on how many rows the batch has; a scan runs each row in order.
-    kept_mass = (sorted_probs * keep_sorted).cumsum(-1)[:, -1:]
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    cut = (torch.where(keep, probs.double(), 0.0) / kept_mass).float()
-    # A row that truncates nothing keeps its softmax bit for bit (no renormalization by a sum that
-    # is 1 only up to rounding): its draws must not depend on whether another row truncates.
-    return torch.where(((top_k > 0) | (top_p < 1))[:, None], cut, probs)
+    return renormalize(probs, torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, positions: torch.Tensor, truncate: bool = True) -> torch.Tensor:
+           seeds: torch.Tensor, positions: torch.Tensor, truncate: Truncation | bool = True) -> torch.Tensor:
     """One token per row of logits [N, V], for the request at `positions` (the index of the new token)."""
     probs = target_probs(logits, temperature, top_k, top_p, truncate)
     return pick(probs, uniform_noise(seeds, positions, EMIT))
@@ -184,7 +209,7 @@ def next_token_weights(p_next: torch.Tensor, q_next: torch.Tensor, rejected: tor
 
 def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                      num_draft: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     seeds: torch.Tensor, positions: torch.Tensor, truncate: bool = True):
+                     seeds: torch.Tensor, positions: torch.Tensor, truncate: Truncation | bool = True):
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for a batch, each row with its own K.
 
     target_logits  [B, K+1, V]  row i: the target's logits for the token after [last, d_1 .. d_i]

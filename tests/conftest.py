@@ -37,13 +37,33 @@ def train_tokenizer(vocab_size: int = 320):
     return tok
 
 
+def synthetic_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer of exactly vocab_size ids without training (a real-sized vocabulary
+    in a second): the special tokens, the 256 byte symbols, then merges of two symbols, then of a
+    pair and a symbol."""
+    import itertools
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS + symbols)}
+    pairs = [(a, b) for a in symbols for b in symbols]
+    triples = ((a + b, c) for a, b in pairs for c in symbols)
+    merges = list(itertools.islice(itertools.chain(pairs, triples), vocab_size - len(vocab)))
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
 def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 2, hidden: int = 64,
-                     vocab_size: int = 320, model_vocab: int | None = None) -> str:
+                     vocab_size: int = 320, model_vocab: int | None = None, max_positions: int = 512) -> str:
     """A random-weight model of `family`, saved by transformers itself (the layout users download).
-    model_vocab: an embedding smaller than the tokenizer (for tests that enumerate the vocabulary)."""
+    vocab_size: the tokenizer's (trained up to 1000, synthetic above); model_vocab: an embedding of
+    another size (smaller: tests that enumerate the vocabulary; larger: padded, as Qwen's)."""
     import transformers
     os.makedirs(folder, exist_ok=True)
-    tok = train_tokenizer(vocab_size)
+    tok = train_tokenizer(vocab_size) if vocab_size <= 1000 else synthetic_tokenizer(vocab_size)
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|im_end|>", "bos_token": None}, f)
@@ -53,7 +73,7 @@ def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 
                   "qwen3": transformers.Qwen3Config}[fam.pop("model_type")]
     config = config_cls(vocab_size=model_vocab or tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden + 8,
                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None,
+                        max_position_embeddings=max_positions, rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None,
                         **fam)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).float()

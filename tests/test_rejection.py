@@ -166,3 +166,21 @@ def test_compiled_rejection_sampler_equals_eager():
             torch.ones(n), torch.arange(n), torch.arange(n))
     for a, b in zip(compiled(*args), rejection_sample(*args)):
         assert torch.equal(a, b)
+
+
+def test_one_hot_drafts_emit_what_plain_sampling_emits():
+    """At a 32k vocabulary: drafts without probabilities (n-gram) are accepted exactly while they
+    equal plain sampling's token at their position, and the tokens emitted are plain sampling's."""
+    batch, k, vocab = 12, 4, 32_768
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(batch, k + 1, vocab, generator=g) * 2
+    t = torch.tensor([1.0, 0.7, 0.0, 1.3] * 3)
+    tk, tp = torch.tensor([0, 50, 0, 0] * 3), torch.tensor([1.0, 1.0, 1.0, 0.9] * 3)
+    seeds, positions = torch.arange(batch) + 100, torch.arange(batch) * 5 + 3
+    plain = torch.stack([sampler.sample(logits[:, i], t, tk, tp, seeds, positions + i) for i in range(k + 1)], 1)
+    right = torch.arange(batch) % (k + 1)                       # row b's first right - 1 drafts are right
+    drafts = torch.where(torch.arange(k)[None, :] < right[:, None], plain[:, :k], (plain[:, :k] + 1) % vocab)
+    tokens, accepted = rejection_sample(logits, drafts, None, torch.full((batch,), k), t, tk, tp, seeds, positions)
+    assert accepted.tolist() == right.tolist()
+    for b in range(batch):
+        assert tokens[b, :right[b] + 1].tolist() == plain[b, :right[b] + 1].tolist()

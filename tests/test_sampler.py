@@ -6,6 +6,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from nanospec import sampler
 from nanospec.sampler import sample, target_probs, uniform_noise
 
 # 99.9% quantile of the chi-square distribution with 5 degrees of freedom.
@@ -102,3 +103,15 @@ def test_compiled_sampler_equals_eager():
     args = (torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0]), torch.tensor([0, 0, 10, 0, 3]),
             torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0]), torch.arange(5) + 100, torch.arange(5) * 3)
     assert torch.equal(compiled(logits, *args), sample(logits, *args))
+
+
+@settings(max_examples=200, deadline=None)
+@given(logits=st.lists(st.integers(-3, 3), min_size=2, max_size=40), top_k=st.lists(st.integers(0, 45), min_size=3, max_size=3))
+def test_top_k_without_a_sort_is_top_k_with_one(logits, top_k):
+    """The threshold path (a batch with top-k and no top-p) keeps exactly the tokens the sorted
+    path keeps, ties at the k-th logit included (integer logits: ties everywhere)."""
+    x = torch.tensor([logits] * 3, dtype=torch.float32)
+    k, p, t = torch.tensor(top_k), torch.ones(3), torch.tensor([1.0, 0.5, 2.0])
+    limits = sampler.Truncation(max(top_k), top_p=False)
+    if 0 < limits.top_k <= len(logits) // 2:   # where target_probs takes the threshold path
+        assert torch.equal(target_probs(x, t, k, p, limits), target_probs(x, t, k, p, True))
