@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
-from nanospec.llm import resolve_device
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
 from nanospec.errors import NanospecError, run_command
 from nanospec.engine import Stats
@@ -69,7 +68,8 @@ DRAFT_VOCAB = 8192          # EAGLE-3: reduced draft vocabulary; both: the vocab
 SAVE_EVERY = 100
 EVAL_K = 4
 EVAL_TOKENS = 64
-DTYPE = "auto"              # the target's dtype for data and features: bfloat16 where the device computes it natively
+DTYPE = "auto"              # the target's dtype for data, features and evaluation: auto is the engine's own default,
+                            # the dtype the head will serve with (float32 on CPU, bfloat16 on CUDA)
 
 
 # ---- 1. data ----
@@ -566,10 +566,11 @@ def save_head(args, llm: LLM, head, cfg: dict) -> None:
         json.dump(cfg, f, indent=2)
 
 
-def acceptance_length(target: str | None, prompts: list[dict], k: int, max_tokens: int, device: str, **proposer) -> dict:
+def acceptance_length(target: str | None, prompts: list[dict], k: int, max_tokens: int, device: str, dtype: str,
+                      **proposer) -> dict:
     """Mean acceptance length at K = k, T = 0 with the real engine, over the prompts ({"prompt",
     "category"}) and per category: one generate call per category, their stats added up."""
-    llm = LLM(target, device=device, num_speculative_tokens=k, **proposer)
+    llm = LLM(target, device=device, dtype=dtype, num_speculative_tokens=k, **proposer)
     total, per_category = Stats(), {}
     for category in dict.fromkeys(r["category"] for r in prompts):
         group = [r["prompt"] for r in prompts if r["category"] == category]
@@ -581,22 +582,72 @@ def acceptance_length(target: str | None, prompts: list[dict], k: int, max_token
             "acceptance_rate_per_position": s["acceptance_rate_per_position"], "per_category": per_category}
 
 
-def evaluate(args) -> dict:
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def evaluate(args, dtype: str) -> dict:
+    """The head served by the engine on the held-out prompts, in the dtype it was trained in."""
     from nanospec.bench import shipped_prompts
     held_out = shipped_prompts()
     start = time.perf_counter()
-    result = {"held_out_prompts": len(held_out), "k": args.eval_k, "max_tokens": args.eval_tokens,
-              "eagle": acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device, eagle=args.out),
-              "ngram": acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device, ngram=True)}
+    run = lambda **proposer: acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device,
+                                               dtype, **proposer)
+    result = {"held_out_prompts": len(held_out), "k": args.eval_k, "max_tokens": args.eval_tokens, "dtype": dtype,
+              "eagle": run(eagle=args.out), "ngram": run(ngram=True)}
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
 
+@torch.no_grad()
+def teacher_forced_agreement(llm: LLM, head, arch: str, aux_layers, prompts: list[str], max_tokens: int) -> float:
+    """How often the head's first draft (real features: TTT step 0) is the target's next token, over
+    the answer positions of the target's greedy answers to `prompts`: training's own procedure
+    (self_distill, target_features, make_batch, the training forward), no engine, the full vocabulary."""
+    pairs = self_distill(llm, prompts, max_tokens, temperature=0.0)[0]
+    seqs = [s for s, _ in pairs]
+    finals, auxes = target_features(llm, seqs, aux_layers)
+    data = {"tokens": [torch.tensor(s) for s in seqs], "prompt_lens": [p for _, p in pairs], "final": finals, "aux": auxes}
+    forward = eagle3_forward if arch == "eagle3" else eagle1_forward
+    agree = total = 0
+    for first in range(0, len(seqs), 8):
+        batch = make_batch(data, list(range(first, min(first + 8, len(seqs)))), llm, arch, llm.device)
+        predicted = forward(head, batch.embeds, batch.features, batch.positions, [])       # [B, T, H]
+        drafts = head.logits(predicted[batch.mask], llm.model)[:, :llm.engine.vocab_size].argmax(-1)
+        # element i predicts t_{i+2}; the last element's token was never generated (-1: left out)
+        width = batch.mask.shape[1]
+        nxt = torch.stack([F.pad(data["tokens"][r][2:], (0, width + 2 - len(data["tokens"][r])), value=-1)
+                           for r in range(first, min(first + 8, len(seqs)))]).to(llm.device)[batch.mask]
+        agree += int(((drafts == nxt) & (nxt >= 0)).sum())
+        total += int((nxt >= 0).sum())
+    return agree / max(total, 1)
+
+
+def held_out_gap(llm: LLM, head, args, aux_layers, evaluation: dict, history: list[dict]) -> dict:
+    """Separates the two causes of a gap between training agreement and held-out acceptance.
+    teacher-forced: training's procedure on the held-out prompts; engine: the served head's
+    first-draft acceptance on the same prompts (T = 0, so the same answers). Equal: the gap is the
+    data (the head generalizes no better); different: training and drafting still differ (a bug)."""
+    from nanospec.bench import shipped_prompts
+    head.eval()
+    prompts = [r["prompt"] for r in shipped_prompts()]
+    teacher = teacher_forced_agreement(llm, head, args.arch, aux_layers, prompts, args.eval_tokens)
+    engine = evaluation["eagle"]["acceptance_rate_per_position"][0]
+    last = history[-20:]
+    return {"training_top1_step0_loss_vocabulary": round(sum(h["acc0"] for h in last) / len(last), 4),
+            "held_out_teacher_forced_top1": round(teacher, 4), "held_out_engine_first_draft_acceptance": engine}
+
+
 def print_evaluation(e: dict) -> None:
-    print(f"held-out acceptance length at K={e['k']}, T=0: EAGLE {e['eagle']['mean_acceptance_length']:.2f}, "
+    print(f"held-out acceptance length at K={e['k']}, T=0 ({e['dtype']}): EAGLE {e['eagle']['mean_acceptance_length']:.2f}, "
           f"n-gram {e['ngram']['mean_acceptance_length']:.2f}")
     for category, al in e["eagle"]["per_category"].items():
         print(f"  {category:<12} EAGLE {al:.2f}  n-gram {e['ngram']['per_category'][category]:.2f}")
+    if "gap" in e:
+        g = e["gap"]
+        print(f"top-1 of the first draft: training {g['training_top1_step0_loss_vocabulary']:.3f} (its loss vocabulary), "
+              f"held out teacher-forced {g['held_out_teacher_forced_top1']:.3f}, "
+              f"held out in the engine {g['held_out_engine_first_draft_acceptance']:.3f}")
 
 
 def parse_args(argv=None):
@@ -624,20 +675,11 @@ def parse_args(argv=None):
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance measurement")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default=DTYPE, help="the target's dtype for data and features (auto: bfloat16 on CUDA and on "
-                    "CPUs with native bfloat16, else float32); the head keeps float32 weights (its matmuls follow the target's dtype) "
-                    "and is evaluated at the serving default")
+    ap.add_argument("--dtype", default=DTYPE, choices=["auto", "float32", "bfloat16", "float16"],
+                    help="the target's dtype for the data, the features and the evaluation: serve the head with the same "
+                    "(auto: the engine's default, float32 on CPU and bfloat16 on CUDA; bfloat16 trains 2x faster on a CPU "
+                    "with native bfloat16, then serve with --dtype bfloat16); the head keeps float32 weights")
     return ap.parse_args(argv)
-
-
-def data_dtype(dtype: str, device: str) -> str:
-    """auto: the engine's auto (bfloat16 on CUDA, float32 on CPU), except bfloat16 on CPUs with
-    AVX-512 BF16 or AMX, where oneDNN's bfloat16 matmul is 2-3x float32's. For SmolLM2 its features
-    differ from float32's by ~2% per row, about the size of the FEATURE_NOISE the head trains with."""
-    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)   # private: guarded
-    if dtype == "auto" and resolve_device(device).type == "cpu" and native is not None and native():
-        return "bfloat16"
-    return dtype
 
 
 def check_args(args) -> None:
@@ -653,7 +695,8 @@ def run(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     wall = time.perf_counter()
-    llm = LLM(args.target, device=args.device, dtype=data_dtype(args.dtype, args.device), max_num_seqs=256)
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=256)
+    dtype = dtype_name(llm.dtype)   # one setting for the data, the features and the evaluation
     for p in llm.model.parameters():
         p.requires_grad_(False)
     aux_layers = default_aux_layers(llm.config.num_layers) if args.arch == "eagle3" else ()
@@ -663,19 +706,21 @@ def run(args) -> dict:
     vocab_ids = draft_vocabulary(data, llm.config.vocab_size, args.draft_vocab).to(llm.device)
     draft_ids = vocab_ids if args.arch == "eagle3" else None
     cfg = head_config(llm.config, args.arch, len(vocab_ids), aux_layers)
+    cfg["trained_target_dtype"] = dtype   # the engine warns when it serves the head in another
     head = new_head(llm.config, cfg, len(vocab_ids)).to(llm.device)
     if draft_ids is not None:   # draft id d is target id d + d2t[d]; t2d marks the target ids it covers
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids), device=llm.device))
         head.t2d.zero_()
         head.t2d[draft_ids] = True
-    report = {"command": "python train_eagle.py " + " ".join(sys.argv[1:]), "args": training_args(args),
+    report = {"command": "python train_eagle.py " + " ".join(sys.argv[1:]), "args": training_args(args), "dtype": dtype,
               "sequences": len(data["tokens"]), "tokens": int(sum(len(t) for t in data["tokens"]))}
     report["training"] = train(args, llm, head, data, vocab_ids)
     save_head(args, llm, head, cfg)
     print(f"wrote the EAGLE-{args.arch[-1]} head to {args.out} (use it with --eagle {args.out})")
     report["train_wall_seconds"] = round(time.perf_counter() - wall, 1)
     if not args.no_eval:
-        report["eval"] = evaluate(args)
+        report["eval"] = evaluate(args, dtype)
+        report["eval"]["gap"] = held_out_gap(llm, head, args, aux_layers, report["eval"], report["training"]["history"])
         print_evaluation(report["eval"])
     with open(os.path.join(args.out, "train_report.json"), "w") as f:
         json.dump(report, f, indent=2)

@@ -6,6 +6,8 @@ is done.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from nanospec import checkpoint
@@ -26,6 +28,15 @@ def resolve_device(device: str) -> torch.device:
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise NanospecError(f"unknown device {device!r}; use auto, cpu or cuda")
     return torch.device(device)
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 matmuls natively (AVX-512 BF16 or AMX, through oneDNN).
+    NANOSPEC_NATIVE_BF16=0 answers no, to run what a CPU without it runs."""
+    if os.environ.get("NANOSPEC_NATIVE_BF16") == "0":
+        return False
+    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)   # private: guarded
+    return bool(native is not None and native())
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
