@@ -18,6 +18,7 @@ EAGLE-3: the feature is the concatenation of the hidden states entering three ta
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -144,7 +145,18 @@ def load_eagle_head(folder: str, target, device: torch.device, dtype: torch.dtyp
         head = Eagle3Head(config, target.config.hidden_size, weights["lm_head.weight"].shape[0],
                           target.config.vocab_size)
     load_into(head, pack_weights(weights), folder)
+    check_trained_dtype(cfg, folder, dtype)
     return head.to(device=device, dtype=dtype).eval(), aux
+
+
+def check_trained_dtype(cfg: dict, folder: str, dtype: torch.dtype) -> None:
+    """A head learns the features of the target in the dtype it was trained with (train_eagle.py
+    records it); served beside the target in another dtype it drafts worse (never wrongly)."""
+    trained, serving = cfg.get("trained_target_dtype"), str(dtype).removeprefix("torch.")
+    if trained and trained != serving:
+        warnings.warn(f"EAGLE head {folder} was trained on the target's {trained} features but the target runs in "
+                      f"{serving} here: expect fewer accepted drafts; run with --dtype {trained} (dtype={trained!r})",
+                      stacklevel=3)
 
 
 def check_fits(config: ModelConfig, cfg: dict, weights: dict, version: int, target: ModelConfig) -> None:

@@ -3,6 +3,7 @@ fix it; the command line prints it as one line and exits non-zero, without a tra
 
 
 import sys
+import warnings
 
 
 class NanospecError(ValueError):
@@ -10,7 +11,9 @@ class NanospecError(ValueError):
 
 
 def run_command(body) -> int:
-    """Run a command-line entry point's body: 0 when it returns, 2 with the error's one line on stderr."""
+    """Run a command-line entry point's body: 0 when it returns, 2 with the error's one line on
+    stderr. Warnings print as one line too ("warning: ..."), not as a file, a line and its source."""
+    warnings.formatwarning = lambda message, *rest, **kw: f"warning: {message}\n"
     try:
         body()
     except NanospecError as e:

@@ -2,6 +2,7 @@
 included), a tiny run lowers its loss, writes a head that loads and decodes losslessly, and a
 stopped run resumes to the same head."""
 import json
+import warnings
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from safetensors.torch import load_file
 
 import train_eagle
 from nanospec import LLM, SamplingParams
+from nanospec.llm import native_bfloat16
 from nanospec.kv_cache import KVCache, build_metadata
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello there, how", "1 2 3 4"]
@@ -69,7 +71,7 @@ def test_training_time_test_sees_what_drafting_sees(spec_models, arch):
 def tiny_args(target, out, arch, steps=40, **extra):
     args = ["--target", target, "--out", str(out), "--arch", arch, "--num-prompts", "8", "--response-tokens", "24",
             "--seq-len", "112", "--batch-size", "4", "--steps", str(steps), "--warmup", "4", "--lr", "3e-3",
-            "--draft-vocab", "64", "--save-every", "5", "--no-eval", "--device", "cpu"]
+            "--draft-vocab", "64", "--save-every", "5", "--no-eval", "--device", "cpu", "--dtype", "float32"]
     return args + [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
@@ -92,21 +94,26 @@ def test_tiny_run_lowers_loss_and_writes_a_lossless_head(spec_models, tmp_path, 
     assert spec.stats["drafted_tokens"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-def test_a_head_that_learned_its_data_is_accepted_by_the_engine(spec_models, tmp_path, arch):
+def test_a_head_that_learned_its_data_is_accepted_by_the_engine(spec_models, tmp_path, arch, dtype):
     """End to end, training and serving see the same thing: a head trained until it agrees with
     the target on its own (few) sequences drafts those same answers in the real engine, so nearly
     every draft is accepted. A feature taken one position off, another norm, another mask or
-    another chain in the training-time test would show here as a low acceptance length."""
+    another chain in the training-time test would show here as a low acceptance length; so would
+    a target that trains in one dtype and serves in another. Both dtypes pinned: the verdict must
+    not depend on the machine."""
+    if dtype == "bfloat16" and not native_bfloat16():
+        pytest.skip("this CPU has no native bfloat16 (AVX-512 BF16 or AMX), or NANOSPEC_NATIVE_BF16=0")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / arch
     args = tiny_args(spec_models["target"], out, arch, steps=150, data=str(data), num_prompts=len(PROMPTS),
-                     lr=1e-2, feature_noise=0)
+                     lr=1e-2, feature_noise=0, dtype=dtype)
     assert train_eagle.main(args) == 0
     history = json.loads((out / "train_report.json").read_text())["training"]["history"]
     assert min(history[-1]["acc0"], history[-1]["acc1"]) > 0.95, history[-1]
-    spec = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, eagle=str(out),
+    spec = LLM(spec_models["target"], device="cpu", dtype=dtype, kv_cache_gb=0.05, eagle=str(out),
                num_speculative_tokens=3)
     spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), chat=True)   # as the data were made
     assert spec.stats["mean_acceptance_length"] > 3.3, spec.stats   # of at most 4
@@ -146,3 +153,17 @@ def test_prompts_that_fill_the_sequence_length_are_left_out_or_refused(spec_mode
     assert "left out: their prompt fills --seq-len" in capsys.readouterr().out
     assert train_eagle.main(tiny_args(spec_models["target"], tmp_path / "none", "eagle1", steps=5, seq_len=8)) == 2
     assert "raise it" in capsys.readouterr().err
+
+
+def test_the_head_records_its_dtype_and_the_engine_warns_in_another(spec_models, tmp_path):
+    """Training's data, features and evaluation share one dtype, written into the head's config and
+    the report; serving the head beside a target in another dtype warns, naming both."""
+    out = tmp_path / "head"
+    assert train_eagle.main(tiny_args(spec_models["target"], out, "eagle1", steps=5)) == 0
+    assert json.loads((out / "config.json").read_text())["trained_target_dtype"] == "float32"
+    assert json.loads((out / "train_report.json").read_text())["dtype"] == "float32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the same dtype: no warning
+        LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.01, eagle=str(out))
+    with pytest.warns(UserWarning, match="float32 features but the target runs in bfloat16"):
+        LLM(spec_models["target"], device="cpu", dtype="bfloat16", kv_cache_gb=0.01, eagle=str(out))
