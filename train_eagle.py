@@ -600,27 +600,34 @@ def evaluate(args, dtype: str) -> dict:
 
 
 @torch.no_grad()
-def teacher_forced_agreement(llm: LLM, head, arch: str, aux_layers, prompts: list[str], max_tokens: int) -> float:
+def teacher_forced_agreement(llm: LLM, head, arch: str, aux_layers, prompts: list[str], max_tokens: int):
     """How often the head's first draft (real features: TTT step 0) is the target's next token, over
     the answer positions of the target's greedy answers to `prompts`: training's own procedure
-    (self_distill, target_features, make_batch, the training forward), no engine, the full vocabulary."""
+    (self_distill, target_features, make_batch, the training forward), no engine, the full
+    vocabulary. Returns (over every position, over positions right after a miss): the engine
+    starts a step, and drafts its d_1, mostly right after a rejected draft."""
     pairs = self_distill(llm, prompts, max_tokens, temperature=0.0)[0]
     seqs = [s for s, _ in pairs]
     finals, auxes = target_features(llm, seqs, aux_layers)
     data = {"tokens": [torch.tensor(s) for s in seqs], "prompt_lens": [p for _, p in pairs], "final": finals, "aux": auxes}
     forward = eagle3_forward if arch == "eagle3" else eagle1_forward
-    agree = total = 0
+    hits = counted = hits_after_miss = after_miss = 0
     for first in range(0, len(seqs), 8):
-        batch = make_batch(data, list(range(first, min(first + 8, len(seqs)))), llm, arch, llm.device)
+        rows = list(range(first, min(first + 8, len(seqs))))
+        batch = make_batch(data, rows, llm, arch, llm.device)
         predicted = forward(head, batch.embeds, batch.features, batch.positions, [])       # [B, T, H]
-        drafts = head.logits(predicted[batch.mask], llm.model)[:, :llm.engine.vocab_size].argmax(-1)
+        drafts = head.logits(predicted.flatten(0, 1), llm.model)[:, :llm.engine.vocab_size].argmax(-1)
         # element i predicts t_{i+2}; the last element's token was never generated (-1: left out)
         width = batch.mask.shape[1]
         nxt = torch.stack([F.pad(data["tokens"][r][2:], (0, width + 2 - len(data["tokens"][r])), value=-1)
-                           for r in range(first, min(first + 8, len(seqs)))]).to(llm.device)[batch.mask]
-        agree += int(((drafts == nxt) & (nxt >= 0)).sum())
-        total += int((nxt >= 0).sum())
-    return agree / max(total, 1)
+                           for r in rows]).to(llm.device)
+        valid = batch.mask & (nxt >= 0)
+        hit = valid & (drafts.view_as(nxt) == nxt)
+        follows_miss = valid[:, 1:] & valid[:, :-1] & ~hit[:, :-1]
+        hits, counted = hits + int(hit.sum()), counted + int(valid.sum())
+        hits_after_miss += int((hit[:, 1:] & follows_miss).sum())
+        after_miss += int(follows_miss.sum())
+    return hits / max(counted, 1), hits_after_miss / max(after_miss, 1)
 
 
 def held_out_gap(llm: LLM, head, args, aux_layers, evaluation: dict, history: list[dict]) -> dict:
@@ -631,11 +638,13 @@ def held_out_gap(llm: LLM, head, args, aux_layers, evaluation: dict, history: li
     from nanospec.bench import shipped_prompts
     head.eval()
     prompts = [r["prompt"] for r in shipped_prompts()]
-    teacher = teacher_forced_agreement(llm, head, args.arch, aux_layers, prompts, args.eval_tokens)
+    teacher, after_miss = teacher_forced_agreement(llm, head, args.arch, aux_layers, prompts, args.eval_tokens)
     engine = evaluation["eagle"]["acceptance_rate_per_position"][0]
     last = history[-20:]
     return {"training_top1_step0_loss_vocabulary": round(sum(h["acc0"] for h in last) / len(last), 4),
-            "held_out_teacher_forced_top1": round(teacher, 4), "held_out_engine_first_draft_acceptance": engine}
+            "held_out_teacher_forced_top1": round(teacher, 4),
+            "held_out_teacher_forced_top1_after_a_miss": round(after_miss, 4),
+            "held_out_engine_first_draft_acceptance": engine}
 
 
 def print_evaluation(e: dict) -> None:
@@ -646,7 +655,8 @@ def print_evaluation(e: dict) -> None:
     if "gap" in e:
         g = e["gap"]
         print(f"top-1 of the first draft: training {g['training_top1_step0_loss_vocabulary']:.3f} (its loss vocabulary), "
-              f"held out teacher-forced {g['held_out_teacher_forced_top1']:.3f}, "
+              f"held out teacher-forced {g['held_out_teacher_forced_top1']:.3f} "
+              f"({g['held_out_teacher_forced_top1_after_a_miss']:.3f} right after a miss), "
               f"held out in the engine {g['held_out_engine_first_draft_acceptance']:.3f}")
 
 

@@ -1,7 +1,7 @@
 """Held-out acceptance of an EAGLE head at an intermediate training step: a copy of train_eagle.py's
 OUT/checkpoint.pt (written every --save-every steps) becomes a head folder in the public layout,
 evaluated as train_eagle.py evaluates its final head (the held-out shipped prompts, K = 4, T = 0, in
-the dtype it trained in). Points of a learning curve from one run.
+the dtype it trained in, and the gap diagnostic). Points of a learning curve from one run.
 
 Usage: python tools/eagle_checkpoint_eval.py CHECKPOINT.pt OUT_FOLDER [--target T] [--device D]
 """
@@ -40,6 +40,7 @@ def main() -> None:
     train_eagle.save_head(args, llm, head, cfg)
     result = {"checkpoint": cli.checkpoint, "step": state["step"],
               "sequences_seen": state["step"] * run_args["batch_size"], "eval": train_eagle.evaluate(args, dtype)}
+    result["eval"]["gap"] = train_eagle.held_out_gap(llm, head, args, aux, result["eval"], state["history"])
     train_eagle.print_evaluation(result["eval"])
     with open(os.path.join(cli.out, "eval.json"), "w") as f:
         json.dump(result, f, indent=2)
