@@ -8,7 +8,7 @@ Three ideas keep it exact, batched, reproducible and sync-free:
 - a token is drawn by inverting the cumulative distribution: the first index whose cumulative
   weight exceeds u * total, for one uniform u per draw (`pick`). The weights need not be
   normalized, which lets the rejection sampler draw from max(p - q, 0) directly. The sum is taken in
-  float64 and u has 53 bits, so a token of probability 1e-12 is still drawn at its probability,
+  float64 and u has 52 bits, so a token of probability 1e-12 is still drawn at its probability,
   and a token of weight 0 never is (it adds nothing to the sum: no u lands on it).
 - randomness is counter-based: u for (seed, position, stream) is a hash of those numbers, like
   Philox. A request's draws therefore do not depend on which other requests share its batch, or
