@@ -287,8 +287,9 @@ def build_dataset(args, llm: LLM, aux_layers) -> dict:
 
 # ---- 3. the head and its training forward ----
 
-def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers) -> dict:
-    """config.json of the head: a one-layer Llama with the target's shapes (the public layouts)."""
+def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, trained_dtype: str | None = None) -> dict:
+    """config.json of the head: a one-layer Llama with the target's shapes (the public layouts), and
+    the dtype of the target whose features it learned (the engine warns when it serves another)."""
     cfg = {"architectures": ["LlamaForCausalLM" if arch == "eagle1" else "LlamaForCausalLMEagle3"],
            "model_type": "llama", "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
            "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
@@ -301,6 +302,8 @@ def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers) ->
     if arch == "eagle3":
         cfg["draft_vocab_size"] = draft_vocab
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+    if trained_dtype:
+        cfg["trained_target_dtype"] = trained_dtype
     return cfg
 
 
@@ -715,8 +718,7 @@ def run(args) -> dict:
     # vocabulary with the target's LM head) it only makes the cross-entropy term ~6x cheaper.
     vocab_ids = draft_vocabulary(data, llm.config.vocab_size, args.draft_vocab).to(llm.device)
     draft_ids = vocab_ids if args.arch == "eagle3" else None
-    cfg = head_config(llm.config, args.arch, len(vocab_ids), aux_layers)
-    cfg["trained_target_dtype"] = dtype   # the engine warns when it serves the head in another
+    cfg = head_config(llm.config, args.arch, len(vocab_ids), aux_layers, dtype)
     head = new_head(llm.config, cfg, len(vocab_ids)).to(llm.device)
     if draft_ids is not None:   # draft id d is target id d + d2t[d]; t2d marks the target ids it covers
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids), device=llm.device))

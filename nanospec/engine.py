@@ -300,9 +300,9 @@ class Engine:
         params.validate()
         if not prompt_ids:
             raise NanospecError(f"prompt {index} is empty; give at least one token of text")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
-            raise NanospecError(f"prompt {index} holds token id {bad!r}, outside this model and tokenizer's "
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise NanospecError(f"prompt {index} holds token id {bad[0]!r}, outside this model and tokenizer's "
                                 f"ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
         if len(prompt_ids) >= self.max_model_len:
             raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "

@@ -105,6 +105,7 @@ class LLM:
         self.config = ckpt.config
         self.model = checkpoint.build_model(ckpt, self.device, self.dtype)
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.gguf_metadata)
+        self.vocab_size = emittable_vocab(self.config, self.tokenizer)   # the ids a request may hold
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         if kv_cache_gb is None:
@@ -118,14 +119,13 @@ class LLM:
         if head is not None:
             block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
         num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
-        vocab = emittable_vocab(self.config, self.tokenizer)
         proposer = None
         if ngram:
             proposer = NgramProposer(self.device, ngram_min, ngram_max)
         elif draft_model is not None:
-            proposer = DraftModelProposer(draft_model, num_blocks, block_size, vocab, self.device)
+            proposer = DraftModelProposer(draft_model, num_blocks, block_size, self.vocab_size, self.device)
         elif head is not None:
-            proposer = EagleProposer(head, self.model, aux_layers, num_blocks, block_size, vocab, self.device)
+            proposer = EagleProposer(head, self.model, aux_layers, num_blocks, block_size, self.vocab_size, self.device)
         self.engine = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
                              block_size, max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, k)
         self.engine.disable_queue_size = speculative_disable_queue_size
@@ -149,10 +149,9 @@ class LLM:
     def load_draft(self, draft: str):
         ckpt = checkpoint.read_checkpoint(draft)
         check_same_tokenizer(self.tokenizer, load_tokenizer(ckpt.path, ckpt.gguf_metadata), draft)
-        vocab = emittable_vocab(self.config, self.tokenizer)
-        if ckpt.config.vocab_size < vocab:   # the target could emit an id the draft cannot embed
+        if ckpt.config.vocab_size < self.vocab_size:   # the target could emit an id the draft cannot embed
             raise NanospecError(f"draft model {draft} embeds {ckpt.config.vocab_size} token ids but the target "
-                                f"can emit {vocab}; use a draft whose embedding covers the tokenizer")
+                                f"can emit {self.vocab_size}; use a draft whose embedding covers the tokenizer")
         return checkpoint.build_model(ckpt, self.device, self.dtype)
 
     def default_kv_cache_gb(self) -> float:

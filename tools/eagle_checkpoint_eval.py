@@ -32,8 +32,7 @@ def main() -> None:
     dtype = train_eagle.dtype_name(llm.dtype)
     aux = default_aux_layers(llm.config.num_layers) if args.arch == "eagle3" else ()
     draft_vocab = state["head"]["lm_head.weight"].shape[0] if args.arch == "eagle3" else run_args["draft_vocab"]
-    cfg = train_eagle.head_config(llm.config, args.arch, draft_vocab, aux)
-    cfg["trained_target_dtype"] = dtype
+    cfg = train_eagle.head_config(llm.config, args.arch, draft_vocab, aux, dtype)
     head = train_eagle.new_head(llm.config, cfg, draft_vocab)
     head.load_state_dict(state["head"])
     os.makedirs(cli.out, exist_ok=True)
