@@ -489,7 +489,7 @@ def train(args, llm: LLM, head, data, vocab_ids) -> dict:
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
     step, history = 0, []
     if os.path.exists(ckpt_path):
-        state = torch.load(ckpt_path, weights_only=False)
+        state = load_training_checkpoint(ckpt_path)
         if state["args"] != training_args(args):
             raise NanospecError(f"{ckpt_path} is from a run with other settings; use another --out, "
                                 "or delete it to start over")
@@ -528,6 +528,18 @@ def train(args, llm: LLM, head, data, vocab_ids) -> dict:
                         "args": training_args(args), "torch_rng": torch.get_rng_state()}, ckpt_path)
     print()
     return {"steps": step, "seconds_this_run": round(time.perf_counter() - start, 1), "history": history}
+
+
+def load_training_checkpoint(path: str) -> dict:
+    """OUT/checkpoint.pt: tensors, numbers and strings only (weights_only: a planted file cannot run code)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise NanospecError(f"{path} is not a training checkpoint of train_eagle.py ({type(e).__name__}); "
+                            "delete it to start over, or use another --out") from e
+    if not (isinstance(state, dict) and {"head", "optimizer", "step", "history", "args", "torch_rng"} <= set(state)):
+        raise NanospecError(f"{path} is not a training checkpoint of train_eagle.py; delete it or use another --out")
+    return state
 
 
 def next_rows(rng, order, rows, batch_size):

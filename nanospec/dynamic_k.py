@@ -554,7 +554,7 @@ def time_decode_steps(engine, prompt_ids: list[list[int]], batch_size: int, ks: 
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
     reqs = [engine.new_request(i, "", prompt_ids[i % len(prompt_ids)], params) for i in range(batch_size)]
     scheduler = engine.scheduler
-    scheduler.waiting.extend(reqs)
+    engine.add_requests(reqs)
     engine.dynamic_k, proposer = None, engine.proposer
     engine.proposer = ExactlyK(proposer)
     try:

@@ -23,9 +23,9 @@ import warnings
 import torch
 from torch import nn
 
-from nanospec.checkpoint import check_weights, load_safetensors, read_json
+from nanospec.checkpoint import check_loadable, check_weights, load_safetensors, read_json
 from nanospec.errors import NanospecError
-from nanospec.model import MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding, pack_weights
+from nanospec.model import MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding, pack_weights, unpack_weights
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -112,41 +112,62 @@ def read_eagle_weights(folder: str) -> dict[str, torch.Tensor]:
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if files:
         return load_safetensors([os.path.join(folder, f) for f in files])
-    if os.path.exists(os.path.join(folder, "pytorch_model.bin")):   # the original EAGLE-1 releases
-        return torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    path = os.path.join(folder, "pytorch_model.bin")
+    if os.path.exists(path):   # the original EAGLE-1 releases; tensors only, never pickled code
+        try:
+            weights = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise NanospecError(f"{path} is not a plain file of tensors ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                                "nanospec never runs pickled code: use a safetensors head") from e
+        if not (isinstance(weights, dict) and all(isinstance(v, torch.Tensor) for v in weights.values())):
+            raise NanospecError(f"{path} does not hold a dict of tensors; use a safetensors head")
+        return weights
     raise NanospecError(f"no model.safetensors or pytorch_model.bin in EAGLE head folder {folder}")
 
 
 def load_eagle_head(folder: str, target, device: torch.device, dtype: torch.dtype):
     """Read an EAGLE-1 or EAGLE-3 head, check it fits `target`, return (head, aux_layers or None)."""
     weights = {k.removeprefix("model."): v for k, v in read_eagle_weights(folder).items()}
-    cfg = read_json(os.path.join(folder, "config.json"))
+    config_path = os.path.join(folder, "config.json")
+    cfg = read_json(config_path, what="an EAGLE head folder needs config.json and model.safetensors")
     if any(k.startswith("midlayer.") for k in weights):
-        version = 3
+        version, needed = 3, ("fc.weight", "lm_head.weight")
     elif "fc.weight" in weights and any(k.startswith("layers.0.") for k in weights):
-        version = 1
+        version, needed = 1, ("fc.weight",)
     else:
         raise NanospecError(f"{folder} is not an EAGLE head: expected `fc` with `layers.0.*` (EAGLE-1) "
                             "or `midlayer.*` (EAGLE-3) tensors")
+    for name in needed:
+        if name not in weights or weights[name].dim() != 2:
+            raise NanospecError(f"EAGLE-{version} head in {folder} lacks the matrix {name}; it is incomplete")
     has_bias = any(k.endswith("q_proj.bias") for k in weights)
     config = ModelConfig.from_hf({**cfg, "architectures": ["Qwen2ForCausalLM" if has_bias else "LlamaForCausalLM"],
-                                  "num_hidden_layers": 1,
-                                  "max_position_embeddings": target.config.max_position_embeddings})
+                                  "num_hidden_layers": 1, "quantization_config": None,
+                                  "max_position_embeddings": target.config.max_position_embeddings},
+                                 source=config_path)
     check_fits(config, cfg, weights, version, target.config)
     if version == 1:
         head = Eagle1Head(config, fc_bias="fc.bias" in weights)
         aux = None
     else:
-        aux = tuple(cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-                    or default_aux_layers(target.config.num_layers))
-        if not all(0 <= i <= target.config.num_layers for i in aux):
-            raise NanospecError(f"EAGLE-3 auxiliary layers {aux} do not exist in a {target.config.num_layers}-layer "
-                                "target; the head was trained for a different model")
+        aux = aux_layers(cfg, target.config.num_layers, config_path)
         head = Eagle3Head(config, target.config.hidden_size, weights["lm_head.weight"].shape[0],
                           target.config.vocab_size)
-    load_into(head, pack_weights(weights), folder)
+    load_into(head, weights, folder)
     check_trained_dtype(cfg, folder, dtype)
     return head.to(device=device, dtype=dtype).eval(), aux
+
+
+def aux_layers(cfg: dict, num_layers: int, source: str) -> tuple[int, int, int]:
+    """The three target layers whose inputs an EAGLE-3 head reads (its config, or the default)."""
+    eagle_config = cfg.get("eagle_config") or {}
+    aux = (eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None) \
+        or default_aux_layers(num_layers)
+    if not (isinstance(aux, (list, tuple)) and len(aux) == 3
+            and all(isinstance(i, int) and 0 <= i <= num_layers for i in aux)):
+        raise NanospecError(f"{source}: EAGLE-3 auxiliary layers {aux!r} are not three layers of the "
+                            f"{num_layers}-layer target; the head was trained for a different model")
+    return tuple(aux)
 
 
 def check_trained_dtype(cfg: dict, folder: str, dtype: torch.dtype) -> None:
@@ -171,15 +192,20 @@ def check_fits(config: ModelConfig, cfg: dict, weights: dict, version: int, targ
     if vocab is not None and vocab != target.vocab_size:
         raise NanospecError(f"EAGLE-{version} head's vocabulary has {vocab} tokens but the target's has "
                             f"{target.vocab_size}; use a head trained for this target")
-    if version == 3 and "d2t" in weights:
-        target_ids = torch.arange(len(weights["d2t"])) + weights["d2t"]
-        if int(target_ids.max()) >= target.vocab_size or int(target_ids.min()) < 0:
-            raise NanospecError("EAGLE-3 head's d2t maps draft tokens outside the target's vocabulary; "
-                                "use a head trained for this target")
 
 
 def load_into(head: nn.Module, weights: dict[str, torch.Tensor], folder: str) -> None:
-    expected = head.state_dict()
-    required = {k: v for k, v in expected.items() if k != "t2d"}   # t2d is optional: unused here
-    check_weights(required, weights, f"EAGLE head in {folder}", "it is incomplete")
-    head.load_state_dict({k: v for k, v in weights.items() if k in expected}, strict=False)
+    """Check the tensors against the head's own (t2d is optional: unused here; an EAGLE-1 head may
+    ship the target's embedding) and load them."""
+    expected = unpack_weights(dict(head.state_dict()), head.config)   # under the checkpoint's own names
+    if "t2d" not in weights:
+        expected.pop("t2d", None)
+    source = f"EAGLE head in {folder}"
+    check_loadable(weights, source, integer_names=("d2t", "t2d"))
+    check_weights(expected, weights, source, "it is incomplete", ignored=("embed_tokens.weight",))
+    if "d2t" in weights:
+        target_ids = torch.arange(len(weights["d2t"])) + weights["d2t"]
+        if int(target_ids.max()) >= head.t2d.shape[0] or int(target_ids.min()) < 0:
+            raise NanospecError("EAGLE-3 head's d2t maps draft tokens outside the target's vocabulary; "
+                                "use a head trained for this target")
+    head.load_state_dict(pack_weights({k: v for k, v in weights.items() if k != "embed_tokens.weight"}), strict=False)

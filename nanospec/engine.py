@@ -21,10 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, check_int, check_real, is_real
 from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
 from nanospec.sampler import Sampler, SamplingBatch
+
+
+# Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -33,21 +37,35 @@ class SamplingParams:
     top_p: float = 1.0           # nucleus sampling; 1 = off
     top_k: int = 0               # 0 = off
     max_tokens: int = 64
-    seed: int | None = None      # None: a random seed per request
-    stop: list[str] = field(default_factory=list)   # stop strings, cut from the returned text
+    seed: int | None = None      # None: a random seed per request; else 0 .. 2**63 - 1
+    stop: list[str] = field(default_factory=list)   # stop strings (one string: one stop); the text ends before the first
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if not self.temperature >= 0:
-            raise NanospecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise NanospecError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise NanospecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            raise NanospecError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise NanospecError(f"seed must be an integer, got {self.seed!r}")
+        """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
+        check_real(self.temperature, "temperature", low=0, fix="0 is greedy")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise NanospecError(f"temperature {self.temperature} is too small to sample with (the logits divided "
+                                f"by it overflow); use 0 for greedy, or at least {MIN_TEMPERATURE}")
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise NanospecError(f"top_p must be in (0, 1] (1 is off), got {self.top_p!r}")
+        check_int(self.top_k, "top_k", low=0, fix="0 is off")
+        check_int(self.max_tokens, "max_tokens", low=1)
+        if self.seed is not None:
+            check_int(self.seed, "seed", low=0, high=2**63 - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise NanospecError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.stop = stop_strings(self.stop)
+
+
+def stop_strings(stop) -> list[str]:
+    """A list of non-empty strings; one string is one stop (not its characters)."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) for s in stops)):
+        raise NanospecError(f"stop must be a string or a list of strings, got {stop!r}")
+    if "" in stops:
+        raise NanospecError("stop holds an empty string, which would stop before any text; remove it")
+    return list(stops)
 
 
 @dataclass(slots=True)
@@ -62,7 +80,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: str | None = None
-    text: str = ""
+    text: str | None = None       # set when it finishes: the output before any stop
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
     # dynamic K per request: drafts it had accepted, drafts the shared rates expected (both decayed)
     dynamic_k_record: list[float] = field(default_factory=lambda: [0.0, 0.0])
@@ -171,6 +189,16 @@ class Scheduler:
         self.on_free(req)
         self.running.remove(req)
 
+    def remove(self, requests: list[Request]) -> None:
+        """Take requests out wherever they are (waiting, running or finished) and free their blocks;
+        what a failed or interrupted call leaves behind goes this way."""
+        gone = {id(r) for r in requests}
+        self.running[:] = [r for r in self.running if id(r) not in gone]
+        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        for req in requests:
+            self.allocator.release(req.block_table)   # idempotent: a finished request holds none
+            self.on_free(req)
+
 
 @dataclass
 class Stats:
@@ -246,6 +274,17 @@ def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]
     return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
 
 
+def check_finite(reqs: list[Request], broken: list[int], proposer) -> None:
+    """broken[b]: 1 where the target's logits for request b held NaN or +inf, 2 the drafter's (3 both)."""
+    for req, flag in zip(reqs, broken):
+        if flag:
+            who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
+            raise NanospecError(
+                f"the {who} produced NaN or infinite logits for request {req.index} at position {len(req.tokens)}: "
+                "its weights hold NaN/inf, its config.json has a broken value (rope_theta, rms_norm_eps), or float16 "
+                "overflowed; check the checkpoint, or run in float32 (--dtype float32, dtype='float32')")
+
+
 def emittable_vocab(config, tokenizer) -> int:
     """How many ids (0 .. n - 1) a request may hold: those the model has an embedding and logits for
     and the tokenizer decodes."""
@@ -295,8 +334,17 @@ class Engine:
         twin.sampler, twin.disable_queue_size = self.sampler, self.disable_queue_size
         return twin
 
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue requests made by new_request (the one way work enters the engine)."""
+        self.scheduler.waiting.extend(requests)
+
+    def abort(self, requests: list[Request]) -> None:
+        """Drop requests, wherever they are, with their blocks and proposer state: after a failed or
+        interrupted run the engine is as if they had never been queued."""
+        self.scheduler.remove(requests)
+
     def new_request(self, index: int, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """A validated request; `scheduler.waiting.extend(...)` queues it."""
+        """A validated request; add_requests queues it."""
         params.validate()
         if not prompt_ids:
             raise NanospecError(f"prompt {index} is empty; give at least one token of text")
@@ -394,15 +442,22 @@ class Engine:
         logits = self.model.logits(hidden)[:, :self.vocab_size]   # [T, V], one row per verified position
         num_draft_t = self.to_device(num_draft)
         if sampling.greedy:   # the argmax of each of the T rows, then the padded gather: ids, not [B, K+1, V] logits
-            target_ids = logits.argmax(-1)[rows].view(len(reqs), k + 1)
+            row_max, target_ids = logits.max(-1)
+            target_ids = target_ids[rows].view(len(reqs), k + 1)
             tokens, num_accepted = self.sampler.verify_greedy(target_ids, proposal.draft_ids, num_draft_t)
         else:
+            row_max = logits.amax(-1)
             logits = logits[rows].view(len(reqs), k + 1, -1)
             tokens, num_accepted = self.sampler.rejection_sample(
                 logits, proposal.draft_ids, proposal.draft_probs, num_draft_t, sampling.temperature, sampling.top_k,
                 sampling.top_p, sampling.seeds, self.to_device([len(r.tokens) for r in reqs]), sampling.truncate)
-        host = torch.cat([tokens, num_accepted[:, None]], dim=1).tolist()   # the step's one device-to-host copy
-        accepted = [row[-1] for row in host]
+        # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
+        broken = (~row_max[rows].view(len(reqs), k + 1).isfinite().all(-1)).long()
+        if proposal.finite is not None:
+            broken += 2 * (~proposal.finite).long()
+        host = torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1).tolist()   # the step's one device-to-host copy
+        check_finite(reqs, [row[-1] for row in host], self.proposer)
+        accepted = [row[-2] for row in host]
         self.stats.record(self.step_k, ks, num_draft, accepted)
         if self.dynamic_k:   # timed after the one copy above, so the device's work is in it; no extra sync
             self.dynamic_k.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
@@ -455,7 +510,7 @@ class Engine:
 
     def finish(self, req: Request, reason: str, drop_last: bool = False) -> None:
         req.finish_reason = reason
-        if not req.text:
+        if req.text is None:   # a stop string already set it, to the text before the stop ("" included)
             ids = req.output_ids[:-1] if drop_last else req.output_ids
             req.text = self.tokenizer.decode(ids)
         self.scheduler.finish(req)

@@ -1,7 +1,12 @@
-"""The one exception type for input a person got wrong. Its message says what is wrong and how to
-fix it; the command line prints it as one line and exits non-zero, without a traceback."""
+"""The one exception type for input a person got wrong, and the small checks that raise it.
+
+A NanospecError's message names what is wrong (the file or parameter, the value) and how to fix it;
+the command line prints it as one line and exits with status 2, without a traceback. Every value
+that enters from outside (a file, a parameter) is checked where it enters, so that nothing wrong
+reaches torch and fails there, far from its cause."""
 
 
+import math
 import sys
 import warnings
 
@@ -10,13 +15,48 @@ class NanospecError(ValueError):
     pass
 
 
+def is_int(value) -> bool:
+    """An integer, not a bool (True is an int to Python, never a size to a person)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A finite int or float (not a bool, not NaN, not infinite)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_int(value, name: str, low: int | None = None, high: int | None = None, fix: str = "") -> int:
+    """value, when it is an integer in low..high; otherwise one line naming `name` and the range."""
+    if not (is_int(value) and (low is None or value >= low) and (high is None or value <= high)):
+        bounds = (f" in {low}..{high}" if low is not None and high is not None
+                  else f" >= {low}" if low is not None else f" <= {high}" if high is not None else "")
+        raise NanospecError(f"{name} must be an integer{bounds}, {got(value)}{'; ' + fix if fix else ''}")
+    return value
+
+
+def check_real(value, name: str, low: float | None = None, above: float | None = None, fix: str = "") -> float:
+    """value, when it is a finite number >= low (or > above); otherwise one line naming `name`."""
+    if not (is_real(value) and (low is None or value >= low) and (above is None or value > above)):
+        bound = f" >= {low}" if low is not None else f" > {above}" if above is not None else ""
+        raise NanospecError(f"{name} must be a finite number{bound}, {got(value)}{'; ' + fix if fix else ''}")
+    return value
+
+
+def got(value) -> str:
+    return "but it is missing" if value is None else f"got {value!r}"
+
+
 def run_command(body) -> int:
     """Run a command-line entry point's body: 0 when it returns, 2 with the error's one line on
-    stderr. Warnings print as one line too ("warning: ..."), not as a file, a line and its source."""
+    stderr, 130 on Ctrl-C. Warnings print as one line too ("warning: ..."), not as a file, a line
+    and its source."""
     warnings.formatwarning = lambda message, *rest, **kw: f"warning: {message}\n"
     try:
         body()
     except NanospecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return 0

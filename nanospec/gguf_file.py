@@ -39,21 +39,33 @@ def metadata(reader) -> dict:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def hf_config(meta: dict) -> dict:
-    """The Hugging Face config.json equivalent of the GGUF metadata."""
+def hf_config(meta: dict, path: str = "the GGUF file") -> dict:
+    """The Hugging Face config.json equivalent of the GGUF metadata (ModelConfig.from_hf checks its values)."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise NanospecError(f"unsupported GGUF architecture {arch!r}; nanospec supports {', '.join(GGUF_ARCHITECTURES)}")
-    key = lambda name, default=None: meta.get(f"{arch}.{name}", default)
-    heads = key("attention.head_count")
-    hidden = key("embedding_length")
-    config = {
+        raise NanospecError(f"unsupported GGUF architecture {arch!r} in {path}; nanospec supports "
+                            f"{', '.join(GGUF_ARCHITECTURES)}")
+
+    def key(name, default=None, required=False):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None and required:
+            raise NanospecError(f"{path} lacks the GGUF metadata key {arch}.{name}; re-convert the model "
+                                "with llama.cpp's convert_hf_to_gguf.py")
+        return value
+
+    heads = key("attention.head_count", required=True)
+    hidden = key("embedding_length", required=True)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if key("vocab_size") is None and not isinstance(tokens, list):
+        raise NanospecError(f"{path} has neither {arch}.vocab_size nor a tokenizer.ggml.tokens vocabulary; "
+                            "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+    return {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "vocab_size": key("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
-        "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
+        "vocab_size": key("vocab_size") or len(tokens),
+        "hidden_size": hidden, "intermediate_size": key("feed_forward_length", required=True),
+        "num_hidden_layers": key("block_count", required=True), "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("attention.key_length", hidden // heads),
+        "head_dim": key("attention.key_length"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": key("rope.freq_base", 10000.0),
         "max_position_embeddings": key("context_length", 4096),
@@ -61,7 +73,6 @@ def hf_config(meta: dict) -> dict:
         "eos_token_id": [t for t in (meta.get("tokenizer.ggml.eos_token_id"),
                                      meta.get("tokenizer.ggml.eot_token_id")) if t is not None],
     }
-    return config
 
 
 def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -70,10 +81,9 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
-    """Dequantized weights under Hugging Face names (float32)."""
+def state_dict(reader, config) -> dict[str, torch.Tensor]:
+    """Dequantized weights under Hugging Face names (float32); config: the model's ModelConfig."""
     from gguf.quants import dequantize
-    arch = config["architectures"][0]
     weights = {}
     for tensor in reader.tensors:
         base, _, suffix = tensor.name.rpartition(".")   # "blk.3.attn_q", "weight"
@@ -84,10 +94,13 @@ def state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
             name = f"{GLOBAL_NAMES[base]}.{suffix}"
         else:
             continue   # e.g. rope_freqs: recomputed from the config
-        w = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type)).astype(np.float32))
-        if arch == "LlamaForCausalLM" and parts[-1] in ("attn_q", "attn_k"):
-            w = unpermute_rotary(w, config["num_attention_heads"] if parts[-1] == "attn_q"
-                                 else config["num_key_value_heads"])
+        try:
+            w = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type)).astype(np.float32))
+        except Exception as e:   # a quantization type this gguf package cannot dequantize, or a damaged tensor
+            raise NanospecError(f"cannot read tensor {tensor.name} ({tensor.tensor_type.name}) of the GGUF file ({e}); "
+                                "upgrade the gguf package (pip install -U gguf) or re-convert the model") from e
+        heads = config.num_heads if parts[-1] == "attn_q" else config.num_kv_heads
+        if config.family == "llama" and parts[-1] in ("attn_q", "attn_k") and w.shape[0] % (2 * heads) == 0:
+            w = unpermute_rotary(w, heads)   # (a tensor of the wrong size is left for the shape check to name)
         weights[name] = w
-    config["tie_word_embeddings"] = "lm_head.weight" not in weights
     return weights

@@ -13,7 +13,7 @@ import torch
 from nanospec import checkpoint
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
 from nanospec.eagle import load_eagle_head
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, check_int, check_real
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer
 from nanospec.tokenizer import load_tokenizer
 
@@ -87,6 +87,40 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft: str) -> None:
                             "maps ids to other tokens); use a draft of the same model family and tokenizer")
 
 
+def check_llm_args(target, draft, eagle, max_model_len, kv_cache_gb, block_size, max_num_seqs,
+                   max_num_batched_tokens, num_kv_blocks, compile_sampler, ngram_min, ngram_max, flags: dict) -> None:
+    """The engine's sizes and switches, before anything is loaded: each wrong one is one line."""
+    for name, path in (("target", target), ("draft", draft), ("eagle", eagle)):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise NanospecError(f"{name} must be a path or a hub id (a string), got {path!r}")
+    if max_model_len is not None:
+        check_int(max_model_len, "max_model_len (--max-model-len)", low=2, fix="it is the longest prompt + output")
+    if kv_cache_gb is not None:
+        check_real(kv_cache_gb, "kv_cache_gb", above=0)
+    if num_kv_blocks is not None:
+        check_int(num_kv_blocks, "num_kv_blocks", low=1, fix="or leave it unset to size the pool by kv_cache_gb")
+    check_int(block_size, "block_size", low=1, high=1024)
+    check_int(max_num_seqs, "max_num_seqs", low=1)
+    check_int(max_num_batched_tokens, "max_num_batched_tokens", low=1)
+    check_int(ngram_min, "ngram_min", low=1)
+    check_int(ngram_max, "ngram_max", low=ngram_min, fix="ngram_max is at least ngram_min")
+    for name, value in {"compile_sampler": compile_sampler, **flags}.items():
+        if value is not None and not isinstance(value, bool):
+            raise NanospecError(f"{name} must be True or False, got {value!r}")
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on the device (CPU: the kernel's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class LLM:
     def __init__(self, target: str | None = None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_gb: float | None = None, block_size: int = 16,
@@ -95,6 +129,9 @@ class LLM:
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False):
+        check_llm_args(target, draft, eagle, max_model_len, kv_cache_gb, block_size, max_num_seqs,
+                       max_num_batched_tokens, num_kv_blocks, compile_sampler, ngram_min, ngram_max,
+                       {"ngram": ngram, "dynamic_k": dynamic_k, "per_request_k": per_request_k})
         k = check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile,
                                    speculative_disable_queue_size, per_request_k)
         self.device = resolve_device(device)
@@ -103,22 +140,31 @@ class LLM:
         self.target_name = target or checkpoint.DEFAULT_MODEL_FILE
         self.proposer_name = "ngram" if ngram else f"draft {draft}" if draft else f"eagle {eagle}" if eagle else None
         self.config = ckpt.config
-        self.model = checkpoint.build_model(ckpt, self.device, self.dtype)
-        self.tokenizer = load_tokenizer(ckpt.path, ckpt.gguf_metadata)
-        self.vocab_size = emittable_vocab(self.config, self.tokenizer)   # the ids a request may hold
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        positions = self.config.max_position_embeddings
+        if max_model_len is not None and max_model_len > positions:
+            raise NanospecError(f"max_model_len {max_model_len} is above the {positions} positions the model has "
+                                "(max_position_embeddings); lower --max-model-len")
+        self.max_model_len = max_model_len or positions
         if kv_cache_gb is None:
             kv_cache_gb = self.default_kv_cache_gb()
-        draft_model = self.load_draft(draft) if draft else None
+        # No request outlives the KV pool, so no model needs position tables past it (a config may
+        # claim billions of positions).
+        target_block = kv_block_bytes(self.config, self.dtype, block_size)
+        pool_tokens = block_size * (num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // target_block)))
+        reachable = min(self.max_model_len, pool_tokens)
+        self.model = checkpoint.build_model(ckpt, self.device, self.dtype, reachable)
+        self.tokenizer = load_tokenizer(ckpt.path, ckpt.gguf_metadata)
+        self.vocab_size = emittable_vocab(self.config, self.tokenizer)   # the ids a request may hold
+        draft_model = self.load_draft(draft, reachable) if draft else None
         head, aux_layers = load_eagle_head(eagle, self.model, self.device, self.dtype) if eagle else (None, None)
         # Target and proposer get the same number of blocks (see proposer.py), from one memory budget.
-        block_bytes = kv_block_bytes(self.config, self.dtype, block_size)
+        block_bytes = target_block
         if draft_model is not None:
             block_bytes += kv_block_bytes(draft_model.config, self.dtype, block_size)
         if head is not None:
             block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
         num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
+        self.check_pool(num_blocks, block_size, block_bytes, max_model_len)
         proposer = None
         if ngram:
             proposer = NgramProposer(self.device, ngram_min, ngram_max)
@@ -134,6 +180,17 @@ class LLM:
         if dynamic_k:
             self.engine.dynamic_k = self.dynamic_k_policy(profile, k, per_request_k)
 
+    def check_pool(self, num_blocks: int, block_size: int, block_bytes: int, max_model_len: int | None) -> None:
+        """The KV pool fits in the device's free memory, and holds an asked-for context: refused
+        here, not found by an allocation that fails (or, on CPU, by the kernel killing the process)."""
+        need, free = num_blocks * block_bytes, available_memory(self.device)
+        if need > free:
+            raise NanospecError(f"a KV cache of {num_blocks} blocks needs {need / 2**30:.2f} GiB but {self.device} has "
+                                f"{free / 2**30:.2f} GiB free; lower kv_cache_gb or num_kv_blocks")
+        if max_model_len is not None and max_model_len > num_blocks * block_size:
+            raise NanospecError(f"max_model_len {max_model_len} does not fit in the KV cache, which holds "
+                                f"{num_blocks * block_size} tokens; lower --max-model-len or raise kv_cache_gb")
+
     def dynamic_k_policy(self, profile: str | None, max_k: int, per_request: bool = False):
         """The policy from a measured profile, or from the quick built-in one measured now."""
         from nanospec.dynamic_k import DynamicK, Profile, check_profile_matches, quick_profile
@@ -146,13 +203,13 @@ class LLM:
         self.profile = measured
         return DynamicK(measured, max_k, per_request=per_request, spans=self.engine.proposer.acceptance_in_spans)
 
-    def load_draft(self, draft: str):
+    def load_draft(self, draft: str, max_len: int):
         ckpt = checkpoint.read_checkpoint(draft)
         check_same_tokenizer(self.tokenizer, load_tokenizer(ckpt.path, ckpt.gguf_metadata), draft)
         if ckpt.config.vocab_size < self.vocab_size:   # the target could emit an id the draft cannot embed
             raise NanospecError(f"draft model {draft} embeds {ckpt.config.vocab_size} token ids but the target "
                                 f"can emit {self.vocab_size}; use a draft whose embedding covers the tokenizer")
-        return checkpoint.build_model(ckpt, self.device, self.dtype)
+        return checkpoint.build_model(ckpt, self.device, self.dtype, max_len)
 
     def default_kv_cache_gb(self) -> float:
         if self.device.type == "cuda":
@@ -164,9 +221,11 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats.as_dict()
 
-    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if not isinstance(prompt, str):   # already token ids; the engine checks their range
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False, index: int = 0) -> list[int]:
+        if isinstance(prompt, (list, tuple)):   # already token ids; the engine checks their range
             return list(prompt)
+        if not isinstance(prompt, str):
+            raise NanospecError(f"prompt {index} must be text or a list of token ids, got {prompt!r}")
         return self.tokenizer.apply_chat_template(prompt) if chat else self.tokenizer.encode(prompt)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -174,16 +233,24 @@ class LLM:
         """Generate for every prompt: a string, a list of token ids, or a list of either (a list of
         params gives each its own). `on_step(requests)` is called after each step with the requests
         that got new tokens (for streaming)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        if not isinstance(prompts, (str, list, tuple)):
+            raise NanospecError(f"prompts must be a string, a list of token ids or a list of either, got {prompts!r}")
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
-        params = params or SamplingParams()
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        params = SamplingParams() if params is None else params
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise NanospecError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; give one, or one each")
-        requests = [self.engine.new_request(i, p, self.encode_prompt(p, chat), sp)
+        if not all(isinstance(sp, SamplingParams) for sp in per_prompt):
+            raise NanospecError(f"params must be a SamplingParams or a list of them, got {params!r}")
+        requests = [self.engine.new_request(i, p, self.encode_prompt(p, chat, i), sp)
                     for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
-        self.engine.scheduler.waiting.extend(requests)   # only once every request is valid
-        self.engine.stats = Stats()                      # llm.stats describes this call
-        self.engine.run_to_completion(on_step)
+        self.engine.stats = Stats()        # llm.stats describes this call
+        self.engine.add_requests(requests)  # only once every request is valid
+        try:
+            self.engine.run_to_completion(on_step)
+        except BaseException:   # an error, or Ctrl-C: this call's requests leave with their blocks
+            self.engine.abort(requests)
+            raise
         return [RequestOutput(r.index, r.prompt, r.text, r.output_ids, r.finish_reason, r.prompt_ids)
                 for r in requests]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from nanospec import triton_attention
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, check_int, check_real
 from nanospec.kv_cache import AttentionMetadata, KVCache, paged_attention_reference, write_kv
 
 SUPPORTED_ARCHITECTURES = {
@@ -54,32 +54,91 @@ class ModelConfig:
         return self.family == "qwen3"
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Read a Hugging Face config.json (old `rope_theta`/`rope_scaling` and new `rope_parameters`)."""
-        arch = (cfg.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+        """Read a Hugging Face config.json (old `rope_theta`/`rope_scaling` and new `rope_parameters`),
+        checking every field the model uses: a missing, mistyped or impossible one is refused here,
+        naming `source`, instead of failing later inside torch."""
+        if not isinstance(cfg, dict):
+            raise NanospecError(f"{source} holds a JSON {type(cfg).__name__}, not an object of model settings; "
+                                "re-download the checkpoint")
+        archs = cfg.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs else archs
+        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
             raise NanospecError(
-                f"unsupported architecture {arch!r} in config.json; nanospec supports "
+                f"unsupported architecture {arch!r} in {source}; nanospec supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 3.x, SmolLM2, Qwen 2 / 2.5 / 3)")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+            raise NanospecError(f"{source} describes a quantized checkpoint ({method}); nanospec loads float32, "
+                                "bfloat16 and float16 safetensors (and GGUF files): use the unquantized model")
+        value = lambda name, default=None: default if cfg.get(name) is None else cfg[name]
+        size = lambda name, default=None, low=1: check_int(value(name, default), f"{source}: {name}", low,
+                                                           fix="fix the file or re-download the checkpoint")
+        hidden, heads = size("hidden_size"), size("num_attention_heads")
+        kv_heads = size("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise NanospecError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                                f"{kv_heads}; fix the file or re-download the checkpoint")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise NanospecError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                                "and no head_dim is given; fix the file or re-download the checkpoint")
+        head_dim = size("head_dim", hidden // heads)
+        if head_dim % 2:
+            raise NanospecError(f"{source}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dimensions")
+        real = lambda name, default: check_real(value(name, default), f"{source}: {name}", above=0, fix="fix the file")
         rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default", None):
-            raise NanospecError(f"unsupported rope scaling {scaling!r}; nanospec supports 'llama3' scaling")
-        eos = cfg.get("eos_token_id")
-        heads = cfg["num_attention_heads"]
+        if not isinstance(rope, dict):
+            raise NanospecError(f"{source}: rope_parameters must be an object, got {rope!r}")
+        theta = real("rope_theta", rope.get("rope_theta", 10000.0))
         return cls(
-            family=SUPPORTED_ARCHITECTURES[arch], vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
-            rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=[] if eos is None else (eos if isinstance(eos, list) else [eos]))
+            family=SUPPORTED_ARCHITECTURES[arch], vocab_size=size("vocab_size"), hidden_size=hidden,
+            intermediate_size=size("intermediate_size"), num_layers=size("num_hidden_layers"), num_heads=heads,
+            num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=real("rms_norm_eps", 1e-6), rope_theta=theta,
+            rope_scaling=read_rope_scaling(cfg, rope, source),
+            max_position_embeddings=size("max_position_embeddings", 4096, low=2),
+            tie_word_embeddings=read_bool(cfg, "tie_word_embeddings", source),
+            bos_token_id=None if cfg.get("bos_token_id") is None else size("bos_token_id", low=0),
+            eos_token_ids=read_token_ids(cfg.get("eos_token_id"), f"{source}: eos_token_id"))
+
+
+def read_bool(cfg: dict, name: str, source: str) -> bool:
+    value = False if cfg.get(name) is None else cfg[name]
+    if not isinstance(value, bool):
+        raise NanospecError(f"{source}: {name} must be true or false, got {value!r}; fix the file")
+    return value
+
+
+def read_token_ids(value, name: str) -> list[int]:
+    """An eos_token_id field: absent, one id or a list of ids (a string can never match a token)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for token in ids:
+        check_int(token, name, low=0, fix="token ids are integers; fix the file")
+    return list(ids)
+
+
+LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def read_rope_scaling(cfg: dict, rope: dict, source: str) -> dict | None:
+    """Llama 3's rope scaling with its four numbers, or None (no scaling); anything else is refused."""
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise NanospecError(f"{source}: rope_scaling must be an object, got {scaling!r}; fix the file")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("default", None):
+        return None
+    if kind != "llama3":
+        raise NanospecError(f"unsupported rope scaling {scaling!r} in {source}; nanospec supports 'llama3' scaling")
+    for name in LLAMA3_ROPE_FIELDS:
+        check_real(scaling.get(name), f"{source}: rope_scaling.{name}", above=0, fix="llama3 scaling needs all of "
+                   + ", ".join(LLAMA3_ROPE_FIELDS))
+    if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise NanospecError(f"{source}: rope_scaling.high_freq_factor must be above low_freq_factor, got "
+                            f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}; fix the file")
+    return scaling
 
 
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

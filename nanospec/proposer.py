@@ -33,6 +33,7 @@ class Proposal:
     draft_ids: torch.Tensor                 # [B, K] on the device; past num_draft[b]: padding
     draft_probs: torch.Tensor | None        # [B, K, V] the draft's q; None: one-hot drafts
     num_draft: list[int]                    # drafts per request
+    finite: torch.Tensor | None = None      # [B] bool: the drafter's logits were finite (None: no model)
 
 
 class Proposer:
@@ -159,6 +160,7 @@ class ModelProposer(Proposer):
         batch, k = len(requests), max(ks)
         draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=self.device)
         draft_probs = None if sampling.greedy or k == 0 else torch.zeros(batch, k, self.vocab, device=self.device)
+        finite = torch.ones(batch, dtype=torch.bool, device=self.device)   # read with the step's one host copy
         carry = None   # what step i passes to step i + 1 (the draft's hidden states, for EAGLE)
         for i in range(k):
             rows = [b for b in range(batch) if ks[b] > i]
@@ -168,11 +170,12 @@ class ModelProposer(Proposer):
             else:        # feed d_i back
                 logits, carry = self.next_step([requests[b] for b in rows], draft_ids[rows_t, i - 1], carry, rows_t, i)
             positions = torch.tensor([len(requests[b].tokens) + i for b in rows], device=self.device)
+            finite[rows_t] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
             tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows_t, positions)
             draft_ids[rows_t, i] = tokens
             if draft_probs is not None:
                 draft_probs[rows_t, i] = q
-        return Proposal(draft_ids, draft_probs, list(ks))
+        return Proposal(draft_ids, draft_probs, list(ks), finite)
 
     def run(self, states: list[CacheState], query_lens: list[int]):
         """Grow each state's blocks for its new positions and build the attention metadata."""

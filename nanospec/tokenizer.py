@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import tiktoken
 
+from nanospec.checkpoint import read_json
 from nanospec.errors import NanospecError
 
 # Pre-tokenizer patterns (how text is cut into pieces before BPE).
@@ -138,16 +139,36 @@ class Tokenizer:
         return self.encode(self.chat_template.render([{"role": "user", "content": prompt}]), add_bos=False)
 
 
-def ranked_from_merges(vocab: dict[str, int], merges: list) -> list[tuple[bytes, int]]:
+def ranked_from_merges(vocab: dict[str, int], merges: list, source: str = "tokenizer.json") -> list[tuple[bytes, int]]:
     """Single bytes first, then each merged token at the position of the merge that creates it."""
     # A byte missing from the vocabulary (SmolLM2 lacks a few that UTF-8 never uses) gets id -1:
     # tiktoken needs every byte, and encode drops it, as Hugging Face's BPE does without an unk token.
     ranked = [(token_bytes(c), vocab.get(c, -1)) for c in bytes_to_unicode().values()]
-    for merge in merges:
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+    for n, merge in enumerate(merges):
+        pair = merge.split(" ", 1) if isinstance(merge, str) else merge
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise NanospecError(f"{source}: merge {n} is {merge!r}, not two tokens (\"left right\" or [left, right]); "
+                                "re-download the tokenizer")
+        left, right = pair
         if left + right in vocab:
+            if any(c not in UNICODE_TO_BYTE for c in left + right):
+                raise NanospecError(f"{source}: token {left + right!r} is not byte-level BPE text; only byte-level "
+                                    "BPE (Llama 3, Qwen, SmolLM2 style) is supported")
             ranked.append((token_bytes(left + right), vocab[left + right]))
     return ranked
+
+
+MAX_TOKEN_ID = 2**24   # far above any real vocabulary (Llama 3: 128,256; Qwen: 151,936)
+
+
+def check_vocabulary(vocab, specials, source: str) -> None:
+    """Token -> id maps whose ids a vocabulary can hold."""
+    for what, table in (("vocabulary", vocab), ("added tokens", specials)):
+        for token, token_id in table.items():
+            if not (isinstance(token, str) and isinstance(token_id, int) and not isinstance(token_id, bool)
+                    and 0 <= token_id < MAX_TOKEN_ID):
+                raise NanospecError(f"{source}: its {what} maps {token!r} to {token_id!r}, not a token id in "
+                                    f"0..{MAX_TOKEN_ID - 1}; re-download the tokenizer")
 
 
 def pattern_from_pre_tokenizer(pre: dict | None) -> str:
@@ -163,32 +184,44 @@ def pattern_from_pre_tokenizer(pre: dict | None) -> str:
 
 
 def from_tokenizer_json(folder: str) -> Tokenizer:
-    with open(os.path.join(folder, "tokenizer.json")) as f:
-        data = json.load(f)
-    model = data["model"]
-    if model.get("type") != "BPE":
-        raise NanospecError(f"tokenizer.json has a {model.get('type')} model; only byte-level BPE is supported")
+    path = os.path.join(folder, "tokenizer.json")
+    data = read_json(path)
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        kind = model.get("type") if isinstance(model, dict) else "no"
+        raise NanospecError(f"{path} has {kind} model section; only byte-level BPE (a BPE model with vocab and "
+                            "merges: Llama 3, Qwen, SmolLM2) is supported")
+    vocab, merges, added = model.get("vocab"), model.get("merges"), data.get("added_tokens", [])
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        raise NanospecError(f"{path}: its BPE model lacks a vocab object or a merges list; re-download the tokenizer")
+    if not (isinstance(added, list) and all(isinstance(t, dict) for t in added)):
+        raise NanospecError(f"{path}: added_tokens must be a list of objects; re-download the tokenizer")
+    specials = {t.get("content"): t.get("id") for t in added}
+    check_vocabulary(vocab, specials, path)
     config_path = os.path.join(folder, "tokenizer_config.json")
-    config = json.load(open(config_path)) if os.path.exists(config_path) else {}
-    specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+    config = read_json(config_path) if os.path.exists(config_path) else {}
     post = json.dumps(data.get("post_processor") or {})
     bos = config.get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
     template = config.get("chat_template")
-    return Tokenizer(ranked_from_merges(model["vocab"], model["merges"]), specials,
+    return Tokenizer(ranked_from_merges(vocab, merges, path), specials,
                      pattern_from_pre_tokenizer(data.get("pre_tokenizer")),
-                     add_bos=bool(bos) and f'"{bos}"' in post, bos_token=bos,
+                     add_bos=isinstance(bos, str) and f'"{bos}"' in post, bos_token=bos if isinstance(bos, str) else None,
                      eos_tokens=STOP_TOKEN_NAMES, chat_template_source=template if isinstance(template, str) else None)
 
 
 def from_tiktoken_model(folder: str) -> Tokenizer:
     """Llama 3's original tokenizer.model: one `base64(token) rank` per line, then 256 special tokens."""
-    ranked = []
-    with open(os.path.join(folder, "tokenizer.model"), "rb") as f:
-        for line in f:
+    ranked, path = [], os.path.join(folder, "tokenizer.model")
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
             if line.strip():
-                token, rank = line.split()
-                ranked.append((base64.b64decode(token), int(rank)))
+                try:
+                    token, rank = line.split()
+                    ranked.append((base64.b64decode(token, validate=True), int(rank)))
+                except ValueError as e:   # binascii.Error is a ValueError too
+                    raise NanospecError(f"{path}:{n} is not a `base64-token rank` line ({e}); only Llama 3's "
+                                        "tiktoken-format tokenizer.model is supported (not a SentencePiece one)") from e
     ranked.sort(key=lambda pair: pair[1])
     specials = {s: len(ranked) + i for i, s in enumerate(LLAMA3_SPECIAL_TOKENS)}
     return Tokenizer(ranked, specials, LLAMA3_PATTERN, add_bos=True, bos_token="<|begin_of_text|>",
@@ -202,13 +235,23 @@ def from_gguf(meta: dict) -> Tokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
         raise NanospecError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(GGUF_PRE_TOKENIZERS)}")
-    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not (isinstance(tokens, list) and isinstance(types, list) and len(tokens) == len(types)
+            and isinstance(merges, list)):
+        raise NanospecError("the GGUF file lacks a complete tokenizer (tokenizer.ggml.tokens, token_type and merges); "
+                            "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
     normal = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (1, 6)}   # NORMAL, BYTE
     specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)}  # CONTROL, USER_DEFINED
+    check_vocabulary(normal, specials, "the GGUF tokenizer")
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    eos = tuple(tokens[i] for i in (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
-                if i is not None)
-    return Tokenizer(ranked_from_merges(normal, meta["tokenizer.ggml.merges"]), specials,
+    eos_ids = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    bad = [i for i in (bos_id, *eos_ids) if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens))]
+    if bad:
+        raise NanospecError(f"the GGUF tokenizer names token id {bad[0]!r} as bos/eos, outside its {len(tokens)} tokens; "
+                            "re-convert the model")
+    eos = tuple(tokens[i] for i in eos_ids if i is not None)
+    return Tokenizer(ranked_from_merges(normal, merges, "the GGUF tokenizer"), specials,
                      GGUF_PRE_TOKENIZERS[pre], add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                      bos_token=tokens[bos_id] if bos_id is not None else None,
                      eos_tokens=eos + STOP_TOKEN_NAMES, chat_template_source=meta.get("tokenizer.chat_template"))

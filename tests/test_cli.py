@@ -76,7 +76,7 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--top-p", "1.5"], "top_p must be in"),
     (["--top-k", "-3"], "top_k must be an integer >= 0"),
     (["--max-new-tokens", "0"], "max_tokens must be"),

@@ -355,7 +355,7 @@ def test_queue_switch_off_turns_speculation_off_above_the_threshold_and_on_below
               num_speculative_tokens=4, max_num_seqs=3, speculative_disable_queue_size=3)
     engine = llm.engine
     reqs = [engine.new_request(i, p, llm.encode_prompt(p), greedy(max_tokens=4 + 2 * i)) for i, p in enumerate(PROMPTS)]
-    engine.scheduler.waiting.extend(reqs)
+    engine.add_requests(reqs)
     seen = set()
     while engine.scheduler.has_work():
         queue = len(engine.scheduler.waiting) + len(engine.scheduler.running)

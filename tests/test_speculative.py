@@ -86,7 +86,7 @@ def test_twin_engines_decode_side_by_side(spec_models, plain_greedy, name):
     twins[1].num_speculative_tokens = 1
     requests = [[e.new_request(i, p, llm.encode_prompt(p), greedy()) for i, p in enumerate(PROMPTS)] for e in twins]
     for engine, reqs in zip(twins, requests):
-        engine.scheduler.waiting.extend(reqs)
+        engine.add_requests(reqs)
     while any(e.scheduler.has_work() for e in twins):
         for engine in [e for e in twins if e.scheduler.has_work()]:
             engine.step()

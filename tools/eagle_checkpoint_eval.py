@@ -10,7 +10,6 @@ import json
 import os
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_eagle  # noqa: E402
@@ -24,7 +23,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--device", default="cpu")
     cli = ap.parse_args()
-    state = torch.load(cli.checkpoint, weights_only=False)
+    state = train_eagle.load_training_checkpoint(cli.checkpoint)
     run_args = state["args"]
     args = train_eagle.parse_args(["--out", cli.out, "--device", cli.device, "--dtype", run_args["dtype"],
                                    "--arch", run_args["arch"]] + (["--target", run_args["target"]] if run_args["target"] else []))
