@@ -274,12 +274,12 @@ def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]
     return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
 
 
-def check_finite(reqs: list[Request], broken: list[int], proposer) -> None:
+def non_finite_error(reqs: list[Request], broken: list[int], proposer) -> NanospecError:
     """broken[b]: 1 where the target's logits for request b held NaN or +inf, 2 the drafter's (3 both)."""
     for req, flag in zip(reqs, broken):
         if flag:
             who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
-            raise NanospecError(
+            return NanospecError(
                 f"the {who} produced NaN or infinite logits for request {req.index} at position {len(req.tokens)}: "
                 "its weights hold NaN/inf, its config.json has a broken value (rope_theta, rms_norm_eps), or float16 "
                 "overflowed; check the checkpoint, or run in float32 (--dtype float32, dtype='float32')")
@@ -456,7 +456,9 @@ class Engine:
         if proposal.finite is not None:
             broken += 2 * (~proposal.finite).long()
         host = torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1).tolist()   # the step's one device-to-host copy
-        check_finite(reqs, [row[-1] for row in host], self.proposer)
+        if any(row[-1] for row in host):
+            self.clear_caches()   # the step wrote its NaN / inf K/V: no later request may read them
+            raise non_finite_error(reqs, [row[-1] for row in host], self.proposer)
         accepted = [row[-2] for row in host]
         self.stats.record(self.step_k, ks, num_draft, accepted)
         if self.dynamic_k:   # timed after the one copy above, so the device's work is in it; no extra sync
@@ -475,6 +477,11 @@ class Engine:
             draft_dst = [starts[b] + 1 + i for b in range(len(reqs)) for i in range(num_draft[b])]
             input_ids[self.to_device(draft_dst)] = proposal.draft_ids.flatten()[self.to_device(draft_src)]
         return input_ids
+
+    def clear_caches(self) -> None:
+        self.kv_cache.clear()
+        if isinstance(getattr(self.proposer, "kv_cache", None), KVCache):
+            self.proposer.kv_cache.clear()
 
     def commit(self, req: Request, tokens: list[int]) -> None:
         """Append new tokens one by one; the first that ends the request (EOS, a stop string, its

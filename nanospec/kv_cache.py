@@ -6,7 +6,10 @@ Invariants:
 - a slot is written once per position; rolling a sequence back only moves its length back and
   frees the blocks wholly past it, so the kept slots stay valid;
 - a block belongs to at most one sequence, and every block returns to the free list when its
-  sequence finishes or is preempted (tests check that no block leaks).
+  sequence finishes or is preempted (tests check that no block leaks);
+- every slot holds a finite value: the reference attention reads masked slots too (stale ones of
+  earlier sequences, padding) and weighs them by 0, and 0 * inf or 0 * NaN is NaN. The pool starts
+  zeroed and is zeroed again (`clear`) after a step that computed non-finite values.
 
 Attention over pages has one readable PyTorch path (`paged_attention_reference`), used on every
 device and as the oracle of the tests; a fused kernel can sit beside it on CUDA.
@@ -122,6 +125,10 @@ class KVCache:
         """An empty pool of num_blocks for the same model (another engine over it)."""
         num_layers, _, _, block_size, num_kv_heads, head_dim = self.pool.shape
         return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.pool.dtype, self.pool.device)
+
+    def clear(self) -> None:
+        """Zero every slot (see the module's invariants); the allocator is left as it is."""
+        self.pool.zero_()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool[i, 0], self.pool[i, 1]   # each [num_blocks, block_size, kv_heads, head_dim]

@@ -72,6 +72,11 @@ class ModelConfig:
             method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
             raise NanospecError(f"{source} describes a quantized checkpoint ({method}); nanospec loads float32, "
                                 "bfloat16 and float16 safetensors (and GGUF files): use the unquantized model")
+        for name, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                                ("use_sliding_window", False)):
+            if cfg.get(name, supported) != supported or type(cfg.get(name, supported)) is not type(supported):
+                raise NanospecError(f"{source}: {name} {cfg[name]!r} is not supported (Llama and Qwen use "
+                                    f"{supported!r}); this is not a checkpoint nanospec can run")
         value = lambda name, default=None: default if cfg.get(name) is None else cfg[name]
         size = lambda name, default=None, low=1: check_int(value(name, default), f"{source}: {name}", low,
                                                            fix="fix the file or re-download the checkpoint")
@@ -122,7 +127,9 @@ LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original
 
 def read_rope_scaling(cfg: dict, rope: dict, source: str) -> dict | None:
     """Llama 3's rope scaling with its four numbers, or None (no scaling); anything else is refused."""
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    scaling = cfg.get("rope_scaling")
+    if scaling is None:
+        scaling = rope if rope.get("rope_type", "default") != "default" else None
     if scaling is None:
         return None
     if not isinstance(scaling, dict):

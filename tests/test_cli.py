@@ -89,6 +89,10 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
     (["--ngram", "--draft", "x"], "choose one proposer"),
     (["--ngram", "--per-request-k"], "--per-request-k is a mode of --dynamic-k"),
     (["--eagle", "/no/such/head"], "EAGLE head '/no/such/head' not found"),
+    (["--max-model-len", "0"], "max_model_len (--max-model-len) must be an integer >= 2"),
+    (["--stop", ""], "stop holds an empty string"),
+    (["--seed", str(2**63)], "seed must be an integer in 0.."),
+    (["--temperature", "1e-39"], "too small to sample with"),
 ])
 def test_bad_arguments_are_one_clear_line(checkpoints, args, match):
     base = ["--target", checkpoints["qwen2"]] + ([] if "--prompt" in args else ["--prompt", "hi"])

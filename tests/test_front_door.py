@@ -1,0 +1,552 @@
+"""The front door never breaks: every malformed file and bad parameter ends in one NanospecError that
+names the problem (or, where nanospec accepts the input, in correct output), never in another
+exception type, a hang or silently wrong tokens; and a failed call leaves the LLM as it was.
+
+Each case copies a small valid checkpoint (or EAGLE head), breaks one thing in it with a helper,
+and loads it the way a user would."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from nanospec import LLM, NanospecError, SamplingParams
+from nanospec.engine import MIN_TEMPERATURE
+
+PROMPT = "The quick brown fox"
+KV = dict(device="cpu", dtype="float32", kv_cache_gb=0.02)
+
+
+def greedy(max_tokens=6):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def assert_no_leak(llm):
+    engine = llm.engine
+    assert not engine.scheduler.has_work()
+    for pool in [engine.kv_cache] + ([engine.proposer.kv_cache] if hasattr(engine.proposer, "kv_cache") else []):
+        assert pool.allocator.num_free == pool.allocator.num_blocks
+
+
+# ---- helpers that break one thing in a copy of a valid folder ----
+
+def json_edit(name, change):
+    """change(data) edits the parsed JSON file in place."""
+    def mutate(folder):
+        path = os.path.join(folder, name)
+        data = json.load(open(path))
+        change(data)
+        json.dump(data, open(path, "w"))
+    return mutate
+
+
+def config(**fields):
+    """config.json with these fields set."""
+    return json_edit("config.json", lambda cfg: cfg.update(fields))
+
+
+def drop(name, *keys):
+    return json_edit(name, lambda data: [data.pop(key, None) for key in keys])
+
+
+def replace_json(name, value):
+    return lambda folder: json.dump(value, open(os.path.join(folder, name), "w"))
+
+
+def write(name, content: bytes | str):
+    def mutate(folder):
+        mode = "wb" if isinstance(content, bytes) else "w"
+        with open(os.path.join(folder, name), mode) as f:
+            f.write(content)
+    return mutate
+
+
+def remove(*names):
+    def mutate(folder):
+        for name in names:
+            os.remove(os.path.join(folder, name))
+    return mutate
+
+
+def weights(change):
+    """change(tensors) edits the dict of model.safetensors in place."""
+    def mutate(folder):
+        path = os.path.join(folder, "model.safetensors")
+        tensors = load_file(path)
+        change(tensors)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    return mutate
+
+
+def tokenizer_model(change):
+    """change(model) edits tokenizer.json's BPE model section in place."""
+    return json_edit("tokenizer.json", lambda data: change(data["model"]))
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+# (id, mutation of the target folder, what the error names; None: it loads and generates correctly)
+CHECKPOINT_CASES = [
+    ("config missing hidden_size", drop("config.json", "hidden_size"), "hidden_size is missing|hidden_size must"),
+    ("config missing heads", drop("config.json", "num_attention_heads"), "num_attention_heads"),
+    ("config missing vocab_size", drop("config.json", "vocab_size"), "vocab_size"),
+    ("config missing intermediate_size", drop("config.json", "intermediate_size"), "intermediate_size"),
+    ("config missing layers", drop("config.json", "num_hidden_layers"), "num_hidden_layers"),
+    ("config missing architectures", drop("config.json", "architectures"), "unsupported architecture"),
+    ("hidden_size a string", config(hidden_size="64"), "hidden_size must be an integer"),
+    ("hidden_size a fraction", config(hidden_size=64.5), "hidden_size must be an integer"),
+    ("hidden_size negative", config(hidden_size=-64), "hidden_size must be an integer >= 1"),
+    ("zero layers", config(num_hidden_layers=0), "num_hidden_layers must be an integer >= 1"),
+    ("zero heads", config(num_attention_heads=0), "num_attention_heads must be an integer >= 1"),
+    ("heads not a multiple of kv heads", config(num_key_value_heads=3), "not a multiple of num_key_value_heads"),
+    ("odd head_dim", config(head_dim=15), "head_dim 15 is odd"),
+    ("layers as a bool", config(num_hidden_layers=True), "num_hidden_layers must be an integer"),
+    ("2^33 positions", config(max_position_embeddings=2**33), None),
+    ("one position", config(max_position_embeddings=1), "max_position_embeddings must be an integer >= 2"),
+    ("llama3 scaling without factor", json_edit("config.json", lambda c: c["rope_parameters"].pop("factor")),
+     "rope_scaling.factor"),
+    ("llama3 scaling with equal factors", json_edit("config.json", lambda c: c["rope_parameters"].update(
+        high_freq_factor=1.0)), "high_freq_factor must be above"),
+    ("rope scaling a string", config(rope_scaling="llama3"), "rope_scaling must be an object"),
+    ("unknown rope scaling", config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope scaling"),
+    ("rope_theta 0", config(rope_theta=0), "rope_theta must be a finite number > 0"),
+    ("negative rms_norm_eps", config(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite number > 0"),
+    ("eos a string", config(eos_token_id="2"), "eos_token_id must be an integer"),
+    ("eos list with a string", config(eos_token_id=[2, "<|im_end|>"]), "eos_token_id must be an integer"),
+    ("negative bos", config(bos_token_id=-1), "bos_token_id must be an integer >= 0"),
+    ("tie as a string", config(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
+    ("unsupported architecture", config(architectures=["GPT2LMHeadModel"]), "unsupported architecture"),
+    ("architectures a dict", config(architectures=[{"name": "x"}]), "unsupported architecture"),
+    ("fp8 quantization_config", config(quantization_config={"quant_method": "fp8"}), r"quantized checkpoint \(fp8\)"),
+    ("config a JSON list", replace_json("config.json", [1, 2]), "holds a JSON list, not a JSON dict"),
+    ("config not JSON", write("config.json", "{hidden_size: 64"), "is not valid JSON"),
+    ("config not UTF-8", write("config.json", b"\xff\xfe\x00{"), "is not valid JSON"),
+    ("config missing", remove("config.json"), "missing config.json"),
+    ("generation_config eos a string", write("generation_config.json", '{"eos_token_id": "x"}'),
+     "generation_config.json: eos_token_id must be an integer"),
+    ("1 layer config, 2 layers of weights", config(num_hidden_layers=1), "tensors its config has no place for"),
+    ("3 layer config, 2 layers of weights", config(num_hidden_layers=3), "lacks .* tensors"),
+    ("wider config", config(hidden_size=128), "has shape .* but the config implies"),
+    ("smaller vocab_size", config(vocab_size=10), "has shape .* but the config implies"),
+    ("no weights", remove("model.safetensors"), r"no \*.safetensors weights"),
+    ("weights not safetensors", write("model.safetensors", b"\x00" * 64), "not a readable safetensors file"),
+    ("index without weight_map", write("model.safetensors.index.json", '{"metadata": {}}'), "no weight_map"),
+    ("index naming a missing shard", write("model.safetensors.index.json",
+                                           '{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'),
+     "missing weight shard"),
+    ("a tensor missing", weights(lambda t: t.pop(Q)), "lacks 1 tensors"),
+    ("a tensor mis-shaped", weights(lambda t: t.update({Q: t[Q][:, :-1]})), "has shape"),
+    ("an extra tensor", weights(lambda t: t.update({"model.extra.weight": torch.zeros(2)})), "no place for"),
+    ("integer weights", weights(lambda t: t.update({Q: (t[Q] * 100).to(torch.int8)})), "is int8: integer"),
+    ("fp8 weights", weights(lambda t: t.update({Q: t[Q].to(torch.float8_e4m3fn)})), "float8_e4m3fn: FP8-quantized"),
+    ("fp8 weight_scale", weights(lambda t: t.update({Q.replace(".weight", ".weight_scale"): torch.ones(1)})),
+     "is quantized"),
+    ("bfloat16 weights", weights(lambda t: t.update({k: v.bfloat16() for k, v in t.items()})), None),
+    ("NaN weights", weights(lambda t: t[Q].fill_(float("nan"))), "target model produced NaN or infinite logits"),
+    ("tokenizer missing", remove("tokenizer.json"), "no tokenizer.json or tokenizer.model"),
+    ("tokenizer not JSON", write("tokenizer.json", "{"), "tokenizer.json is not valid JSON"),
+    ("tokenizer a JSON list", replace_json("tokenizer.json", []), "holds a JSON list"),
+    ("tokenizer without model", drop("tokenizer.json", "model"), "has no model section"),
+    ("tokenizer WordPiece", tokenizer_model(lambda m: m.update(type="WordPiece")), "has WordPiece model section"),
+    ("tokenizer without merges", tokenizer_model(lambda m: m.pop("merges")), "lacks a vocab object or a merges list"),
+    ("tokenizer without vocab", tokenizer_model(lambda m: m.pop("vocab")), "lacks a vocab object"),
+    ("merge without a space", tokenizer_model(lambda m: m["merges"].__setitem__(0, "ab")), "merge 0 is 'ab'"),
+    ("merge of three", tokenizer_model(lambda m: m["merges"].__setitem__(0, ["a", "b", "c"])), "merge 0 is"),
+    ("vocab id a string", tokenizer_model(lambda m: m["vocab"].update(a="7")), "maps 'a' to '7'"),
+    ("vocab id huge", tokenizer_model(lambda m: m["vocab"].update(a=10**12)), "not a token id"),
+    ("added_tokens not a list", json_edit("tokenizer.json", lambda d: d.update(added_tokens={"a": 1})),
+     "added_tokens must be a list"),
+    ("tokenizer_config not JSON", write("tokenizer_config.json", "{,}"), "tokenizer_config.json is not valid JSON"),
+    ("tokenizer.model garbage", lambda f: (remove("tokenizer.json")(f), write("tokenizer.model", "not base64 at all\n")(f)),
+     r"tokenizer.model:1 is not a `base64-token rank` line"),
+]
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory):
+    """A valid 2-layer Llama 3 checkpoint (rope scaling, untied head) and its greedy output."""
+    from conftest import write_checkpoint
+    folder = write_checkpoint(str(tmp_path_factory.mktemp("valid") / "llama3"), "llama3", seed=11)
+    return folder, LLM(folder, **KV).generate(PROMPT, greedy())[0].token_ids
+
+
+@pytest.mark.parametrize("name,mutate,match", CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES])
+def test_malformed_checkpoint(valid, tmp_path, name, mutate, match):
+    folder, expected = valid
+    broken = shutil.copytree(folder, str(tmp_path / "broken"))
+    mutate(broken)
+    if match is None:   # accepted: then it must generate what the valid checkpoint does
+        assert LLM(broken, **KV).generate(PROMPT, greedy())[0].token_ids == expected
+        return
+    with pytest.raises(NanospecError, match=match) as error:
+        LLM(broken, **KV).generate(PROMPT, greedy())
+    assert "\n" not in str(error.value)
+
+
+# ---- EAGLE heads ----
+
+def eagle3(change):
+    """change(tensors, cfg) edits an EAGLE-3 head's tensors and config in place."""
+    def mutate(folder):
+        path, cfg_path = os.path.join(folder, "model.safetensors"), os.path.join(folder, "config.json")
+        tensors, cfg = load_file(path), json.load(open(cfg_path))
+        change(tensors, cfg)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+        json.dump(cfg, open(cfg_path, "w"))
+    return mutate
+
+
+class Planted:
+    """A pickle that runs code when loaded without weights_only (it touches a file)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').close()",))
+
+
+def planted_pickle(folder):
+    os.remove(os.path.join(folder, "model.safetensors"))
+    torch.save({"fc.weight": torch.zeros(2, 2), "x": Planted(os.path.join(folder, "RAN"))},
+               os.path.join(folder, "pytorch_model.bin"))
+
+
+EAGLE_CASES = [
+    ("eagle3 without lm_head", eagle3(lambda t, c: t.pop("lm_head.weight")), "lacks the matrix lm_head.weight"),
+    ("eagle3 without fc", eagle3(lambda t, c: t.pop("fc.weight")), "lacks the matrix fc.weight"),
+    ("eagle3 with two aux layers", eagle3(lambda t, c: c.update(
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})), "are not three layers"),
+    ("eagle3 aux layer past the target", eagle3(lambda t, c: c.update(
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 99]})), "are not three layers"),
+    ("eagle3 t2d of the wrong length", eagle3(lambda t, c: t.update(t2d=t["t2d"][:-1])), "tensor t2d has shape"),
+    ("eagle3 d2t as floats", eagle3(lambda t, c: t.update(d2t=t["d2t"].float())), "floats where token ids belong"),
+    ("eagle3 d2t out of range", eagle3(lambda t, c: t["d2t"].add_(10**6)), "d2t maps draft tokens outside"),
+    ("eagle3 config without heads", eagle3(lambda t, c: c.pop("num_attention_heads")), "num_attention_heads"),
+    ("eagle3 config a list", write("config.json", "[]"), "holds a JSON list"),
+    ("eagle3 without config", remove("config.json"), "missing config.json"),
+    ("eagle3 a midlayer tensor missing", eagle3(lambda t, c: t.pop("midlayer.mlp.up_proj.weight")), "lacks 1 tensors"),
+    ("eagle3 integer weights", eagle3(lambda t, c: t.update({"midlayer.mlp.up_proj.weight": torch.ones(
+        t["midlayer.mlp.up_proj.weight"].shape, dtype=torch.int32)})), "integer"),
+    ("eagle3 an extra tensor", eagle3(lambda t, c: t.update({"midlayer.extra": torch.ones(3)})), "no place for"),
+    ("eagle3 pickle with code", planted_pickle, "never runs pickled code"),
+    ("eagle3 empty folder", lambda f: [os.remove(os.path.join(f, n)) for n in os.listdir(f)], "no model.safetensors"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,match", EAGLE_CASES, ids=[c[0] for c in EAGLE_CASES])
+def test_malformed_eagle_head(spec_models, tmp_path, name, mutate, match):
+    broken = shutil.copytree(spec_models["eagle3"], str(tmp_path / "head"))
+    mutate(broken)
+    with pytest.raises(NanospecError, match=match) as error:
+        LLM(spec_models["target"], eagle=broken, **KV)
+    assert "\n" not in str(error.value)
+    assert not os.path.exists(os.path.join(broken, "RAN"))   # no pickled code ran
+
+
+# ---- GGUF metadata (the offline SmolLM2 file's, with one thing broken) ----
+
+@pytest.fixture(scope="module")
+def gguf_meta(smollm2_gguf):
+    from nanospec import gguf_file
+    return gguf_file.metadata(gguf_file.open_reader(smollm2_gguf))
+
+
+def gguf_load(meta):
+    """What read_checkpoint and load_tokenizer do with a GGUF file's metadata, before the weights."""
+    from nanospec import gguf_file
+    from nanospec.model import ModelConfig
+    from nanospec.tokenizer import from_gguf
+    ModelConfig.from_hf(gguf_file.hf_config(meta, "model.gguf"), source="the metadata of model.gguf")
+    from_gguf(meta)
+
+
+def without(*keys):
+    return lambda meta: {k: v for k, v in meta.items() if k not in keys}
+
+
+def with_(**fields):
+    return lambda meta: {**meta, **{k.replace("__", "."): v for k, v in fields.items()}}
+
+
+GGUF_CASES = [
+    ("no embedding_length", without("llama.embedding_length"), "lacks the GGUF metadata key llama.embedding_length"),
+    ("no head_count", without("llama.attention.head_count"), "llama.attention.head_count"),
+    ("no block_count", without("llama.block_count"), "llama.block_count"),
+    ("no feed_forward_length", without("llama.feed_forward_length"), "llama.feed_forward_length"),
+    ("no vocabulary", without("tokenizer.ggml.tokens", "llama.vocab_size"), "neither llama.vocab_size nor"),
+    ("no merges", without("tokenizer.ggml.merges"), "lacks a complete tokenizer"),
+    ("no token types", without("tokenizer.ggml.token_type"), "lacks a complete tokenizer"),
+    ("unknown architecture", with_(general__architecture="gpt2"), "unsupported GGUF architecture 'gpt2'"),
+    ("sentencepiece tokenizer", with_(tokenizer__ggml__model="llama"), "GGUF tokenizer 'llama' is not supported"),
+    ("unknown pre-tokenizer", with_(tokenizer__ggml__pre="mystery"), "pre-tokenizer 'mystery'"),
+    ("eos out of range", with_(tokenizer__ggml__eos_token_id=10**9), "names token id 1000000000"),
+    ("zero heads", with_(llama__attention__head_count=0), "num_attention_heads must be an integer >= 1"),
+    ("negative context", with_(llama__context_length=-5), "max_position_embeddings must be"),
+    ("rope base 0", with_(llama__rope__freq_base=0.0), "rope_theta must be a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize("name,change,match", GGUF_CASES, ids=[c[0] for c in GGUF_CASES])
+def test_malformed_gguf_metadata(gguf_meta, name, change, match):
+    gguf_load(gguf_meta)   # the untouched metadata loads
+    with pytest.raises(NanospecError, match=match):
+        gguf_load(change(gguf_meta))
+
+
+# ---- parameters ----
+
+LLM_PARAM_CASES = [
+    (dict(num_kv_blocks=0), "num_kv_blocks must be an integer >= 1"),
+    (dict(num_kv_blocks=-3), "num_kv_blocks must be an integer >= 1"),
+    (dict(block_size=0), "block_size must be an integer in 1..1024"),
+    (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1"),
+    (dict(kv_cache_gb=0), "kv_cache_gb must be a finite number > 0"),
+    (dict(kv_cache_gb=float("nan")), "kv_cache_gb must be a finite number"),
+    (dict(kv_cache_gb=1e6), r"needs .* GiB but cpu has .* GiB free"),
+    (dict(max_model_len=0), "max_model_len .* must be an integer >= 2"),
+    (dict(max_model_len=10**6), "above the 512 positions"),
+    (dict(max_model_len=400, num_kv_blocks=4, block_size=16), "does not fit in the KV cache, which holds 64"),
+    (dict(ngram=True, ngram_min=0), "ngram_min must be an integer >= 1"),
+    (dict(ngram=True, ngram_min=3, ngram_max=2), "ngram_max must be an integer >= 3"),
+    (dict(compile_sampler="yes"), "compile_sampler must be True or False"),
+    (dict(ngram="yes"), "ngram must be True or False"),
+    (dict(device="tpu"), "unknown device 'tpu'"),
+    (dict(dtype="int8"), "unknown dtype 'int8'"),
+    (dict(ngram=True, num_speculative_tokens=0), "must be an integer in 1..16"),
+    (dict(draft=5), "draft must be a path"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", LLM_PARAM_CASES, ids=[str(k) for k, _ in LLM_PARAM_CASES])
+def test_bad_llm_parameter(checkpoints, kwargs, match):
+    with pytest.raises(NanospecError, match=match):
+        LLM(checkpoints["qwen3"], **{**KV, **kwargs})
+
+
+SAMPLING_CASES = [
+    (dict(temperature=1e-39), "too small to sample with"),
+    (dict(temperature=MIN_TEMPERATURE / 2), "too small to sample with"),
+    (dict(temperature=-1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be"),
+    (dict(temperature=float("inf")), "temperature must be"),
+    (dict(temperature="hot"), "temperature must be"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), "top_p must be in"),
+    (dict(top_p=float("nan")), "top_p must be in"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(top_k=2.5), "top_k must be an integer"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=True), "max_tokens must be an integer"),
+    (dict(seed=2**63), r"seed must be an integer in 0..9223372036854775807"),
+    (dict(seed=-1), "seed must be an integer in"),
+    (dict(seed="x"), "seed must be an integer"),
+    (dict(stop=[5]), "stop must be a string or a list of strings"),
+    (dict(stop=5), "stop must be a string or a list of strings"),
+    (dict(stop=[""]), "stop holds an empty string"),
+    (dict(stop=""), "stop holds an empty string"),
+    (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", SAMPLING_CASES, ids=[str(k) for k, _ in SAMPLING_CASES])
+def test_bad_sampling_parameter_leaves_the_llm_as_it_was(tiny_llm, kwargs, match):
+    params = [greedy(), SamplingParams(**{"temperature": 0.7, **kwargs})]   # one good request beside the bad one
+    with pytest.raises(NanospecError, match=match):
+        tiny_llm.generate(["hello", "world"], params)
+    assert_no_leak(tiny_llm)
+
+
+def test_the_smallest_temperature_samples(tiny_llm):
+    """Both sides of MIN_TEMPERATURE: at it, sampling is finite and (the logits being far apart) greedy."""
+    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=MIN_TEMPERATURE, max_tokens=6, seed=1, ignore_eos=True))
+    assert out[0].token_ids == tiny_llm.generate(PROMPT, greedy())[0].token_ids
+
+
+GENERATE_CASES = [
+    (dict(prompts=5), "prompts must be a string"),
+    (dict(prompts=[None]), "prompt 0 must be text or a list of token ids"),
+    (dict(prompts=[[-1, 3]]), "holds token id -1"),
+    (dict(prompts=[[10**9]]), "holds token id 1000000000"),
+    (dict(prompts=[[1.5]]), "holds token id 1.5"),
+    (dict(prompts=["a", "b"], params=[greedy()]), "got 1 SamplingParams for 2 prompts"),
+    (dict(prompts=["a"], params={"temperature": 0}), "params must be a SamplingParams"),
+    (dict(prompts=[""]), "prompt 0 is empty"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", GENERATE_CASES, ids=[str(k) for k, _ in GENERATE_CASES])
+def test_bad_generate_call(tiny_llm, kwargs, match):
+    with pytest.raises(NanospecError, match=match):
+        tiny_llm.generate(kwargs["prompts"], kwargs.get("params", greedy()))
+    assert_no_leak(tiny_llm)
+
+
+def test_there_are_at_least_sixty_malformed_inputs():
+    cases = [CHECKPOINT_CASES, EAGLE_CASES, GGUF_CASES, LLM_PARAM_CASES, SAMPLING_CASES, GENERATE_CASES]
+    assert sum(1 for table in cases for case in table if case[-1] is not None) >= 60
+
+
+# ---- config.json mutated at random: refused with a NanospecError, or equal to transformers ----
+
+def hf_greedy(folder, prompt_ids, n):
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt_ids):].tolist()
+
+
+# The keys whose values change the model (the rest, like transformers_version, nanospec rightly ignores).
+READ_KEYS = {"architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+             "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "hidden_act",
+             "attention_bias", "mlp_bias", "rope_parameters"}
+MUTATIONS = {
+    "delete": lambda v: None,
+    "string": lambda v: str(v),
+    "fraction": lambda v: v + 0.5 if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.5,
+    "negate": lambda v: -v if isinstance(v, (int, float)) and not isinstance(v, bool) else -1,
+    "zero": lambda v: 0,
+    "list": lambda v: [v],
+    "null": lambda v: "null",
+}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_mutated_config_is_refused_or_loads_correctly(valid, tmp_path_factory, data):
+    folder, _ = valid
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    key = data.draw(st.sampled_from(sorted(set(cfg) & READ_KEYS)), label="key")
+    how = data.draw(st.sampled_from(sorted(MUTATIONS)), label="mutation")
+    broken = shutil.copytree(folder, str(tmp_path_factory.mktemp("mutated") / "ckpt"))
+    new = MUTATIONS[how](cfg[key])
+    if new is None:
+        del cfg[key]
+    else:
+        cfg[key] = None if new == "null" else new
+    json.dump(cfg, open(os.path.join(broken, "config.json"), "w"))
+    try:
+        llm = LLM(broken, **KV)
+    except NanospecError as e:
+        event("refused")
+        assert key in str(e) or "architecture" in str(e) or "config" in str(e) or "tensor" in str(e), str(e)
+        return
+    event("accepted")
+    if how == "null":   # nanospec reads a null field as an absent one (its default); so must the oracle
+        del cfg[key]
+        json.dump(cfg, open(os.path.join(broken, "config.json"), "w"))
+    ids = llm.tokenizer.encode(PROMPT)
+    ours = llm.generate([ids], greedy(4))[0].token_ids
+    assert ours == hf_greedy(broken, ids, 4), (key, how)   # accepted: the same model as transformers reads
+
+
+# ---- a failed call leaves the LLM as it was ----
+
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=i, ignore_eos=True) for i in range(4)]
+PROMPTS = ["The quick brown fox", "def add(a, b):", "1234567890 numbers", "It was the best of times"]
+
+
+def fail_at_step(n, error):
+    steps = []
+
+    def on_step(requests):
+        steps.append(requests)
+        if len(steps) == n:
+            raise error
+    return on_step
+
+
+def test_a_failed_generate_leaves_the_llm_as_a_fresh_one(spec_models, monkeypatch):
+    """Mid-run failures of every kind (an exception from a callback, Ctrl-C, an error inside the
+    sampler, a bad parameter) and then a normal call: the same output as a fresh LLM, no leaked
+    block in the target's or the draft's pool, and stats that count only the call itself."""
+    build = lambda: LLM(spec_models["target"], draft=spec_models["draft"], num_speculative_tokens=3,
+                        max_num_seqs=2, **KV)   # max_num_seqs 2: some requests still wait when it fails
+    expected = [o.token_ids for o in build().generate(PROMPTS, SAMPLED)]
+    llm = build()
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(PROMPTS, SAMPLED, on_step=fail_at_step(3, RuntimeError("injected")))
+    assert_no_leak(llm)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SAMPLED, on_step=fail_at_step(5, KeyboardInterrupt()))
+    assert_no_leak(llm)
+    real = llm.engine.sampler.rejection_sample
+    calls = []
+    monkeypatch.setattr(llm.engine.sampler, "rejection_sample",
+                        lambda *a, **kw: (calls.append(1), real(*a, **kw) if len(calls) < 4 else 1 / 0)[1])
+    with pytest.raises(ZeroDivisionError):
+        llm.generate(PROMPTS, SAMPLED)
+    monkeypatch.setattr(llm.engine.sampler, "rejection_sample", real)
+    assert_no_leak(llm)
+    with pytest.raises(NanospecError, match="seed must be"):
+        llm.generate(PROMPTS, SAMPLED[:3] + [SamplingParams(seed=2**63)])
+    assert_no_leak(llm)
+    outputs = llm.generate(PROMPTS, SAMPLED)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.stats["generated_tokens"] == sum(len(t) for t in expected)   # nothing left over from the failures
+    assert_no_leak(llm)
+
+
+def test_nan_logits_are_an_error_and_the_llm_recovers(checkpoints):
+    """A step whose logits are not finite stops the call with the likely causes; once the weights
+    are right again, the same LLM generates as before."""
+    llm = LLM(checkpoints["qwen3"], **KV)
+    expected = llm.generate(PROMPTS, greedy())
+    weight = llm.model.model.layers[0].mlp.down_proj.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0] = float("inf")
+    with pytest.raises(NanospecError, match="target model produced NaN or infinite logits .* run in float32"):
+        llm.generate(PROMPTS, greedy())
+    assert_no_leak(llm)
+    with torch.no_grad():
+        weight.copy_(saved)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [o.token_ids for o in expected]
+
+
+def test_nan_draft_logits_are_an_error(spec_models):
+    llm = LLM(spec_models["target"], draft=spec_models["draft"], **KV)
+    with torch.no_grad():
+        llm.engine.proposer.model.model.norm.weight.fill_(float("nan"))
+    with pytest.raises(NanospecError, match="draft model produced NaN"):
+        llm.generate(PROMPTS, SAMPLED)
+    assert_no_leak(llm)
+
+
+# ---- stop strings ----
+
+def test_a_stop_at_the_start_returns_the_empty_string(tiny_llm):
+    full = tiny_llm.generate(PROMPT, greedy(12))[0]
+    first = tiny_llm.tokenizer.decode(full.token_ids[:1])
+    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop=[first]))[0]
+    assert out.text == "" and out.finish_reason == "stop"
+
+
+def test_one_stop_string_is_one_stop_not_its_characters(tiny_llm):
+    """stop="xyz" stops at "xyz", not at the first x, y or z: pick a stop one of whose characters
+    comes earlier in the text than the stop itself."""
+    text = tiny_llm.generate(PROMPT, greedy(24))[0].text
+    stop = next(text[i:i + 3] for i in range(1, len(text) - 3)
+                if text[i:i + 3].strip() and any(c in text[:text.index(text[i:i + 3])] for c in text[i:i + 3]))
+    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop))[0]
+    assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
+
+
+def test_the_text_ends_before_the_earliest_of_several_stops(tiny_llm):
+    text = tiny_llm.generate(PROMPT, greedy(24))[0].text
+    early, late = text[4:6], text[10:13]
+    assume_distinct = text.index(early) < text.index(late)
+    assert assume_distinct
+    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[late, early]))[0]
+    assert out.text == text[:text.index(early)]
