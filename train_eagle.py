@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
-from nanospec.errors import NanospecError, run_command
+from nanospec.errors import NanospecError, check_int, check_real, run_command
 from nanospec.engine import Stats
 from nanospec.kv_cache import KVCache, build_metadata
 from nanospec.model import ModelConfig, unpack_weights
@@ -713,6 +713,12 @@ def check_args(args) -> None:
             raise NanospecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.warmup < args.steps:
         raise NanospecError(f"--warmup must be in 0..steps-1, got {args.warmup}")
+    check_real(args.lr, "--lr", above=0)
+    check_real(args.grad_clip, "--grad-clip", above=0)
+    for name in ("weight_decay", "feature_noise", "data_temperature"):
+        check_real(getattr(args, name), f"--{name.replace('_', '-')}", low=0)
+    check_int(args.eval_k, "--eval-k", low=1, high=16)
+    check_int(args.eval_tokens, "--eval-tokens", low=1)
 
 
 def run(args) -> dict:

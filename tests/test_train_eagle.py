@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_eagle
-from nanospec import LLM, SamplingParams
+from nanospec import LLM, NanospecError, SamplingParams
 from nanospec.llm import native_bfloat16
 from nanospec.kv_cache import KVCache, build_metadata
 
@@ -166,3 +166,24 @@ def test_the_head_records_its_dtype_and_the_engine_warns_in_another(spec_models,
         LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.01, eagle=str(out))
     with pytest.warns(UserWarning, match="float32 features but the target runs in bfloat16"):
         LLM(spec_models["target"], device="cpu", dtype="bfloat16", kv_cache_gb=0.01, eagle=str(out))
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("lr", "nan", "--lr must be a finite number > 0"), ("lr", "-1", "--lr must be"),
+    ("grad_clip", "0", "--grad-clip must be"), ("weight_decay", "-0.1", "--weight-decay must be"),
+    ("eval_k", "0", "--eval-k must be an integer in 1..16"), ("steps", "0", "--steps must be >= 1"),
+])
+def test_bad_training_flags_are_one_line(tmp_path, capsys, flag, value, match):
+    assert train_eagle.main(tiny_args("unused", tmp_path / "out", "eagle1", **{flag: value})) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_planted_training_checkpoint_runs_no_code(tmp_path):
+    """OUT/checkpoint.pt is read with weights_only: a pickle that would run code is refused, unrun."""
+    from test_front_door import Planted
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"head": {}, "x": Planted(str(tmp_path / "RAN"))}, path)
+    with pytest.raises(NanospecError, match="not a training checkpoint"):
+        train_eagle.load_training_checkpoint(str(path))
+    assert not (tmp_path / "RAN").exists()
