@@ -145,18 +145,19 @@ class LLM:
             raise NanospecError(f"max_model_len {max_model_len} is above the {positions} positions the model has "
                                 "(max_position_embeddings); lower --max-model-len")
         self.max_model_len = max_model_len or positions
-        if kv_cache_gb is None:
-            kv_cache_gb = self.default_kv_cache_gb()
         # No request outlives the KV pool, so no model needs position tables past it (a config may
-        # claim billions of positions).
+        # claim billions of positions). Measured before the weights load, the budget bounds the pool.
         target_block = kv_block_bytes(self.config, self.dtype, block_size)
-        pool_tokens = block_size * (num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // target_block)))
+        budget_gb = kv_cache_gb or self.default_kv_cache_gb()
+        pool_tokens = block_size * (num_kv_blocks or max(1, int(budget_gb * 2**30 // target_block)))
         reachable = min(self.max_model_len, pool_tokens)
         self.model = checkpoint.build_model(ckpt, self.device, self.dtype, reachable)
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.gguf_metadata)
         self.vocab_size = emittable_vocab(self.config, self.tokenizer)   # the ids a request may hold
         draft_model = self.load_draft(draft, reachable) if draft else None
         head, aux_layers = load_eagle_head(eagle, self.model, self.device, self.dtype) if eagle else (None, None)
+        if kv_cache_gb is None:
+            kv_cache_gb = self.default_kv_cache_gb()   # on a GPU: a share of what the weights left free
         # Target and proposer get the same number of blocks (see proposer.py), from one memory budget.
         block_bytes = target_block
         if draft_model is not None:
