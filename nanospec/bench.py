@@ -25,7 +25,7 @@ from importlib import resources
 
 import torch
 
-from nanospec.errors import NanospecError, run_command
+from nanospec.errors import NanospecError, check_int, run_command
 
 
 def shipped_prompts(categories: list[str] | None = None) -> list[dict]:
@@ -254,11 +254,32 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
             for row in rows}
 
 
+def check_args(args) -> tuple[list[int], list]:
+    """The flags, before any model loads: (batch sizes, rows of K)."""
+    from nanospec.llm import MAX_SPECULATIVE_TOKENS
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise NanospecError(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}") from None
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise NanospecError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
+    ks = parse_ks(args.ks)
+    if not ks or any(not isinstance(k, str) and not 0 <= k <= MAX_SPECULATIVE_TOKENS for k in ks):
+        raise NanospecError(f"--ks must be K values in 0..{MAX_SPECULATIVE_TOKENS} or dynamic rows, got {args.ks!r}")
+    check_int(args.max_new_tokens, "--max-new-tokens", low=1)
+    check_int(args.repeats, "--repeats", low=1)
+    check_int(args.max_prompts, "--max-prompts", low=0, fix="0 is all")
+    check_int(args.num_requests, "--num-requests", low=0, fix="0 is each prompt once")
+    if args.continuous and not args.no_transformers:
+        raise NanospecError("--continuous has no transformers baseline (its generate() runs fixed batches); "
+                            "add --no-transformers")
+    return batch_sizes, ks
+
+
 def run(args) -> dict:
     from nanospec import LLM, checkpoint
     from nanospec.llm import DEFAULT_DYNAMIC_MAX_K
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    ks = parse_ks(args.ks)
+    batch_sizes, ks = check_args(args)
     static_ks = [k for k in ks if k not in DYNAMIC_ROWS]
     if any(k != 0 for k in ks) and not (args.draft or args.eagle or args.ngram):
         raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
@@ -271,11 +292,6 @@ def run(args) -> dict:
     rows = rows[:args.max_prompts] if args.max_prompts else rows
     if not rows:
         raise NanospecError(f"no shipped prompt is in --categories {args.categories!r}")
-    if args.continuous and not args.no_transformers:
-        raise NanospecError("--continuous has no transformers baseline (its generate() runs fixed batches); "
-                            "add --no-transformers")
-    if args.num_requests < 0:
-        raise NanospecError(f"--num-requests must be >= 0, got {args.num_requests}")
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up

@@ -125,3 +125,18 @@ def test_draft_with_another_vocabulary_is_refused(checkpoints, tmp_path):
     (tmp_path / "bad" / "tokenizer.json").write_text(json.dumps(data))
     code, out, err = run_cli("--target", checkpoints["llama3"], "--draft", other, "--prompt", "hi")
     assert code == 2 and "different vocabulary" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--batch-sizes", "a"], "--batch-sizes takes comma-separated integers"),
+    (["--batch-sizes", "0"], "--batch-sizes must be integers >= 1"),
+    (["--ks", "99"], "--ks must be K values in 0..16"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+    (["--repeats", "0"], "--repeats must be an integer >= 1"),
+    (["--num-requests", "-1"], "--num-requests must be an integer >= 0"),
+])
+def test_bad_bench_flags_are_one_line_before_loading(capsys, args, match):
+    from nanospec import bench
+    assert bench.main(["--no-transformers", "--target", "/never/loaded", *args]) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err
