@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
+from nanospec.cli import add_model_args
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
 from nanospec.errors import NanospecError, check_int, check_real, run_command
 from nanospec.engine import Stats
@@ -206,7 +207,7 @@ def training_sequences(llm: LLM, data_file: str | None, n: int, max_tokens: int,
     stages (short questions of every kind; then summaries, extraction and code edits over the
     target's own answers, like the held-out benchmark's copy-heavy prompts, sharing no text with them)."""
     if data_file:
-        from nanospec.generate import read_prompts_file
+        from nanospec.prompts import read_prompts_file
         return self_distill(llm, read_prompts_file(data_file)[:n], max_tokens, temperature)[0]
     rng = random.Random(0)
     first = stage1_prompts(rng, n - int(n * STAGE2_SHARE))
@@ -603,7 +604,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def evaluate(args, dtype: str) -> dict:
     """The head served by the engine on the held-out prompts, in the dtype it was trained in."""
-    from nanospec.bench import shipped_prompts
+    from nanospec.prompts import shipped_prompts
     held_out = shipped_prompts()
     start = time.perf_counter()
     run = lambda **proposer: acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device,
@@ -650,7 +651,7 @@ def held_out_gap(llm: LLM, head, args, aux_layers, evaluation: dict, history: li
     teacher-forced: training's procedure on the held-out prompts; engine: the served head's
     first-draft acceptance on the same prompts (T = 0, so the same answers). Equal: the gap is the
     data (the head generalizes no better); different: training and drafting still differ (a bug)."""
-    from nanospec.bench import shipped_prompts
+    from nanospec.prompts import shipped_prompts
     head.eval()
     prompts = [r["prompt"] for r in shipped_prompts()]
     teacher, after_miss = teacher_forced_agreement(llm, head, args.arch, aux_layers, prompts, args.eval_tokens)
@@ -677,7 +678,10 @@ def print_evaluation(e: dict) -> None:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", help="model folder, hub id or .gguf (default: offline SmolLM2-135M-Instruct)")
+    add_model_args(ap, dtype=DTYPE, dtype_help=(
+        "the target's dtype for the data, the features and the evaluation: serve the head with the same (auto: the "
+        "engine's default, float32 on CPU and bfloat16 on CUDA; bfloat16 trains 2x faster on a CPU with native "
+        "bfloat16, then serve with --dtype bfloat16); the head keeps float32 weights"))
     ap.add_argument("--out", required=True, help="folder for the head (and cache/, checkpoint.pt, train_report.json)")
     ap.add_argument("--arch", choices=["eagle1", "eagle3"], default=ARCH)
     ap.add_argument("--data", help="JSON lines with a 'prompt' field (default: the built-in generated prompts)")
@@ -699,11 +703,6 @@ def parse_args(argv=None):
     ap.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS)
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance measurement")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default=DTYPE, choices=["auto", "float32", "bfloat16", "float16"],
-                    help="the target's dtype for the data, the features and the evaluation: serve the head with the same "
-                    "(auto: the engine's default, float32 on CPU and bfloat16 on CUDA; bfloat16 trains 2x faster on a CPU "
-                    "with native bfloat16, then serve with --dtype bfloat16); the head keeps float32 weights")
     return ap.parse_args(argv)
 
 

@@ -20,18 +20,18 @@ import json
 import os
 import platform
 import sys
-import time
-from importlib import resources
 
 import torch
 
+from nanospec import checkpoint
+from nanospec.cli import add_model_args, add_proposer_args
+from nanospec.dynamic_k import DynamicK, Profile
+from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
-
-
-def shipped_prompts(categories: list[str] | None = None) -> list[dict]:
-    text = resources.files("nanospec").joinpath("data/prompts.jsonl").read_text()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return [r for r in rows if not categories or r["category"] in categories]
+from nanospec.k_policy import StaticK
+from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS
+from nanospec.measure import device_name, greedy_requests, quick_profile, timed
+from nanospec.prompts import shipped_prompts
 
 
 def transformers_model(path: str, dtype: torch.dtype, device: torch.device):
@@ -57,37 +57,15 @@ def groups(prompt_ids: list[list[int]], batch_size: int, continuous: bool = Fals
     return [prompt_ids[first:first + size] for first in range(0, len(prompt_ids), size)]
 
 
-def queue_requests(engine, prompt_ids: list[list[int]], max_new_tokens: int) -> list:
-    """Queue the bench's requests: greedy, each exactly max_new_tokens long (EOS ignored)."""
-    from nanospec import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
-    reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids)]
-    engine.add_requests(reqs)
-    return reqs
-
-
-def timed(device, work):
-    """(what work() returns, its seconds), the device's queued work included."""
-    sync(device)
-    start = time.perf_counter()
-    result = work()
-    sync(device)
-    return result, time.perf_counter() - start
-
-
-def run_group(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int) -> tuple[float, int]:
-    """Queue the prompts and run them to completion, at most batch_size at a time, a finished
-    request's place taken by the next (continuous batching); (seconds, tokens generated)."""
-    engine = llm.engine
-    saved_max_num_seqs = engine.scheduler.max_num_seqs
-    engine.scheduler.max_num_seqs = min(batch_size, saved_max_num_seqs)
-    try:
-        reqs = queue_requests(engine, prompt_ids, max_new_tokens)
-        _, seconds = timed(llm.device, engine.run_to_completion)
-    finally:
-        engine.scheduler.max_num_seqs = saved_max_num_seqs
+def run_group(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int) -> tuple[float, Stats]:
+    """Run the prompts to completion on an engine of batch_size requests at a time, a finished
+    request's place taken by the next (continuous batching); (seconds, its statistics)."""
+    engine = llm.engine.twin(max_num_seqs=min(batch_size, llm.engine.scheduler.max_num_seqs),
+                             k_policy=llm.engine.k_policy)
+    reqs = greedy_requests(engine, prompt_ids, max_new_tokens)
+    _, seconds = timed(llm.device, engine.run_to_completion)
     assert all(len(r.output_ids) == max_new_tokens for r in reqs)
-    return seconds, len(reqs) * max_new_tokens
+    return seconds, engine.stats
 
 
 def summary(stats, seconds: float, tokens: int) -> dict:
@@ -102,13 +80,12 @@ def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tok
     """All prompts, batch_size at a time, each group run to completion (so a group lasts as long as
     its slowest request); or, continuous, all queued at once and at most batch_size running, a
     finished request's place taken by the next (continuous batching). Tokens/s over the whole set."""
-    from nanospec.engine import Stats
-    llm.engine.stats = Stats()
-    seconds, tokens = 0.0, 0
+    stats, seconds = Stats(), 0.0
     for group in groups(prompt_ids, batch_size, continuous):
-        s, t = run_group(llm, group, batch_size, max_new_tokens)
-        seconds, tokens = seconds + s, tokens + t
-    return summary(llm.engine.stats, seconds, tokens)
+        group_seconds, group_stats = run_group(llm, group, batch_size, max_new_tokens)
+        seconds += group_seconds
+        stats.add(group_stats)
+    return summary(stats, seconds, len(prompt_ids) * max_new_tokens)
 
 
 @torch.inference_mode()
@@ -130,15 +107,6 @@ def time_transformers(model, prompt_ids: list[list[int]], batch_size: int, max_n
     return tokens / elapsed
 
 
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-
-
 def environment(llm) -> dict:
     env = {"device": device_name(llm.device),
            "device_type": llm.device.type, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -153,10 +121,8 @@ def environment(llm) -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m nanospec.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", help="model folder, hub id or .gguf (default: offline SmolLM2-135M-Instruct)")
-    ap.add_argument("--draft", help="draft model for speculative rows")
-    ap.add_argument("--eagle", help="EAGLE head for speculative rows")
-    ap.add_argument("--ngram", action="store_true", help="prompt lookup for speculative rows")
+    add_model_args(ap)
+    add_proposer_args(ap)
     ap.add_argument("--ks", default="0", help="comma-separated K values; 0 is plain decoding, 'dynamic' is dynamic K, "
                                               "'dynamic-per-request' dynamic K per request (needs a proposer for K > 0)")
     ap.add_argument("--profile", help="dynamic-K profile (default: the quick built-in one, measured here)")
@@ -172,8 +138,6 @@ def parse_args(argv=None):
                          "instead of groups of batch-size run to completion one after another")
     ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="bench_results/bench.json")
     return ap.parse_args(argv)
 
@@ -181,7 +145,6 @@ def parse_args(argv=None):
 def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
     """transformers on the same prompts: plain generate() for K = 0; prompt lookup or assisted
     generation with the same K at batch size 1 (what transformers supports); nothing otherwise."""
-    from nanospec import checkpoint
     pad = llm.tokenizer.eos_ids[0]
     if k == 0:
         return {"transformers_tokens_per_s": round(time_transformers(ref, prompts, bs, args.max_new_tokens, pad), 2)}
@@ -210,8 +173,11 @@ def parse_ks(text: str) -> list:
 
 def dynamic_policy(args, llm, max_k: int):
     """The dynamic-K policy the dynamic rows use: from --profile, or the quick built-in profile."""
-    from nanospec.dynamic_k import DynamicK, Profile, quick_profile
-    profile = Profile.load(args.profile) if args.profile else quick_profile(llm, max_k)
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]]
+        profile = quick_profile(llm.engine, prompts, max_k, llm.profile_meta(), llm.engine.scheduler.max_num_seqs)
     # a fresh policy per row: every row starts from the profile
     spans = llm.engine.proposer.acceptance_in_spans   # (run checked that dynamic rows have a proposer)
     return profile, lambda row: DynamicK(profile, max_k, per_request=row == "dynamic-per-request", spans=spans)
@@ -231,10 +197,8 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
     num_blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
     rows = []
     for k in ks:
-        engine = llm.engine.twin(num_blocks)
-        engine.scheduler.max_num_seqs = batch_size
-        engine.dynamic_k = new_policy(k) if k in DYNAMIC_ROWS else None
-        engine.num_speculative_tokens = max_k if k in DYNAMIC_ROWS else k   # K = 0 is plain decoding
+        policy = new_policy(k) if k in DYNAMIC_ROWS else StaticK(k)   # K = 0 is plain decoding
+        engine = llm.engine.twin(num_blocks, max_num_seqs=batch_size, k_policy=policy)
         rows.append({"k": k, "engine": engine, "groups": groups(prompts, batch_size, args.continuous),
                      "requests": [], "seconds": 0.0})
     while True:
@@ -242,7 +206,7 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
         for row in rows:
             engine = row["engine"]
             if not engine.scheduler.has_work() and row["groups"]:
-                row["requests"] += queue_requests(engine, row["groups"].pop(0), args.max_new_tokens)
+                row["requests"] += greedy_requests(engine, row["groups"].pop(0), args.max_new_tokens)
             if engine.scheduler.has_work():
                 busy += 1
                 row["seconds"] += timed(llm.device, engine.step)[1]
@@ -256,7 +220,6 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
 
 def check_args(args) -> tuple[list[int], list]:
     """The flags, before any model loads: (batch sizes, rows of K)."""
-    from nanospec.llm import MAX_SPECULATIVE_TOKENS
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     except ValueError:
@@ -277,8 +240,6 @@ def check_args(args) -> tuple[list[int], list]:
 
 
 def run(args) -> dict:
-    from nanospec import LLM, checkpoint
-    from nanospec.llm import DEFAULT_DYNAMIC_MAX_K
     batch_sizes, ks = check_args(args)
     static_ks = [k for k in ks if k not in DYNAMIC_ROWS]
     if any(k != 0 for k in ks) and not (args.draft or args.eagle or args.ngram):
@@ -332,12 +293,11 @@ def run(args) -> dict:
                     row["ratio"] = round(row["nanospec_tokens_per_s"] / row["transformers_tokens_per_s"], 3)
             results.append(row)
             print(json.dumps(row), file=sys.stderr)
-    proposer = "ngram" if args.ngram else f"draft {args.draft}" if args.draft else f"eagle {args.eagle}" if args.eagle else None
     batching = ("all queued, batch_size running (continuous batching)" if args.continuous
                 else "all prompts batch_size at a time, each group run to completion")
     return {"benchmark": f"greedy, every request max_new_tokens long, {batching}",
             "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]),
-            "target": args.target or checkpoint.DEFAULT_MODEL_FILE, "proposer": proposer,
+            "target": llm.target_name, "proposer": llm.proposer_name,
             "categories": args.categories or "all", "num_prompts": len(prompts),
             "distinct_prompts": len(set(map(tuple, prompts))), "max_new_tokens": args.max_new_tokens,
             "chat_template": not args.no_chat, "repeats": args.repeats, "environment": environment(llm),

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.errors import NanospecError, check_int, check_real, is_real
+from nanospec.errors import NanospecError, check_int, check_real, is_real, param
+from nanospec.k_policy import KPolicy, StaticK
 from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
 from nanospec.sampler import Sampler, SamplingBatch
@@ -43,16 +44,17 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
-        check_real(self.temperature, "temperature", low=0, fix="0 is greedy")
+        temperature = param("temperature")
+        check_real(self.temperature, temperature, low=0, fix="0 is greedy")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise NanospecError(f"temperature {self.temperature} is too small to sample with (the logits divided "
+            raise NanospecError(f"{temperature} {self.temperature} is too small to sample with (the logits divided "
                                 f"by it overflow); use 0 for greedy, or at least {MIN_TEMPERATURE}")
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
-            raise NanospecError(f"top_p must be in (0, 1] (1 is off), got {self.top_p!r}")
-        check_int(self.top_k, "top_k", low=0, fix="0 is off")
-        check_int(self.max_tokens, "max_tokens", low=1)
+            raise NanospecError(f"{param('top_p')} must be in (0, 1] (1 is off), got {self.top_p!r}")
+        check_int(self.top_k, param("top_k"), low=0, fix="0 is off")
+        check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
         if self.seed is not None:
-            check_int(self.seed, "seed", low=0, high=2**63 - 1)
+            check_int(self.seed, param("seed"), low=0, high=2**63 - 1)
         if not isinstance(self.ignore_eos, bool):
             raise NanospecError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         self.stop = stop_strings(self.stop)
@@ -62,9 +64,9 @@ def stop_strings(stop) -> list[str]:
     """A list of non-empty strings; one string is one stop (not its characters)."""
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) for s in stops)):
-        raise NanospecError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise NanospecError(f"{param('stop')} must be a string or a list of strings, got {stop!r}")
     if "" in stops:
-        raise NanospecError("stop holds an empty string, which would stop before any text; remove it")
+        raise NanospecError(f"{param('stop')} holds an empty string, which would stop before any text; remove it")
     return list(stops)
 
 
@@ -82,8 +84,6 @@ class Request:
     finish_reason: str | None = None
     text: str | None = None       # set when it finishes: the output before any stop
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
-    # dynamic K per request: drafts it had accepted, drafts the shared rates expected (both decayed)
-    dynamic_k_record: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     @property
     def output_ids(self) -> list[int]:
@@ -294,18 +294,18 @@ def emittable_vocab(config, tokenizer) -> int:
 class Engine:
     """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request.
 
-    K per decode step: num_speculative_tokens, or with `dynamic_k` set (a dynamic_k.DynamicK) the
-    policy's choice for the batch size (with its per_request, a K per request, and the step's K is
-    their largest); 0 while more than `disable_queue_size` requests wait or run."""
+    K per decode step comes from the KPolicy it is built with (k_policy.py: static K, the queue-size
+    switch-off, dynamic K): a K per request, never more than the request can still emit; the step
+    verifies up to the largest. Without a proposer every step is plain decoding."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_model_len: int, num_kv_blocks: int,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  compile_sampler: bool | None = None, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0):
+                 k_policy: KPolicy | None = None):
         cfg = model.config
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len = max_model_len
-        self.proposer, self.num_speculative_tokens = proposer, num_speculative_tokens if proposer else 0
+        self.proposer, self.k_policy = proposer, k_policy or StaticK(0)
         self.kv_cache = KVCache(cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 next(model.parameters()).dtype, device)
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
@@ -317,21 +317,24 @@ class Engine:
         # its padding: the logits are cut to this size before sampling.
         self.vocab_size = emittable_vocab(cfg, tokenizer)
         self.stats = Stats()
-        self.dynamic_k = None            # a dynamic_k.DynamicK: choose K per step by goodput
-        self.disable_queue_size = None   # speculation off while more requests than this wait or run
-        self.step_k = 0                  # K of the current step
-        self.request_k = {}              # id(request) -> its K in the current step, where per request
+        self.step_k = 0          # the current decode step's K (the largest of its requests')
+        self.request_k = {}      # id(request) -> its K in the current decode step
 
-    def twin(self, num_kv_blocks: int | None = None) -> "Engine":
-        """Another engine over the same model, tokenizer, sampler and proposer weights, with a KV
-        cache (of num_kv_blocks blocks; default as many as this one's), scheduler, statistics and
-        policy of its own (the benchmark runs its rows side by side)."""
+    def twin(self, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
+             k_policy: KPolicy | None = None, proposer: Proposer | None = None) -> "Engine":
+        """Another engine over the same model, tokenizer and sampler, with a KV cache of its own
+        (num_kv_blocks; default as many as this one's), its own scheduler (max_num_seqs; default
+        this one's), statistics and K policy (default: static K = 0), and the proposer's weights
+        with state of its own (or `proposer`): the benchmark's rows and the profiler's
+        measurements run on twins."""
         cache, scheduler = self.kv_cache, self.scheduler
         num_blocks = num_kv_blocks or cache.allocator.num_blocks
+        if proposer is None and self.proposer is not None:
+            proposer = self.proposer.twin(num_blocks)
         twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
-                      scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
-                      self.proposer and self.proposer.twin(num_blocks), self.num_speculative_tokens)
-        twin.sampler, twin.disable_queue_size = self.sampler, self.disable_queue_size
+                      max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
+                      proposer, k_policy)
+        twin.sampler = self.sampler
         return twin
 
     def add_requests(self, requests: list[Request]) -> None:
@@ -342,6 +345,8 @@ class Engine:
         """Drop requests, wherever they are, with their blocks and proposer state: after a failed or
         interrupted run the engine is as if they had never been queued."""
         self.scheduler.remove(requests)
+        for req in requests:
+            self.k_policy.forget(req)
 
     def new_request(self, index: int, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         """A validated request; add_requests queues it."""
@@ -354,7 +359,7 @@ class Engine:
                                 f"ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
         if len(prompt_ids) >= self.max_model_len:
             raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "
-                                f"{self.max_model_len}; shorten the prompt or raise max_model_len")
+                                f"{self.max_model_len}; shorten the prompt or raise {param('max_model_len')}")
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         allocator = self.kv_cache.allocator
         if allocator.blocks_for(max_len) > allocator.num_blocks:
@@ -364,20 +369,15 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids))
 
-    def choose_k(self) -> int:
-        """K for the next decode step (its batch: the running requests), and self.request_k."""
-        self.request_k = {}
-        queue = len(self.scheduler.waiting) + len(self.scheduler.running)
-        if not self.proposer or (self.disable_queue_size is not None and queue > self.disable_queue_size):
-            return 0
-        if self.dynamic_k and self.dynamic_k.per_request:
-            decoding = [r for r in self.scheduler.running if not r.in_prefill]
-            ks = self.dynamic_k.choose_per_request(decoding)
-            self.request_k = {id(r): k for r, k in zip(decoding, ks)}
-            return max(ks, default=0)
-        if self.dynamic_k:
-            return self.dynamic_k.choose(max(1, len(self.scheduler.running)))
-        return self.num_speculative_tokens
+    def choose_ks(self) -> None:
+        """Ask the K policy for the next decode step's K per request (its batch: the running
+        requests past their prefill); 0 without a proposer."""
+        decoding = [r for r in self.scheduler.running if not r.in_prefill]
+        if not self.proposer or not decoding:
+            self.step_k, self.request_k = 0, {}
+            return
+        ks = self.k_policy.choose(decoding, len(self.scheduler.waiting) + len(self.scheduler.running))
+        self.step_k, self.request_k = max(ks), {id(r): k for r, k in zip(decoding, ks)}
 
     def num_drafts(self, req: Request) -> int:
         """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left)."""
@@ -385,7 +385,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One forward pass over the scheduled batch; returns the requests that got new tokens."""
-        self.step_k = self.choose_k()
+        self.choose_ks()
         batch = self.scheduler.schedule(self.num_drafts)
         run = self.run_prefill if batch.is_prefill else self.run_verify
         results = run(batch)   # [(request, new tokens, features of its newly cached positions)]
@@ -461,8 +461,8 @@ class Engine:
             raise non_finite_error(reqs, [row[-1] for row in host], self.proposer)
         accepted = [row[-2] for row in host]
         self.stats.record(self.step_k, ks, num_draft, accepted)
-        if self.dynamic_k:   # timed after the one copy above, so the device's work is in it; no extra sync
-            self.dynamic_k.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
+        # timed after the one copy above, so the device's work is in it; no extra sync
+        self.k_policy.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, host[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]
@@ -521,6 +521,7 @@ class Engine:
             ids = req.output_ids[:-1] if drop_last else req.output_ids
             req.text = self.tokenizer.decode(ids)
         self.scheduler.finish(req)
+        self.k_policy.forget(req)
 
     def run_to_completion(self, on_step=None) -> None:
         start = time.perf_counter()

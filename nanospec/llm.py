@@ -7,14 +7,20 @@ is done.
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 
 from nanospec import checkpoint
-from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
+from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.eagle import load_eagle_head
-from nanospec.errors import NanospecError, check_int, check_real
-from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer
+from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
+from nanospec.errors import NanospecError, check_int, check_real, param
+from nanospec.k_policy import KPolicy, QueueSwitch, StaticK
+from nanospec.measure import device_name, quick_profile
+from nanospec.prompts import shipped_prompts
+from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer
 from nanospec.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,29 +61,80 @@ def kv_block_bytes(config, dtype: torch.dtype, block_size: int, num_layers: int 
     return 2 * (num_layers or config.num_layers) * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
-def check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_k=False, profile=None,
-                           disable_queue_size=None, per_request_k=False) -> int:
-    """K for the chosen proposer (default 4; with dynamic K the largest it may choose, default 8),
-    or 0 without one; errors name the fix."""
-    chosen = [name for name, on in (("draft", draft), ("eagle", eagle), ("ngram", ngram)) if on]
-    if len(chosen) > 1:
-        raise NanospecError(f"choose one proposer, got {' and '.join(chosen)}: use --draft, --eagle or --ngram alone")
-    if profile and not dynamic_k:
-        raise NanospecError("--profile is the timing table of --dynamic-k: add --dynamic-k")
-    if per_request_k and not dynamic_k:
-        raise NanospecError("--per-request-k is a mode of --dynamic-k: add --dynamic-k")
-    if disable_queue_size is not None and not (isinstance(disable_queue_size, int) and disable_queue_size >= 0):
-        raise NanospecError(f"--speculative-disable-queue-size must be an integer >= 0, got {disable_queue_size!r}")
-    if not chosen:
-        for flag, on in (("--num-speculative-tokens", num_speculative_tokens), ("--dynamic-k", dynamic_k),
-                         ("--speculative-disable-queue-size", disable_queue_size is not None)):
-            if on:
-                raise NanospecError(f"{flag} needs a proposer: add --draft PATH, --eagle PATH or --ngram")
-        return 0
-    k = (DEFAULT_DYNAMIC_MAX_K if dynamic_k else 4) if num_speculative_tokens is None else num_speculative_tokens
-    if not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
-        raise NanospecError(f"--num-speculative-tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
-    return k
+@dataclass
+class SpeculativeConfig:
+    """Which proposer drafts, and how many drafts a step verifies; validate() checks the whole and
+    returns K (messages name Python parameters to library callers, flags on the command line)."""
+    draft: str | None = None                # a draft model (folder, hub id or .gguf)
+    eagle: str | None = None                # an EAGLE-1 / EAGLE-3 head folder
+    ngram: bool = False                     # prompt lookup
+    num_speculative_tokens: int | None = None   # K (default 4; with dynamic K its largest, default 8)
+    dynamic_k: bool = False
+    profile: str | None = None              # dynamic K's step-time table (default: a quick one measured at start-up)
+    per_request_k: bool = False             # dynamic K: a K per request
+    disable_queue_size: int | None = None   # no speculation while more requests than this wait or run
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    @property
+    def proposer_name(self) -> str | None:
+        return "ngram" if self.ngram else f"draft {self.draft}" if self.draft else f"eagle {self.eagle}" if self.eagle else None
+
+    def validate(self) -> int:
+        """K for the chosen proposer, or 0 without one."""
+        for name in ("draft", "eagle", "profile"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise NanospecError(f"{param(name)} must be a path (a string), got {value!r}")
+        for name in ("ngram", "dynamic_k", "per_request_k"):
+            if not isinstance(getattr(self, name), bool):
+                raise NanospecError(f"{param(name)} must be True or False, got {getattr(self, name)!r}")
+        check_int(self.ngram_min, param("ngram_min"), low=1)
+        check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min, fix=f"it is at least {param('ngram_min')}")
+        chosen = [name for name in ("draft", "eagle", "ngram") if getattr(self, name)]
+        if len(chosen) > 1:
+            raise NanospecError(f"choose one proposer, got {' and '.join(map(param, chosen))}: use "
+                                f"{param('draft')}, {param('eagle')} or {param('ngram')} alone")
+        for name in ("profile", "per_request_k"):
+            if getattr(self, name) and not self.dynamic_k:
+                raise NanospecError(f"{param(name)} is a setting of dynamic K: add {param('dynamic_k')}")
+        queue = param("disable_queue_size", "--speculative-disable-queue-size")
+        if self.disable_queue_size is not None:
+            check_int(self.disable_queue_size, queue, low=0)
+        k_name = param("num_speculative_tokens")
+        if not chosen:
+            for name, on in ((k_name, self.num_speculative_tokens is not None), (param("dynamic_k"), self.dynamic_k),
+                             (queue, self.disable_queue_size is not None)):
+                if on:
+                    raise NanospecError(f"{name} needs a proposer: set {param('draft')}, {param('eagle')} "
+                                        f"or {param('ngram')}")
+            return 0
+        k = (DEFAULT_DYNAMIC_MAX_K if self.dynamic_k else 4) if self.num_speculative_tokens is None \
+            else self.num_speculative_tokens
+        return check_int(k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
+
+
+@dataclass
+class EngineSizes:
+    """The KV pool and the scheduler's limits; validate() checks them before anything loads."""
+    max_model_len: int | None = None        # the longest prompt + output (default: the model's positions)
+    kv_cache_gb: float | None = None        # the KV pool's memory (default: 1 GiB on CPU, 0.8 of free GPU memory)
+    num_kv_blocks: int | None = None        # an exact pool size, in blocks (wins over kv_cache_gb)
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+
+    def validate(self) -> None:
+        if self.max_model_len is not None:
+            check_int(self.max_model_len, param("max_model_len"), low=2, fix="it is the longest prompt + output")
+        if self.kv_cache_gb is not None:
+            check_real(self.kv_cache_gb, param("kv_cache_gb"), above=0)
+        if self.num_kv_blocks is not None:
+            check_int(self.num_kv_blocks, param("num_kv_blocks"), low=1, fix="or leave it unset to size the pool by "
+                      + param("kv_cache_gb"))
+        check_int(self.block_size, param("block_size"), low=1, high=1024)
+        check_int(self.max_num_seqs, param("max_num_seqs"), low=1)
+        check_int(self.max_num_batched_tokens, param("max_num_batched_tokens"), low=1)
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft: str) -> None:
@@ -85,28 +142,6 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft: str) -> None:
             or target_tokenizer.special_tokens != draft_tokenizer.special_tokens):
         raise NanospecError(f"draft model {draft} has a different vocabulary from the target (its tokenizer "
                             "maps ids to other tokens); use a draft of the same model family and tokenizer")
-
-
-def check_llm_args(target, draft, eagle, max_model_len, kv_cache_gb, block_size, max_num_seqs,
-                   max_num_batched_tokens, num_kv_blocks, compile_sampler, ngram_min, ngram_max, flags: dict) -> None:
-    """The engine's sizes and switches, before anything is loaded: each wrong one is one line."""
-    for name, path in (("target", target), ("draft", draft), ("eagle", eagle)):
-        if path is not None and not isinstance(path, (str, os.PathLike)):
-            raise NanospecError(f"{name} must be a path or a hub id (a string), got {path!r}")
-    if max_model_len is not None:
-        check_int(max_model_len, "max_model_len (--max-model-len)", low=2, fix="it is the longest prompt + output")
-    if kv_cache_gb is not None:
-        check_real(kv_cache_gb, "kv_cache_gb", above=0)
-    if num_kv_blocks is not None:
-        check_int(num_kv_blocks, "num_kv_blocks", low=1, fix="or leave it unset to size the pool by kv_cache_gb")
-    check_int(block_size, "block_size", low=1, high=1024)
-    check_int(max_num_seqs, "max_num_seqs", low=1)
-    check_int(max_num_batched_tokens, "max_num_batched_tokens", low=1)
-    check_int(ngram_min, "ngram_min", low=1)
-    check_int(ngram_max, "ngram_max", low=ngram_min, fix="ngram_max is at least ngram_min")
-    for name, value in {"compile_sampler": compile_sampler, **flags}.items():
-        if value is not None and not isinstance(value, bool):
-            raise NanospecError(f"{name} must be True or False, got {value!r}")
 
 
 def available_memory(device: torch.device) -> int:
@@ -129,21 +164,25 @@ class LLM:
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False):
-        check_llm_args(target, draft, eagle, max_model_len, kv_cache_gb, block_size, max_num_seqs,
-                       max_num_batched_tokens, num_kv_blocks, compile_sampler, ngram_min, ngram_max,
-                       {"ngram": ngram, "dynamic_k": dynamic_k, "per_request_k": per_request_k})
-        k = check_speculative_args(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile,
-                                   speculative_disable_queue_size, per_request_k)
+        if target is not None and not isinstance(target, (str, os.PathLike)):
+            raise NanospecError(f"{param('target')} must be a path or a hub id (a string), got {target!r}")
+        if compile_sampler is not None and not isinstance(compile_sampler, bool):
+            raise NanospecError(f"compile_sampler must be True or False, got {compile_sampler!r}")
+        sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
+        sizes.validate()
+        spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,
+                                 speculative_disable_queue_size, ngram_min, ngram_max)
+        k = spec.validate()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         ckpt = checkpoint.read_checkpoint(target)
         self.target_name = target or checkpoint.DEFAULT_MODEL_FILE
-        self.proposer_name = "ngram" if ngram else f"draft {draft}" if draft else f"eagle {eagle}" if eagle else None
+        self.proposer_name = spec.proposer_name
         self.config = ckpt.config
         positions = self.config.max_position_embeddings
         if max_model_len is not None and max_model_len > positions:
-            raise NanospecError(f"max_model_len {max_model_len} is above the {positions} positions the model has "
-                                "(max_position_embeddings); lower --max-model-len")
+            raise NanospecError(f"{param('max_model_len')} {max_model_len} is above the {positions} positions the "
+                                f"model has (max_position_embeddings); lower it")
         self.max_model_len = max_model_len or positions
         # No request outlives the KV pool, so no model needs position tables past it (a config may
         # claim billions of positions). Measured before the weights load, the budget bounds the pool.
@@ -166,20 +205,29 @@ class LLM:
             block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
         num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
         self.check_pool(num_blocks, block_size, block_bytes, max_model_len)
-        proposer = None
-        if ngram:
-            proposer = NgramProposer(self.device, ngram_min, ngram_max)
-        elif draft_model is not None:
-            proposer = DraftModelProposer(draft_model, num_blocks, block_size, self.vocab_size, self.device)
-        elif head is not None:
-            proposer = EagleProposer(head, self.model, aux_layers, num_blocks, block_size, self.vocab_size, self.device)
-        self.engine = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
-                             block_size, max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, k)
-        self.engine.disable_queue_size = speculative_disable_queue_size
+
+        def make_proposer(blocks: int) -> Proposer | None:
+            if ngram:
+                return NgramProposer(self.device, ngram_min, ngram_max)
+            if draft_model is not None:
+                return DraftModelProposer(draft_model, blocks, block_size, self.vocab_size, self.device)
+            if head is not None:
+                return EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size, self.device)
+            return None
+
+        def make_engine(blocks: int, policy: KPolicy) -> Engine:
+            return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, block_size,
+                          max_num_seqs, max_num_batched_tokens, compile_sampler, make_proposer(blocks), policy)
+
         self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up
-        if dynamic_k:
-            self.engine.dynamic_k = self.dynamic_k_policy(profile, k, per_request_k)
+        policy = StaticK(k)
+        if dynamic_k:   # a quick profile is measured on engines of its own, built from a one-block one
+            self.profile = self.dynamic_k_profile(profile, k, lambda: make_engine(1, StaticK(0)))
+            policy = DynamicK(self.profile, k, per_request=per_request_k, spans=ngram)   # n-gram drafts spans
+        if speculative_disable_queue_size is not None:
+            policy = QueueSwitch(policy, speculative_disable_queue_size)
+        self.engine = make_engine(num_blocks, policy)
 
     def check_pool(self, num_blocks: int, block_size: int, block_bytes: int, max_model_len: int | None) -> None:
         """The KV pool fits in the device's free memory, and holds an asked-for context: refused
@@ -187,22 +235,35 @@ class LLM:
         need, free = num_blocks * block_bytes, available_memory(self.device)
         if need > free:
             raise NanospecError(f"a KV cache of {num_blocks} blocks needs {need / 2**30:.2f} GiB but {self.device} has "
-                                f"{free / 2**30:.2f} GiB free; lower kv_cache_gb or num_kv_blocks")
+                                f"{free / 2**30:.2f} GiB free; lower {param('kv_cache_gb')} or {param('num_kv_blocks')}")
         if max_model_len is not None and max_model_len > num_blocks * block_size:
-            raise NanospecError(f"max_model_len {max_model_len} does not fit in the KV cache, which holds "
-                                f"{num_blocks * block_size} tokens; lower --max-model-len or raise kv_cache_gb")
+            raise NanospecError(f"{param('max_model_len')} {max_model_len} does not fit in the KV cache, which holds "
+                                f"{num_blocks * block_size} tokens; lower it or raise {param('kv_cache_gb')}")
 
-    def dynamic_k_policy(self, profile: str | None, max_k: int, per_request: bool = False):
-        """The policy from a measured profile, or from the quick built-in one measured now."""
-        from nanospec.dynamic_k import DynamicK, Profile, check_profile_matches, quick_profile
-        if profile:
-            measured = Profile.load(profile)
-            check_profile_matches(measured, self)
-        else:
-            measured = quick_profile(self, max_k)
-            self.profile_seconds = measured.meta["seconds"]
-        self.profile = measured
-        return DynamicK(measured, max_k, per_request=per_request, spans=self.engine.proposer.acceptance_in_spans)
+    def dynamic_k_profile(self, path: str | None, max_k: int, measuring_engine):
+        """The profile at `path`, or the quick built-in one measured now on engines built for it."""
+        if path:
+            profile = Profile.load(path)
+            self.check_profile_matches(profile)
+            return profile
+        prompts = [self.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]]
+        engine = measuring_engine()
+        profile = quick_profile(engine, prompts, max_k, self.profile_meta(), engine.scheduler.max_num_seqs)
+        self.profile_seconds = profile.meta["seconds"]
+        return profile
+
+    def profile_meta(self) -> dict:
+        """What a profile of this LLM was measured with; a profile of another setup still runs,
+        with a warning (check_profile_matches)."""
+        return {"dtype": str(self.dtype), "target": self.target_name, "proposer": self.proposer_name}
+
+    def check_profile_matches(self, profile) -> None:
+        mine = {"target": self.target_name, "proposer": self.proposer_name, "device": device_name(self.device)}
+        differ = [f"{key} {profile.meta.get(key)!r} (running {value!r})" for key, value in mine.items()
+                  if profile.meta.get(key) not in (None, value)]
+        if differ:
+            warnings.warn("the dynamic-K profile was measured for another setup: " + ", ".join(differ)
+                          + "; measure this one with `python -m nanospec.profiler`", stacklevel=3)
 
     def load_draft(self, draft: str, max_len: int):
         ckpt = checkpoint.read_checkpoint(draft)

@@ -92,9 +92,16 @@ class ModelConfig:
         if head_dim % 2:
             raise NanospecError(f"{source}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dimensions")
         real = lambda name, default: check_real(value(name, default), f"{source}: {name}", above=0, fix="fix the file")
-        rope = cfg.get("rope_parameters") or {}
+        rope = {} if cfg.get("rope_parameters") is None else cfg["rope_parameters"]
         if not isinstance(rope, dict):
             raise NanospecError(f"{source}: rope_parameters must be an object, got {rope!r}")
+        # transformers 5 writes rope_parameters (theta and scaling), older versions the top-level keys;
+        # a config that has both, disagreeing, is ambiguous (transformers reads them either way).
+        if rope and cfg.get("rope_scaling") is not None:
+            raise NanospecError(f"{source} has both rope_scaling and rope_parameters; keep one (rope_parameters)")
+        if cfg.get("rope_theta") is not None and rope.get("rope_theta", cfg["rope_theta"]) != cfg["rope_theta"]:
+            raise NanospecError(f"{source} has rope_theta {cfg['rope_theta']!r} and rope_parameters.rope_theta "
+                                f"{rope['rope_theta']!r}; keep one")
         theta = real("rope_theta", rope.get("rope_theta", 10000.0))
         return cls(
             family=SUPPORTED_ARCHITECTURES[arch], vocab_size=size("vocab_size"), hidden_size=hidden,
@@ -129,7 +136,7 @@ def read_rope_scaling(cfg: dict, rope: dict, source: str) -> dict | None:
     """Llama 3's rope scaling with its four numbers, or None (no scaling); anything else is refused."""
     scaling = cfg.get("rope_scaling")
     if scaling is None:
-        scaling = rope if rope.get("rope_type", "default") != "default" else None
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
@@ -230,13 +237,10 @@ class Linear(nn.Linear):
     """nn.Linear with CPU fast paths for inference on the few rows of a decode or verify step.
 
     torch's plain CPU F.linear (x @ W.T) reads the weight in a way that suits large batches; for a
-    few rows it runs 2-4x slower than it could, and its time jumps about with the row count.
-    Measured on a 2-core EPYC, torch 2.13, float32, SmolLM2's 30 layers of projections (425 MB):
-    3 / 4 / 8 rows take 84 / 62 / 48 ms with F.linear, 33 / 29 / 59 ms as W @ x.T and 23 / 22 / 27 ms
-    with oneDNN on a copy of W packed once into its blocked layout (torch.ops.mkldnn, what
-    torch.compile's CPU freezing uses); its LM head (49152 x 576) at 16 / 128 rows: F.linear 36 / 77 ms,
-    packed 11 / 38 ms. For 1-2 rows W @ x.T (one row padded to two) is the fastest, a little ahead
-    of the packed copy (engine step at batch 1: 52-55 vs 59-65 ms). Same math, other kernels.
+    few rows it is several times slower than it could be, and its time jumps about with the row
+    count. For 1-2 rows W @ x.T (one row padded to two) is the fastest; for more, oneDNN on a copy of
+    W packed once into its blocked layout (torch.ops.mkldnn, what torch.compile's CPU freezing uses).
+    Same math, other kernels; the measurements are in docs/performance.md.
 
     The packed copy (as much memory again as the weight) is made on first use and remade when the
     weight changes (a new tensor or an in-place update moves the key); the weight stays the

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
+import numpy as np
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:   # train_eagle.py and tools/ live at the repository root
+    sys.path.insert(0, ROOT)
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. It was the best of times.",
           "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
@@ -158,3 +164,72 @@ def spec_models(tmp_path_factory):
     return {"target": target, "draft": write_checkpoint(str(root / "draft"), "llama3", seed=4, num_layers=1),
             "eagle1": write_eagle_head(str(root / "eagle1"), target, 1, seed=5),
             "eagle3": write_eagle_head(str(root / "eagle3"), target, 3, seed=6, draft_vocab=200)}
+
+
+# ---- shared by the engine and speculative tests ----
+
+PROPOSERS = ["ngram", "draft", "self_draft", "eagle1", "eagle3"]
+# Mixed lengths; repetitive ones give the n-gram proposer something to find.
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", "1234567890 numbers",
+           "User: hello there!\nAssistant: Hi, how can I help you today?\nUser: hello there!\nAssistant:",
+           "It was", "héllo wörld, ça va? héllo", "print(add(1, 2))\nprint(add(1, 2))\nprint(", "The"]
+
+
+def proposer_args(spec_models, name: str) -> dict:
+    return {"ngram": dict(ngram=True), "draft": dict(draft=spec_models["draft"]),
+            "self_draft": dict(draft=spec_models["target"]), "eagle1": dict(eagle=spec_models["eagle1"]),
+            "eagle3": dict(eagle=spec_models["eagle3"])}[name]
+
+
+def greedy(max_tokens=20):
+    from nanospec import SamplingParams
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def assert_no_leak(llm):
+    """Nothing queued or running, and every block of the target's and the proposer's pools free."""
+    engine = llm.engine
+    assert not engine.scheduler.has_work()
+    for pool in [engine.kv_cache] + ([engine.proposer.kv_cache] if hasattr(engine.proposer, "kv_cache") else []):
+        assert pool.allocator.num_free == pool.allocator.num_blocks
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(spec_models):
+    """Plain greedy decoding of PROMPTS on the speculative tests' target: what every proposer must match."""
+    from nanospec import LLM
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+    return {p: out.token_ids for p, out in zip(PROMPTS, llm.generate(PROMPTS, greedy()))}
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The definition, in float64: softmax(l / T), keep the k most likely, renormalize, keep the
+    smallest most-likely prefix whose mass reaches top_p, renormalize. T = 0: one-hot argmax."""
+    if temperature == 0:
+        out = np.zeros_like(logits)
+        out[np.argmax(logits)] = 1
+        return out
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), bool)
+    kept = order[:top_k] if top_k else order
+    mass, total = 0.0, p[kept].sum()
+    for i in kept:
+        if mass >= top_p:
+            break
+        keep[i] = True
+        mass += p[i] / total
+    out = np.where(keep, p, 0)
+    return out / out.sum()
+
+
+class Planted:
+    """A pickle that runs code when loaded without weights_only (it touches a file)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').close()",))

@@ -5,18 +5,18 @@ import itertools
 import json
 import random
 from collections import Counter
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from nanospec import LLM
-from nanospec.dynamic_k import (AcceptanceRates, DynamicK, Profile, SpanRates, StepTimes, allocate, best_k,
-                                expected_time, interpolate, main as dynamic_k_main, monotone_in_batch, scaled_rates,
-                                step_cost)
+from conftest import PROMPTS, PROPOSERS, assert_no_leak, greedy, proposer_args
+from nanospec.dynamic_k import DynamicK, Profile, allocate, best_k, expected_time, interpolate, scaled_rates, step_cost
 from nanospec.errors import NanospecError
-from test_speculative import PROMPTS, PROPOSERS, assert_no_leak, greedy, plain_greedy, proposer_args  # noqa: F401 (fixture)
+from nanospec.estimators import AcceptanceRates, SpanRates, StepTimes
+from nanospec.measure import monotone_in_batch
+from nanospec.profiler import main as profiler_main
 
 # Step times in ms: batch 1 barely grows with K (bound by reading weights), batch 8 grows fast.
 TABLE = Profile(batch_sizes=[1, 8], ks=[0, 2, 4], itl_s=[[10, 11, 12], [20, 40, 60]], acceptance=[0.8, 0.5, 0.4, 0.2])
@@ -103,7 +103,7 @@ def test_policy_is_the_argmax_on_random_tables(profile, batch):
     chosen = best_k(profile.acceptance, profile.itl(batch))
     assert goodput[chosen] >= goodput.max() * (1 - 1e-9)
     assert all(goodput[:chosen] < goodput[chosen] * (1 + 1e-9))
-    assert DynamicK(profile).choose(batch) == chosen
+    assert DynamicK(profile).best_for(batch) == chosen
 
 
 @st.composite
@@ -148,7 +148,7 @@ def test_a_request_that_keeps_rejecting_gets_a_smaller_k():
     batch stays between."""
     profile = Profile([1, 2], [0, 4], [[10, 12], [10, 14]], acceptance=[0.5, 0.3, 0.1, 0.05])
     policy = DynamicK(profile, per_request=True, probe_every=0)
-    requests = [SimpleNamespace(dynamic_k_record=[0.0, 0.0]) for _ in range(2)]
+    requests = [object(), object()]   # the policy keeps their records
     assert policy.choose_per_request(requests) == [2, 2]
     for _ in range(30):
         ks = policy.choose_per_request(requests)
@@ -233,7 +233,7 @@ def test_at_batch_1_the_policy_follows_a_copy_up_while_it_goes_on():
                       acceptance=[0.5, 0.3, 0.2, 0.1, 0.05, 0.02], drafted=[0.8] * 6)
     policy, request, chosen = DynamicK(profile, probe_every=0, spans=True), object(), []
     for step in range(30):
-        k = policy.choose(1)
+        k = policy.best_for(1)
         chosen.append(k)
         policy.observe([k], [min(k, step % 2) if step < 10 else k], [k], requests=[request])
     assert max(chosen[8:12]) <= 2 and chosen[-8:] == [6] * 8 and 6 in chosen[10:21]
@@ -244,7 +244,7 @@ def run_policy(policy, steps, accept, step_ms=None, batch=8):
     on the steps that were not probes."""
     rng, chosen = random.Random(0), []
     for step in range(1, steps + 1):
-        k = policy.choose(batch)
+        k = policy.best_for(batch)
         if not policy.probe_every or step % policy.probe_every:
             chosen.append(k)
         policy.observe([k] * batch, simulate_step(rng, accept, batch, k),
@@ -287,7 +287,7 @@ def test_the_policy_goes_by_the_profile_while_it_warms_up_then_by_what_it_observ
     for warmup in (0, 4):
         policy, chosen[warmup] = DynamicK(profile, probe_every=0, warmup_steps=warmup), []
         for _ in range(8):
-            chosen[warmup].append(policy.choose(8))
+            chosen[warmup].append(policy.best_for(8))
             policy.observe([4] * 8, [0] * 8, seconds=0.1)   # 4x the profile's time: not used while warming up
         assert chosen[warmup][:max(warmup, 1)] == [4] * max(warmup, 1)
     assert chosen[0][1] < 4 and chosen[4][4:] == chosen[0][4:]
@@ -370,7 +370,7 @@ def test_profile_command_writes_a_profile_that_generate_uses(checkpoints, tmp_pa
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "profile.json"
-    assert dynamic_k_main(["profile", "--target", checkpoints["llama3"], "--ngram", "--prompts", str(prompts),
+    assert profiler_main(["--target", checkpoints["llama3"], "--ngram", "--prompts", str(prompts),
                            "--batch-sizes", "1,3", "--max-k", "3", "--steps", "1", "--max-new-tokens", "6",
                            "--device", "cpu", "--out", str(out)]) == 0
     profile = Profile.load(str(out))
@@ -378,22 +378,28 @@ def test_profile_command_writes_a_profile_that_generate_uses(checkpoints, tmp_pa
     assert profile.meta["target"] == checkpoints["llama3"] and profile.meta["proposer"] == "ngram"
     assert profile.meta["device"] and "--ngram" in profile.meta["command"]
     llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, dynamic_k=True, profile=str(out), kv_cache_gb=0.05)
-    assert llm.engine.dynamic_k.max_k == 3
+    assert llm.engine.k_policy.max_k == 3
     assert llm.generate("The quick brown", greedy(max_tokens=5))[0].token_ids
 
 
-def test_profile_times_steps_that_verify_exactly_k_drafts(checkpoints):
-    # Random prompts give n-gram almost no matches: without ExactlyK most timed steps would verify
-    # no draft at all and every K would cost what K = 0 costs.
-    from nanospec.dynamic_k import time_decode_steps
+def test_profile_times_steps_that_verify_exactly_k_drafts(checkpoints, monkeypatch):
+    """Random prompts give n-gram almost no matches: without ExactlyK most timed steps would verify
+    no draft at all and every K would cost what K = 0 costs. The profiler times engines it builds
+    (one per K, taking turns), and leaves the LLM's own engine untouched."""
+    from nanospec.engine import Engine
+    from nanospec.measure import time_decode_steps
     llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, num_speculative_tokens=3, max_num_seqs=2,
               kv_cache_gb=0.05)
-    engine, rng = llm.engine, random.Random(0)
+    stepped, step = [], Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: (stepped.append(self), step(self))[1])
+    rng = random.Random(0)
     prompts = [[rng.randrange(1, 200) for _ in range(12)] for _ in range(2)]
-    assert len(time_decode_steps(engine, prompts, 2, [0, 3], steps=2)) == 2
-    assert engine.stats.drafted_per_position == [2 * 3] * 3   # K = 3: 3 steps x 2 requests, each at 3 drafts
-    assert engine.proposer is llm.engine.proposer and type(engine.proposer).__name__ == "NgramProposer"
-    assert not engine.scheduler.has_work()
+    assert len(time_decode_steps(llm.engine, prompts, 2, [0, 3], steps=2)) == 2
+    by_k = {e.k_policy.k: e for e in stepped}
+    assert set(by_k) == {0, 3} and llm.engine not in stepped
+    assert by_k[3].stats.drafted_per_position == [2 * 3] * 3   # K = 3: 3 steps x 2 requests, each at 3 drafts
+    assert by_k[0].stats.drafted_tokens == 0
+    assert llm.stats["steps"] == 0 and not llm.engine.scheduler.has_work()
 
 
 def test_without_a_profile_a_quick_one_is_measured(checkpoints):
@@ -416,85 +422,3 @@ def test_bad_profile_is_one_clear_error(tmp_path, content, match):
     path.write_text(content)
     with pytest.raises(NanospecError, match=match):
         Profile.load(str(path))
-
-
-def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
-    from nanospec.bench import main as bench_main
-    out = tmp_path / "bench.json"
-    assert bench_main(["--target", checkpoints["llama3"], "--ngram", "--ks", "0,2,dynamic,dynamic-per-request", "--batch-sizes", "1,2",
-                       "--max-prompts", "3", "--max-new-tokens", "6", "--no-transformers", "--no-chat",
-                       "--repeats", "2", "--device", "cpu", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert [(r["batch_size"], r["k"]) for r in report["results"]] == [
-        (b, k) for b in (1, 2) for k in (0, 2, "dynamic", "dynamic-per-request")]
-    for r in report["results"]:   # every repeat is kept; the row is their best, and all of them together
-        each = r["tokens_per_s_each_repeat"]
-        assert len(each) == 2 and r["nanospec_tokens_per_s"] == max(each)
-        assert r["tokens_per_s_all_repeats"] == pytest.approx(2 / (1 / each[0] + 1 / each[1]), abs=0.01)
-    dynamic = [r for r in report["results"] if r["k"] in ("dynamic", "dynamic-per-request")]
-    assert all(r["chosen_k"] and r["nanospec_tokens_per_s"] > 0 for r in dynamic)
-    assert all(len(r["chosen_k_each_repeat"]) == 2 and r["chosen_k"] in r["chosen_k_each_repeat"] for r in dynamic)
-    assert report["dynamic_k_profile"]["batch_sizes"] == [1, 2] and report["dynamic_k_profile"]["ks"] == [0, 1, 2]
-
-
-def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoints, tmp_path, capsys):
-    from nanospec.bench import main as bench_main
-    out = tmp_path / "bench.json"
-    common = ["--target", checkpoints["llama3"], "--ks", "0", "--batch-sizes", "4", "--max-new-tokens", "3",
-              "--no-transformers", "--no-chat", "--device", "cpu"]
-    assert bench_main(common + ["--max-prompts", "3", "--num-requests", "7", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert (report["num_prompts"], report["distinct_prompts"]) == (7, 3)
-    assert bench_main(common + ["--num-requests", "-1"]) != 0
-    assert "--num-requests must be >= 0" in capsys.readouterr().err
-    assert bench_main(common + ["--categories", "no_such_category"]) != 0
-    assert "no shipped prompt is in --categories" in capsys.readouterr().err
-    assert bench_main([a for a in common if a != "--no-transformers"] + ["--continuous"]) != 0
-    assert "--continuous has no transformers baseline" in capsys.readouterr().err
-    for ks in ("0,2", "0,dynamic"):   # without a proposer these rows would silently decode plainly
-        assert bench_main([a if a != "0" else ks for a in common]) != 0
-        assert "need a proposer: add --draft PATH, --eagle PATH or --ngram" in capsys.readouterr().err
-
-
-def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):
-    from nanospec.bench import shipped_prompts, time_nanospec
-    engine = tiny_llm.engine
-    prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:7]]
-    runs, running = [], []
-    run_to_completion, step = engine.run_to_completion, engine.step
-    monkeypatch.setattr(engine, "run_to_completion", lambda: (runs.append(len(engine.scheduler.waiting)), run_to_completion())[1])
-    monkeypatch.setattr(engine, "step", lambda: (running.append(len(engine.scheduler.running)), step())[1])
-    before = engine.scheduler.max_num_seqs
-    assert time_nanospec(tiny_llm, prompts, 4, 3)["tokens_per_s"] > 0
-    assert runs == [4, 3]                  # groups of 4, one after another
-    runs.clear(), running.clear()
-    assert time_nanospec(tiny_llm, prompts, 4, 3, continuous=True)["tokens_per_s"] > 0
-    assert runs == [7] and max(running) == 4 and engine.scheduler.max_num_seqs == before
-
-
-def test_bench_rows_take_turns_step_by_step(tiny_llm, monkeypatch):
-    """Drift on a shared machine must hit every row alike: each row is an engine of its own over
-    the same model, and the rows take turns a step at a time; each row queues its groups one after
-    another (continuous: all at once) and keeps its own statistics."""
-    from nanospec import bench
-    from nanospec.engine import Engine
-    prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in bench.shipped_prompts()[:7]]
-    steps, step = [], Engine.step
-    monkeypatch.setattr(Engine, "step", lambda self: (steps.append(
-        (self, self.num_speculative_tokens, len(self.scheduler.waiting) + len(self.scheduler.running))), step(self))[1])
-    measured = bench.time_rows(tiny_llm, prompts, 4, [2, 0], SimpleNamespace(continuous=False, max_new_tokens=3),
-                               None, 2)
-    engines = {k: e for e, k, _ in steps}
-    assert len(engines) == 2 and tiny_llm.engine not in engines.values()
-    assert engines[2].model is tiny_llm.model and engines[2].kv_cache is not tiny_llm.engine.kv_cache
-    # a pool for the bench's requests, not another like the LLM's (on a GPU that takes most of the memory)
-    assert engines[2].kv_cache.allocator.num_blocks < tiny_llm.engine.kv_cache.allocator.num_blocks
-    assert [k for _, k, _ in steps[:6]] == [2, 0, 2, 0, 2, 0]
-    for k in (2, 0):   # a group of 4, then (once it is done) the last 3
-        queued = [n for e, _, n in steps if e is engines[k]]
-        assert queued[0] == 4 and 3 in queued and queued.index(3) > queued.index(4)
-    assert engines[2].stats.steps > 0 and engines[0].stats.drafted_tokens == 0
-    assert list(measured) == [2, 0] and all(m["tokens_per_s"] > 0 for m in measured.values())
-    steps.clear()
-    bench.time_rows(tiny_llm, prompts, 4, [0, 2], SimpleNamespace(continuous=True, max_new_tokens=3), None, 2)
-    assert steps[0][2] == 7 and max(len(e.scheduler.running) for e, _, _ in steps) <= 4

@@ -2,6 +2,7 @@
 one at a time, a tiny KV pool (preempting) equals an ample one, seeds reproduce, no block leaks."""
 import pytest
 
+from conftest import assert_no_leak
 from nanospec import LLM, NanospecError, SamplingParams
 from nanospec.engine import Stats
 
@@ -12,11 +13,6 @@ PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "1234567890 numb
 
 def greedy(max_tokens=24):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def assert_no_leak(llm):
-    alloc = llm.engine.kv_cache.allocator
-    assert alloc.num_free == alloc.num_blocks and not llm.engine.scheduler.has_work()
 
 
 def test_batched_greedy_equals_one_at_a_time(tiny_llm):

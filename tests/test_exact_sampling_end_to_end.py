@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from conftest import write_checkpoint, write_eagle_head
 from nanospec import LLM, SamplingParams
 from nanospec.errors import NanospecError
-from test_speculative import PROMPTS, assert_no_leak
+from conftest import PROMPTS, assert_no_leak
 
 VOCAB = 151_936                 # Qwen 2.5 / 3
 PROPOSERS = ["plain", "ngram", "draft", "eagle1", "eagle3"]

@@ -7,7 +7,7 @@ import torch
 from nanospec import LLM, NanospecError, SamplingParams
 from nanospec.kv_cache import KVCache, build_metadata
 from nanospec.proposer import NgramIndex
-from test_speculative import PROMPTS, greedy, plain_greedy  # noqa: F401 (a fixture)
+from conftest import PROMPTS, greedy
 
 
 def test_ngram_prefers_the_longest_suffix_and_the_latest_occurrence():

@@ -184,3 +184,35 @@ def test_one_hot_drafts_emit_what_plain_sampling_emits():
     assert accepted.tolist() == right.tolist()
     for b in range(batch):
         assert tokens[b, :right[b] + 1].tolist() == plain[b, :right[b] + 1].tolist()
+
+
+# ---- this test has the power to fail: each fault below, injected into the sampler, fails it ----
+
+real_noise = sampler.uniform_noise
+
+
+def accept_uniform_reused(seeds, positions, stream):
+    """The acceptance test's uniform the same at every position (and so in every step)."""
+    return real_noise(seeds, positions * 0 if stream == sampler.ACCEPT else positions, stream)
+
+
+def draft_noise_for_acceptance(seeds, positions, stream):
+    """The acceptance test reuses the uniform that drew the draft."""
+    return real_noise(seeds, positions, sampler.DRAFT if stream == sampler.ACCEPT else stream)
+
+
+FAULTS = {
+    "accept uniform reused across steps": ("uniform_noise", accept_uniform_reused),
+    "residual skipped": ("next_token_weights", lambda p_next, q_next, rejected: p_next),
+    "draft's noise reused for acceptance": ("uniform_noise", draft_noise_for_acceptance),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_rejection_test_fails_on_a_broken_sampler(monkeypatch, fault):
+    name, broken = FAULTS[fault]
+    test = lambda: test_batched_sampler_emits_p_and_accepts_as_predicted(False, {})
+    test()                                   # passes on the real sampler
+    monkeypatch.setattr(sampler, name, broken)
+    with pytest.raises(AssertionError):
+        test()

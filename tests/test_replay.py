@@ -1,4 +1,4 @@
-"""The replay (nanospec/replay.py): faithful to the engine, and the yardstick dynamic K is held to."""
+"""The replay (tools/replay.py): faithful to the engine, and the yardstick dynamic K is held to."""
 import random
 
 import pytest
@@ -6,8 +6,8 @@ import pytest
 from nanospec import LLM, SamplingParams
 from nanospec.dynamic_k import DynamicK, Profile, acceptance_length
 from nanospec.errors import NanospecError
-from nanospec.replay import Trace, compare, ngram_trace, replay
-from test_speculative import PROMPTS
+from tools.replay import Trace, compare, ngram_trace, replay
+from conftest import PROMPTS
 
 ONE_SECOND_A_STEP = Profile([1], [0, 1], [[1.0, 1.0]], acceptance=[0.5])
 
@@ -108,8 +108,8 @@ class FixedK(DynamicK):
         super().__init__(CLOCK, 6, probe_every=0, spans=spans, decay=1.0)
         self.k = k
 
-    def choose(self, batch_size: int) -> int:
-        return self.k
+    def choose(self, requests, queue_size: int = 0) -> list[int]:
+        return [self.k] * len(requests)
 
 
 @pytest.mark.parametrize("copy_share, mean_span", [(0.2, 4), (0.3, 8), (0.1, 20)])
@@ -163,7 +163,7 @@ def test_per_request_k_beats_every_static_k_when_half_the_requests_copy(batch_si
 
 
 def test_replay_command_records_a_workload_and_prints_every_row(checkpoints, tmp_path, capsys):
-    from nanospec.replay import main
+    from tools.replay import main
     profile = tmp_path / "profile.json"
     Profile([1, 2], [0, 1, 2], [[0.01, 0.011, 0.012], [0.02, 0.025, 0.03]], acceptance=[0.5, 0.3]).save(str(profile))
     args = ["--profile", str(profile), "--target", checkpoints["qwen3"], "--categories", "code_edit",

@@ -6,33 +6,12 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from conftest import reference_probs
 from nanospec import sampler
 from nanospec.sampler import sample, target_probs, uniform_noise
 
 # 99.9% quantile of the chi-square distribution with 5 degrees of freedom.
 CHI2_DF5_999 = 20.515
-
-
-def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """The definition, in float64: softmax(l / T), keep the k most likely, renormalize, keep the
-    smallest most-likely prefix whose mass reaches top_p, renormalize. T = 0: one-hot argmax."""
-    if temperature == 0:
-        out = np.zeros_like(logits)
-        out[np.argmax(logits)] = 1
-        return out
-    p = np.exp((logits - logits.max()) / temperature)
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    keep = np.zeros(len(p), bool)
-    kept = order[:top_k] if top_k else order
-    mass, total = 0.0, p[kept].sum()
-    for i in kept:
-        if mass >= top_p:
-            break
-        keep[i] = True
-        mass += p[i] / total
-    out = np.where(keep, p, 0)
-    return out / out.sum()
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,40 +8,10 @@ import pytest
 import torch
 
 from chisquare import chi_square_pvalue
+from conftest import PROMPTS, PROPOSERS, assert_no_leak, greedy, proposer_args, reference_probs
 from nanospec import LLM, SamplingParams, sampler
 from nanospec.dynamic_k import Profile
-from test_sampler import reference_probs
-
-PROPOSERS = ["ngram", "draft", "self_draft", "eagle1", "eagle3"]
-# Mixed lengths; repetitive ones give the n-gram proposer something to find.
-PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
-           "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", "1234567890 numbers",
-           "User: hello there!\nAssistant: Hi, how can I help you today?\nUser: hello there!\nAssistant:",
-           "It was", "héllo wörld, ça va? héllo", "print(add(1, 2))\nprint(add(1, 2))\nprint(", "The"]
-
-
-def proposer_args(spec_models, name: str) -> dict:
-    return {"ngram": dict(ngram=True), "draft": dict(draft=spec_models["draft"]),
-            "self_draft": dict(draft=spec_models["target"]), "eagle1": dict(eagle=spec_models["eagle1"]),
-            "eagle3": dict(eagle=spec_models["eagle3"])}[name]
-
-
-def greedy(max_tokens=20):
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def assert_no_leak(llm):
-    engine = llm.engine
-    assert not engine.scheduler.has_work()
-    for pool in [engine.kv_cache] + ([engine.proposer.kv_cache] if hasattr(engine.proposer, "kv_cache") else []):
-        assert pool.allocator.num_free == pool.allocator.num_blocks
-
-
-@pytest.fixture(scope="session")
-def plain_greedy(spec_models):
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
-    return {p: out.token_ids for p, out in zip(PROMPTS, llm.generate(PROMPTS, greedy()))}
-
+from nanospec.k_policy import StaticK
 
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_greedy_output_equals_plain_greedy(spec_models, plain_greedy, name):
@@ -82,8 +52,7 @@ def test_twin_engines_decode_side_by_side(spec_models, plain_greedy, name):
     draft's or EAGLE head's pool has as many blocks as the target's, so it cannot be shared)."""
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=3,
               **proposer_args(spec_models, name))
-    twins = [llm.engine.twin(), llm.engine.twin()]
-    twins[1].num_speculative_tokens = 1
+    twins = [llm.engine.twin(k_policy=StaticK(3)), llm.engine.twin(k_policy=StaticK(1))]
     requests = [[e.new_request(i, p, llm.encode_prompt(p), greedy()) for i, p in enumerate(PROMPTS)] for e in twins]
     for engine, reqs in zip(twins, requests):
         engine.add_requests(reqs)

@@ -181,7 +181,7 @@ def test_bad_training_flags_are_one_line(tmp_path, capsys, flag, value, match):
 
 def test_a_planted_training_checkpoint_runs_no_code(tmp_path):
     """OUT/checkpoint.pt is read with weights_only: a pickle that would run code is refused, unrun."""
-    from test_front_door import Planted
+    from conftest import Planted
     path = tmp_path / "checkpoint.pt"
     torch.save({"head": {}, "x": Planted(str(tmp_path / "RAN"))}, path)
     with pytest.raises(NanospecError, match="not a training checkpoint"):

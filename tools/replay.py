@@ -15,17 +15,27 @@ on these, at 36bc668 with the bench's profile). Decode steps only: prefill costs
 and is left out, so the ratios between rows are those of the decode time, a little wider than a
 benchmark's.
 
-    python -m nanospec.replay --profile profile.json --batch-sizes 1,4,16 --num-requests 48 [--continuous]
+    python tools/replay.py --profile profile.json --batch-sizes 1,4,16 --num-requests 48 [--continuous]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from nanospec.dynamic_k import DynamicK, Profile, int_list, itl_at
-from nanospec.errors import NanospecError, run_command
-from nanospec.proposer import NgramIndex
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:   # run as a script: python tools/replay.py
+    sys.path.insert(0, ROOT)
+
+from nanospec import LLM, SamplingParams  # noqa: E402
+from nanospec.cli import add_model_args  # noqa: E402
+from nanospec.dynamic_k import DynamicK, Profile, itl_at  # noqa: E402
+from nanospec.errors import NanospecError, run_command  # noqa: E402
+from nanospec.k_policy import KPolicy, StaticK  # noqa: E402
+from nanospec.profiler import int_list  # noqa: E402
+from nanospec.prompts import shipped_prompts  # noqa: E402
+from nanospec.proposer import NgramIndex  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -40,7 +50,6 @@ class Trace:
 class Running:
     trace: Trace
     done: int = 0                                    # output tokens emitted so far
-    dynamic_k_record: list[float] = field(default_factory=lambda: [0.0, 0.0])   # per-request K (DynamicK)
 
 
 def ngram_trace(prompt: list[int], output: list[int], max_k: int, min_n: int = 1, max_n: int = 4) -> Trace:
@@ -58,7 +67,7 @@ def ngram_trace(prompt: list[int], output: list[int], max_k: int, min_n: int = 1
     return Trace(len(output), found, matched)
 
 
-def replay(traces: list[Trace], batch_size: int, policy: int | DynamicK, clock: Profile, max_tokens: int,
+def replay(traces: list[Trace], batch_size: int, policy: int | KPolicy, clock: Profile, max_tokens: int,
            continuous: bool = False) -> tuple[int, float]:
     """Step the traces as the engine would with a static K (an int) or a DynamicK; (tokens, seconds).
     In groups (the bench's default, as generate() runs them) batch_size requests start together and
@@ -66,33 +75,27 @@ def replay(traces: list[Trace], batch_size: int, policy: int | DynamicK, clock: 
     taken by the next. Each request's K is capped as the engine caps it (K accepted + 1 <= tokens left)."""
     if batch_size < 1:
         raise NanospecError(f"batch size must be >= 1, got {batch_size}")
+    policy = StaticK(policy) if isinstance(policy, int) else policy
     queue, running, tokens, seconds = [Running(t) for t in traces], [], 0, 0.0
     while queue or running:
         if continuous or not running:
             while queue and len(running) < batch_size:
                 running.append(queue.pop(0))
-        ks = choose(policy, running)
+        ks = policy.choose(running, len(queue) + len(running))
         ks = [max(0, min(k, max_tokens - r.done - 1)) for k, r in zip(ks, running)]
         found = [min(k, r.trace.found[r.done]) for k, r in zip(ks, running)]
         accepted = [min(f, r.trace.matched[r.done]) for f, r in zip(found, running)]
         step = itl_at(clock.itl(len(running)), sum(found) / len(running))   # the clock
-        if isinstance(policy, DynamicK):
-            policy.observe(ks, accepted, found, seconds=step, requests=running)
+        policy.observe(ks, accepted, found, seconds=step, requests=running)
         seconds += step
         for r, a in zip(running, accepted):
             emitted = min(a + 1, r.trace.length - r.done)   # a request stops at its EOS
             r.done += emitted
             tokens += emitted
+            if r.done >= r.trace.length:
+                policy.forget(r)   # as the engine does when a request finishes
         running = [r for r in running if r.done < r.trace.length]
     return tokens, seconds
-
-
-def choose(policy: int | DynamicK, running: list[Running]) -> list[int]:
-    if isinstance(policy, int):
-        return [policy] * len(running)
-    if policy.per_request:
-        return policy.choose_per_request(running)
-    return [policy.choose(len(running))] * len(running)
 
 
 def compare(traces: list[Trace], batch_size: int, profile: Profile, max_tokens: int, continuous: bool = False,
@@ -115,8 +118,6 @@ def compare(traces: list[Trace], batch_size: int, profile: Profile, max_tokens: 
 # ---- command line: record SmolLM2's (or any target's) greedy outputs, then replay them ----
 
 def record_traces(args) -> list[Trace]:
-    from nanospec import LLM, SamplingParams
-    from nanospec.bench import shipped_prompts
     categories = args.categories.split(",") if args.categories else None
     rows = shipped_prompts(categories)
     if not rows:
@@ -130,10 +131,9 @@ def record_traces(args) -> list[Trace]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m nanospec.replay", description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", required=True, help="step-time table (python -m nanospec.dynamic_k profile): the clock")
+    ap = argparse.ArgumentParser(prog="python tools/replay.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", required=True, help="step-time table (python -m nanospec.profiler): the clock")
     ap.add_argument("--policy-profile", help="the profile the policy goes by (default: --profile, i.e. without error)")
-    ap.add_argument("--target", help="model folder, hub id or .gguf (default: offline SmolLM2-135M-Instruct)")
     ap.add_argument("--categories", default="code_edit,summarize,extract")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--num-requests", type=int, default=0, help="cycle the prompts to this many requests")
@@ -141,8 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-k", type=int, default=6)
     ap.add_argument("--continuous", action="store_true", help="refill the batch as requests finish (else groups)")
     ap.add_argument("--per-request-k", action="store_true")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    add_model_args(ap)
     return ap.parse_args(argv)
 
 

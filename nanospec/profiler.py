@@ -1,0 +1,72 @@
+"""Command line: measure a dynamic-K profile (step time over batch size x K, acceptance per draft
+position) on this machine with the real engine and proposer, and write it as JSON for --profile.
+
+    python -m nanospec.profiler [--target ...] --ngram --out profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from nanospec.cli import add_model_args, add_proposer_args
+from nanospec.dynamic_k import Profile
+from nanospec.errors import NanospecError, run_command
+from nanospec.llm import LLM, MAX_SPECULATIVE_TOKENS
+from nanospec.measure import measure_profile
+from nanospec.prompts import read_prompts_file, shipped_prompts
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m nanospec.profiler", description=__doc__.splitlines()[0])
+    add_model_args(ap)
+    add_proposer_args(ap)
+    ap.add_argument("--out", default="profile.json", help="where to write the profile (default: profile.json)")
+    ap.add_argument("--prompts", help="JSON lines with a 'prompt' field (default: the shipped benchmark prompts)")
+    ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16", help="must start at 1; the largest is max_num_seqs "
+                                                               "(default: 1,2,4,8,16)")
+    ap.add_argument("--max-k", type=int, default=8, help="time every K in 0..max-k (default: 8)")
+    ap.add_argument("--ks", default="", help="K values to time instead (must include 0)")
+    ap.add_argument("--steps", type=int, default=5, help="timed decode steps per point; the median counts (default: 5)")
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="tokens per prompt for the acceptance rates (default: 64)")
+    return ap.parse_args(argv)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise NanospecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def profile_command(args, command_line: str) -> Profile:
+    batch_sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
+    ks = sorted(set(int_list(args.ks, "--ks"))) if args.ks else list(range(args.max_k + 1))
+    if not batch_sizes or batch_sizes[0] != 1:
+        raise NanospecError(f"--batch-sizes must include 1 and be >= 1, got {args.batch_sizes}")
+    if len(ks) < 2 or ks[0] != 0 or ks[-1] > MAX_SPECULATIVE_TOKENS:
+        raise NanospecError(f"--ks must include 0 and at least one K in 1..{MAX_SPECULATIVE_TOKENS}, got {ks}")
+    if not (args.draft or args.eagle or args.ngram):
+        raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH or --ngram")
+    texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1], draft=args.draft,
+              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=ks[-1])
+    prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]
+    log = lambda line: print(line, file=sys.stderr)
+    profile = measure_profile(llm.engine, prompts, batch_sizes, ks, args.steps, args.max_new_tokens,
+                              llm.profile_meta(), log)
+    profile.meta["command"] = command_line
+    profile.save(args.out)
+    print(f"wrote {args.out} ({profile.meta['seconds']:.0f} s)")
+    return profile
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command_line = "python -m nanospec.profiler " + " ".join(sys.argv[1:] if argv is None else argv)
+    return run_command(lambda: profile_command(args, command_line))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The benchmark: its rows run side by side on engines of their own, groups or continuous batching
+as asked, dynamic-K rows next to static ones, and its flags checked before any model loads."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from nanospec import bench
+from nanospec.bench import main as bench_main, time_nanospec
+from nanospec.engine import Engine
+from nanospec.prompts import shipped_prompts
+
+
+def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench_main(["--target", checkpoints["llama3"], "--ngram", "--ks", "0,2,dynamic,dynamic-per-request", "--batch-sizes", "1,2",
+                       "--max-prompts", "3", "--max-new-tokens", "6", "--no-transformers", "--no-chat",
+                       "--repeats", "2", "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["batch_size"], r["k"]) for r in report["results"]] == [
+        (b, k) for b in (1, 2) for k in (0, 2, "dynamic", "dynamic-per-request")]
+    for r in report["results"]:   # every repeat is kept; the row is their best, and all of them together
+        each = r["tokens_per_s_each_repeat"]
+        assert len(each) == 2 and r["nanospec_tokens_per_s"] == max(each)
+        assert r["tokens_per_s_all_repeats"] == pytest.approx(2 / (1 / each[0] + 1 / each[1]), abs=0.01)
+    dynamic = [r for r in report["results"] if r["k"] in ("dynamic", "dynamic-per-request")]
+    assert all(r["chosen_k"] and r["nanospec_tokens_per_s"] > 0 for r in dynamic)
+    assert all(len(r["chosen_k_each_repeat"]) == 2 and r["chosen_k"] in r["chosen_k_each_repeat"] for r in dynamic)
+    assert report["dynamic_k_profile"]["batch_sizes"] == [1, 2] and report["dynamic_k_profile"]["ks"] == [0, 1, 2]
+
+
+def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoints, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    common = ["--target", checkpoints["llama3"], "--ks", "0", "--batch-sizes", "4", "--max-new-tokens", "3",
+              "--no-transformers", "--no-chat", "--device", "cpu"]
+    assert bench_main(common + ["--max-prompts", "3", "--num-requests", "7", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["num_prompts"], report["distinct_prompts"]) == (7, 3)
+    assert bench_main(common + ["--num-requests", "-1"]) != 0
+    assert "--num-requests must be an integer >= 0" in capsys.readouterr().err
+    assert bench_main(common + ["--categories", "no_such_category"]) != 0
+    assert "no shipped prompt is in --categories" in capsys.readouterr().err
+    assert bench_main([a for a in common if a != "--no-transformers"] + ["--continuous"]) != 0
+    assert "--continuous has no transformers baseline" in capsys.readouterr().err
+    for ks in ("0,2", "0,dynamic"):   # without a proposer these rows would silently decode plainly
+        assert bench_main([a if a != "0" else ks for a in common]) != 0
+        assert "need a proposer: add --draft PATH, --eagle PATH or --ngram" in capsys.readouterr().err
+
+
+def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):
+    """Groups of the batch size run one after another, each on an engine of batch-size requests;
+    continuous: all queued at once, at most batch-size running. The LLM's own engine is untouched."""
+    prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:7]]
+    runs, running = [], []
+    run_to_completion, step = Engine.run_to_completion, Engine.step
+    monkeypatch.setattr(Engine, "run_to_completion",
+                        lambda self: (runs.append(len(self.scheduler.waiting)), run_to_completion(self))[1])
+    monkeypatch.setattr(Engine, "step", lambda self: (running.append(len(self.scheduler.running)), step(self))[1])
+    assert time_nanospec(tiny_llm, prompts, 4, 3)["tokens_per_s"] > 0
+    assert runs == [4, 3]                  # groups of 4, one after another
+    runs.clear(), running.clear()
+    assert time_nanospec(tiny_llm, prompts, 4, 3, continuous=True)["tokens_per_s"] > 0
+    assert runs == [7] and max(running) == 4
+    assert tiny_llm.engine.scheduler.max_num_seqs == 64 and tiny_llm.engine.stats.steps == 0
+
+
+def test_bench_rows_take_turns_step_by_step(tiny_llm, monkeypatch):
+    """Drift on a shared machine must hit every row alike: each row is an engine of its own over
+    the same model, and the rows take turns a step at a time; each row queues its groups one after
+    another (continuous: all at once) and keeps its own statistics."""
+    prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:7]]
+    steps, step = [], Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: (steps.append(
+        (self, self.k_policy.k, len(self.scheduler.waiting) + len(self.scheduler.running))), step(self))[1])
+    measured = bench.time_rows(tiny_llm, prompts, 4, [2, 0], SimpleNamespace(continuous=False, max_new_tokens=3),
+                               None, 2)
+    engines = {k: e for e, k, _ in steps}
+    assert len(engines) == 2 and tiny_llm.engine not in engines.values()
+    assert engines[2].model is tiny_llm.model and engines[2].kv_cache is not tiny_llm.engine.kv_cache
+    # a pool for the bench's requests, not another like the LLM's (on a GPU that takes most of the memory)
+    assert engines[2].kv_cache.allocator.num_blocks < tiny_llm.engine.kv_cache.allocator.num_blocks
+    assert [k for _, k, _ in steps[:6]] == [2, 0, 2, 0, 2, 0]
+    for k in (2, 0):   # a group of 4, then (once it is done) the last 3
+        queued = [n for e, _, n in steps if e is engines[k]]
+        assert queued[0] == 4 and 3 in queued and queued.index(3) > queued.index(4)
+    assert engines[2].stats.steps > 0 and engines[0].stats.drafted_tokens == 0
+    assert list(measured) == [2, 0] and all(m["tokens_per_s"] > 0 for m in measured.values())
+    steps.clear()
+    bench.time_rows(tiny_llm, prompts, 4, [0, 2], SimpleNamespace(continuous=True, max_new_tokens=3), None, 2)
+    assert steps[0][2] == 7 and max(len(e.scheduler.running) for e, _, _ in steps) <= 4
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--batch-sizes", "a"], "--batch-sizes takes comma-separated integers"),
+    (["--batch-sizes", "0"], "--batch-sizes must be integers >= 1"),
+    (["--ks", "99"], "--ks must be K values in 0..16"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+    (["--repeats", "0"], "--repeats must be an integer >= 1"),
+    (["--num-requests", "-1"], "--num-requests must be an integer >= 0"),
+])
+def test_bad_bench_flags_are_one_line_before_loading(capsys, args, match):
+    assert bench.main(["--no-transformers", "--target", "/never/loaded", *args]) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,63 @@
+"""Dependencies point one way: each module of the package imports only modules of lower layers, at
+the top or inside a function, so that no cycle can come back unnoticed; and every module imports."""
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nanospec"
+
+# Layer by layer, lowest first: a module may import the modules of the layers before its own.
+LAYERS = [
+    {"errors"},
+    {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy"},
+    {"model", "dynamic_k", "proposer"},
+    {"checkpoint"},
+    {"tokenizer", "eagle"},
+    {"engine"},
+    {"measure"},
+    {"llm"},
+    {"__init__", "cli"},   # the package's names (LLM, SamplingParams, ...); the command lines' shared flags
+    {"generate", "bench", "profiler"},
+]
+LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+MODULES = sorted(p.stem for p in PACKAGE.glob("*.py"))
+
+
+def nanospec_imports(path: pathlib.Path) -> set[str]:
+    """The package modules a file imports, anywhere in it (`from nanospec import X` names module X
+    where X is one, else the package's __init__)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("nanospec.")}
+            found |= {"__init__" for a in node.names if a.name == "nanospec"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "nanospec":
+            if node.module == "nanospec":
+                found |= {a.name if a.name in MODULES else "__init__" for a in node.names}
+            else:
+                found.add(node.module.split(".")[1])
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert set(MODULES) == set(LAYER), "place new modules in LAYERS"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_module_imports_only_lower_layers(module):
+    upward = {m for m in nanospec_imports(PACKAGE / f"{module}.py") if LAYER[m] >= LAYER[module]}
+    assert not upward, f"nanospec/{module}.py imports {sorted(upward)}, which are not below it"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_imports(module):
+    importlib.import_module("nanospec" if module == "__init__" else f"nanospec.{module}")
+
+
+def test_the_check_finds_an_upward_import_inside_a_function(tmp_path):
+    """The test has the power to fail: an import hidden in a function body is found."""
+    sneaky = tmp_path / "sneaky.py"
+    sneaky.write_text("def f():\n    from nanospec.llm import LLM\n    import nanospec.bench\n    from nanospec import measure\n")
+    assert nanospec_imports(sneaky) == {"llm", "bench", "measure"}

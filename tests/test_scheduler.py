@@ -1,0 +1,84 @@
+"""The scheduler on its own (no model): admission under max_num_seqs, prefill chunks under the
+token budget, decode steps that grow blocks for the drafts, preemption of the newest request when
+blocks run out, and every block back in the pool when requests finish or are removed."""
+from nanospec.engine import Request, SamplingParams, Scheduler
+from nanospec.kv_cache import BlockAllocator
+
+
+def request(index: int, prompt_len: int, max_tokens: int = 8) -> Request:
+    ids = list(range(1, prompt_len + 1))
+    return Request(index, "", ids, SamplingParams(max_tokens=max_tokens), 0, prompt_len + max_tokens, tokens=list(ids))
+
+
+def scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=8) -> Scheduler:
+    return Scheduler(BlockAllocator(num_blocks, block_size), max_num_seqs, budget)
+
+
+def prefill_all(s: Scheduler) -> None:
+    """Run prefill batches until no request needs one (as the engine would, caching what they send)."""
+    while True:
+        batch = s._schedule_prefill()
+        if batch is None:
+            return
+        for req, n in zip(batch.requests, batch.query_lens):
+            req.num_cached += n
+
+
+def test_prefill_chunks_fit_the_token_budget_and_cache_all_but_the_last_token():
+    s = scheduler(budget=8)
+    a, b = request(0, 11), request(1, 6)
+    s.waiting.extend([a, b])
+    batch = s.schedule()
+    assert batch.is_prefill and batch.requests == [a] and batch.query_lens == [8]   # a's 10 tokens do not fit
+    a.num_cached += 8
+    batch = s.schedule()
+    assert batch.requests == [a, b] and batch.query_lens == [2, 5]                   # then a's rest, b in the room
+    a.num_cached, b.num_cached = 10, 5
+    assert not a.in_prefill and not b.in_prefill
+    decode = s.schedule(lambda r: 0)
+    assert not decode.is_prefill and decode.query_lens == [1, 1]
+
+
+def test_admission_stops_at_max_num_seqs():
+    s = scheduler(max_num_seqs=2, budget=100)
+    reqs = [request(i, 5) for i in range(3)]
+    s.waiting.extend(reqs)
+    prefill_all(s)
+    assert s.running == reqs[:2] and list(s.waiting) == reqs[2:]
+
+
+def test_a_one_token_prompt_skips_prefill():
+    s = scheduler()
+    r = request(0, 1)
+    s.waiting.append(r)
+    batch = s.schedule(lambda req: 3)
+    assert not batch.is_prefill and batch.requests == [r] and batch.query_lens == [4]
+
+
+def test_decode_grows_blocks_for_the_drafts_and_preempts_the_newest_when_they_run_out():
+    s = scheduler(num_blocks=5, block_size=4, budget=100)
+    a, b = request(0, 7), request(1, 7)
+    s.waiting.extend([a, b])
+    prefill_all(s)                        # 6 cached tokens each: 2 blocks each, 1 block free
+    assert s.allocator.num_free == 1
+    batch = s.schedule(lambda r: 2)       # each needs 6 + 3 = 9 slots: 3 blocks, 1 more each
+    assert batch.requests == [a] and s.num_preemptions == 1
+    assert list(s.waiting) == [b] and b.num_cached == 0 and b.block_table == []
+    assert len(a.block_table) == 3 and s.allocator.num_free == 2
+
+
+def test_finish_and_remove_return_every_block():
+    s = scheduler(budget=100)
+    reqs = [request(i, 9) for i in range(3)]
+    freed = []
+    s.on_free = freed.append
+    s.waiting.extend(reqs)
+    prefill_all(s)
+    s.waiting.append(extra := request(3, 5))
+    s.finish(reqs[0])
+    s.remove([reqs[1], extra])
+    s.remove([reqs[1]])                   # again: nothing left to free, no error
+    assert s.running == [reqs[2]] and not s.waiting
+    s.remove([reqs[2], reqs[0]])          # a finished request among them holds no blocks
+    assert not s.has_work() and s.allocator.num_free == s.allocator.num_blocks
+    assert reqs[0] in freed and extra in freed
