@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
-from nanospec.cli import add_model_args
+from nanospec.cli import HelpFormatter, add_model_args, set_threads
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
 from nanospec.errors import NanospecError, check_int, check_real, run_command
 from nanospec.engine import Stats
@@ -676,34 +676,50 @@ def print_evaluation(e: dict) -> None:
               f"held out in the engine {g['held_out_engine_first_draft_acceptance']:.3f}")
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser():
+    ap = argparse.ArgumentParser(prog="python train_eagle.py", description=__doc__.splitlines()[0],
+                                 epilog="example:\n  python train_eagle.py --out heads/smollm2-eagle1",
+                                 formatter_class=HelpFormatter)
     add_model_args(ap, dtype=DTYPE, dtype_help=(
         "the target's dtype for the data, the features and the evaluation: serve the head with the same (auto: the "
         "engine's default, float32 on CPU and bfloat16 on CUDA; bfloat16 trains 2x faster on a CPU with native "
         "bfloat16, then serve with --dtype bfloat16); the head keeps float32 weights"))
     ap.add_argument("--out", required=True, help="folder for the head (and cache/, checkpoint.pt, train_report.json)")
-    ap.add_argument("--arch", choices=["eagle1", "eagle3"], default=ARCH)
-    ap.add_argument("--data", help="JSON lines with a 'prompt' field (default: the built-in generated prompts)")
-    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
-    ap.add_argument("--response-tokens", type=int, default=RESPONSE_TOKENS)
-    ap.add_argument("--data-temperature", type=float, default=DATA_TEMPERATURE)
-    ap.add_argument("--seq-len", type=int, default=SEQ_LEN)
-    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--lr", type=float, default=LR)
-    ap.add_argument("--warmup", type=int, default=WARMUP)
-    ap.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
-    ap.add_argument("--grad-clip", type=float, default=GRAD_CLIP)
-    ap.add_argument("--feature-noise", type=float, default=FEATURE_NOISE)
-    ap.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
-    ap.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB)
-    ap.add_argument("--save-every", type=int, default=SAVE_EVERY)
-    ap.add_argument("--eval-k", type=int, default=EVAL_K)
-    ap.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS)
+    ap.add_argument("--arch", choices=["eagle1", "eagle3"], default=ARCH, help="the head's architecture")
+    ap.add_argument("--data", metavar="FILE.jsonl",
+                    help="JSON lines with a 'prompt' field (default: the built-in generated prompts)")
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, metavar="N",
+                    help="training prompts (the generated set, or the first N of --data)")
+    ap.add_argument("--response-tokens", type=int, default=RESPONSE_TOKENS, metavar="N",
+                    help="tokens of the target's answer per prompt")
+    ap.add_argument("--data-temperature", type=float, default=DATA_TEMPERATURE, metavar="T",
+                    help="how the target answers (0: greedy, the decoding the head will serve)")
+    ap.add_argument("--seq-len", type=int, default=SEQ_LEN, metavar="N", help="prompt + answer tokens, truncated")
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="N", help="sequences per optimizer step")
+    ap.add_argument("--steps", type=int, default=STEPS, metavar="N", help="optimizer steps")
+    ap.add_argument("--lr", type=float, default=LR, help="peak learning rate (AdamW)")
+    ap.add_argument("--warmup", type=int, default=WARMUP, metavar="N",
+                    help="steps of linear warm-up before the cosine decay")
+    ap.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY, help="AdamW weight decay")
+    ap.add_argument("--grad-clip", type=float, default=GRAD_CLIP, help="gradient norm clip")
+    ap.add_argument("--feature-noise", type=float, default=FEATURE_NOISE,
+                    help="EAGLE-1: uniform noise of this width on the input features")
+    ap.add_argument("--ttt-steps", type=int, default=TTT_STEPS, metavar="N",
+                    help="training-time-test depth: steps the head is fed its own features")
+    ap.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",
+                    help="EAGLE-3's reduced draft vocabulary; for both, the cross-entropy's vocabulary")
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY, metavar="N",
+                    help="write OUT/checkpoint.pt every N steps (the same command resumes)")
+    ap.add_argument("--eval-k", type=int, default=EVAL_K, metavar="K", help="K of the held-out acceptance measurement")
+    ap.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, metavar="N",
+                    help="tokens per held-out prompt in the acceptance measurement")
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance measurement")
-    ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the data order and the head's initialization")
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def check_args(args) -> None:
@@ -724,7 +740,9 @@ def run(args) -> dict:
     check_args(args)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
+    set_threads(args.threads)
     wall = time.perf_counter()
+    print(f"loading {args.target or 'the default model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=256)
     dtype = dtype_name(llm.dtype)   # one setting for the data, the features and the evaluation
     for p in llm.model.parameters():

@@ -1,21 +1,19 @@
-"""Benchmark: decode throughput over the shipped prompt set, plain and speculative, and
-transformers' generate() on the same model and prompts in the same run, for the ratio.
+"""Benchmark decode throughput over the shipped prompt set, plain and speculative, next to
+transformers' generate() on the same model and prompts in the same run. Every request generates
+exactly --max-new-tokens tokens (EOS ignored, greedy), so both engines do the same work. Requests
+run in groups of the batch size, each group to completion (what batched generate() does), or with
+--continuous as a server runs them: all queued, a finished request's place taken by the next. The
+rows (K values) run side by side, each an engine of its own over the same weights, taking turns a
+step at a time, so that the drift of a shared machine hits them alike. Prints a table; --out
+writes JSON with the device, versions and command.
 
-    python -m nanospec.bench [--target ...] [--batch-sizes 1,8,32] [--max-new-tokens 64]
-    python -m nanospec.bench --ngram --ks 0,2,4,6 --batch-sizes 1 --categories code_edit,summarize,extract
-    python -m nanospec.bench --ngram --ks 0,2,4,6,dynamic --batch-sizes 1,4,16 --repeats 2 --no-transformers
-    python -m nanospec.bench --ngram --ks 0,4,dynamic --batch-sizes 4 --num-requests 48 --continuous --no-transformers
-
-Every request generates exactly --max-new-tokens tokens (EOS ignored, greedy), so both engines do
-the same work. Requests run in groups of the batch size, each group to completion (what batched
-generate() does), or with --continuous as a server runs them: all queued, a finished request's
-place taken by the next. The rows (K values) run side by side, each an engine of its own over the
-same weights, and take turns a step at a time, so the drift of a shared machine hits them alike.
-Prints a table and writes JSON with the device, versions and command.
+examples:
+  python -m nanospec.bench --batch-sizes 1,8,32 --max-new-tokens 64
+  python -m nanospec.bench --ngram --ks 0,2,4,6 --batch-sizes 1 --categories code_edit,summarize,extract
+  python -m nanospec.bench --ngram --ks 0,4,dynamic --batch-sizes 4 --num-requests 48 --continuous --no-transformers --out bench.json
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -24,7 +22,7 @@ import sys
 import torch
 
 from nanospec import checkpoint
-from nanospec.cli import add_model_args, add_proposer_args
+from nanospec.cli import Progress, add_model_args, add_proposer_args, log, parser, set_threads
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
@@ -119,27 +117,34 @@ def environment(llm) -> dict:
     return env
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m nanospec.bench", description=__doc__.splitlines()[0])
+def build_parser():
+    ap = parser("python -m nanospec.bench", __doc__)
     add_model_args(ap)
     add_proposer_args(ap)
-    ap.add_argument("--ks", default="0", help="comma-separated K values; 0 is plain decoding, 'dynamic' is dynamic K, "
-                                              "'dynamic-per-request' dynamic K per request (needs a proposer for K > 0)")
-    ap.add_argument("--profile", help="dynamic-K profile (default: the quick built-in one, measured here)")
-    ap.add_argument("--repeats", type=int, default=1, help="measure every row N times; report the best and all N together")
-    ap.add_argument("--batch-sizes", default="1,8,32")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--ks", default="0", help="comma-separated rows: K values (0 is plain decoding; K > 0 needs a "
+                                              "proposer), 'dynamic' (dynamic K), 'dynamic-per-request'")
+    ap.add_argument("--profile", metavar="PROFILE.json",
+                    help="dynamic-K profile (default: the quick built-in one, measured here)")
+    ap.add_argument("--repeats", type=int, default=1, metavar="N",
+                    help="measure every row N times; report the best and all N together")
+    ap.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    ap.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens every request generates")
     ap.add_argument("--categories", default="", help="comma-separated prompt categories (default: all)")
-    ap.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
-    ap.add_argument("--num-requests", type=int, default=0,
-                    help="cycle the prompts to N requests, so that large batches run full and rows run longer (0: each once)")
+    ap.add_argument("--max-prompts", type=int, default=0, metavar="N", help="use only the first N prompts (0: all)")
+    ap.add_argument("--num-requests", type=int, default=0, metavar="N",
+                    help="cycle the prompts to N requests, so that large batches run full and rows run longer "
+                         "(0: each prompt once)")
     ap.add_argument("--continuous", action="store_true",
                     help="queue every request at once and keep batch-size running (continuous batching), "
                          "instead of groups of batch-size run to completion one after another")
     ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    ap.add_argument("--out", default="bench_results/bench.json")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON there (default: no file)")
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
@@ -246,13 +251,15 @@ def run(args) -> dict:
         raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
                             "--eagle PATH or --ngram (or --ks 0 for plain decoding)")
     max_k = max(static_ks, default=0) or DEFAULT_DYNAMIC_MAX_K   # dynamic K chooses among 0..the largest static K
-    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (
-                  args.draft or args.eagle or args.ngram) else None)
     rows = shipped_prompts([c for c in args.categories.split(",") if c])
     rows = rows[:args.max_prompts] if args.max_prompts else rows
     if not rows:
         raise NanospecError(f"no shipped prompt is in --categories {args.categories!r}")
+    set_threads(args.threads)
+    log(f"loading {args.target or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
+              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (
+                  args.draft or args.eagle or args.ngram) else None, log=log)
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up
@@ -266,12 +273,16 @@ def run(args) -> dict:
         except ImportError:
             print("transformers is not installed: no baseline (pip install transformers)", file=sys.stderr)
     results = []
+    progress = Progress("bench", len(batch_sizes) * args.repeats)
     for bs in batch_sizes:
         best = {}   # k -> the fastest of the repeats (rows side by side, so drift hits every K alike)
         each = {k: [] for k in ks}   # k -> every repeat's measurement, in order: the spread the best hides
         for repeat in range(args.repeats):
             order = ks[repeat % len(ks):] + ks[:repeat % len(ks)]   # each repeat starts at another row
-            for k, measured in time_rows(llm, prompts, bs, order, args, new_policy, max_k).items():
+            timed_rows = time_rows(llm, prompts, bs, order, args, new_policy, max_k)
+            progress.step(f"batch {bs}, repeat {repeat + 1}: " + ", ".join(
+                f"K={k} {m['tokens_per_s']:.1f} tok/s" for k, m in timed_rows.items()))
+            for k, measured in timed_rows.items():
                 each[k].append(measured)
                 if k not in best or measured["tokens_per_s"] > best[k]["tokens_per_s"]:
                     best[k] = measured
@@ -292,7 +303,6 @@ def run(args) -> dict:
                 if "transformers_tokens_per_s" in row:
                     row["ratio"] = round(row["nanospec_tokens_per_s"] / row["transformers_tokens_per_s"], 3)
             results.append(row)
-            print(json.dumps(row), file=sys.stderr)
     batching = ("all queued, batch_size running (continuous batching)" if args.continuous
                 else "all prompts batch_size at a time, each group run to completion")
     return {"benchmark": f"greedy, every request max_new_tokens long, {batching}",
@@ -310,20 +320,22 @@ def run(args) -> dict:
 
 
 def print_table(report: dict) -> None:
+    """One line per row; "-" where a figure was not measured (no transformers row, one row alone)."""
     print(f"{report['target']} on {report['environment']['device']} ({report['environment']['dtype']}), proposer "
           f"{report['proposer']}, {report['num_prompts']} prompts ({report['categories']}), "
           f"{report['max_new_tokens']} new tokens each")
     print(f"{'batch':>6} {'K':>19} {'nanospec tok/s':>15} {'all repeats':>12} {'accept len':>11}"
           f" {'transformers tok/s':>19} {'ratio':>7} {'vs best other':>14} {'(all repeats)':>14}")
+    cell = lambda value, width, digits: f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
     for r in report["results"]:
         others = [o for o in report["results"] if o["batch_size"] == r["batch_size"] and o["k"] != r["k"]]
 
         def vs_best(key):
-            return r[key] / max(o[key] for o in others) if others else float("nan")
+            return r[key] / max(o[key] for o in others) if others else None
         print(f"{r['batch_size']:>6} {r['k']:>19} {r['nanospec_tokens_per_s']:>15.1f} {r['tokens_per_s_all_repeats']:>12.1f}"
-              f" {r['mean_acceptance_length']:>11.2f} {r.get('transformers_tokens_per_s', float('nan')):>19.1f}"
-              f" {r.get('ratio', float('nan')):>7.2f} {vs_best('nanospec_tokens_per_s'):>14.2f}"
-              f" {vs_best('tokens_per_s_all_repeats'):>14.2f}")
+              f" {r['mean_acceptance_length']:>11.2f} {cell(r.get('transformers_tokens_per_s'), 19, 1)}"
+              f" {cell(r.get('ratio'), 7, 2)} {cell(vs_best('nanospec_tokens_per_s'), 14, 2)}"
+              f" {cell(vs_best('tokens_per_s_all_repeats'), 14, 2)}")
 
 
 def main(argv=None) -> int:
@@ -333,10 +345,11 @@ def main(argv=None) -> int:
 
 def report(args, measured: dict) -> None:
     print_table(measured)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(measured, f, indent=2)
-    print(f"wrote {args.out}")
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(measured, f, indent=2)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

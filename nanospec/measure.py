@@ -124,11 +124,14 @@ def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: li
     if max(batch_sizes) > engine.scheduler.max_num_seqs:
         raise NanospecError(f"batch size {max(batch_sizes)} is above max_num_seqs {engine.scheduler.max_num_seqs}")
     start = time.perf_counter()
-    measured = []
-    for b in batch_sizes:
+    measured, spent = [], 0.0
+    for i, b in enumerate(batch_sizes):
         measured.append([round(t, 6) for t in time_decode_steps(engine, prompt_ids, b, ks, steps)])
-        if log:
-            log(f"batch {b}: step ms " + " ".join(f"K{k}={1000 * t:.1f}" for k, t in zip(ks, measured[-1])))
+        if log:   # the time left, were every batch size to take as long as the largest so far
+            spent, took = time.perf_counter() - start, time.perf_counter() - start - spent
+            left = f", at least {took * (len(batch_sizes) - i - 1):.0f} s left" if i + 1 < len(batch_sizes) else ""
+            log(f"profile: batch {b} ({i + 1}/{len(batch_sizes)}, {spent:.0f} s{left}): step ms "
+                + " ".join(f"K{k}={1000 * t:.1f}" for k, t in zip(ks, measured[-1])))
     acceptance, drafted = measure_acceptance(engine, prompt_ids, max(ks), max_new_tokens)
     if log:
         log("acceptance per position: " + " ".join(f"{a:.2f}" for a in acceptance))
@@ -141,11 +144,12 @@ def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: li
     return profile
 
 
-def quick_profile(engine: Engine, prompt_ids: list[list[int]], max_k: int, meta: dict, max_num_seqs: int) -> Profile:
+def quick_profile(engine: Engine, prompt_ids: list[list[int]], max_k: int, meta: dict, max_num_seqs: int,
+                  log=None) -> Profile:
     """The built-in profile measured at start-up when none is given: a coarse grid (batch 1, 8, 64,
     ... up to max_num_seqs; K 0, 1, 2, 3, 4, 6, 8 up to max_k), 9 steps a point (the median: a step's
     time moves +-20% on a shared CPU), acceptance over 8 prompts x 32 tokens. Interpolation fills in
     the rest; measured step times and online rates correct it while the engine runs."""
     batch_sizes = sorted({b for b in (1, 8, 64) if b < max_num_seqs} | {max_num_seqs})
     ks = sorted({k for k in (0, 1, 2, 3, 4, 6, 8) if k < max_k} | {max_k})
-    return measure_profile(engine, prompt_ids[:8], batch_sizes, ks, steps=9, max_new_tokens=32, meta=meta)
+    return measure_profile(engine, prompt_ids[:8], batch_sizes, ks, steps=9, max_new_tokens=32, meta=meta, log=log)

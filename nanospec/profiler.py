@@ -1,14 +1,15 @@
-"""Command line: measure a dynamic-K profile (step time over batch size x K, acceptance per draft
-position) on this machine with the real engine and proposer, and write it as JSON for --profile.
+"""Measure a dynamic-K profile (step time over batch size x K, acceptance per draft position) on
+this machine with the real engine and proposer, and write it as JSON for --profile.
 
-    python -m nanospec.profiler [--target ...] --ngram --out profile.json
+example:
+  python -m nanospec.profiler --ngram --out profile.json
+  python -m nanospec.generate --ngram --dynamic-k --profile profile.json --chat --prompt "Fix the typo: def ad(a, b): return a + b"
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
-from nanospec.cli import add_model_args, add_proposer_args
+from nanospec.cli import add_model_args, add_proposer_args, log, parser, set_threads
 from nanospec.dynamic_k import Profile
 from nanospec.errors import NanospecError, run_command
 from nanospec.llm import LLM, MAX_SPECULATIVE_TOKENS
@@ -16,21 +17,23 @@ from nanospec.measure import measure_profile
 from nanospec.prompts import read_prompts_file, shipped_prompts
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m nanospec.profiler", description=__doc__.splitlines()[0])
+def build_parser():
+    ap = parser("python -m nanospec.profiler", __doc__)
     add_model_args(ap)
     add_proposer_args(ap)
-    ap.add_argument("--out", default="profile.json", help="where to write the profile (default: profile.json)")
+    ap.add_argument("--out", default="profile.json", help="where to write the profile")
     ap.add_argument("--prompts", help="JSON lines with a 'prompt' field (default: the shipped benchmark prompts)")
     ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16", help="must start at 1; the largest is max_num_seqs "
-                                                               "(default: 1,2,4,8,16)")
-    ap.add_argument("--max-k", type=int, default=8, help="time every K in 0..max-k (default: 8)")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated; must start at 1")
+    ap.add_argument("--max-k", type=int, default=8, help="time every K in 0..max-k")
     ap.add_argument("--ks", default="", help="K values to time instead (must include 0)")
-    ap.add_argument("--steps", type=int, default=5, help="timed decode steps per point; the median counts (default: 5)")
-    ap.add_argument("--max-new-tokens", type=int, default=64,
-                    help="tokens per prompt for the acceptance rates (default: 64)")
-    return ap.parse_args(argv)
+    ap.add_argument("--steps", type=int, default=5, help="timed decode steps per point; the median counts")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt for the acceptance rates")
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -50,10 +53,11 @@ def profile_command(args, command_line: str) -> Profile:
     if not (args.draft or args.eagle or args.ngram):
         raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH or --ngram")
     texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]
+    set_threads(args.threads)
+    log(f"loading {args.target or 'the default model (SmolLM2-135M-Instruct)'} ...")
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1], draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=ks[-1])
     prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]
-    log = lambda line: print(line, file=sys.stderr)
     profile = measure_profile(llm.engine, prompts, batch_sizes, ks, args.steps, args.max_new_tokens,
                               llm.profile_meta(), log)
     profile.meta["command"] = command_line

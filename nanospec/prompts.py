@@ -15,18 +15,31 @@ def shipped_prompts(categories: list[str] | None = None) -> list[dict]:
 
 
 def read_prompts_file(path: str) -> list[str]:
-    """The 'prompt' field of each JSON line."""
+    """The 'prompt' field of each JSON line; a file that is not such lines is one error naming the
+    line at fault."""
     prompts = []
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
-                if line.strip():
+                if not line.strip():
+                    continue
+                try:
                     row = json.loads(line)
-                    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                        raise NanospecError(f"{path}:{n} has no string 'prompt' field")
-                    prompts.append(row["prompt"])
+                except json.JSONDecodeError as e:
+                    raise NanospecError(f"{path}:{n} is not a JSON object ({e.msg}); write one "
+                                        '{"prompt": "..."} per line') from None
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise NanospecError(f"{path}:{n} has no string 'prompt' field; write one "
+                                        '{"prompt": "..."} per line')
+                prompts.append(row["prompt"])
     except FileNotFoundError:
-        raise NanospecError(f"prompts file {path} not found")
-    except json.JSONDecodeError as e:
-        raise NanospecError(f"{path} is not JSON lines ({e})")
+        raise NanospecError(f"prompts file {path} not found") from None
+    except IsADirectoryError:
+        raise NanospecError(f"prompts file {path} is a folder; give a .jsonl file") from None
+    except UnicodeDecodeError:
+        raise NanospecError(f"prompts file {path} is not UTF-8 text; give JSON lines with a 'prompt' field") from None
+    except OSError as e:
+        raise NanospecError(f"cannot read prompts file {path} ({e.strerror})") from None
+    if not prompts:
+        raise NanospecError(f"prompts file {path} holds no prompt; write one {{\"prompt\": \"...\"}} per line")
     return prompts

@@ -125,3 +125,64 @@ def test_draft_with_another_vocabulary_is_refused(checkpoints, tmp_path):
     (tmp_path / "bad" / "tokenizer.json").write_text(json.dumps(data))
     code, out, err = run_cli("--target", checkpoints["llama3"], "--draft", other, "--prompt", "hi")
     assert code == 2 and "different vocabulary" in err and "Traceback" not in err, err
+
+
+def bad_prompts_file(tmp_path, kind):
+    path = tmp_path / "prompts.jsonl"
+    if kind == "folder":
+        return str(tmp_path)
+    path.write_bytes({"binary": b"\xff\xfe\x00\x01binary", "empty": b"\n\n",
+                      "line 3": b'{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": oops}\n'}[kind])
+    return str(path)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--prompts-file", "FOLDER"], "is a folder; give a .jsonl file"),
+    (["--prompts-file", "BINARY"], "is not UTF-8 text"),
+    (["--prompts-file", "EMPTY"], "holds no prompt"),
+    (["--prompts-file", "LINE 3"], "prompts.jsonl:3 is not a JSON object"),
+    (["--prompt", ""], "--prompt 1 is empty"),
+    (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len must be an integer >= 2"),
+    (["--prompt", "hi", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+    (["--prompt", "hi", "--threads", "0"], "--threads must be an integer >= 1"),
+])
+def test_bad_input_is_one_line_before_the_model_loads(tmp_path, args, match):
+    """The target does not exist: each of these is found before anything loads, as one line."""
+    args = [bad_prompts_file(tmp_path, a.lower()) if a in ("FOLDER", "BINARY", "EMPTY", "LINE 3") else a for a in args]
+    code, out, err = run_cli("--target", str(tmp_path / "never_loaded"), *args)
+    assert code == 2 and "Traceback" not in err and err.startswith("error: "), err
+    assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err), err
+
+
+def test_output_speaks_of_speculation_only_where_there_was_some(checkpoints):
+    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompt", "The quick brown", "--max-new-tokens", "4")
+    assert code == 0 and out.rstrip().endswith("tokens/s]"), out           # plain: no acceptance figures
+    assert "(stopped at max tokens)" in out                                # cut at 4 tokens, and says so
+    assert err.startswith("loading ") and "loaded in" in err              # progress on stderr, not stdout
+    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompt", "The quick brown. The quick brown",
+                             "--max-new-tokens", "6", "--ngram")
+    assert code == 0 and "drafts accepted by position" in out.splitlines()[-1], out
+
+
+def all_parsers():
+    import train_eagle
+    from nanospec import bench, generate, profiler
+    from tools import replay
+    return {"generate": generate.build_parser(), "bench": bench.build_parser(), "profiler": profiler.build_parser(),
+            "train_eagle": train_eagle.build_parser(), "replay": replay.build_parser()}
+
+
+@pytest.mark.parametrize("name", ["generate", "bench", "profiler", "train_eagle", "replay"])
+def test_help_explains_every_flag_and_shows_every_default(name):
+    from nanospec.cli import HelpFormatter
+    ap = all_parsers()[name]
+    assert ap.description and ap.epilog and "example" in ap.epilog, name   # what it does, and one example
+    for action in ap._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{name}: {action.option_strings} has no help"
+        default = action.default
+        if not (default is None or default is False or default == []):
+            assert "default" in HelpFormatter(name)._get_help_string(action), f"{name}: {action.option_strings}"
+    ap.format_help()   # and it formats

@@ -29,7 +29,7 @@ if ROOT not in sys.path:   # run as a script: python tools/replay.py
     sys.path.insert(0, ROOT)
 
 from nanospec import LLM, SamplingParams  # noqa: E402
-from nanospec.cli import add_model_args  # noqa: E402
+from nanospec.cli import HelpFormatter, add_model_args, set_threads  # noqa: E402
 from nanospec.dynamic_k import DynamicK, Profile, itl_at  # noqa: E402
 from nanospec.errors import NanospecError, run_command  # noqa: E402
 from nanospec.k_policy import KPolicy, StaticK  # noqa: E402
@@ -122,6 +122,7 @@ def record_traces(args) -> list[Trace]:
     rows = shipped_prompts(categories)
     if not rows:
         raise NanospecError(f"no shipped prompt is in the categories {args.categories!r}")
+    set_threads(args.threads)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, ngram=True, max_num_seqs=len(rows))
     prompts = [llm.encode_prompt(r["prompt"], chat=True) for r in rows]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True))
@@ -130,19 +131,26 @@ def record_traces(args) -> list[Trace]:
     return [traces[i % len(traces)] for i in range(args.num_requests or len(traces))]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python tools/replay.py", description=__doc__.splitlines()[0])
+def build_parser():
+    ap = argparse.ArgumentParser(prog="python tools/replay.py", description=__doc__.splitlines()[0],
+                                 epilog="example:\n  python tools/replay.py --profile "
+                                        "bench_results/dynamic_k_cpu_profile_b16.json --num-requests 48",
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--profile", required=True, help="step-time table (python -m nanospec.profiler): the clock")
     ap.add_argument("--policy-profile", help="the profile the policy goes by (default: --profile, i.e. without error)")
-    ap.add_argument("--categories", default="code_edit,summarize,extract")
-    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--categories", default="code_edit,summarize,extract", help="shipped prompt categories")
+    ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes to replay")
     ap.add_argument("--num-requests", type=int, default=0, help="cycle the prompts to this many requests")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--max-k", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens every request generates")
+    ap.add_argument("--max-k", type=int, default=6, help="static rows K = 0..max-k; dynamic K's largest")
     ap.add_argument("--continuous", action="store_true", help="refill the batch as requests finish (else groups)")
-    ap.add_argument("--per-request-k", action="store_true")
+    ap.add_argument("--per-request-k", action="store_true", help="dynamic K with a K per request")
     add_model_args(ap)
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def replay_command(args) -> None:
