@@ -1,6 +1,7 @@
 """The benchmark: its rows run side by side on engines of their own, groups or continuous batching
 as asked, dynamic-K rows next to static ones, and its flags checked before any model loads."""
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -29,13 +30,21 @@ def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
     assert report["dynamic_k_profile"]["batch_sizes"] == [1, 2] and report["dynamic_k_profile"]["ks"] == [0, 1, 2]
 
 
-def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoints, tmp_path, capsys):
+def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoints, tmp_path, capsys, monkeypatch):
     out = tmp_path / "bench.json"
     common = ["--target", checkpoints["llama3"], "--ks", "0", "--batch-sizes", "4", "--max-new-tokens", "3",
               "--no-transformers", "--no-chat", "--device", "cpu"]
     assert bench_main(common + ["--max-prompts", "3", "--num-requests", "7", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert (report["num_prompts"], report["distinct_prompts"]) == (7, 3)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert bench_main(common + ["--max-prompts", "2"]) == 0
+    table = capsys.readouterr().out
+    assert not any(elsewhere.iterdir())                   # no --out: no file written
+    assert " - " in table and not re.search(r"\bnan\b", table)   # transformers not run: "-", not nan
     assert bench_main(common + ["--num-requests", "-1"]) != 0
     assert "--num-requests must be an integer >= 0" in capsys.readouterr().err
     assert bench_main(common + ["--categories", "no_such_category"]) != 0
