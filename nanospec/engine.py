@@ -138,11 +138,10 @@ class Scheduler:
 
     def _schedule_prefill(self) -> Batch | None:
         budget, chosen, lens = self.max_num_batched_tokens, [], []
-        candidates = [r for r in self.running if r.in_prefill] + list(self.waiting)
-        for req in candidates:
+        candidates = [(r, False) for r in self.running if r.in_prefill] + [(r, True) for r in self.waiting]
+        for req, is_waiting in candidates:
             if budget == 0:
                 break
-            is_waiting = req not in self.running
             if is_waiting and len(self.running) >= self.max_num_seqs:
                 break
             # Prefill caches every token but the last; the last is the input of the first decode step.
@@ -161,14 +160,16 @@ class Scheduler:
         return Batch(chosen, lens, is_prefill=True) if chosen else None
 
     def _schedule_decode(self, num_drafts) -> Batch | None:
-        chosen, lens = [], []
+        chosen, lens, preempted = [], [], set()   # ids: a Request compares by value, field by field
         for req in list(self.running):
-            if req not in self.running or req.in_prefill:
+            if id(req) in preempted or req.in_prefill:
                 continue
             num_new = num_drafts(req) + 1
             while not self.allocator.can_grow(req.block_table, req.num_cached + num_new):
-                self.preempt(self.running[-1])
-                if req not in self.running:
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.add(id(victim))
+                if victim is req:
                     break
             else:
                 self.allocator.grow(req.block_table, req.num_cached + num_new)
@@ -180,14 +181,19 @@ class Scheduler:
         self.allocator.release(req.block_table)
         self.on_free(req)
         req.num_cached = 0
-        self.running.remove(req)
+        self.drop(req)
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:
         self.allocator.release(req.block_table)
         self.on_free(req)
-        self.running.remove(req)
+        self.drop(req)
+
+    def drop(self, req: Request) -> None:
+        """Take req out of running, found by identity (list.remove would compare every Request's
+        fields, token lists included, with req's)."""
+        del self.running[next(i for i, r in enumerate(self.running) if r is req)]
 
     def remove(self, requests: list[Request]) -> None:
         """Take requests out wherever they are (waiting, running or finished) and free their blocks;
@@ -395,19 +401,20 @@ class Engine:
                 self.settle(req, features)
         return [req for req, tokens, _ in results if tokens]
 
-    def forward(self, reqs: list[Request], query_lens: list[int], input_ids: torch.Tensor):
-        """The target over each request's next query_lens[b] positions; returns (hidden [T, H], features)."""
+    def forward(self, reqs: list[Request], query_lens: list[int], host: list[list[int]], input_ids):
+        """The target over each request's next query_lens[b] positions. `host`: the lists of ints
+        the step needs from the host, sent with the attention metadata in its one copy and handed
+        back as device tensors; input_ids(those tensors) gives the [T] input. Returns (hidden [T, H],
+        features, those tensors)."""
         meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], query_lens,
-                              self.kv_cache.block_size, self.device)
+                              self.kv_cache.block_size, self.device, extra=[x for part in host for x in part])
+        parts = meta.extra.split([len(part) for part in host])
         capture = self.proposer.capture_layers if self.proposer else ()
-        hidden, captured = self.model(input_ids, meta.positions, self.kv_cache, meta, capture)
+        hidden, captured = self.model(input_ids(parts), meta.positions, self.kv_cache, meta, capture)
         for req, n in zip(reqs, query_lens):
             req.num_cached += n
         features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None
-        return hidden, features
-
-    def to_device(self, xs: list, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(xs, dtype=dtype, device=self.device)
+        return hidden, features, parts
 
     @torch.inference_mode()
     def run_prefill(self, batch: Batch):
@@ -415,7 +422,7 @@ class Engine:
         decode step, so a preempted request that recomputes its cache resumes exactly where it was."""
         reqs, lens = batch.requests, batch.query_lens
         input_ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
-        _, features = self.forward(reqs, lens, self.to_device(input_ids))
+        _, features, _ = self.forward(reqs, lens, [input_ids], lambda parts: parts[0])
         self.stats.prefill_steps += 1
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
         return [(r, [], None if features is None else features[starts[b]:starts[b] + lens[b]])
@@ -424,7 +431,12 @@ class Engine:
     @torch.inference_mode()
     def run_verify(self, batch: Batch):
         """The speculative step: propose, verify [last token, d_1 .. d_k] per request in one target
-        forward, rejection-sample. With no proposer (or K = 0) this is plain decoding."""
+        forward, rejection-sample. With no proposer (or K = 0) this is plain decoding.
+
+        What the step takes from the host (the last tokens, where each request's drafts go, which
+        logits rows verify what, the sequence lengths; n-gram's drafts too) rides in the attention
+        metadata's one copy; what it gives back is one copy of tokens, accepted counts and a
+        finiteness flag."""
         start = time.perf_counter()
         reqs = batch.requests
         ks = [n - 1 for n in batch.query_lens]
@@ -432,51 +444,60 @@ class Engine:
         if max(ks) > 0:
             proposal = self.proposer.propose(reqs, ks, sampling)
         else:
-            proposal = Proposal(torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.device), None, [0] * len(reqs))
-        k, num_draft = proposal.draft_ids.shape[1], proposal.num_draft
+            proposal = Proposal(None, None, [0] * len(reqs), host_drafts=[[] for _ in reqs])
+        num_draft = proposal.num_draft
+        k = max(ks) if proposal.host_drafts is not None else proposal.draft_ids.shape[1]   # the padded width
         lens = [d + 1 for d in num_draft]
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
-        hidden, features = self.forward(reqs, lens, self.verify_input(reqs, proposal, starts, sum(lens)))
-        # [B, K+1] rows: row i of request b is the target after its i-th draft (padding repeats its last).
-        rows = self.to_device([starts[b] + min(i, num_draft[b]) for b in range(len(reqs)) for i in range(k + 1)])
+        # Row i of request b in the [B, K+1] verify view: the target after its i-th draft (padding repeats its last).
+        rows = [starts[b] + min(i, num_draft[b]) for b in range(len(reqs)) for i in range(k + 1)]
+        host = [[r.tokens[-1] for r in reqs], starts, rows, num_draft, [len(r.tokens) for r in reqs]]
+        if proposal.host_drafts is not None:   # drafts made on the host (n-gram) travel in the same copy
+            host.append([t for d in proposal.host_drafts for t in d + [0] * (k - len(d))])
+        hidden, features, parts = self.forward(reqs, lens, host, lambda parts: self.verify_input(parts, proposal, k))
+        if proposal.host_drafts is not None:
+            proposal.draft_ids = parts[5].view(len(reqs), k)
+        rows_t, num_draft_t, seq_lens = parts[2], parts[3], parts[4]
         logits = self.model.logits(hidden)[:, :self.vocab_size]   # [T, V], one row per verified position
-        num_draft_t = self.to_device(num_draft)
         if sampling.greedy:   # the argmax of each of the T rows, then the padded gather: ids, not [B, K+1, V] logits
             row_max, target_ids = logits.max(-1)
-            target_ids = target_ids[rows].view(len(reqs), k + 1)
+            target_ids = target_ids[rows_t].view(len(reqs), k + 1)
             tokens, num_accepted = self.sampler.verify_greedy(target_ids, proposal.draft_ids, num_draft_t)
         else:
             row_max = logits.amax(-1)
-            logits = logits[rows].view(len(reqs), k + 1, -1)
+            logits = logits[rows_t].view(len(reqs), k + 1, -1)
             tokens, num_accepted = self.sampler.rejection_sample(
                 logits, proposal.draft_ids, proposal.draft_probs, num_draft_t, sampling.temperature, sampling.top_k,
-                sampling.top_p, sampling.seeds, self.to_device([len(r.tokens) for r in reqs]), sampling.truncate)
+                sampling.top_p, sampling.seeds, seq_lens, sampling.truncate)
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
-        broken = (~row_max[rows].view(len(reqs), k + 1).isfinite().all(-1)).long()
+        broken = (~row_max[rows_t].view(len(reqs), k + 1).isfinite().all(-1)).long()
         if proposal.finite is not None:
             broken += 2 * (~proposal.finite).long()
-        host = torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1).tolist()   # the step's one device-to-host copy
-        if any(row[-1] for row in host):
+        host_out = torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1).tolist()   # the one copy back
+        if any(row[-1] for row in host_out):
             self.clear_caches()   # the step wrote its NaN / inf K/V: no later request may read them
-            raise non_finite_error(reqs, [row[-1] for row in host], self.proposer)
-        accepted = [row[-2] for row in host]
+            raise non_finite_error(reqs, [row[-1] for row in host_out], self.proposer)
+        accepted = [row[-2] for row in host_out]
         self.stats.record(self.step_k, ks, num_draft, accepted)
         # timed after the one copy above, so the device's work is in it; no extra sync
         self.k_policy.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
-        return [(r, host[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
+        return [(r, host_out[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]
 
-    def verify_input(self, reqs: list[Request], proposal: Proposal, starts: list[int], total: int) -> torch.Tensor:
-        """The flat verify input [T]: each request's last token, then its drafts (gathered on the device)."""
-        k, num_draft = proposal.draft_ids.shape[1], proposal.num_draft
-        input_ids = torch.empty(total, dtype=torch.int64, device=self.device)
-        input_ids[self.to_device(starts)] = self.to_device([r.tokens[-1] for r in reqs])
-        draft_src = [b * k + i for b in range(len(reqs)) for i in range(num_draft[b])]
-        if draft_src:
-            draft_dst = [starts[b] + 1 + i for b in range(len(reqs)) for i in range(num_draft[b])]
-            input_ids[self.to_device(draft_dst)] = proposal.draft_ids.flatten()[self.to_device(draft_src)]
-        return input_ids
+    def verify_input(self, parts: list[torch.Tensor], proposal: Proposal, k: int) -> torch.Tensor:
+        """The flat verify input [T] on the device: each request's last token at its first row, then
+        its drafts (the proposer's, or n-gram's from the host buffer)."""
+        last, starts, num_draft = parts[0], parts[1], parts[3]
+        drafts = parts[5].view(len(last), k) if proposal.host_drafts is not None else proposal.draft_ids
+        total = len(last) + sum(proposal.num_draft)
+        input_ids = torch.zeros(total + 1, dtype=torch.int64, device=self.device)   # + 1: where padding goes
+        if k:   # draft i of request b goes after its last token; padding past num_draft[b] to the spare slot
+            offsets = torch.arange(k, device=self.device)
+            dst = torch.where(offsets[None, :] < num_draft[:, None], starts[:, None] + 1 + offsets[None, :], total)
+            input_ids[dst.flatten()] = drafts.flatten()
+        input_ids[starts] = last
+        return input_ids[:total]
 
     def clear_caches(self) -> None:
         self.kv_cache.clear()

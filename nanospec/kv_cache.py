@@ -79,36 +79,39 @@ class AttentionMetadata:
     query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
     query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token
     attn_mask: torch.Tensor      # [B, 1, max_q, max_k] True where a query may see a key (causal, in context)
+    extra: torch.Tensor | None = None   # [n] the rest of the step's one host-to-device copy (build_metadata)
 
 
 def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_lens: list[int],
-                   block_size: int, device: torch.device) -> AttentionMetadata:
-    """Metadata for sequences that each add query_lens[b] tokens after num_cached[b] cached ones."""
-    batch = len(query_lens)
-    context_lens = [c + q for c, q in zip(num_cached, query_lens)]
-    slots = []
-    for table, start, end in zip(block_tables, num_cached, context_lens):
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-    max_blocks = max(len(t) for t in block_tables)
-    tables = torch.zeros(batch, max_blocks, dtype=torch.int64)
-    for b, table in enumerate(block_tables):
-        tables[b, :len(table)] = torch.tensor(table, dtype=torch.int64)
-    query_start = torch.tensor([0] + query_lens, dtype=torch.int64).cumsum(0)
-    max_q, max_k = max(query_lens), max_blocks * block_size
-    offsets = torch.arange(max_q)
-    query_valid = offsets[None, :] < torch.tensor(query_lens)[:, None]
-    query_index = torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0)
-    # Query i of sequence b sits at position context_len - q_len + i and sees keys 0 .. that position.
-    query_pos = torch.tensor(num_cached)[:, None] + offsets[None, :]                  # [B, max_q]
-    attn_mask = torch.arange(max_k)[None, None, :] <= query_pos[:, :, None]            # [B, max_q, max_k]
+                   block_size: int, device: torch.device, extra: list[int] = ()) -> AttentionMetadata:
+    """Metadata for sequences that each add query_lens[b] tokens after num_cached[b] cached ones.
+
+    The host sends one int64 buffer (the block tables, the lengths and `extra`, whatever else the
+    step needs from the host: meta.extra on the device) in one copy, pinned and non-blocking on
+    CUDA; everything else is derived on the device from it, without a sync (the shapes come from
+    the host's own lengths)."""
+    batch, max_blocks = len(query_lens), max(len(t) for t in block_tables)
+    total, max_q = sum(query_lens), max(query_lens)
+    host = [*num_cached, *query_lens, *(b for t in block_tables for b in (*t, *[0] * (max_blocks - len(t)))), *extra]
+    packed = torch.tensor(host, dtype=torch.int64)
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    packed = packed.to(device, non_blocking=True)
+    cached, lens = packed[:batch], packed[batch:2 * batch]
+    tables = packed[2 * batch:2 * batch + batch * max_blocks].view(batch, max_blocks)
+    query_start = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    token_seq = torch.repeat_interleave(torch.arange(batch, device=device), lens, output_size=total)
+    positions = cached[token_seq] + torch.arange(total, device=device) - query_start[token_seq]
+    offsets = torch.arange(max_q, device=device)
+    query_valid = offsets[None, :] < lens[:, None]
+    # Query i of sequence b sits at position num_cached + i and sees keys 0 .. that position.
+    query_pos = cached[:, None] + offsets[None, :]                                            # [B, max_q]
+    attn_mask = torch.arange(max_blocks * block_size, device=device)[None, None, :] <= query_pos[:, :, None]
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-        block_tables=tables.to(device), context_lens=torch.tensor(context_lens).to(device),
-        query_start=query_start.to(device),
-        token_seq=torch.repeat_interleave(torch.arange(batch), torch.tensor(query_lens)).to(device),
-        positions=query_pos[query_valid].to(device),
-        query_index=query_index.to(device),
-        query_valid=query_valid.to(device), attn_mask=attn_mask[:, None].to(device))
+        slot_mapping=tables[token_seq, positions // block_size] * block_size + positions % block_size,
+        block_tables=tables, context_lens=cached + lens, query_start=query_start, token_seq=token_seq,
+        positions=positions, query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0),
+        query_valid=query_valid, attn_mask=attn_mask[:, None], extra=packed[2 * batch + batch * max_blocks:])
 
 
 class KVCache:

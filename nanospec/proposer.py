@@ -30,10 +30,11 @@ from nanospec.sampler import DRAFT, SamplingBatch, pick, target_probs, uniform_n
 
 @dataclass
 class Proposal:
-    draft_ids: torch.Tensor                 # [B, K] on the device; past num_draft[b]: padding
+    draft_ids: torch.Tensor | None          # [B, K] on the device; past num_draft[b]: padding (None: host_drafts)
     draft_probs: torch.Tensor | None        # [B, K, V] the draft's q; None: one-hot drafts
     num_draft: list[int]                    # drafts per request
     finite: torch.Tensor | None = None      # [B] bool: the drafter's logits were finite (None: no model)
+    host_drafts: list[list[int]] | None = None   # drafts made on the host (n-gram): the engine sends them
 
 
 class Proposer:
@@ -101,9 +102,7 @@ class NgramProposer(Proposer):
             if req.proposer_state is None:
                 req.proposer_state = NgramIndex(self.min_n, self.max_n)
             drafts.append(req.proposer_state.lookup(req.tokens, k) if k else [])
-        width = max(ks)
-        ids = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.int64)
-        return Proposal(ids.to(self.device), None, [len(d) for d in drafts])
+        return Proposal(None, None, [len(d) for d in drafts], host_drafts=drafts)   # one-hot, on the host
 
     def free(self, request) -> None:
         pass   # the index only depends on tokens, which preemption keeps

@@ -62,3 +62,51 @@ def test_allocator_grows_truncates_and_releases():
     alloc.release(a)
     alloc.release(b)
     assert sorted(alloc.free_blocks) == list(range(6))
+
+
+def metadata_on_the_host(block_tables, num_cached, query_lens, block_size):
+    """The attention metadata written out on the host, slot by slot (what build_metadata derives on
+    the device): the oracle."""
+    slots, positions, token_seq = [], [], []
+    for b, (table, start, n) in enumerate(zip(block_tables, num_cached, query_lens)):
+        for p in range(start, start + n):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+            positions.append(p)
+            token_seq.append(b)
+    max_blocks, max_q = max(map(len, block_tables)), max(query_lens)
+    query_start = [0]
+    for n in query_lens:
+        query_start.append(query_start[-1] + n)
+    valid = [[i < n for i in range(max_q)] for n in query_lens]
+    return {"slot_mapping": slots, "positions": positions, "token_seq": token_seq, "query_start": query_start,
+            "context_lens": [c + n for c, n in zip(num_cached, query_lens)],
+            "block_tables": [t + [0] * (max_blocks - len(t)) for t in block_tables],
+            "query_valid": valid,
+            "query_index": [[query_start[b] + i if valid[b][i] else 0 for i in range(max_q)] for b in range(len(valid))],
+            "attn_mask": [[[[k <= c + i for k in range(max_blocks * block_size)] for i in range(max_q)]]
+                          for c in num_cached]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 4, 16]),
+       seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.integers(0, 2)), min_size=1, max_size=6),
+       extra=st.lists(st.integers(-5, 10**6), max_size=5), seed=st.integers(0, 2**16))
+def test_metadata_derived_on_the_device_equals_the_host_oracle(block_size, seqs, extra, seed):
+    """seqs: (cached tokens, new tokens, spare blocks past them) per sequence; block ids shuffled."""
+    rng = __import__("random").Random(seed)
+    need = [-(-(c + n) // block_size) + spare for c, n, spare in seqs]
+    ids = rng.sample(range(1000), sum(need))
+    tables = [ids[sum(need[:b]):sum(need[:b + 1])] for b in range(len(seqs))]
+    cached, lens = [c for c, _, _ in seqs], [n for _, n, _ in seqs]
+    meta = build_metadata(tables, cached, lens, block_size, torch.device("cpu"), extra=extra)
+    for name, expected in metadata_on_the_host(tables, cached, lens, block_size).items():
+        assert getattr(meta, name).tolist() == expected, name
+    assert meta.extra.tolist() == extra
+
+
+def test_metadata_is_one_copy_from_the_host(monkeypatch):
+    """All build_metadata takes from the host goes in one tensor (one host-to-device copy)."""
+    made, real = [], torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: (made.append(a), real(*a, **kw))[1])
+    build_metadata([[3, 4], [7]], [5, 0], [2, 3], 4, torch.device("cpu"), extra=[1, 2, 3])
+    assert len(made) == 1

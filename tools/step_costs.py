@@ -1,0 +1,103 @@
+"""Host work and host/device traffic per decode step, at batch 1, 64 and 256: the milliseconds a
+step spends in the scheduler, the K policy, building the attention metadata and input, and the
+sampling parameters (host bookkeeping, with a tiny random model so that the forward does not hide
+it), and how many tensors a step builds from host data (torch.tensor: on CUDA each is a
+host-to-device copy) and reads back (.tolist(): a device-to-host copy).
+
+    python tools/step_costs.py [--steps 20] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import torch  # noqa: E402
+
+from nanospec import LLM, SamplingParams, engine as engine_module  # noqa: E402
+from nanospec.sampler import SamplingBatch  # noqa: E402
+
+TIMED = {"scheduler": (engine_module.Scheduler, "schedule"), "policy": (engine_module.Engine, "choose_ks"),
+         "sampling params": (SamplingBatch, "of")}
+
+
+def instrument(totals: collections.Counter, counts: collections.Counter):
+    """Wrap the timed host functions and count tensors built from host data and read back."""
+    undo = []
+
+    def wrap(owner, name, label, static=False):
+        real = getattr(owner, name)
+        fn = real.__func__ if static else real
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - start
+        setattr(owner, name, classmethod(timed) if static else timed)
+        undo.append((owner, name, real))
+    for label, (owner, name) in TIMED.items():
+        wrap(owner, name, label, static=name == "of")
+    wrap(engine_module, "build_metadata", "metadata and input")
+    real_tensor, real_tolist = torch.tensor, torch.Tensor.tolist
+    torch.tensor = lambda *a, **kw: (counts.update(["host to device"]), real_tensor(*a, **kw))[1]
+    torch.Tensor.tolist = lambda self: (counts.update(["device to host"]), real_tolist(self))[1]
+    undo += [(torch, "tensor", real_tensor), (torch.Tensor, "tolist", real_tolist)]
+    return undo
+
+
+def measure(target: str, batch: int, steps: int, proposer: dict) -> dict:
+    llm = LLM(target, device="cpu", dtype="float32", max_num_seqs=batch, kv_cache_gb=0.5, **proposer)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps * 8 + 8, ignore_eos=True)
+    prompt = llm.encode_prompt("The quick brown fox jumps over the lazy dog. The quick brown fox")
+    engine.add_requests([engine.new_request(i, "", prompt, params) for i in range(batch)])
+    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+        engine.step()
+    engine.step()   # a warm-up decode step
+    totals, counts = collections.Counter(), collections.Counter()
+    undo = instrument(totals, counts)
+    start = time.perf_counter()
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        for owner, name, real in reversed(undo):
+            setattr(owner, name, real)
+    seconds = time.perf_counter() - start
+    return {"batch": batch, "proposer": proposer.get("ngram") and "ngram" or "none",
+            "step_ms": round(1000 * seconds / steps, 3),
+            **{f"{label}_ms": round(1000 * totals[label] / steps, 3) for label in [*TIMED, "metadata and input"]},
+            **{f"{kind} per step": counts[kind] / steps for kind in ("host to device", "device to host")}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20, help="decode steps measured per row (default: 20)")
+    ap.add_argument("--out", help="write the rows as JSON there")
+    args = ap.parse_args()
+    from conftest import write_checkpoint
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        target = write_checkpoint(os.path.join(tmp, "tiny"), "llama3", num_layers=2, hidden=64)
+        for proposer in ({}, {"ngram": True, "num_speculative_tokens": 4}):
+            for batch in (1, 64, 256):
+                rows.append(measure(target, batch, args.steps, proposer))
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    result = {"command": "python tools/step_costs.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+              "model": "random llama3, 2 layers, hidden 64, vocab 320 (tests/conftest.py)", "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
