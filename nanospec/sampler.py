@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -113,10 +114,17 @@ class SamplingBatch:
 
     @classmethod
     def of(cls, requests, device: torch.device) -> "SamplingBatch":
+        """The requests' parameters in one host-to-device copy: top_k and seeds as int64, temperature
+        and top_p as the bits of their float64 values (cast to float32 on the device, as the host
+        would)."""
         params = [r.params for r in requests]
-        tensor = lambda xs, dtype: torch.tensor(xs, dtype=dtype, device=device)
-        return cls(tensor([p.temperature for p in params], torch.float32), tensor([p.top_k for p in params], torch.int64),
-                   tensor([p.top_p for p in params], torch.float32), tensor([r.seed for r in requests], torch.int64),
+        floats = np.array([p.temperature for p in params] + [p.top_p for p in params], dtype=np.float64)
+        packed = torch.tensor([p.top_k for p in params] + [r.seed for r in requests] + floats.view(np.int64).tolist(),
+                              dtype=torch.int64)
+        if device.type == "cuda":
+            packed = packed.pin_memory()
+        top_k, seeds, temperature, top_p = packed.to(device, non_blocking=True).split(len(params))
+        return cls(temperature.view(torch.float64).float(), top_k, top_p.view(torch.float64).float(), seeds,
                    greedy=all(p.temperature == 0 for p in params),
                    truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
                        max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
