@@ -51,7 +51,7 @@ class SamplingParams:
                                 f"by it overflow); use 0 for greedy, or at least {MIN_TEMPERATURE}")
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise NanospecError(f"{param('top_p')} must be in (0, 1] (1 is off), got {self.top_p!r}")
-        check_int(self.top_k, param("top_k"), low=0, fix="0 is off")
+        check_int(self.top_k, param("top_k"), low=0, high=2**63 - 1, fix="0 is off")
         check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
         if self.seed is not None:
             check_int(self.seed, param("seed"), low=0, high=2**63 - 1)

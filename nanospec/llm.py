@@ -26,7 +26,10 @@ from nanospec.tokenizer import load_tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
+    device = str(device) if isinstance(device, torch.device) else device
+    if not isinstance(device, str):
+        raise NanospecError(f"{param('device')} must be auto, cpu or cuda, got {device!r}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -45,7 +48,9 @@ def native_bfloat16() -> bool:
     return bool(native is not None and native())
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
@@ -145,15 +150,24 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft: str) -> None:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes that can still be allocated on the device (CPU: the kernel's MemAvailable)."""
+    """Bytes that can still be allocated on the device (CPU: the kernel's MemAvailable, and within
+    a container's cgroup limit)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
+        free = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:   # cgroup v2: a container may hold less than the machine has free
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit, used = f.read().strip(), int(g.read())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 class LLM:

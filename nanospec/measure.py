@@ -48,6 +48,21 @@ def greedy_requests(engine: Engine, prompt_ids: list[list[int]], max_new_tokens:
     return reqs
 
 
+def context(engine: Engine) -> int:
+    """The positions a measuring engine's requests may reach: its context, and the model's position
+    tables (sized to the serving engine's KV pool, which a measuring twin's own pool may exceed)."""
+    return min(engine.max_model_len, engine.model.config.max_position_embeddings)
+
+
+def fit(prompt_ids: list[list[int]], room: int, what: str) -> list[list[int]]:
+    """The prompts, each cut to its last `room` tokens, so that a measurement's requests fit the
+    context."""
+    if room < 1:
+        raise NanospecError(f"the context ({room + 1} positions short of what it takes to {what} for a dynamic-K "
+                            "profile) is too small: give a measured profile, or a larger KV cache or max_model_len")
+    return [ids[-room:] for ids in prompt_ids]
+
+
 class ExactlyK:
     """A proposer whose every request verifies exactly the K drafts it asked for. An n-gram proposer
     that finds no match drafts fewer (or none), and the step then costs what a smaller K costs;
@@ -75,7 +90,8 @@ def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: i
     warm-up round (the first step also does the proposer's catch-up); the k's take turns a step at
     a time."""
     budget = sum((steps + 1) * (k + 1) for k in ks) + 1   # no request finishes while we time
-    prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch_size)]
+    prompts = fit(prompt_ids, context(engine) - budget - 1, "time the steps")
+    prompts = [prompts[i % len(prompts)] for i in range(batch_size)]
     blocks = batch_size * -(-(max(map(len, prompts)) + budget) // engine.kv_cache.block_size)
     engines = [engine.twin(blocks, max_num_seqs=batch_size, k_policy=StaticK(k),
                            proposer=ExactlyK(engine.proposer.twin(blocks))) for k in ks]
@@ -93,6 +109,7 @@ def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: i
 def measure_acceptance(engine: Engine, prompt_ids: list[list[int]], k: int,
                        max_new_tokens: int) -> tuple[list[float], list[float]]:
     """a_i and d_i, i < k, over the prompts run greedily at K = k, max_num_seqs at a time."""
+    prompt_ids = fit(prompt_ids, context(engine) - max_new_tokens - 1, "measure acceptance")
     running = min(len(prompt_ids), engine.scheduler.max_num_seqs)
     blocks = running * -(-(max(map(len, prompt_ids)) + max_new_tokens) // engine.kv_cache.block_size)
     twin = engine.twin(blocks, k_policy=StaticK(k))

@@ -97,8 +97,8 @@ class ModelConfig:
             raise NanospecError(f"{source}: rope_parameters must be an object, got {rope!r}")
         # transformers 5 writes rope_parameters (theta and scaling), older versions the top-level keys;
         # a config that has both, disagreeing, is ambiguous (transformers reads them either way).
-        if rope and cfg.get("rope_scaling") is not None:
-            raise NanospecError(f"{source} has both rope_scaling and rope_parameters; keep one (rope_parameters)")
+        if rope and cfg.get("rope_scaling") is not None and rope_kind(cfg["rope_scaling"]) != rope_kind(rope):
+            raise NanospecError(f"{source} has rope_scaling and rope_parameters that disagree; keep one (rope_parameters)")
         if cfg.get("rope_theta") is not None and rope.get("rope_theta", cfg["rope_theta"]) != cfg["rope_theta"]:
             raise NanospecError(f"{source} has rope_theta {cfg['rope_theta']!r} and rope_parameters.rope_theta "
                                 f"{rope['rope_theta']!r}; keep one")
@@ -127,6 +127,16 @@ def read_token_ids(value, name: str) -> list[int]:
     for token in ids:
         check_int(token, name, low=0, fix="token ids are integers; fix the file")
     return list(ids)
+
+
+def rope_kind(scaling) -> object:
+    """A rope scaling dict without its theta, and with `type` spelled `rope_type`: two spellings of
+    the same scaling compare equal."""
+    if not isinstance(scaling, dict):
+        return scaling
+    kind = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+    kind.setdefault("rope_type", scaling.get("type", "default"))
+    return kind
 
 
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -11,7 +11,7 @@ import sys
 
 from nanospec.cli import add_model_args, add_proposer_args, log, parser, set_threads
 from nanospec.dynamic_k import Profile
-from nanospec.errors import NanospecError, run_command
+from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.llm import LLM, MAX_SPECULATIVE_TOKENS
 from nanospec.measure import measure_profile
 from nanospec.prompts import read_prompts_file, shipped_prompts
@@ -50,6 +50,8 @@ def profile_command(args, command_line: str) -> Profile:
         raise NanospecError(f"--batch-sizes must include 1 and be >= 1, got {args.batch_sizes}")
     if len(ks) < 2 or ks[0] != 0 or ks[-1] > MAX_SPECULATIVE_TOKENS:
         raise NanospecError(f"--ks must include 0 and at least one K in 1..{MAX_SPECULATIVE_TOKENS}, got {ks}")
+    check_int(args.steps, "--steps", low=1)
+    check_int(args.max_new_tokens, "--max-new-tokens", low=1)
     if not (args.draft or args.eagle or args.ngram):
         raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH or --ngram")
     texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]

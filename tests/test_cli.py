@@ -84,7 +84,7 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
 @pytest.mark.parametrize("args, match", [
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "1.5"], "--top-p must be in"),
-    (["--top-k", "-3"], "--top-k must be an integer >= 0"),
+    (["--top-k", "-3"], "--top-k must be an integer in 0.."),
     (["--max-new-tokens", "0"], "--max-new-tokens must be"),
     (["--device", "cuda"], "no CUDA GPU is visible"),
     (["--prompt", "word " * 700], "context holds"),
@@ -192,3 +192,15 @@ def test_help_explains_every_flag_and_shows_every_default(name):
         if not (default is None or default is False or default == []):
             assert "default" in HelpFormatter(name)._get_help_string(action), f"{name}: {action.option_strings}"
     ap.format_help()   # and it formats
+
+
+@pytest.mark.parametrize("args, match", [(["--steps", "0"], "--steps must be an integer >= 1"),
+                                         (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+                                         (["--batch-sizes", "2,4"], "--batch-sizes must include 1"),
+                                         ([], "needs a proposer")])
+def test_bad_profiler_flags_are_one_line_before_loading(capsys, args, match):
+    from nanospec import profiler
+    proposer = [] if not args else ["--ngram"]
+    assert profiler.main(["--target", "/never/loaded", *proposer, *args]) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1, err

@@ -109,7 +109,7 @@ CHECKPOINT_CASES = [
         high_freq_factor=1.0)), "high_freq_factor must be above"),
     ("rope scaling a string", config(rope_scaling="llama3", rope_parameters=None), "rope_scaling must be an object"),
     ("unknown rope scaling", config(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "unsupported rope scaling"),
-    ("rope_scaling beside rope_parameters", config(rope_scaling={"rope_type": "default"}), "has both rope_scaling"),
+    ("rope_scaling beside rope_parameters", config(rope_scaling={"rope_type": "default"}), "that disagree"),
     ("rope_theta 0", json_edit("config.json", lambda c: c["rope_parameters"].update(rope_theta=0)),
      "rope_theta must be a finite number > 0"),
     ("two rope_thetas", config(rope_theta=10000.0), "has rope_theta 10000.0 and rope_parameters.rope_theta"),
@@ -328,8 +328,9 @@ SAMPLING_CASES = [
     (dict(top_p=0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), "top_p must be in"),
     (dict(top_p=float("nan")), "top_p must be in"),
-    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(top_k=-1), "top_k must be an integer in 0.."),
     (dict(top_k=2.5), "top_k must be an integer"),
+    (dict(top_k=2**63), "top_k must be an integer in 0.."),
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(max_tokens=True), "max_tokens must be an integer"),
     (dict(seed=2**63), r"seed must be an integer in 0..9223372036854775807"),
@@ -554,3 +555,33 @@ def test_the_text_ends_before_the_earliest_of_several_stops(tiny_llm):
     assert assume_distinct
     out = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[late, early]))[0]
     assert out.text == text[:text.index(early)]
+
+
+# ---- found in review ----
+
+def test_a_quick_profile_fits_a_small_kv_pool(checkpoints):
+    """The quick dynamic-K profile runs on engines of its own; with a small pool (so short position
+    tables) its prompts are cut to fit, or, where nothing fits, one clear line."""
+    llm = LLM(checkpoints["qwen3"], ngram=True, dynamic_k=True, num_speculative_tokens=2, max_num_seqs=2,
+              num_kv_blocks=24, block_size=16, **{k: v for k, v in KV.items() if k != "kv_cache_gb"})
+    assert llm.generate(PROMPT, greedy())[0].token_ids
+    with pytest.raises(NanospecError, match="too small: give a measured profile"):
+        LLM(checkpoints["qwen3"], ngram=True, dynamic_k=True, max_num_seqs=1, num_kv_blocks=4, block_size=16,
+            **{k: v for k, v in KV.items() if k != "kv_cache_gb"})
+
+
+def test_devices_and_dtypes_may_be_torch_objects(checkpoints):
+    llm = LLM(checkpoints["qwen3"], device=torch.device("cpu"), dtype=torch.float32, kv_cache_gb=0.02)
+    assert llm.generate(PROMPT, greedy())[0].token_ids
+    with pytest.raises(NanospecError, match="device must be auto, cpu or cuda"):
+        LLM(checkpoints["qwen3"], device=3, kv_cache_gb=0.02)
+
+
+def test_agreeing_rope_scaling_and_rope_parameters_load(valid, tmp_path):
+    folder, expected = valid
+    broken = shutil.copytree(folder, str(tmp_path / "both"))
+    cfg = json.load(open(os.path.join(broken, "config.json")))
+    cfg["rope_scaling"] = {k if k != "rope_type" else "type": v for k, v in cfg["rope_parameters"].items()
+                           if k != "rope_theta"}
+    json.dump(cfg, open(os.path.join(broken, "config.json"), "w"))
+    assert LLM(broken, **KV).generate(PROMPT, greedy())[0].token_ids == expected
