@@ -4,7 +4,6 @@ seed: the same alone, inside batches that mix greedy, top-k, top-p, other temper
 and under preemption. Then the vocabulary and context edges: an embedding padded past the
 tokenizer, a draft with a smaller embedding or a shorter context, EAGLE on a one-token prompt."""
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import write_checkpoint, write_eagle_head
