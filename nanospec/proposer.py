@@ -161,14 +161,22 @@ class ModelProposer(Proposer):
         draft_probs = None if sampling.greedy or k == 0 else torch.zeros(batch, k, self.vocab, device=self.device)
         finite = torch.ones(batch, dtype=torch.bool, device=self.device)   # read with the step's one host copy
         carry = None   # what step i passes to step i + 1 (the draft's hidden states, for EAGLE)
+        # The rows that draft at each step and their positions go to the device once, with the first
+        # step's own input; each later step sends only its attention metadata.
+        steps = [[b for b in range(batch) if ks[b] > i] for i in range(k)]
+        sizes = [len(rows) for rows in steps]
+        round_host = [b for rows in steps for b in rows] + [len(requests[b].tokens) + i
+                                                             for i, rows in enumerate(steps) for b in rows]
         for i in range(k):
-            rows = [b for b in range(batch) if ks[b] > i]
-            rows_t = torch.tensor(rows, device=self.device)
+            rows = steps[i]
             if i == 0:   # catch up on everything this proposer has not seen, then draft d_1
-                logits, carry = self.first_step([requests[b] for b in rows], batch, rows_t)
+                logits, carry, round_dev = self.first_step([requests[b] for b in rows], batch, round_host)
+                all_rows, all_positions = round_dev.split([sum(sizes)] * 2)
+                rows_per_step, positions_per_step = all_rows.split(sizes), all_positions.split(sizes)
             else:        # feed d_i back
-                logits, carry = self.next_step([requests[b] for b in rows], draft_ids[rows_t, i - 1], carry, rows_t, i)
-            positions = torch.tensor([len(requests[b].tokens) + i for b in rows], device=self.device)
+                logits, carry = self.next_step([requests[b] for b in rows], draft_ids[rows_per_step[i], i - 1],
+                                               carry, rows_per_step[i], i)
+            rows_t, positions = rows_per_step[i], positions_per_step[i]
             finite[rows_t] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
             tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows_t, positions)
             draft_ids[rows_t, i] = tokens
@@ -176,12 +184,13 @@ class ModelProposer(Proposer):
                 draft_probs[rows_t, i] = q
         return Proposal(draft_ids, draft_probs, list(ks), finite)
 
-    def run(self, states: list[CacheState], query_lens: list[int]):
-        """Grow each state's blocks for its new positions and build the attention metadata."""
+    def run(self, states: list[CacheState], query_lens: list[int], extra: list[int] = ()):
+        """Grow each state's blocks for its new positions and build the attention metadata (with
+        `extra`, more host ints in the same copy: meta.extra)."""
         for st, n in zip(states, query_lens):
             self.kv_cache.allocator.grow(st.block_table, st.num_cached + n)
         meta = build_metadata([s.block_table for s in states], [s.num_cached for s in states], query_lens,
-                              self.kv_cache.block_size, self.device)
+                              self.kv_cache.block_size, self.device, extra=extra)
         for st, n in zip(states, query_lens):
             st.num_cached += n
         return meta
@@ -212,17 +221,18 @@ class DraftModelProposer(ModelProposer):
                                  dtype, device), vocab, cfg.max_position_embeddings, device)
         self.model = model
 
-    def first_step(self, requests, batch, rows_t):
+    def first_step(self, requests, batch, round_host):
+        """Catch up and draft d_1; round_host rides in the same copy: returns (logits, None, it on the device)."""
         states = [self.state(r) for r in requests]
-        inputs = [r.tokens[s.num_cached:] for r, s in zip(requests, states)]
-        return self.forward(states, [len(x) for x in inputs],
-                            torch.tensor([t for x in inputs for t in x], device=self.device)), None
+        inputs = [t for r, s in zip(requests, states) for t in r.tokens[s.num_cached:]]
+        meta = self.run(states, [len(r.tokens) - s.num_cached for r, s in zip(requests, states)], inputs + round_host)
+        input_ids, round_dev = meta.extra.split([len(inputs), len(round_host)])
+        return self.forward(meta, input_ids), None, round_dev
 
     def next_step(self, requests, input_ids, carry, rows_t, i):
-        return self.forward([self.state(r) for r in requests], [1] * len(requests), input_ids), None
+        return self.forward(self.run([self.state(r) for r in requests], [1] * len(requests)), input_ids), None
 
-    def forward(self, states, query_lens, input_ids) -> torch.Tensor:
-        meta = self.run(states, query_lens)
+    def forward(self, meta, input_ids) -> torch.Tensor:
         hidden, _ = self.model(input_ids, meta.positions, self.kv_cache, meta)
         return self.model.logits(hidden[meta.query_start[1:] - 1])
 
@@ -263,27 +273,31 @@ class EagleProposer(ModelProposer):
         st = self.state(request)
         return super().max_drafts(request) if st.num_real or any(len(f) for f in st.pending) else 0
 
-    def first_step(self, requests, batch, rows_t):
+    def first_step(self, requests, batch, round_host):
+        """Feed the elements with real features not seen yet and draft d_1; round_host rides in the
+        same copy: returns (logits, carry, it on the device)."""
         states = [self.state(r) for r in requests]
         token_ids = [t for r, s in zip(requests, states) for t in r.tokens[s.num_real + 1:]]
         features = torch.cat([f for s in states for f in s.pending])
         lens = [sum(len(f) for f in s.pending) for s in states]
         for s, n in zip(states, lens):
             s.pending, s.num_real = [], s.num_real + n
-        hidden = self.forward(states, lens, torch.tensor(token_ids, device=self.device), features)
+        meta = self.run(states, lens, token_ids + round_host)
+        input_ids, round_dev = meta.extra.split([len(token_ids), len(round_host)])
+        hidden = self.forward(meta, input_ids, features)
         carry = torch.zeros(batch, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
-        return self.finish(hidden, rows_t, carry)
+        logits, carry = self.finish(hidden, round_dev[:len(requests)], carry)   # step 0's rows come first
+        return logits, carry, round_dev
 
     def next_step(self, requests, input_ids, carry, rows_t, i):
-        hidden = self.forward([self.state(r) for r in requests], [1] * len(requests), input_ids, carry[rows_t])
-        return self.finish(hidden, rows_t, carry)
+        meta = self.run([self.state(r) for r in requests], [1] * len(requests))
+        return self.finish(self.forward(meta, input_ids, carry[rows_t]), rows_t, carry)
 
     def finish(self, hidden, rows_t, carry):
         carry[rows_t] = hidden
         return self.head.logits(hidden, self.target), carry
 
-    def forward(self, states, query_lens, token_ids, features) -> torch.Tensor:
-        meta = self.run(states, query_lens)
+    def forward(self, meta, token_ids, features) -> torch.Tensor:
         embeds = self.target.model.embed_tokens(token_ids)
         hidden = self.head(embeds, features, meta.positions, self.kv_cache, meta)
         return hidden[meta.query_start[1:] - 1]

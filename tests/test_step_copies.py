@@ -1,8 +1,10 @@
 """Host/device traffic of a decode step, counted on CPU where every tensor built from host data
 (torch.tensor) would be a host-to-device copy on CUDA, and every .tolist() a device-to-host copy:
 one copy back for every proposer; two copies in (the sampling parameters, then the attention
-metadata with everything else the step needs) for plain decoding and n-gram. The issue's goal of
-one copy in, and the model proposers' own copies per draft step, are still ahead (issue 31)."""
+metadata with everything else the step needs) for plain decoding and n-gram, and one more per
+draft step for a draft model or an EAGLE head (the first carries the whole round's rows and
+positions; each later one is that step's attention metadata). One copy in per step, with the
+draft round's metadata derived on the device, is still ahead (issue 31)."""
 import pytest
 import torch
 
@@ -33,5 +35,4 @@ def test_a_decode_step_copies_back_once(spec_models, monkeypatch, name, batch):
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, max_num_seqs=16, **args)
     made, read = count_decode_step_copies(llm, batch, monkeypatch)
     assert read == 1
-    if name in ("plain", "ngram"):
-        assert made == 2
+    assert made == (2 if name in ("plain", "ngram") else 2 + 3)   # K = 3 draft steps
