@@ -25,7 +25,7 @@ def test_paged_attention_equals_contiguous(block_size, seqs, seed):
     """seqs: (cached tokens, new query tokens) per sequence; blocks are handed out interleaved."""
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, dim = 4, 2, 8
-    cache = KVCache(1, 200, block_size, kv_heads, dim, torch.float32, torch.device("cpu"))
+    cache = KVCache(1, 5 * 49, block_size, kv_heads, dim, torch.float32, torch.device("cpu"))   # 5 sequences of 49 at block size 1
     k_cache, v_cache = cache.layer(0)
     tables = [[] for _ in seqs]
     full_k, full_v = [], []
