@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
-from nanospec.cli import HelpFormatter, add_model_args, set_threads
+from nanospec.cli import HelpFormatter, add_model_args, log_loading, set_threads
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
 from nanospec.errors import NanospecError, check_int, check_real, run_command
 from nanospec.engine import Stats
@@ -742,7 +742,7 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     set_threads(args.threads)
     wall = time.perf_counter()
-    print(f"loading {args.target or 'the default model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
+    log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=256)
     dtype = dtype_name(llm.dtype)   # one setting for the data, the features and the evaluation
     for p in llm.model.parameters():

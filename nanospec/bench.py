@@ -22,7 +22,7 @@ import sys
 import torch
 
 from nanospec import checkpoint
-from nanospec.cli import Progress, add_model_args, add_proposer_args, log, parser, set_threads
+from nanospec.cli import Progress, add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
@@ -225,10 +225,7 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
 
 def check_args(args) -> tuple[list[int], list]:
     """The flags, before any model loads: (batch sizes, rows of K)."""
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    except ValueError:
-        raise NanospecError(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}") from None
+    batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
     if not batch_sizes or min(batch_sizes) < 1:
         raise NanospecError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
     ks = parse_ks(args.ks)
@@ -256,7 +253,7 @@ def run(args) -> dict:
     if not rows:
         raise NanospecError(f"no shipped prompt is in --categories {args.categories!r}")
     set_threads(args.threads)
-    log(f"loading {args.target or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (
                   args.draft or args.eagle or args.ngram) else None, log=log)

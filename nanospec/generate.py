@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from nanospec.cli import add_model_args, add_proposer_args, log, parser, set_threads
+from nanospec.cli import add_model_args, add_proposer_args, log, log_loading, parser, set_threads
 from nanospec.engine import SamplingParams
 from nanospec.errors import NanospecError, run_command
 from nanospec.llm import LLM, EngineSizes, SpeculativeConfig
@@ -114,7 +114,7 @@ def run(args) -> None:
     EngineSizes(max_model_len=args.max_model_len).validate()
     set_threads(args.threads)
     start = time.perf_counter()
-    log(f"loading {args.target or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
               dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from nanospec.cli import add_model_args, add_proposer_args, log, parser, set_threads
+from nanospec.cli import add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads
 from nanospec.dynamic_k import Profile
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.llm import LLM, MAX_SPECULATIVE_TOKENS
@@ -36,13 +36,6 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
-def int_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise NanospecError(f"{flag} takes comma-separated integers, got {text!r}") from None
-
-
 def profile_command(args, command_line: str) -> Profile:
     batch_sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
     ks = sorted(set(int_list(args.ks, "--ks"))) if args.ks else list(range(args.max_k + 1))
@@ -56,7 +49,7 @@ def profile_command(args, command_line: str) -> Profile:
         raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH or --ngram")
     texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]
     set_threads(args.threads)
-    log(f"loading {args.target or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1], draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=ks[-1])
     prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]

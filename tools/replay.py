@@ -29,11 +29,10 @@ if ROOT not in sys.path:   # run as a script: python tools/replay.py
     sys.path.insert(0, ROOT)
 
 from nanospec import LLM, SamplingParams  # noqa: E402
-from nanospec.cli import HelpFormatter, add_model_args, set_threads  # noqa: E402
+from nanospec.cli import HelpFormatter, add_model_args, int_list, set_threads  # noqa: E402
 from nanospec.dynamic_k import DynamicK, Profile, itl_at  # noqa: E402
 from nanospec.errors import NanospecError, run_command  # noqa: E402
 from nanospec.k_policy import KPolicy, StaticK  # noqa: E402
-from nanospec.profiler import int_list  # noqa: E402
 from nanospec.prompts import shipped_prompts  # noqa: E402
 from nanospec.proposer import NgramIndex  # noqa: E402
 
