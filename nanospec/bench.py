@@ -256,7 +256,7 @@ def run(args) -> dict:
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (
-                  args.draft or args.eagle or args.ngram) else None, log=log)
+                  args.draft or args.eagle or args.ngram) else None, log=log, enforce_eager=args.enforce_eager)
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up

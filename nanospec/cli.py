@@ -78,6 +78,8 @@ def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str
                                                                  "auto is float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--threads", type=int, default=None, metavar="N",
                     help="CPU threads (default: one per core that other work leaves free)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
 
 
 def set_threads(threads: int | None) -> None:

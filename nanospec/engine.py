@@ -23,9 +23,10 @@ import torch
 
 from nanospec.errors import NanospecError, check_int, check_real, is_real, param
 from nanospec.k_policy import KPolicy, StaticK
-from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
-from nanospec.proposer import Proposal, Proposer
-from nanospec.sampler import Sampler, SamplingBatch
+from nanospec.cuda_graph import StepGraphs
+from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
+from nanospec.proposer import Proposer
+from nanospec.sampler import Sampler
 
 
 # Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
@@ -79,7 +80,7 @@ class Request:
     seed: int
     max_len: int                  # prompt + max_tokens, capped at the model's context
     tokens: list[int] = field(default_factory=list)    # prompt + output
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0
     finish_reason: str | None = None
     text: str | None = None       # set when it finishes: the output before any stop
@@ -307,21 +308,24 @@ class Engine:
     def __init__(self, model, tokenizer, device: torch.device, max_model_len: int, num_kv_blocks: int,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  compile_sampler: bool | None = None, proposer: Proposer | None = None,
-                 k_policy: KPolicy | None = None):
+                 k_policy: KPolicy | None = None, use_graphs: bool = False):
         cfg = model.config
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len = max_model_len
         self.proposer, self.k_policy = proposer, k_policy or StaticK(0)
         self.kv_cache = KVCache(cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 next(model.parameters()).dtype, device)
-        self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
-                                   on_free=proposer.free if proposer else None)
+        self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens, on_free=self.free)
+        self.use_graphs = use_graphs
         self.sampler = Sampler(compile=device.type == "cuda" if compile_sampler is None else compile_sampler)
         self.eos_ids = set(cfg.eos_token_ids) | set(tokenizer.eos_ids)
         # The ids a request may hold: the model has logits for them and the tokenizer decodes them.
         # An embedding padded past the tokenizer (Qwen: 151,936 rows, 151,665 tokens) never emits
         # its padding: the logits are cut to this size before sampling.
         self.vocab_size = emittable_vocab(cfg, tokenizer)
+        # Inside a graph the sampler runs as captured (the capture removes the launch overhead a compile would)
+        self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len, device,
+                                Sampler(compile=False) if use_graphs else self.sampler, proposer, use_graphs)
         self.stats = Stats()
         self.step_k = 0          # the current decode step's K (the largest of its requests')
         self.request_k = {}      # id(request) -> its K in the current decode step
@@ -339,9 +343,16 @@ class Engine:
             proposer = self.proposer.twin(num_blocks)
         twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
                       max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
-                      proposer, k_policy)
-        twin.sampler = self.sampler
+                      proposer, k_policy, self.use_graphs)
+        twin.sampler = twin.step_graphs.sampler = self.sampler
         return twin
+
+    def free(self, req: Request) -> None:
+        """A request left the running batch (finished, preempted, removed): release its device table
+        row and its proposer state."""
+        self.step_graphs.tables.release(req.block_table)
+        if self.proposer:
+            self.proposer.free(req)
 
     def add_requests(self, requests: list[Request]) -> None:
         """Queue requests made by new_request (the one way work enters the engine)."""
@@ -401,28 +412,20 @@ class Engine:
                 self.settle(req, features)
         return [req for req, tokens, _ in results if tokens]
 
-    def forward(self, reqs: list[Request], query_lens: list[int], host: list[list[int]], input_ids):
-        """The target over each request's next query_lens[b] positions. `host`: the lists of ints
-        the step needs from the host, sent with the attention metadata in its one copy and handed
-        back as device tensors; input_ids(those tensors) gives the [T] input. Returns (hidden [T, H],
-        features, those tensors)."""
-        meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], query_lens,
-                              self.kv_cache.block_size, self.device, extra=[x for part in host for x in part])
-        parts = meta.extra.split([len(part) for part in host])
-        capture = self.proposer.capture_layers if self.proposer else ()
-        hidden, captured = self.model(input_ids(parts), meta.positions, self.kv_cache, meta, capture)
-        for req, n in zip(reqs, query_lens):
-            req.num_cached += n
-        features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None
-        return hidden, features, parts
-
     @torch.inference_mode()
     def run_prefill(self, batch: Batch):
-        """Cache a chunk of each request's tokens. Prefill emits nothing: every token comes out of a
-        decode step, so a preempted request that recomputes its cache resumes exactly where it was."""
+        """Cache a chunk of each request's tokens, eagerly (its shapes vary too much for a graph).
+        Prefill emits nothing: every token comes out of a decode step, so a preempted request that
+        recomputes its cache resumes exactly where it was."""
         reqs, lens = batch.requests, batch.query_lens
         input_ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
-        _, features, _ = self.forward(reqs, lens, [input_ids], lambda parts: parts[0])
+        meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], lens,
+                              self.kv_cache.block_size, self.device, extra=input_ids)   # the ids ride in its one copy
+        capture = self.proposer.capture_layers if self.proposer else ()
+        hidden, captured = self.model(meta.extra, meta.positions, self.kv_cache, meta, capture)
+        for req, n in zip(reqs, lens):
+            req.num_cached += n
+        features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None
         self.stats.prefill_steps += 1
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
         return [(r, [], None if features is None else features[starts[b]:starts[b] + lens[b]])
@@ -431,73 +434,44 @@ class Engine:
     @torch.inference_mode()
     def run_verify(self, batch: Batch):
         """The speculative step: propose, verify [last token, d_1 .. d_k] per request in one target
-        forward, rejection-sample. With no proposer (or K = 0) this is plain decoding.
-
-        What the step takes from the host (the last tokens, where each request's drafts go, which
-        logits rows verify what, the sequence lengths; n-gram's drafts too) rides in the attention
-        metadata's one copy; what it gives back is one copy of tokens, accepted counts and a
-        finiteness flag."""
+        forward, rejection-sample. With no proposer (or K = 0) this is plain decoding. It runs on
+        the static buffers of cuda_graph.py (a graph replay on CUDA): one copy in, which carries
+        the whole step's host data (n-gram's drafts too), and one copy back of tokens, accepted
+        counts and finiteness flags."""
         start = time.perf_counter()
         reqs = batch.requests
         ks = [n - 1 for n in batch.query_lens]
-        sampling = SamplingBatch.of(reqs, self.device)
-        if max(ks) > 0:
-            proposal = self.proposer.propose(reqs, ks, sampling)
+        proposal = None
+        if max(ks) and self.proposer.drafts_on_host:   # n-gram: drafts made on the host ride in the upload
+            proposal = self.proposer.propose(reqs, ks, None)
+            num_draft = proposal.num_draft
         else:
-            proposal = Proposal(None, None, [0] * len(reqs), host_drafts=[[] for _ in reqs])
-        num_draft = proposal.num_draft
-        k = max(ks) if proposal.host_drafts is not None else proposal.draft_ids.shape[1]   # the padded width
-        lens = [d + 1 for d in num_draft]
-        starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
-        # Row i of request b in the [B, K+1] verify view: the target after its i-th draft (padding repeats its last).
-        rows = [starts[b] + min(i, num_draft[b]) for b in range(len(reqs)) for i in range(k + 1)]
-        host = [[r.tokens[-1] for r in reqs], starts, rows, num_draft, [len(r.tokens) for r in reqs]]
-        if proposal.host_drafts is not None:   # drafts made on the host (n-gram) travel in the same copy
-            host.append([t for d in proposal.host_drafts for t in d + [0] * (k - len(d))])
-        hidden, features, parts = self.forward(reqs, lens, host, lambda parts: self.verify_input(parts, proposal, k))
-        if proposal.host_drafts is not None:
-            proposal.draft_ids = parts[5].view(len(reqs), k)
-        rows_t, num_draft_t, seq_lens = parts[2], parts[3], parts[4]
-        logits = self.model.logits(hidden)[:, :self.vocab_size]   # [T, V], one row per verified position
-        if sampling.greedy:   # the argmax of each of the T rows, then the padded gather: ids, not [B, K+1, V] logits
-            row_max, target_ids = logits.max(-1)
-            target_ids = target_ids[rows_t].view(len(reqs), k + 1)
-            tokens, num_accepted = self.sampler.verify_greedy(target_ids, proposal.draft_ids, num_draft_t)
-        else:
-            row_max = logits.amax(-1)
-            logits = logits[rows_t].view(len(reqs), k + 1, -1)
-            tokens, num_accepted = self.sampler.rejection_sample(
-                logits, proposal.draft_ids, proposal.draft_probs, num_draft_t, sampling.temperature, sampling.top_k,
-                sampling.top_p, sampling.seeds, seq_lens, sampling.truncate)
-        # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
-        broken = (~row_max[rows_t].view(len(reqs), k + 1).isfinite().all(-1)).long()
-        if proposal.finite is not None:
-            broken += 2 * (~proposal.finite).long()
-        host_out = torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1).tolist()   # the one copy back
+            num_draft = [min(k, self.proposer.max_drafts(r)) for r, k in zip(reqs, ks)] if max(ks) else [0] * len(reqs)
+        sampling = self.step_graphs.upload(reqs, num_draft, proposal and proposal.host_drafts)
+        if max(num_draft) and proposal is None:
+            proposal = self.proposer.propose(reqs, num_draft, sampling)
+        on_device = proposal is not None and proposal.draft_ids is not None
+        out, features = self.step_graphs.run(sampling, proposal.draft_ids if on_device else None,
+                                       proposal.draft_probs if on_device else None)
+        out = out[:len(reqs)]
+        if proposal is not None and proposal.finite is not None:
+            out = torch.cat([out[:, :-1], out[:, -1:] + 2 * (~proposal.finite[:, None]).long()], dim=1)
+        host_out = out.tolist()   # the one copy back
         if any(row[-1] for row in host_out):
             self.clear_caches()   # the step wrote its NaN / inf K/V: no later request may read them
             raise non_finite_error(reqs, [row[-1] for row in host_out], self.proposer)
+        q_len = max(num_draft) + 1
+        if features is not None:   # out of the graph's output before the next replay overwrites it
+            features = features[:len(reqs) * q_len].clone()
         accepted = [row[-2] for row in host_out]
+        for req, d in zip(reqs, num_draft):
+            req.num_cached += d + 1
         self.stats.record(self.step_k, ks, num_draft, accepted)
         # timed after the one copy above, so the device's work is in it; no extra sync
         self.k_policy.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
-        return [(r, host_out[b][:a + 1], None if features is None else features[starts[b]:starts[b] + a + 1])
+        return [(r, host_out[b][:a + 1], None if features is None else features[b * q_len:b * q_len + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]
-
-    def verify_input(self, parts: list[torch.Tensor], proposal: Proposal, k: int) -> torch.Tensor:
-        """The flat verify input [T] on the device: each request's last token at its first row, then
-        its drafts (the proposer's, or n-gram's from the host buffer)."""
-        last, starts, num_draft = parts[0], parts[1], parts[3]
-        drafts = parts[5].view(len(last), k) if proposal.host_drafts is not None else proposal.draft_ids
-        total = len(last) + sum(proposal.num_draft)
-        input_ids = torch.zeros(total + 1, dtype=torch.int64, device=self.device)   # + 1: where padding goes
-        if k:   # draft i of request b goes after its last token; padding past num_draft[b] to the spare slot
-            offsets = torch.arange(k, device=self.device)
-            dst = torch.where(offsets[None, :] < num_draft[:, None], starts[:, None] + 1 + offsets[None, :], total)
-            input_ids[dst.flatten()] = drafts.flatten()
-        input_ids[starts] = last
-        return input_ids[:total]
 
     def clear_caches(self) -> None:
         self.kv_cache.clear()

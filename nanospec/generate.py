@@ -118,7 +118,7 @@ def run(args) -> None:
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
               dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
-              speculative_disable_queue_size=args.speculative_disable_queue_size, log=log)
+              speculative_disable_queue_size=args.speculative_disable_queue_size, log=log, enforce_eager=args.enforce_eager)
     log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} CPU threads)")
     stream = len(prompts) == 1 and not args.json

@@ -7,6 +7,8 @@ Invariants:
   frees the blocks wholly past it, so the kept slots stay valid;
 - a block belongs to at most one sequence, and every block returns to the free list when its
   sequence finishes or is preempted (tests check that no block leaks);
+- block 0 of a KVCache is the null block, never handed out: the padding of a static step
+  (cuda_graph.py) writes its K/V there and the padding of block tables points there;
 - every slot holds a finite value: the reference attention reads masked slots too (stale ones of
   earlier sequences, padding) and weighs them by 0, and 0 * inf or 0 * NaN is NaN. The pool starts
   zeroed and is zeroed again (`clear`) after a step that computed non-finite values.
@@ -26,13 +28,25 @@ class OutOfBlocks(Exception):
     """Raised when the pool has no free block; the scheduler preempts and retries."""
 
 
-class BlockAllocator:
-    """Hands out block ids from a free list. A block table is a plain list of ids, owned by its sequence."""
+class BlockTable(list):
+    """A sequence's block ids, in position order. `synced`: how many leading ids the device's copy
+    of the table holds (cuda_graph.DeviceBlockTables), lowered when the table is truncated; `row`:
+    its row there (None: none yet)."""
+    __slots__ = ("synced", "row")
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, ids=()):
+        super().__init__(ids)
+        self.synced, self.row = 0, None
+
+
+class BlockAllocator:
+    """Hands out block ids first_id .. first_id + num_blocks - 1 from a free list. A block table
+    is a list of ids (a BlockTable where the device keeps a copy), owned by its sequence."""
+
+    def __init__(self, num_blocks: int, block_size: int, first_id: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest id first
+        self.free_blocks = list(range(first_id + num_blocks - 1, first_id - 1, -1))  # pop() takes the lowest id first
 
     @property
     def num_free(self) -> int:
@@ -57,6 +71,8 @@ class BlockAllocator:
         keep = self.blocks_for(num_tokens)
         while len(block_table) > keep:
             self.free_blocks.append(block_table.pop())
+        if isinstance(block_table, BlockTable):   # a later grow may put another id where a freed one was
+            block_table.synced = min(block_table.synced, len(block_table))
 
     def release(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)
@@ -70,7 +86,7 @@ class AttentionMetadata:
     query_start[b] : query_start[b + 1], at the positions context_lens[b] - q_len .. context_lens[b] - 1.
     """
     slot_mapping: torch.Tensor   # [T] cache slot written by each new token
-    block_tables: torch.Tensor   # [B, max_blocks] block ids, padded with 0 (masked by context_lens)
+    block_tables: torch.Tensor   # [B, max_blocks] block ids, padded with the null block 0 (masked)
     context_lens: torch.Tensor   # [B] tokens in the cache after this pass, new ones included
     query_start: torch.Tensor    # [B + 1] offsets of each sequence's new tokens in the flat batch
     token_seq: torch.Tensor      # [T] which sequence each new token belongs to
@@ -114,15 +130,19 @@ def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_l
         query_valid=query_valid, attn_mask=attn_mask[:, None], extra=packed[2 * batch + batch * max_blocks:])
 
 
+NULL_BLOCK = 0
+
+
 class KVCache:
-    """The pool of K/V pages for every layer of one model."""
+    """The pool of K/V pages for every layer of one model: num_blocks blocks to hand out, ids
+    1 .. num_blocks, after the null block 0."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
-        self.pool = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+        self.pool = torch.zeros(num_layers, 2, 1 + num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size, first_id=NULL_BLOCK + 1)
 
     def empty_like(self, num_blocks: int) -> "KVCache":
         """An empty pool of num_blocks for the same model (another engine over it)."""

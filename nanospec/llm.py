@@ -177,13 +177,18 @@ class LLM:
                  draft: str | None = None, eagle: str | None = None, ngram: bool = False,
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
-                 speculative_disable_queue_size: int | None = None, per_request_k: bool = False, log=None):
-        """log: a callable given a line about long work (the quick dynamic-K profile), or None."""
+                 speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
+                 enforce_eager: bool = False, log=None):
+        """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
+        same step, on the same buffers). log: a callable given a line about long work (the quick
+        dynamic-K profile), or None."""
         self.log = log or (lambda line: None)
         if target is not None and not isinstance(target, (str, os.PathLike)):
             raise NanospecError(f"{param('target')} must be a path or a hub id (a string), got {target!r}")
         if compile_sampler is not None and not isinstance(compile_sampler, bool):
             raise NanospecError(f"compile_sampler must be True or False, got {compile_sampler!r}")
+        if not isinstance(enforce_eager, bool):
+            raise NanospecError(f"enforce_eager must be True or False, got {enforce_eager!r}")
         sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
         sizes.validate()
         spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,
@@ -233,7 +238,8 @@ class LLM:
 
         def make_engine(blocks: int, policy: KPolicy) -> Engine:
             return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, block_size,
-                          max_num_seqs, max_num_batched_tokens, compile_sampler, make_proposer(blocks), policy)
+                          max_num_seqs, max_num_batched_tokens, compile_sampler, make_proposer(blocks), policy,
+                          use_graphs=self.device.type == "cuda" and not enforce_eager)
 
         self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up

@@ -1,7 +1,9 @@
 """Proposers: who guesses the next K tokens that the target then verifies in one forward pass.
 
 One interface for three kinds of guesser:
+  max_drafts(request)          the most drafts it can make for the request now
   propose(requests, ks, sampling) -> Proposal   up to ks[b] draft tokens for request b, on the device
+                               (or, with drafts_on_host, lists on the host that the step sends)
   observe(request, features)   the target's features for positions it just cached for good (EAGLE)
   rollback(request)            forget what the proposer cached past the request's committed tokens
   free(request)                the request finished or was preempted: release the proposer's state
@@ -40,7 +42,11 @@ class Proposal:
 class Proposer:
     capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
     needs_features = False
+    drafts_on_host = False                  # propose returns host_drafts, before the step's upload
     acceptance_in_spans = False             # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
+
+    def max_drafts(self, request) -> int:
+        return request.max_len
 
     def propose(self, requests, ks: list[int], sampling: SamplingBatch) -> Proposal:
         raise NotImplementedError
@@ -92,6 +98,7 @@ class NgramProposer(Proposer):
     (code edits, summaries, extraction). Drafts are one-hot: q(d) = 1."""
 
     acceptance_in_spans = True   # its drafts are the text after a match: right for a span, however split into steps
+    drafts_on_host = True
 
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
         self.device, self.min_n, self.max_n = device, min_n, max_n

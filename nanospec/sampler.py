@@ -24,9 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 MASK32 = 0xFFFFFFFF
 EMIT, ACCEPT, DRAFT = 0, 1, 2
@@ -112,23 +110,6 @@ class SamplingBatch:
     greedy: bool                 # every request is greedy
     truncate: Truncation | bool  # False: no request uses top-k or top-p
 
-    @classmethod
-    def of(cls, requests, device: torch.device) -> "SamplingBatch":
-        """The requests' parameters in one host-to-device copy: top_k and seeds as int64, temperature
-        and top_p as the bits of their float64 values (cast to float32 on the device, as the host
-        would)."""
-        params = [r.params for r in requests]
-        floats = np.array([p.temperature for p in params] + [p.top_p for p in params], dtype=np.float64)
-        packed = torch.tensor([p.top_k for p in params] + [r.seed for r in requests] + floats.view(np.int64).tolist(),
-                              dtype=torch.int64)
-        if device.type == "cuda":
-            packed = packed.pin_memory()
-        top_k, seeds, temperature, top_p = packed.to(device, non_blocking=True).split(len(params))
-        return cls(temperature.view(torch.float64).float(), top_k, top_p.view(torch.float64).float(), seeds,
-                   greedy=all(p.temperature == 0 for p in params),
-                   truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
-                       max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
-
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, truncate: Truncation | bool = True) -> torch.Tensor:
@@ -140,7 +121,8 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     logits = logits.float()
     greedy = temperature == 0
     probs = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-    one_hot = F.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
+    # scatter, not F.one_hot, which may check its indices on the host (a sync a CUDA graph cannot hold)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if truncate:
         limits = truncate if isinstance(truncate, Truncation) else Truncation(vocab, True)
         cut = truncate_top_k_top_p if limits.top_p or limits.top_k > vocab // 2 else truncate_top_k

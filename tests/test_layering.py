@@ -12,7 +12,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nanospec"
 LAYERS = [
     {"errors"},
     {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy"},
-    {"model", "dynamic_k", "proposer"},
+    {"model", "dynamic_k", "proposer", "cuda_graph"},
     {"checkpoint"},
     {"tokenizer", "eagle"},
     {"engine"},

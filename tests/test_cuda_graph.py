@@ -1,0 +1,197 @@
+"""The decode step on static buffers (cuda_graph.py): the padded, bucketed step that a GPU replays
+as a graph computes what an unpadded forward computes, and the engine through it keeps its
+invariants. On CPU the step body runs eagerly on the same buffers; the CUDA-only tests at the end
+compare graph replays with --enforce-eager and count copies on the device."""
+import random
+
+import pytest
+import torch
+
+from conftest import PROMPTS, assert_no_leak, proposer_args
+from nanospec import LLM, SamplingParams, checkpoint, cuda_graph
+from nanospec.dynamic_k import Profile
+from nanospec.engine import Request
+from nanospec.kv_cache import NULL_BLOCK, BlockTable, KVCache, build_metadata
+from nanospec.sampler import Sampler
+
+CPU = torch.device("cpu")
+BLOCK = 4
+
+
+class LogitsOut:
+    """A proposer stand-in whose "features" are the target's logits of every query row: the padded
+    step's logits come out through the channel EAGLE's features use."""
+    capture_layers = ()
+    needs_features = True
+
+    def __init__(self, model):
+        self.model = model
+
+    def features(self, hidden, captured):
+        return self.model.logits(hidden)
+
+
+def request(i: int, tokens: list[int]) -> Request:
+    params = SamplingParams(temperature=0)
+    return Request(i, "", tokens, params, seed=i, max_len=10_000, tokens=list(tokens))
+
+
+def prefill(model, cache: KVCache, reqs: list[Request]) -> None:
+    """Cache all but each request's last token, unpadded."""
+    lens = [len(r.tokens) - 1 for r in reqs]
+    for r, n in zip(reqs, lens):
+        cache.allocator.grow(r.block_table, n)
+    meta = build_metadata([r.block_table for r in reqs], [0] * len(reqs), lens, BLOCK, CPU)
+    model(torch.tensor([t for r in reqs for t in r.tokens[:-1]]), meta.positions, cache, meta)
+    for r, n in zip(reqs, lens):
+        r.num_cached = n
+
+
+def unpadded_logits(model, cache: KVCache, reqs, drafts: list[list[int]]) -> list[torch.Tensor]:
+    """The verify forward as a flat batch of exactly each request's 1 + num_draft tokens."""
+    lens = [1 + len(d) for d in drafts]
+    meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], lens, BLOCK, CPU)
+    ids = torch.tensor([t for r, d in zip(reqs, drafts) for t in [r.tokens[-1], *d]])
+    hidden, _ = model(ids, meta.positions, cache, meta)
+    return model.logits(hidden).split(lens)
+
+
+@pytest.fixture(scope="module", params=["float64", "float32"])
+def model(request, checkpoints):
+    dtype = getattr(torch, request.param)
+    return checkpoint.build_model(checkpoint.read_checkpoint(checkpoints["qwen3"]), CPU, dtype)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_padded_step_equals_unpadded(model, seed):
+    """Random batches of 1..40 (straddling the buckets 1, 2, 4, 8, 16, 24, 32, 40), K 0..8 with
+    fewer drafts for some requests, contexts across block boundaries (block size 4): the padded
+    step's logits equal the unpadded forward's (float64: to rounding; float32: its greedy tokens
+    and accepted counts), it writes the same K/V to the requests' blocks, and its padding touches
+    only the null block."""
+    rng = random.Random(seed)
+    batch, k = rng.randint(1, 40), rng.randint(0, 8)
+    cfg, vocab = model.config, model.config.vocab_size
+    cache = KVCache(cfg.num_layers, 40 * 20, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.model.norm.weight.dtype, CPU)
+    reqs = [request(i, [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]) for i in range(batch)]
+    drafts = [[rng.randrange(vocab) for _ in range(rng.choice([k, rng.randint(0, k)]))] for _ in reqs]
+    with torch.inference_mode():
+        prefill(model, cache, reqs)
+        for r, d in zip(reqs, drafts):
+            cache.allocator.grow(r.block_table, r.num_cached + len(d) + 1)
+        reference_cache = KVCache(cfg.num_layers, 40 * 20, BLOCK, cfg.num_kv_heads, cfg.head_dim, cache.pool.dtype, CPU)
+        reference_cache.pool.copy_(cache.pool)
+        expected = unpadded_logits(model, reference_cache, reqs, drafts)
+        steps = cuda_graph.StepGraphs(model, cache, vocab, 40, 200, CPU, Sampler(compile=False), LogitsOut(model))
+        sampling = steps.upload(reqs, [len(d) for d in drafts], drafts)
+        out, logits = steps.run(sampling)
+    q_len = max(len(d) for d in drafts) + 1
+    assert out.shape[0] == steps.bucket(batch) and logits.shape[0] == steps.bucket(batch) * q_len
+    for b, (r, d) in enumerate(zip(reqs, drafts)):
+        got = logits[b * q_len:b * q_len + len(d) + 1]
+        target_ids = expected[b].argmax(-1).tolist()
+        accepted = next((i for i, t in enumerate(d) if t != target_ids[i]), len(d))
+        tokens, num_accepted, broken = out[b, :q_len].tolist(), out[b, -2].item(), out[b, -1].item()
+        assert (num_accepted, tokens[:accepted + 1], broken) == (accepted, target_ids[:accepted + 1], 0)
+        if model.model.norm.weight.dtype == torch.float64:
+            torch.testing.assert_close(got, expected[b], rtol=1e-12, atol=1e-12)
+    real = torch.ones(cache.pool.shape[2], dtype=torch.bool)
+    real[NULL_BLOCK] = False
+    torch.testing.assert_close(cache.pool[:, :, real], reference_cache.pool[:, :, real], rtol=1e-12, atol=1e-6)
+
+
+def test_buckets_cover_every_batch():
+    buckets = cuda_graph.batch_buckets(256)
+    assert buckets[:6] == [1, 2, 4, 8, 16, 24] and buckets[-1] == 256 and 64 in buckets and 80 in buckets
+    assert cuda_graph.batch_buckets(5)[-1] == 8
+    assert all(b in buckets for b in (1, 2, 4, 8)) and len(buckets) == len(set(buckets))
+
+
+def test_null_block_is_never_handed_out():
+    cache = KVCache(1, 9, BLOCK, 1, 8, torch.float32, CPU)
+    table = BlockTable()
+    cache.allocator.grow(table, 9 * BLOCK)
+    assert sorted(table) == list(range(1, 10)) and cache.pool.shape[2] == 10 and cache.allocator.num_free == 0
+
+
+def test_device_tables_follow_truncate_and_grow():
+    """A table truncated and grown again between two steps gets its new ids on the device, though
+    its length is what it was (only the ids past `synced` are sent)."""
+    tables = cuda_graph.DeviceBlockTables(4, 6, CPU)
+    cache = KVCache(1, 12, BLOCK, 1, 8, torch.float32, CPU)
+    a, b = BlockTable(), BlockTable()
+    cache.allocator.grow(a, 3 * BLOCK)
+    cache.allocator.grow(b, 2 * BLOCK)
+
+    def sync(*ts):
+        rows, pairs = tables.updates(list(ts))
+        flat = tables.tables.view(-1)
+        flat[torch.tensor(pairs[0::2], dtype=torch.long)] = torch.tensor(pairs[1::2], dtype=torch.long)
+        for t, row in zip(ts, rows):
+            assert tables.tables[row, :len(t)].tolist() == list(t)
+
+    sync(a, b)
+    cache.allocator.truncate(a, BLOCK)
+    cache.allocator.grow(b, 4 * BLOCK)   # takes a's freed blocks
+    cache.allocator.grow(a, 3 * BLOCK)
+    assert a.synced == 1
+    sync(a, b)
+    row = a.row
+    tables.release(a)
+    assert tables.free_rows[-1] == row and a.row is None
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
+def test_batch_padding_changes_no_token(spec_models, monkeypatch, tmp_path, name):
+    """Seeded sampling (top-p on some) and greedy requests in one batch, per-request dynamic K,
+    a pool small enough to preempt: the engine's output with batches padded to buckets equals
+    its output with every batch size its own bucket (no padding rows), token for token; the
+    device tables hold the host's after every step; no block leaks; the null block stays finite."""
+    args = {}
+    if name != "plain":   # K 0 .. 4 per request, more for small batches (the profile's acceptance is high)
+        profile = Profile([1, 4, 8], [0, 1, 4], [[1.0, 1.0, 1.0], [1.0, 1.4, 3.0], [1.0, 2.5, 20.0]], [0.9] * 4)
+        profile.save(str(tmp_path / "profile.json"))
+        args = {**proposer_args(spec_models, name), "num_speculative_tokens": 4, "dynamic_k": True,
+                "profile": str(tmp_path / "profile.json"), "per_request_k": True}
+    prompts = (PROMPTS * 3)[:19]
+    params = [SamplingParams(temperature=0.8 if i % 3 else 0, top_p=0.9 if i % 2 else 1, seed=i, max_tokens=24,
+                             ignore_eos=True) for i in range(len(prompts))]
+
+    def outputs():
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=40, max_num_seqs=19, **args)
+        got = [o.token_ids for o in llm.generate(prompts, params, on_step=lambda reqs: check_tables(llm.engine))]
+        assert llm.engine.kv_cache.pool[:, :, NULL_BLOCK].isfinite().all()
+        assert llm.engine.stats.preemptions > 0
+        assert_no_leak(llm)
+        return got, llm.engine.step_graphs.buckets
+
+    padded, buckets = outputs()
+    monkeypatch.setattr(cuda_graph, "batch_buckets", lambda max_batch: list(range(1, max_batch + 1)))
+    unpadded, no_padding = outputs()
+    assert buckets == [1, 2, 4, 8, 16, 24] and no_padding == list(range(1, 20))
+    assert padded == unpadded
+
+
+def check_tables(engine):
+    """Every running request's table on the device holds its synced ids, and the null row nothing else."""
+    tables = engine.step_graphs.tables
+    for req in engine.scheduler.running:
+        t = req.block_table
+        if t.row is not None:
+            assert tables.tables[t.row, :t.synced].tolist() == t[:t.synced]
+    assert (tables.tables[tables.null_row] == NULL_BLOCK).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
+def test_cuda_graph_replay_equals_eager(spec_models, name):
+    args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 4}
+    prompts = (PROMPTS * 3)[:19]
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, enforce_eager=eager, **args)
+        outputs[eager] = [[o.token_ids for o in llm.generate(prompts, SamplingParams(
+            temperature=t, seed=3, max_tokens=24, ignore_eos=True))] for t in (0, 0.8)]
+        if not eager:
+            assert llm.engine.step_graphs.graphs, "no graph was captured"
+    assert outputs[False] == outputs[True]
