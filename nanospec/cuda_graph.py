@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanospec.kv_cache import NULL_BLOCK, AttentionMetadata, BlockTable, KVCache
+from nanospec.kv_cache import NULL_BLOCK, AttentionMetadata, BlockTable, KVCache, upload
 from nanospec.sampler import SamplingBatch, Truncation
 
 FIELDS = 8              # per-row values in the host buffer (see the module's docstring)
@@ -99,7 +99,9 @@ class StepGraphs:
         """Make the static buffers hold a (bucket, k) step; a graph captured over smaller ones is
         dropped (its addresses are gone), so buffers grow to the largest bucket at once."""
         bucket = max(bucket, self.buckets[-1])
-        size = FIELDS * bucket + bucket * k + 1 + 2 * bucket * self.tables.width
+        # room for the fields, the drafts, every table entry as an update, and a model proposer's
+        # usual round (its first step's tables, a few tokens per request, the later steps' rows)
+        size = FIELDS * bucket + bucket * k + 1 + 2 * bucket * self.tables.width + bucket * (self.tables.width + 8 * (k + 2))
         if self.inputs is None or self.inputs.numel() < size:
             self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
             self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -111,9 +113,11 @@ class StepGraphs:
             self.draft_probs = torch.zeros(bucket, k, self.vocab, device=self.device)
             self.graphs.clear()
 
-    def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None) -> SamplingBatch:
-        """Pack the step's host data, send it in one copy, and return the batch's sampling
-        parameters on the device (the proposer draws with them)."""
+    def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None,
+               extra: list[int] = ()) -> tuple[SamplingBatch, torch.Tensor]:
+        """Pack the step's host data, and `extra` (a model proposer's round), send it in one copy,
+        and return the batch's sampling parameters (the proposer draws with them) and `extra` on
+        the device."""
         batch, bucket, k = len(requests), self.bucket(len(requests)), max(num_draft)
         self.grow(bucket, k)
         rows, pairs = self.tables.updates([r.block_table for r in requests])
@@ -135,16 +139,22 @@ class StepGraphs:
         buf[end] = len(pairs) // 2
         buf[end + 1:end + 1 + len(pairs)] = pairs
         n = end + 1 + len(pairs)
-        self.inputs[:n].copy_(self.host[:n], non_blocking=True)   # the step's one host-to-device copy
+        fits = n + len(extra) <= len(buf)
+        if fits:
+            buf[n:n + len(extra)] = extra
+        self.inputs[:n + fits * len(extra)].copy_(self.host[:n + fits * len(extra)], non_blocking=True)   # the one copy
+        # ... but for a round too long for the buffer (a draft model's first, over whole prompts): a copy of its own
+        extra_on_device = self.inputs[n:n + len(extra)] if fits else upload(list(extra), self.device)
         fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
         temperature, top_p = fields[6:, :batch].view(torch.float64).float()
         self.step = (batch, bucket, k, len(pairs) // 2, max(r.num_cached + d + 1 for r, d in zip(requests, num_draft)))
         if host_drafts is not None:
             self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:end].view(bucket, k))
-        return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
-                             greedy=all(p.temperature == 0 for p in params),
-                             truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
-                                 max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
+        sampling = SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
+                                 greedy=all(p.temperature == 0 for p in params),
+                                 truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
+                                     max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
+        return sampling, extra_on_device
 
     @torch.inference_mode()
     def run(self, sampling: SamplingBatch, draft_ids: torch.Tensor | None = None,
@@ -169,6 +179,32 @@ class StepGraphs:
         graph, outputs = self.graphs[key]
         graph.replay()
         return outputs
+
+    def capture_all(self, ks) -> None:
+        """Capture the greedy step of every bucket up to MAX_GRAPH_BATCH for each K in ks, largest
+        bucket first (the smaller graphs then fit in the pool memory the larger ones left), on
+        inputs that are all padding rows, so the warm-ups write only the null block. Sampling
+        steps are captured on first use."""
+        if not self.use_graphs:
+            return
+        for bucket in sorted((b for b in self.buckets if b <= MAX_GRAPH_BATCH), reverse=True):
+            for k in sorted(ks, reverse=True):
+                self.grow(bucket, k)
+                self.upload_padding(bucket, k)
+                key = (bucket, k, "greedy", False)
+                if key not in self.graphs:
+                    self.graphs[key] = self.capture(key)
+
+    def upload_padding(self, bucket: int, k: int) -> None:
+        """Inputs of a (bucket, k) step whose every row is padding, and no table update."""
+        buf = self.host.numpy()
+        fields = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
+        fields[:] = 0
+        fields[0], fields[7] = self.tables.null_row, ONE_BITS
+        n = FIELDS * bucket + bucket * k + 1
+        buf[FIELDS * bucket:n] = 0
+        self.inputs[:n].copy_(self.host[:n], non_blocking=True)
+        self.drafts.zero_()
 
     def graphed(self, bucket: int) -> bool:
         return self.use_graphs and bucket <= MAX_GRAPH_BATCH

@@ -447,9 +447,12 @@ class Engine:
             num_draft = proposal.num_draft
         else:
             num_draft = [min(k, self.proposer.max_drafts(r)) for r, k in zip(reqs, ks)] if max(ks) else [0] * len(reqs)
-        sampling = self.step_graphs.upload(reqs, num_draft, proposal and proposal.host_drafts)
-        if max(num_draft) and proposal is None:
-            proposal = self.proposer.propose(reqs, num_draft, sampling)
+        plan = self.proposer.prepare(reqs, num_draft) if max(num_draft) and proposal is None else None
+        sampling, plan_on_device = self.step_graphs.upload(reqs, num_draft, proposal and proposal.host_drafts,
+                                                           plan.host if plan else [])
+        if plan:   # a model proposer's round: its host data came in the same copy
+            plan.device = plan_on_device
+            proposal = self.proposer.propose(reqs, num_draft, sampling, plan)
         on_device = proposal is not None and proposal.draft_ids is not None
         out, features = self.step_graphs.run(sampling, proposal.draft_ids if on_device else None,
                                        proposal.draft_probs if on_device else None)

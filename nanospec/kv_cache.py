@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+NULL_BLOCK = 0   # block 0 of every KVCache: never handed out (see the invariants above)
+
 
 class OutOfBlocks(Exception):
     """Raised when the pool has no free block; the scheduler preempts and retries."""
@@ -98,21 +100,48 @@ class AttentionMetadata:
     extra: torch.Tensor | None = None   # [n] the rest of the step's one host-to-device copy (build_metadata)
 
 
+@dataclass(frozen=True)
+class MetadataShape:
+    """What the host knows of a packed metadata buffer, so the device derives it without a sync."""
+    batch: int
+    max_blocks: int
+    total: int            # new tokens in all
+    max_q: int            # most new tokens of one sequence
+    extra: int            # ints after the block tables
+
+
+def pack_metadata(block_tables: list[list[int]], num_cached: list[int], query_lens: list[int],
+                  extra: list[int] = ()) -> tuple[list[int], MetadataShape]:
+    """The host's part of build_metadata: the ints to send (lengths, block tables padded with the
+    null block, `extra`) and their shape."""
+    batch, max_blocks = len(query_lens), max(len(t) for t in block_tables)
+    host = [*num_cached, *query_lens, *(b for t in block_tables for b in (*t, *[NULL_BLOCK] * (max_blocks - len(t)))),
+            *extra]
+    return host, MetadataShape(batch, max_blocks, sum(query_lens), max(query_lens), len(extra))
+
+
+def upload(host: list[int], device: torch.device) -> torch.Tensor:
+    """Ints to the device in one copy, pinned and non-blocking on CUDA."""
+    packed = torch.tensor(host, dtype=torch.int64)
+    if device.type == "cuda":
+        packed = packed.pin_memory()
+    return packed.to(device, non_blocking=True)
+
+
 def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_lens: list[int],
                    block_size: int, device: torch.device, extra: list[int] = ()) -> AttentionMetadata:
     """Metadata for sequences that each add query_lens[b] tokens after num_cached[b] cached ones.
 
     The host sends one int64 buffer (the block tables, the lengths and `extra`, whatever else the
-    step needs from the host: meta.extra on the device) in one copy, pinned and non-blocking on
-    CUDA; everything else is derived on the device from it, without a sync (the shapes come from
-    the host's own lengths)."""
-    batch, max_blocks = len(query_lens), max(len(t) for t in block_tables)
-    total, max_q = sum(query_lens), max(query_lens)
-    host = [*num_cached, *query_lens, *(b for t in block_tables for b in (*t, *[0] * (max_blocks - len(t)))), *extra]
-    packed = torch.tensor(host, dtype=torch.int64)
-    if device.type == "cuda":
-        packed = packed.pin_memory()
-    packed = packed.to(device, non_blocking=True)
+    step needs from the host: meta.extra on the device) in one copy; everything else is derived on
+    the device from it (derive_metadata)."""
+    host, shape = pack_metadata(block_tables, num_cached, query_lens, extra)
+    return derive_metadata(upload(host, device), shape, block_size)
+
+
+def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int) -> AttentionMetadata:
+    """The metadata from a packed buffer on the device, without a sync (the shapes come from the host)."""
+    batch, max_blocks, total, max_q, device = shape.batch, shape.max_blocks, shape.total, shape.max_q, packed.device
     cached, lens = packed[:batch], packed[batch:2 * batch]
     tables = packed[2 * batch:2 * batch + batch * max_blocks].view(batch, max_blocks)
     query_start = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
@@ -123,14 +152,26 @@ def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_l
     # Query i of sequence b sits at position num_cached + i and sees keys 0 .. that position.
     query_pos = cached[:, None] + offsets[None, :]                                            # [B, max_q]
     attn_mask = torch.arange(max_blocks * block_size, device=device)[None, None, :] <= query_pos[:, :, None]
+    start = 2 * batch + batch * max_blocks
     return AttentionMetadata(
         slot_mapping=tables[token_seq, positions // block_size] * block_size + positions % block_size,
         block_tables=tables, context_lens=cached + lens, query_start=query_start, token_seq=token_seq,
         positions=positions, query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0),
-        query_valid=query_valid, attn_mask=attn_mask[:, None], extra=packed[2 * batch + batch * max_blocks:])
+        query_valid=query_valid, attn_mask=attn_mask[:, None], extra=packed[start:start + shape.extra])
 
 
-NULL_BLOCK = 0
+def decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> AttentionMetadata:
+    """Metadata for one new token per sequence at `positions` [B], over block tables [B, max_blocks]
+    already on the device (a draft round's later steps): nothing from the host."""
+    batch, max_blocks, device = len(positions), block_tables.shape[1], positions.device
+    rows = torch.arange(batch, device=device)
+    slots = block_tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    attn_mask = torch.arange(max_blocks * block_size, device=device)[None, :] <= positions[:, None]
+    return AttentionMetadata(
+        slot_mapping=slots, block_tables=block_tables, context_lens=positions + 1,
+        query_start=torch.arange(batch + 1, device=device), token_seq=rows, positions=positions,
+        query_index=rows[:, None], query_valid=torch.ones(batch, 1, dtype=torch.bool, device=device),
+        attn_mask=attn_mask[:, None, None])
 
 
 class KVCache:

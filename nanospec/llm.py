@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanospec import checkpoint
+from nanospec.cuda_graph import batch_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.eagle import load_eagle_head
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
@@ -246,10 +247,12 @@ class LLM:
         policy = StaticK(k)
         if dynamic_k:   # a quick profile is measured on engines of its own, built from a one-block one
             self.profile = self.dynamic_k_profile(profile, k, lambda: make_engine(1, StaticK(0)))
-            policy = DynamicK(self.profile, k, per_request=per_request_k, spans=ngram)   # n-gram drafts spans
+            policy = DynamicK(self.profile, k, per_request=per_request_k, spans=ngram,   # n-gram drafts spans
+                              buckets=batch_buckets(max_num_seqs))
         if speculative_disable_queue_size is not None:
             policy = QueueSwitch(policy, speculative_disable_queue_size)
         self.engine = make_engine(num_blocks, policy)
+        self.engine.step_graphs.capture_all(range(k + 1))   # CUDA graphs of every K the policy can choose
 
     def check_pool(self, num_blocks: int, block_size: int, block_bytes: int, max_model_len: int | None) -> None:
         """The KV pool fits in the device's free memory, and holds an asked-for context: refused

@@ -76,9 +76,9 @@ class ExactlyK:
     def __getattr__(self, name):   # everything but propose is the real proposer's
         return getattr(self.proposer, name)
 
-    def propose(self, requests, ks, sampling):
-        proposal = self.proposer.propose(requests, ks, sampling)
-        if proposal.draft_probs is None:   # one-hot drafts: draft_ids is already padded to max(ks)
+    def propose(self, requests, ks, sampling, plan=None):
+        proposal = self.proposer.propose(requests, ks, sampling, plan)
+        if proposal.draft_probs is None:   # one-hot drafts: the step pads them to max(ks)
             proposal.num_draft = list(ks)
         return proposal
 

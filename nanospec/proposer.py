@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from nanospec.kv_cache import KVCache, build_metadata
+from nanospec.kv_cache import KVCache, MetadataShape, decode_metadata, derive_metadata, pack_metadata, upload
 from nanospec.sampler import DRAFT, SamplingBatch, pick, target_probs, uniform_noise
 
 
@@ -48,7 +48,11 @@ class Proposer:
     def max_drafts(self, request) -> int:
         return request.max_len
 
-    def propose(self, requests, ks: list[int], sampling: SamplingBatch) -> Proposal:
+    def prepare(self, requests, ks: list[int]):
+        """A model proposer's plan of its round (see ModelProposer.prepare); None for others."""
+        return None
+
+    def propose(self, requests, ks: list[int], sampling: SamplingBatch, plan=None) -> Proposal:
         raise NotImplementedError
 
     def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor | None:
@@ -103,7 +107,7 @@ class NgramProposer(Proposer):
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
         self.device, self.min_n, self.max_n = device, min_n, max_n
 
-    def propose(self, requests, ks, sampling) -> Proposal:
+    def propose(self, requests, ks, sampling, plan=None) -> Proposal:
         drafts = []
         for req, k in zip(requests, ks):
             if req.proposer_state is None:
@@ -113,6 +117,16 @@ class NgramProposer(Proposer):
 
     def free(self, request) -> None:
         pass   # the index only depends on tokens, which preemption keeps
+
+
+@dataclass
+class Round:
+    """A model proposer's round of draft steps, planned on the host before the decode step's upload."""
+    host: list[int]                       # what the round needs from the host, sent in the step's one copy
+    steps: list[list[int]]                # the batch rows that draft at each step
+    shape: MetadataShape                  # of the first step's metadata at the start of `host`
+    features: torch.Tensor | None = None  # EAGLE: the target features the first step feeds
+    device: torch.Tensor | None = None    # `host` on the device, once sent
 
 
 @dataclass(slots=True)
@@ -160,47 +174,61 @@ class ModelProposer(Proposer):
         len(tokens) + K - 2 are fed, and its position table ends at max_positions."""
         return max(0, self.max_positions + 1 - len(request.tokens))
 
+    def prepare(self, requests, ks) -> Round:
+        """Plan a round of max(ks) draft steps (request b drafts ks[b] > 0) and grow every block it
+        will write before it runs. Its host data (the first step's metadata and inputs; each later
+        step's rows, draw positions, first-step table rows and feed positions) rides in the decode
+        step's one copy; the later steps' metadata is derived on the device (decode_metadata)."""
+        batch, k = len(requests), max(ks)
+        steps = [[b for b in range(batch) if ks[b] > i] for i in range(k)]
+        first = [requests[b] for b in steps[0]]
+        states = [self.state(r) for r in first]
+        inputs, lens, features = self.catch_up(first, states)
+        for st, n, b in zip(states, lens, steps[0]):   # the round feeds n positions, then ks[b] - 1 drafts
+            self.kv_cache.allocator.grow(st.block_table, st.num_cached + n + ks[b] - 1)
+        host, shape = pack_metadata([s.block_table for s in states], [s.num_cached for s in states], lens, inputs)
+        for st, n in zip(states, lens):
+            st.num_cached += n
+        table_row = {b: j for j, b in enumerate(steps[0])}
+        later = [(b, requests[b].proposer_state) for rows in steps[1:] for b in rows]
+        feed = []
+        for _, st in later:   # step i feeds d_i at the next position of its cache
+            feed.append(st.num_cached)
+            st.num_cached += 1
+        host += ([b for rows in steps for b in rows] + [len(requests[b].tokens) + i for i, rows in enumerate(steps)
+                                                        for b in rows]
+                 + [table_row[b] for b, _ in later] + feed)
+        return Round(host, steps, shape, features)
+
     @torch.inference_mode()
-    def propose(self, requests, ks, sampling) -> Proposal:
-        ks = [min(k, self.max_drafts(r)) for r, k in zip(requests, ks)]   # 0: drafts nothing this step
+    def propose(self, requests, ks, sampling, plan: Round | None = None) -> Proposal:
+        """The planned round (or, without one, a round planned and sent here) on the device."""
+        if plan is None:
+            plan = self.prepare(requests, ks)
+            plan.device = upload(plan.host, self.device)
         batch, k = len(requests), max(ks)
         draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=self.device)
-        draft_probs = None if sampling.greedy or k == 0 else torch.zeros(batch, k, self.vocab, device=self.device)
+        draft_probs = None if sampling.greedy else torch.zeros(batch, k, self.vocab, device=self.device)
         finite = torch.ones(batch, dtype=torch.bool, device=self.device)   # read with the step's one host copy
+        sizes = [len(rows) for rows in plan.steps]
+        meta_size = 2 * plan.shape.batch + plan.shape.batch * plan.shape.max_blocks + plan.shape.extra
+        first = derive_metadata(plan.device[:meta_size], plan.shape, self.kv_cache.block_size)
+        rows, positions, table_rows, feed = plan.device[meta_size:].split([sum(sizes)] * 2 + [sum(sizes[1:])] * 2)
+        rows, positions = rows.split(sizes), positions.split(sizes)
+        table_rows, feed = table_rows.split(sizes[1:]), feed.split(sizes[1:])
         carry = None   # what step i passes to step i + 1 (the draft's hidden states, for EAGLE)
-        # The rows that draft at each step and their positions go to the device once, with the first
-        # step's own input; each later step sends only its attention metadata.
-        steps = [[b for b in range(batch) if ks[b] > i] for i in range(k)]
-        sizes = [len(rows) for rows in steps]
-        round_host = [b for rows in steps for b in rows] + [len(requests[b].tokens) + i
-                                                             for i, rows in enumerate(steps) for b in rows]
         for i in range(k):
-            rows = steps[i]
             if i == 0:   # catch up on everything this proposer has not seen, then draft d_1
-                logits, carry, round_dev = self.first_step([requests[b] for b in rows], batch, round_host)
-                all_rows, all_positions = round_dev.split([sum(sizes)] * 2)
-                rows_per_step, positions_per_step = all_rows.split(sizes), all_positions.split(sizes)
-            else:        # feed d_i back
-                logits, carry = self.next_step([requests[b] for b in rows], draft_ids[rows_per_step[i], i - 1],
-                                               carry, rows_per_step[i], i)
-            rows_t, positions = rows_per_step[i], positions_per_step[i]
-            finite[rows_t] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
-            tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows_t, positions)
-            draft_ids[rows_t, i] = tokens
+                logits, carry = self.first_step(first, plan, rows[0], batch)
+            else:        # feed d_i back: one token per row, at positions that advance on the device
+                meta = decode_metadata(first.block_tables[table_rows[i - 1]], feed[i - 1], self.kv_cache.block_size)
+                logits, carry = self.next_step(meta, draft_ids[rows[i], i - 1], carry, rows[i])
+            finite[rows[i]] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
+            tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows[i], positions[i])
+            draft_ids[rows[i], i] = tokens
             if draft_probs is not None:
-                draft_probs[rows_t, i] = q
+                draft_probs[rows[i], i] = q
         return Proposal(draft_ids, draft_probs, list(ks), finite)
-
-    def run(self, states: list[CacheState], query_lens: list[int], extra: list[int] = ()):
-        """Grow each state's blocks for its new positions and build the attention metadata (with
-        `extra`, more host ints in the same copy: meta.extra)."""
-        for st, n in zip(states, query_lens):
-            self.kv_cache.allocator.grow(st.block_table, st.num_cached + n)
-        meta = build_metadata([s.block_table for s in states], [s.num_cached for s in states], query_lens,
-                              self.kv_cache.block_size, self.device, extra=extra)
-        for st, n in zip(states, query_lens):
-            st.num_cached += n
-        return meta
 
     def twin(self, num_blocks: int) -> "ModelProposer":
         twin = copy.copy(self)
@@ -228,16 +256,16 @@ class DraftModelProposer(ModelProposer):
                                  dtype, device), vocab, cfg.max_position_embeddings, device)
         self.model = model
 
-    def first_step(self, requests, batch, round_host):
-        """Catch up and draft d_1; round_host rides in the same copy: returns (logits, None, it on the device)."""
-        states = [self.state(r) for r in requests]
+    def catch_up(self, requests, states):
+        """The first step feeds every token the draft has not cached."""
         inputs = [t for r, s in zip(requests, states) for t in r.tokens[s.num_cached:]]
-        meta = self.run(states, [len(r.tokens) - s.num_cached for r, s in zip(requests, states)], inputs + round_host)
-        input_ids, round_dev = meta.extra.split([len(inputs), len(round_host)])
-        return self.forward(meta, input_ids), None, round_dev
+        return inputs, [len(r.tokens) - s.num_cached for r, s in zip(requests, states)], None
 
-    def next_step(self, requests, input_ids, carry, rows_t, i):
-        return self.forward(self.run([self.state(r) for r in requests], [1] * len(requests)), input_ids), None
+    def first_step(self, meta, plan, rows_t, batch):
+        return self.forward(meta, meta.extra), None
+
+    def next_step(self, meta, input_ids, carry, rows_t):
+        return self.forward(meta, input_ids), None
 
     def forward(self, meta, input_ids) -> torch.Tensor:
         hidden, _ = self.model(input_ids, meta.positions, self.kv_cache, meta)
@@ -280,24 +308,21 @@ class EagleProposer(ModelProposer):
         st = self.state(request)
         return super().max_drafts(request) if st.num_real or any(len(f) for f in st.pending) else 0
 
-    def first_step(self, requests, batch, round_host):
-        """Feed the elements with real features not seen yet and draft d_1; round_host rides in the
-        same copy: returns (logits, carry, it on the device)."""
-        states = [self.state(r) for r in requests]
+    def catch_up(self, requests, states):
+        """The first step feeds the elements with real features the head has not seen."""
         token_ids = [t for r, s in zip(requests, states) for t in r.tokens[s.num_real + 1:]]
         features = torch.cat([f for s in states for f in s.pending])
         lens = [sum(len(f) for f in s.pending) for s in states]
         for s, n in zip(states, lens):
             s.pending, s.num_real = [], s.num_real + n
-        meta = self.run(states, lens, token_ids + round_host)
-        input_ids, round_dev = meta.extra.split([len(token_ids), len(round_host)])
-        hidden = self.forward(meta, input_ids, features)
-        carry = torch.zeros(batch, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
-        logits, carry = self.finish(hidden, round_dev[:len(requests)], carry)   # step 0's rows come first
-        return logits, carry, round_dev
+        return token_ids, lens, features
 
-    def next_step(self, requests, input_ids, carry, rows_t, i):
-        meta = self.run([self.state(r) for r in requests], [1] * len(requests))
+    def first_step(self, meta, plan, rows_t, batch):
+        hidden = self.forward(meta, meta.extra, plan.features)
+        carry = torch.zeros(batch, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+        return self.finish(hidden, rows_t, carry)
+
+    def next_step(self, meta, input_ids, carry, rows_t):
         return self.finish(self.forward(meta, input_ids, carry[rows_t]), rows_t, carry)
 
     def finish(self, hidden, rows_t, carry):

@@ -83,7 +83,7 @@ def test_padded_step_equals_unpadded(model, seed):
         reference_cache.pool.copy_(cache.pool)
         expected = unpadded_logits(model, reference_cache, reqs, drafts)
         steps = cuda_graph.StepGraphs(model, cache, vocab, 40, 200, CPU, Sampler(compile=False), LogitsOut(model))
-        sampling = steps.upload(reqs, [len(d) for d in drafts], drafts)
+        sampling, _ = steps.upload(reqs, [len(d) for d in drafts], drafts)
         out, logits = steps.run(sampling)
     q_len = max(len(d) for d in drafts) + 1
     assert out.shape[0] == steps.bucket(batch) and logits.shape[0] == steps.bucket(batch) * q_len
@@ -195,3 +195,48 @@ def test_cuda_graph_replay_equals_eager(spec_models, name):
         if not eager:
             assert llm.engine.step_graphs.graphs, "no graph was captured"
     assert outputs[False] == outputs[True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
+def test_cuda_decode_step_copies_once_each_way(spec_models, monkeypatch, name, batch):
+    """On CUDA, under torch.cuda.set_sync_debug_mode("error") (any sync raises) but for the one
+    read of the results: one host-to-device and one device-to-host memcpy in a decode step, a
+    graph replay whose graph was captured before."""
+    args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 3}
+    llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, max_num_seqs=16, **args)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_requests([engine.new_request(i, p, llm.encode_prompt(p), params)
+                         for i, p in enumerate((PROMPTS * 4)[:batch])])
+    for _ in range(3):   # prefill, the proposer's catch-up, a first decode step
+        engine.step()
+    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+        engine.step()
+    captured = len(engine.step_graphs.graphs)
+    real_tolist = torch.Tensor.tolist
+
+    def one_read(self):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real_tolist(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+    monkeypatch.setattr(torch.Tensor, "tolist", one_read)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    copies = {"HtoD": 0, "DtoH": 0}
+    for event in prof.key_averages():
+        for way in copies:
+            if "Memcpy" in event.key and way in event.key:
+                copies[way] += event.count
+    assert copies == {"HtoD": 1, "DtoH": 1}
+    assert len(engine.step_graphs.graphs) == captured

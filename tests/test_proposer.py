@@ -35,8 +35,8 @@ def record_proposals(llm):
     proposer, calls = llm.engine.proposer, []
     original = proposer.propose
 
-    def spy(requests, ks, sampling):
-        out = original(requests, ks, sampling)
+    def spy(requests, ks, sampling, plan=None):
+        out = original(requests, ks, sampling, plan)
         for b, req in enumerate(requests):
             if out.num_draft[b]:
                 calls.append((list(req.tokens), out.draft_ids[b, :out.num_draft[b]].tolist()))
