@@ -23,6 +23,7 @@ import torch
 
 from nanospec import checkpoint
 from nanospec.cli import Progress, add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads
+from nanospec.cuda_graph import batch_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
@@ -185,7 +186,8 @@ def dynamic_policy(args, llm, max_k: int):
         profile = quick_profile(llm.engine, prompts, max_k, llm.profile_meta(), llm.engine.scheduler.max_num_seqs)
     # a fresh policy per row: every row starts from the profile
     spans = llm.engine.proposer.acceptance_in_spans   # (run checked that dynamic rows have a proposer)
-    return profile, lambda row: DynamicK(profile, max_k, per_request=row == "dynamic-per-request", spans=spans)
+    return profile, lambda row, batch: DynamicK(profile, max_k, per_request=row == "dynamic-per-request", spans=spans,
+                                                buckets=batch_buckets(batch))
 
 
 def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, new_policy, max_k: int) -> dict:
@@ -202,7 +204,7 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
     num_blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
     rows = []
     for k in ks:
-        policy = new_policy(k) if k in DYNAMIC_ROWS else StaticK(k)   # K = 0 is plain decoding
+        policy = new_policy(k, batch_size) if k in DYNAMIC_ROWS else StaticK(k)   # K = 0 is plain decoding
         engine = llm.engine.twin(num_blocks, max_num_seqs=batch_size, k_policy=policy)
         rows.append({"k": k, "engine": engine, "groups": groups(prompts, batch_size, args.continuous),
                      "requests": [], "seconds": 0.0})

@@ -222,8 +222,11 @@ class DynamicK(KPolicy):
     estimates rest on the steps the profile chose, the unusual one among them."""
 
     def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8, per_request: bool = False,
-                 request_decay: float = 0.95, warmup_steps: int = 4, spans: bool = False, **rate_options):
+                 request_decay: float = 0.95, warmup_steps: int = 4, spans: bool = False, buckets=None, **rate_options):
+        """buckets: the batch sizes the engine pads a step to (cuda_graph.batch_buckets; None: none):
+        a step costs what its bucket's step costs, so its time is looked up, and learned, there."""
         self.profile, self.per_request, self.request_decay = profile, per_request, request_decay
+        self.buckets = buckets
         self.max_k = min(profile.max_k, max_k or profile.max_k)
         rates = SpanRates if spans else AcceptanceRates   # spans: for n-gram (Proposer.acceptance_in_spans)
         self.acceptance = rates(profile.acceptance[:self.max_k], profile.drafted[:self.max_k], **rate_options)
@@ -238,8 +241,15 @@ class DynamicK(KPolicy):
             return self.acceptance.prior, self.acceptance.prior_drafted
         return self.acceptance.rates(), self.acceptance.drafted()
 
+    def padded(self, batch_size: int) -> int:
+        """The batch size a step of batch_size requests runs at: its bucket."""
+        if not self.buckets or batch_size > self.buckets[-1]:
+            return batch_size
+        return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
+
     def profile_time(self, batch_size: int, drafts: float) -> float:
         """The profile's seconds for a step whose requests verify `drafts` each on average."""
+        batch_size = self.padded(batch_size)
         if batch_size not in self._itl:   # the profile is fixed: interpolate over the batch once
             self._itl[batch_size] = self.profile.itl(batch_size)[:self.max_k + 1]
         return itl_at(self._itl[batch_size], drafts)
@@ -248,7 +258,8 @@ class DynamicK(KPolicy):
         """The seconds the policy expects of such a step: the profile's, times how much slower or
         faster the engine's own steps have run than the profile said (StepTimes; 1 while warming up)."""
         warming = self.steps < self.warmup_steps
-        return self.profile_time(batch_size, drafts) * (1.0 if warming else self.step_times.ratio(batch_size, drafts))
+        ratio = 1.0 if warming else self.step_times.ratio(self.padded(batch_size), drafts)
+        return self.profile_time(batch_size, drafts) * ratio
 
     def cost(self, batch_size: int) -> list[float]:
         """Expected seconds of a step at K = 0..max_k (step_cost)."""
@@ -311,6 +322,6 @@ class DynamicK(KPolicy):
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks
             drafts = sum(verified) / batch
-            self.step_times.observe(batch, drafts, seconds / self.profile_time(batch, drafts))
+            self.step_times.observe(self.padded(batch), drafts, seconds / self.profile_time(batch, drafts))
 
 

@@ -422,3 +422,14 @@ def test_bad_profile_is_one_clear_error(tmp_path, content, match):
     path.write_text(content)
     with pytest.raises(NanospecError, match=match):
         Profile.load(str(path))
+
+
+def test_a_step_costs_what_its_bucket_costs():
+    """With the engine's batch buckets, a batch of 5 is priced (and its observed time learned) at
+    the bucket of 8 it is padded to, not between the profile's points 4 and 8."""
+    profile = Profile([1, 4, 8], [0, 1], [[1.0, 2.0], [2.0, 3.0], [4.0, 6.0]], [0.5])
+    padded, unpadded = DynamicK(profile, buckets=[1, 2, 4, 8]), DynamicK(profile)
+    assert padded.profile_time(5, 1) == padded.profile_time(8, 1) == 6.0
+    assert unpadded.profile_time(5, 1) == pytest.approx(3.75)
+    padded.observe([1] * 5, [0] * 5, seconds=12.0)   # twice the profile's time for its bucket
+    assert padded.step_times.ratio(8, 1) > 1 and padded.padded(9) == 9
