@@ -1,8 +1,9 @@
 """Host work and host/device traffic per decode step, at batch 1, 64 and 256: the milliseconds a
-step spends in the scheduler, the K policy, building the attention metadata and input, and the
-sampling parameters (host bookkeeping, with a tiny random model so that the forward does not hide
-it), and how many tensors a step builds from host data (torch.tensor: on CUDA each is a
-host-to-device copy) and reads back (.tolist(): a device-to-host copy).
+step spends in the scheduler, the K policy, packing its host data (cuda_graph.StepGraphs.upload:
+sampling parameters, block-table updates, last tokens, n-gram drafts) and planning a draft
+model's round (host bookkeeping, with a tiny random model so that the forward does not hide it),
+and how many host-to-device copies (tensors built from host data, copies out of the step's host
+buffer) and device-to-host reads (.tolist()) a step makes.
 
     python tools/step_costs.py [--steps 20] [--out FILE.json]
 """
@@ -21,36 +22,34 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
 
-from nanospec import LLM, SamplingParams, engine as engine_module  # noqa: E402
-from nanospec.sampler import SamplingBatch  # noqa: E402
+from nanospec import LLM, SamplingParams, cuda_graph, engine as engine_module, proposer as proposer_module  # noqa: E402
 
 TIMED = {"scheduler": (engine_module.Scheduler, "schedule"), "policy": (engine_module.Engine, "choose_ks"),
-         "sampling params": (SamplingBatch, "of")}
+         "input packing": (cuda_graph.StepGraphs, "upload"), "round planning": (proposer_module.ModelProposer, "prepare")}
 
 
-def instrument(totals: collections.Counter, counts: collections.Counter):
-    """Wrap the timed host functions and count tensors built from host data and read back."""
+def instrument(totals: collections.Counter, counts: collections.Counter, host_buffer: torch.Tensor):
+    """Wrap the timed host functions and count copies in and reads back."""
     undo = []
-
-    def wrap(owner, name, label, static=False):
+    for label, (owner, name) in TIMED.items():
         real = getattr(owner, name)
-        fn = real.__func__ if static else real
 
-        def timed(*args, **kwargs):
+        def timed(*args, real=real, label=label, **kwargs):
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return real(*args, **kwargs)
             finally:
                 totals[label] += time.perf_counter() - start
-        setattr(owner, name, classmethod(timed) if static else timed)
+        setattr(owner, name, timed)
         undo.append((owner, name, real))
-    for label, (owner, name) in TIMED.items():
-        wrap(owner, name, label, static=name == "of")
-    wrap(engine_module, "build_metadata", "metadata and input")
-    real_tensor, real_tolist = torch.tensor, torch.Tensor.tolist
+    host = host_buffer.untyped_storage().data_ptr()
+    real_tensor, real_tolist, real_copy = torch.tensor, torch.Tensor.tolist, torch.Tensor.copy_
     torch.tensor = lambda *a, **kw: (counts.update(["host to device"]), real_tensor(*a, **kw))[1]
     torch.Tensor.tolist = lambda self: (counts.update(["device to host"]), real_tolist(self))[1]
-    undo += [(torch, "tensor", real_tensor), (torch.Tensor, "tolist", real_tolist)]
+    torch.Tensor.copy_ = lambda self, src, *a, **kw: (
+        counts.update(["host to device"] if src.untyped_storage().data_ptr() == host else []),
+        real_copy(self, src, *a, **kw))[1]
+    undo += [(torch, "tensor", real_tensor), (torch.Tensor, "tolist", real_tolist), (torch.Tensor, "copy_", real_copy)]
     return undo
 
 
@@ -64,7 +63,7 @@ def measure(target: str, batch: int, steps: int, proposer: dict) -> dict:
         engine.step()
     engine.step()   # a warm-up decode step
     totals, counts = collections.Counter(), collections.Counter()
-    undo = instrument(totals, counts)
+    undo = instrument(totals, counts, engine.step_graphs.host)
     start = time.perf_counter()
     try:
         for _ in range(steps):
@@ -73,9 +72,9 @@ def measure(target: str, batch: int, steps: int, proposer: dict) -> dict:
         for owner, name, real in reversed(undo):
             setattr(owner, name, real)
     seconds = time.perf_counter() - start
-    return {"batch": batch, "proposer": proposer.get("ngram") and "ngram" or "none",
+    return {"batch": batch, "proposer": "ngram" if proposer.get("ngram") else "draft" if proposer.get("draft") else "none",
             "step_ms": round(1000 * seconds / steps, 3),
-            **{f"{label}_ms": round(1000 * totals[label] / steps, 3) for label in [*TIMED, "metadata and input"]},
+            **{f"{label}_ms": round(1000 * totals[label] / steps, 3) for label in TIMED},
             **{f"{kind} per step": counts[kind] / steps for kind in ("host to device", "device to host")}}
 
 
@@ -88,7 +87,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         target = write_checkpoint(os.path.join(tmp, "tiny"), "llama3", num_layers=2, hidden=64)
-        for proposer in ({}, {"ngram": True, "num_speculative_tokens": 4}):
+        for proposer in ({}, {"ngram": True, "num_speculative_tokens": 4}, {"draft": target, "num_speculative_tokens": 4}):
             for batch in (1, 64, 256):
                 rows.append(measure(target, batch, args.steps, proposer))
                 print(json.dumps(rows[-1]), file=sys.stderr)
