@@ -1,38 +1,53 @@
-"""The decode / verify step in the GPU's shape: static buffers per (batch bucket, query length),
-captured as a CUDA graph and replayed on CUDA; on CPU, and with enforce_eager, the same body runs
-eagerly on the same buffers, so every CPU test runs the padded, bucketed step a GPU replays.
+"""The decode step in the GPU's shape: static buffers per (batch bucket, K), captured as CUDA graphs
+and replayed on CUDA; on CPU, and with enforce_eager, the same bodies run eagerly on the same
+buffers, so every CPU test runs the padded, bucketed step that a GPU replays.
 
-What a step takes from the host is one int64 buffer, copied once (pinned, non-blocking on CUDA):
-  FIELDS rows of `bucket` values: per batch row its table row, cached tokens, number of drafts,
-      last token, seed, top_k, and temperature and top_p as the bits of their float64 values;
-  [bucket, K] drafts made on the host (n-gram; zeros for the others);
-  the block-table updates since the last step: their count, then (flat index, block id) pairs.
-What it gives back is one [bucket, K + 2] int64 tensor: each row's K + 1 tokens, its accepted
-count and a flag for non-finite logits (read by the engine in its one copy back).
+A decode step is, in order:
+  upload   one int64 buffer from the host, one copy (pinned, non-blocking on CUDA):
+             FIELDS rows of `bucket` values, one per batch row (see FIELDS below);
+             [bucket, K] drafts made on the host (n-gram; zeros for the others);
+             the block-table entries changed since the last step (target's and proposer's):
+             their count, then (flat index, block id) pairs;
+             a model proposer's first draft step (its catch-up): lengths and input ids.
+  round    a draft model's or EAGLE head's K draft steps: the first (catch-up: each request feeds
+           what the proposer has not seen, a varying length) eagerly, then steps 2..K as one graph
+           whose positions advance on the device; drafts, draft probabilities and a finiteness
+           flag land in static buffers.
+  verify   the target over [last token, d_1 .. d_K] for every row, acceptance and sampling, as
+           one graph; it returns one [bucket, K + 3] int64 tensor: each row's K + 1 tokens, its
+           accepted count, and a flag for non-finite logits (1: the target's, 2: the drafter's),
+           which the engine reads back in its one copy.
 
 Padding keeps the step lossless:
-- a bucket's rows past the batch are requests of one token at position 0 whose block-table row is
-  the null row (every entry the null block, which the allocator never hands out). They write and
+- a bucket's rows past the batch are requests of one token at position 0 whose block-table rows are
+  null rows (every entry the null block, which the allocator never hands out). They write and
   read only the null block, whose slots stay finite (kv_cache.py), and nothing reads their output.
 - a request with fewer drafts than the step's K repeats its last real query in the padded
   positions (the same position, so the same keys), writes their K/V to the null block (it may own
   no block there), and its logits rows there are replaced by its last real one before sampling.
+  In the draft round, a request past its own K drafts on (position 0, writes to the null block).
 - every draft id in the static buffer, stale or padding, is a token id, so the embedding can read it.
 
-On CUDA the graphs share one memory pool and are captured on first use; batches above
-MAX_GRAPH_BATCH run the body eagerly. The body reads block tables at their full width under a
-graph and at the batch's widest table when eager (the same values; only the padding is shorter).
+On CUDA the graphs share one memory pool, are captured at start for greedy steps (largest bucket
+first) and on first use for the others; batches above MAX_GRAPH_BATCH run the bodies eagerly. A
+body reads block tables at their full width under a graph and at the batch's widest table when
+eager (the same values; only the padding is shorter).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from nanospec.kv_cache import NULL_BLOCK, AttentionMetadata, BlockTable, KVCache, upload
+from nanospec.kv_cache import (NULL_BLOCK, AttentionMetadata, BlockTable, KVCache, decode_metadata,
+                               derive_metadata, upload)
+from nanospec.proposer import Round, align_vocab, draw
 from nanospec.sampler import SamplingBatch, Truncation
 
-FIELDS = 8              # per-row values in the host buffer (see the module's docstring)
-MAX_GRAPH_BATCH = 256   # larger batches run the same body eagerly
+# Per batch row: the target's block-table row, its cached tokens (the last token's position), its
+# drafts, its last token, seed, top_k, temperature and top_p (the bits of their float64 values),
+# the proposer's block-table row, the proposer's position for d_1.
+FIELDS = 10
+MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
 
 
@@ -45,26 +60,31 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes
 
 
-class DeviceBlockTables:
-    """The block tables of the running requests on the device, one row per request, kept current by
-    the updates each step sends: only the ids a BlockTable has gained since it was last synced."""
+def table_width(cache: KVCache, max_model_len: int) -> int:
+    """A table holds at most the blocks of max_model_len, or of the whole pool."""
+    return min(cache.allocator.blocks_for(max_model_len), cache.allocator.num_blocks)
 
-    def __init__(self, num_rows: int, width: int, device: torch.device):
-        self.width = width
-        self.null_row = num_rows                  # all NULL_BLOCK, never written
-        self.tables = torch.full((num_rows + 1, width), NULL_BLOCK, dtype=torch.int64, device=device)
+
+class DeviceBlockTables:
+    """The block tables of one KV cache's running requests on the device, one row per request (and
+    a null row), in flat[base:]; kept current by the updates each step sends: only the ids a
+    BlockTable has gained since it was last synced."""
+
+    def __init__(self, flat: torch.Tensor, base: int, num_rows: int, width: int):
+        self.base, self.width, self.null_row = base, width, num_rows
+        self.tables = flat[base:base + (num_rows + 1) * width].view(num_rows + 1, width)
         self.free_rows = list(range(num_rows - 1, -1, -1))
 
     def updates(self, tables: list[BlockTable]) -> tuple[list[int], list[int]]:
-        """Each table's row (assigned on first use) and the flat (index, id) pairs to write."""
+        """Each table's row (assigned on first use) and the (index into flat, id) pairs to write."""
         rows, pairs = [], []
         for table in tables:
             if table.row is None:
                 table.row = self.free_rows.pop()
             rows.append(table.row)
-            base = table.row * self.width
+            start = self.base + table.row * self.width
             for j in range(table.synced, len(table)):
-                pairs += (base + j, table[j])
+                pairs += (start + j, table[j])
             table.synced = len(table)
         return rows, pairs
 
@@ -75,33 +95,42 @@ class DeviceBlockTables:
 
 
 class StepGraphs:
-    """The target's verify step (K = 0: plain decoding) with its acceptance and sampling, on static
-    buffers, keyed by (bucket, K, sampling mode); `upload` then `run` is one step."""
+    """The decode step on static buffers (see the module's docstring): `upload`, then `run_round`
+    for a model proposer's round, then `run` for the verification."""
 
     def __init__(self, model, kv_cache: KVCache, vocab: int, max_num_seqs: int, max_model_len: int,
                  device: torch.device, sampler, proposer=None, use_graphs: bool = False):
         self.model, self.kv_cache, self.vocab, self.device, self.sampler = model, kv_cache, vocab, device, sampler
         self.proposer = proposer
         self.buckets = batch_buckets(max_num_seqs)
-        allocator = kv_cache.allocator   # a table holds at most the blocks of max_model_len, or of the pool
-        self.tables = DeviceBlockTables(max_num_seqs, min(allocator.blocks_for(max_model_len), allocator.num_blocks), device)
+        draft_cache = getattr(proposer, "kv_cache", None)
+        widths = [table_width(kv_cache, max_model_len), table_width(draft_cache, max_model_len) if draft_cache else 0]
+        self.flat_tables = torch.full(((max_num_seqs + 1) * sum(widths),), NULL_BLOCK, dtype=torch.int64, device=device)
+        self.tables = DeviceBlockTables(self.flat_tables, 0, max_num_seqs, widths[0])
+        self.draft_tables = DeviceBlockTables(self.flat_tables, (max_num_seqs + 1) * widths[0], max_num_seqs,
+                                              widths[1]) if draft_cache else None
+        self.row_width = sum(widths)   # table entries per request, target's and proposer's
         self.use_graphs = use_graphs and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs = {}   # key -> (graph, its output tensors)
-        self.inputs = self.host = None
-        self.drafts = self.draft_probs = None
-        self.grow(1, 0)
+        self.inputs = self.host = self.drafts = self.draft_probs = None
+        largest = self.buckets[-1]
+        self.finite = torch.ones(largest, dtype=torch.bool, device=device)   # the drafter's logits were finite
+        self.carry = proposer.carry(largest) if draft_cache else None        # EAGLE: step i's hidden states for i + 1
+        self.grow(0)
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def grow(self, bucket: int, k: int, probs: bool = False) -> None:
-        """Make the static buffers hold a (bucket, k) step; a graph captured over smaller ones is
-        dropped (its addresses are gone), so buffers grow to the largest bucket at once."""
-        bucket = max(bucket, self.buckets[-1])
-        # room for the fields, the drafts, every table entry as an update, and a model proposer's
-        # usual round (its first step's tables, a few tokens per request, the later steps' rows)
-        size = FIELDS * bucket + bucket * k + 1 + 2 * bucket * self.tables.width + bucket * (self.tables.width + 8 * (k + 2))
+    def graphed(self, bucket: int) -> bool:
+        return self.use_graphs and bucket <= MAX_GRAPH_BATCH
+
+    def grow(self, k: int, probs: bool = False) -> None:
+        """Make the static buffers hold a step of K = k at the largest bucket; graphs captured over
+        smaller buffers are dropped (their addresses are gone)."""
+        bucket = self.buckets[-1]
+        # the fields, the drafts, every table entry as an update, a model proposer's usual catch-up
+        size = (FIELDS + k) * bucket + 1 + 2 * self.row_width * bucket + 8 * (k + 2) * bucket
         if self.inputs is None or self.inputs.numel() < size:
             self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
             self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -113,87 +142,135 @@ class StepGraphs:
             self.draft_probs = torch.zeros(bucket, k, self.vocab, device=self.device)
             self.graphs.clear()
 
-    def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None,
-               extra: list[int] = ()) -> tuple[SamplingBatch, torch.Tensor]:
-        """Pack the step's host data, and `extra` (a model proposer's round), send it in one copy,
-        and return the batch's sampling parameters (the proposer draws with them) and `extra` on
-        the device."""
+    def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None = None,
+               plan: Round | None = None) -> SamplingBatch:
+        """Pack the step's host data (a model proposer's planned round too) and send it in one
+        copy; returns the batch's sampling parameters on the device."""
         batch, bucket, k = len(requests), self.bucket(len(requests)), max(num_draft)
-        self.grow(bucket, k)
+        self.grow(k)
         rows, pairs = self.tables.updates([r.block_table for r in requests])
+        draft_rows = [self.draft_tables.null_row] * batch if self.draft_tables else [0] * batch
+        if plan is not None:
+            rows0, draft_pairs = self.draft_tables.updates([requests[b].proposer_state.block_table for b in plan.rows])
+            pairs += draft_pairs
+            for b, row in zip(plan.rows, rows0):
+                draft_rows[b] = row
         buf = self.host.numpy()
         fields = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
-        fields[:, batch:] = 0   # padding rows: greedy requests of one token at position 0 on the null row
+        fields[:, batch:] = 0   # padding rows: greedy requests of one token at position 0 on null rows
         fields[0, batch:] = self.tables.null_row
+        fields[8, batch:] = self.draft_tables.null_row if self.draft_tables else 0
         fields[7, batch:] = ONE_BITS   # top_p 1: off
         params = [r.params for r in requests]
         fields[:6, :batch] = [rows, [r.num_cached for r in requests], num_draft, [r.tokens[-1] for r in requests],
                               [r.seed for r in requests], [p.top_k for p in params]]
-        fields[6:, :batch] = np.array([[p.temperature for p in params], [p.top_p for p in params]]).view(np.int64)
-        end = FIELDS * bucket + bucket * k
+        fields[6:8, :batch] = np.array([[p.temperature for p in params], [p.top_p for p in params]]).view(np.int64)
+        fields[8, :batch], fields[9, :batch] = draft_rows, plan.first_position if plan else 0
+        end = (FIELDS + k) * bucket
         drafts = buf[FIELDS * bucket:end].reshape(bucket, k)
         drafts[:] = 0
-        if host_drafts is not None:
-            for b, d in enumerate(host_drafts):
-                drafts[b, :len(d)] = d
+        for b, d in enumerate(host_drafts or ()):
+            drafts[b, :len(d)] = d
         buf[end] = len(pairs) // 2
         buf[end + 1:end + 1 + len(pairs)] = pairs
         n = end + 1 + len(pairs)
+        extra = plan.host if plan else []
         fits = n + len(extra) <= len(buf)
         if fits:
             buf[n:n + len(extra)] = extra
-        self.inputs[:n + fits * len(extra)].copy_(self.host[:n + fits * len(extra)], non_blocking=True)   # the one copy
-        # ... but for a round too long for the buffer (a draft model's first, over whole prompts): a copy of its own
-        extra_on_device = self.inputs[n:n + len(extra)] if fits else upload(list(extra), self.device)
+        self.inputs[:n + fits * len(extra)].copy_(self.host[:n + fits * len(extra)], non_blocking=True)  # the copy
+        if plan is not None:   # a round too long for the buffer (a draft's first, over whole prompts): its own copy
+            plan.device = self.inputs[n:n + len(extra)] if fits else upload(list(extra), self.device)
         fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
-        temperature, top_p = fields[6:, :batch].view(torch.float64).float()
-        self.step = (batch, bucket, k, len(pairs) // 2, max(r.num_cached + d + 1 for r, d in zip(requests, num_draft)))
+        temperature, top_p = fields[6:8, :batch].view(torch.float64).float()
+        self.finite.fill_(True)
         if host_drafts is not None:
             self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:end].view(bucket, k))
-        sampling = SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
-                                 greedy=all(p.temperature == 0 for p in params),
-                                 truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
-                                     max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
-        return sampling, extra_on_device
+        longest = max(r.num_cached + d + 1 for r, d in zip(requests, num_draft))
+        probs = plan is not None and not all(p.temperature == 0 for p in params)
+        self.step = (batch, bucket, k, len(pairs) // 2, longest, probs)
+        return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
+                             greedy=all(p.temperature == 0 for p in params),
+                             truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
+                                 max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
+
+    def mode(self, sampling: SamplingBatch, bucket: int):
+        """How a step samples: "greedy", or its truncation (under a graph: any truncation or none)."""
+        if sampling.greedy:
+            return "greedy"
+        return bool(sampling.truncate) if self.graphed(bucket) else sampling.truncate
 
     @torch.inference_mode()
-    def run(self, sampling: SamplingBatch, draft_ids: torch.Tensor | None = None,
-            draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The uploaded step, with the proposer's drafts (device tensors [batch, K], [batch, K, V])
-        when it made them on the device. Returns [bucket, K + 2] (see the module's docstring) and
-        the target's features for EAGLE ([bucket * (K + 1), F], request b's at rows b * (K + 1) ...)."""
-        batch, bucket, k, num_pairs, longest = self.step
-        if draft_ids is not None:
-            self.drafts[:batch, :k].copy_(draft_ids)
-        probs = draft_probs is not None and not sampling.greedy
+    def run_round(self, plan: Round, sampling: SamplingBatch) -> None:
+        """A model proposer's round: the catch-up step eagerly, then steps 2..K (a graph)."""
+        batch, bucket, k, num_pairs, longest, probs = self.step
         if probs:
-            self.grow(bucket, k, probs=True)
-            self.draft_probs[:batch, :k].copy_(draft_probs)
-        mode = "greedy" if sampling.greedy else bool(sampling.truncate) if self.graphed(bucket) else sampling.truncate
-        key = (bucket, k, mode, probs)
-        if not self.graphed(bucket):
-            width = self.kv_cache.allocator.blocks_for(longest)
-            return self.body(key, width, num_pairs)
+            self.grow(k, probs=True)
+        self.apply_updates(self.inputs[(FIELDS + k) * bucket:], num_pairs)   # the proposer's tables (verify repeats it)
+        fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
+        shape, block_size = plan.shape, self.proposer.kv_cache.block_size
+        meta_size = 2 * shape.batch + shape.extra
+        rows = plan.device[meta_size:meta_size + shape.batch]
+        tables = self.draft_tables.tables[fields[8][rows], :plan.first_width]
+        meta = derive_metadata(plan.device[:meta_size], shape, block_size, tables)
+        logits = self.proposer.first_step(meta, plan, rows, self.carry)
+        self.finite[rows] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
+        tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, fields[1][rows] + 1)
+        self.drafts[rows, 0] = tokens
+        if probs:
+            self.draft_probs[rows, 0] = q
+        if k > 1:
+            self.replay(("round", bucket, k, self.mode(sampling, bucket), probs), plan.width)
+
+    @torch.inference_mode()
+    def run(self, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (see the module's
+        docstring) and the target's features for EAGLE ([bucket * (K + 1), F], request b's at rows
+        b * (K + 1) ...)."""
+        batch, bucket, k, num_pairs, longest, probs = self.step
+        return self.replay(("verify", bucket, k, self.mode(sampling, bucket), probs),
+                           self.kv_cache.allocator.blocks_for(longest), num_pairs)
+
+    def replay(self, key, width: int, num_pairs: int = 0):
+        """Run the body of `key`: eagerly at `width` (the widest table it reads), or as a graph."""
+        body = self.verify_body if key[0] == "verify" else self.round_body
+        if not self.graphed(key[1]):
+            return body(key, width, num_pairs)
         if key not in self.graphs:
-            self.graphs[key] = self.capture(key)
+            self.graphs[key] = self.capture(body, key)
         graph, outputs = self.graphs[key]
         graph.replay()
         return outputs
 
+    def capture(self, body, key):
+        """Warm up on a side stream (it runs the current step, which replay then repeats: the same
+        writes), then capture the body at full width into the shared pool."""
+        bucket, width = key[1], (self.tables if key[0] == "verify" else self.draft_tables).width
+        num_pairs = self.row_width * bucket   # every table entry of the bucket's rows
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            body(key, width, num_pairs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = body(key, width, num_pairs)
+        return graph, outputs
+
     def capture_all(self, ks) -> None:
-        """Capture the greedy step of every bucket up to MAX_GRAPH_BATCH for each K in ks, largest
-        bucket first (the smaller graphs then fit in the pool memory the larger ones left), on
-        inputs that are all padding rows, so the warm-ups write only the null block. Sampling
-        steps are captured on first use."""
+        """Capture the greedy verify step of every bucket up to MAX_GRAPH_BATCH for each K in ks,
+        largest bucket first (the smaller graphs then fit in the pool memory the larger ones left),
+        on inputs that are all padding rows, so the warm-ups write only null blocks. Draft rounds
+        and sampling steps are captured on first use."""
         if not self.use_graphs:
             return
+        self.grow(max(ks))
         for bucket in sorted((b for b in self.buckets if b <= MAX_GRAPH_BATCH), reverse=True):
             for k in sorted(ks, reverse=True):
-                self.grow(bucket, k)
                 self.upload_padding(bucket, k)
-                key = (bucket, k, "greedy", False)
+                key = ("verify", bucket, k, "greedy", False)
                 if key not in self.graphs:
-                    self.graphs[key] = self.capture(key)
+                    self.graphs[key] = self.capture(self.verify_body, key)
 
     def upload_padding(self, bucket: int, k: int) -> None:
         """Inputs of a (bucket, k) step whose every row is padding, and no table update."""
@@ -201,37 +278,28 @@ class StepGraphs:
         fields = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
         fields[:] = 0
         fields[0], fields[7] = self.tables.null_row, ONE_BITS
-        n = FIELDS * bucket + bucket * k + 1
+        fields[8] = self.draft_tables.null_row if self.draft_tables else 0
+        n = (FIELDS + k) * bucket + 1
         buf[FIELDS * bucket:n] = 0
         self.inputs[:n].copy_(self.host[:n], non_blocking=True)
         self.drafts.zero_()
 
-    def graphed(self, bucket: int) -> bool:
-        return self.use_graphs and bucket <= MAX_GRAPH_BATCH
-
-    def capture(self, key):
-        """Warm up on a side stream (it runs the current step, which replay then repeats: the same
-        writes), then capture the body at full width into the shared pool."""
-        bucket, full = key[0], self.tables.width
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.body(key, full, bucket * full)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.body(key, full, bucket * full)
-        return graph, outputs
-
-    def body(self, key, width: int, num_pairs: int):
-        """The step on the static buffers: table updates, the metadata, the target's forward over
-        [last token, d_1 .. d_K] per row, acceptance and sampling. No host data, no sync."""
-        bucket, k, mode, probs = key
-        q_len, block_size, device = k + 1, self.kv_cache.block_size, self.device
+    def fields(self, bucket: int, mode):
+        """The per-row fields on the device, and a SamplingBatch of them (`mode` says how it samples)."""
         fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
-        table_row, cached, num_draft, last, seeds, top_k = fields[:6]
-        temperature, top_p = fields[6:].view(torch.float64).float()
-        self.apply_updates(self.inputs[FIELDS * bucket + bucket * k:], num_pairs)
+        temperature, top_p = fields[6:8].view(torch.float64).float()
+        sampling = SamplingBatch(temperature, fields[5], top_p, fields[4], greedy=mode == "greedy",
+                                 truncate=mode if mode != "greedy" else False)
+        return fields, sampling
+
+    def verify_body(self, key, width: int, num_pairs: int):
+        """The verification on the static buffers: table updates, the metadata, the target's forward
+        over [last token, d_1 .. d_K] per row, acceptance and sampling. No host data, no sync."""
+        _, bucket, k, mode, probs = key
+        q_len, block_size, device = k + 1, self.kv_cache.block_size, self.device
+        fields, sampling = self.fields(bucket, mode)
+        table_row, cached, num_draft, last = fields[:4]
+        self.apply_updates(self.inputs[(FIELDS + k) * bucket:], num_pairs)
         offsets = torch.arange(q_len, device=device)
         real_offsets = torch.minimum(offsets[None, :], num_draft[:, None])       # [bucket, K + 1]
         positions = cached[:, None] + real_offsets                               # padding repeats the last real query
@@ -259,17 +327,41 @@ class StepGraphs:
             logits = logits.gather(1, real_offsets[:, :, None].expand(-1, -1, logits.shape[-1]))
             row_max = logits.amax(-1)
             tokens, num_accepted = self.sampler.rejection_sample(
-                logits, drafts, self.draft_probs[:bucket, :k] if probs else None, num_draft, temperature, top_k,
-                top_p, seeds, cached + 1, mode)
+                logits, drafts, self.draft_probs[:bucket, :k] if probs else None, num_draft, sampling.temperature,
+                sampling.top_k, sampling.top_p, sampling.seeds, cached + 1, mode)
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
-        broken = ~row_max.gather(1, real_offsets).isfinite().all(-1)
-        return torch.cat([tokens, num_accepted[:, None], broken.long()[:, None]], dim=1), features
+        broken = (~row_max.gather(1, real_offsets).isfinite().all(-1)).long() + 2 * (~self.finite[:bucket]).long()
+        return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features
+
+    def round_body(self, key, width: int, num_pairs: int = 0) -> None:
+        """Draft steps 2..K of a model proposer's round, for every row of the bucket: step i feeds
+        d_{i-1} at the row's next position (d_1's plus i - 2) and draws d_i. A row past its own K
+        drafts on at position 0 into the null block; its drafts there are never verified."""
+        _, bucket, k, mode, probs = key
+        fields, sampling = self.fields(bucket, mode)
+        cached, num_draft, draft_row, first_position = fields[1], fields[2], fields[8], fields[9]
+        block_size = self.proposer.kv_cache.block_size
+        rows = torch.arange(bucket, device=self.device)
+        tables = self.draft_tables.tables[draft_row, :width]
+        for i in range(1, k):
+            active = num_draft > i
+            meta = decode_metadata(tables, torch.where(active, first_position + i - 1, 0), block_size)
+            meta.slot_mapping = torch.where(active, meta.slot_mapping, NULL_BLOCK * block_size)
+            if self.carry is not None:   # an idle row starts from zeros: iterating its own output could overflow
+                self.carry[:bucket] = torch.where(active[:, None], self.carry[:bucket], 0)
+            logits = self.proposer.next_step(meta, self.drafts[:bucket, i - 1], self.carry, rows)
+            self.finite[:bucket] &= ~active | logits.amax(-1).isfinite()
+            tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, cached + 1 + i)
+            self.drafts[:bucket, i] = tokens
+            if probs:
+                self.draft_probs[:bucket, i] = q
 
     def apply_updates(self, updates: torch.Tensor, num_pairs: int) -> None:
         """Write the uploaded (index, id) pairs into the device tables. A graph reads a fixed
-        number of pairs: those past the step's count (stale) are sent to the null row's first
-        entry, with its own value."""
+        number of pairs: those past the step's count (stale) are sent to the target's null row's
+        first entry, with its own value."""
         count, pairs = updates[0], updates[1:1 + 2 * num_pairs].view(num_pairs, 2)
         valid = torch.arange(num_pairs, device=self.device) < count
         index = torch.where(valid, pairs[:, 0], self.tables.null_row * self.tables.width)
-        self.tables.tables.view(-1).scatter_(0, index, torch.where(valid, pairs[:, 1], NULL_BLOCK))
+        self.flat_tables.scatter_(0, index, torch.where(valid, pairs[:, 1], NULL_BLOCK))
+

@@ -349,9 +349,11 @@ class Engine:
 
     def free(self, req: Request) -> None:
         """A request left the running batch (finished, preempted, removed): release its device table
-        row and its proposer state."""
+        rows and its proposer state."""
         self.step_graphs.tables.release(req.block_table)
         if self.proposer:
+            if self.step_graphs.draft_tables and req.proposer_state is not None:
+                self.step_graphs.draft_tables.release(req.proposer_state.block_table)
             self.proposer.free(req)
 
     def add_requests(self, requests: list[Request]) -> None:
@@ -441,24 +443,19 @@ class Engine:
         start = time.perf_counter()
         reqs = batch.requests
         ks = [n - 1 for n in batch.query_lens]
-        proposal = None
+        proposal = plan = None
         if max(ks) and self.proposer.drafts_on_host:   # n-gram: drafts made on the host ride in the upload
-            proposal = self.proposer.propose(reqs, ks, None)
+            proposal = self.proposer.propose(reqs, ks)
             num_draft = proposal.num_draft
         else:
             num_draft = [min(k, self.proposer.max_drafts(r)) for r, k in zip(reqs, ks)] if max(ks) else [0] * len(reqs)
-        plan = self.proposer.prepare(reqs, num_draft) if max(num_draft) and proposal is None else None
-        sampling, plan_on_device = self.step_graphs.upload(reqs, num_draft, proposal and proposal.host_drafts,
-                                                           plan.host if plan else [])
-        if plan:   # a model proposer's round: its host data came in the same copy
-            plan.device = plan_on_device
-            proposal = self.proposer.propose(reqs, num_draft, sampling, plan)
-        on_device = proposal is not None and proposal.draft_ids is not None
-        out, features = self.step_graphs.run(sampling, proposal.draft_ids if on_device else None,
-                                       proposal.draft_probs if on_device else None)
+            plan = self.proposer.prepare(reqs, num_draft) if max(num_draft) else None
+        steps = self.step_graphs
+        sampling = steps.upload(reqs, num_draft, proposal and proposal.host_drafts, plan)
+        if plan:   # a model proposer's round, on the device
+            steps.run_round(plan, sampling)
+        out, features = steps.run(sampling)
         out = out[:len(reqs)]
-        if proposal is not None and proposal.finite is not None:
-            out = torch.cat([out[:, :-1], out[:, -1:] + 2 * (~proposal.finite[:, None]).long()], dim=1)
         host_out = out.tolist()   # the one copy back
         if any(row[-1] for row in host_out):
             self.clear_caches()   # the step wrote its NaN / inf K/V: no later request may read them

@@ -110,13 +110,14 @@ class MetadataShape:
     extra: int            # ints after the block tables
 
 
-def pack_metadata(block_tables: list[list[int]], num_cached: list[int], query_lens: list[int],
+def pack_metadata(block_tables: list[list[int]] | None, num_cached: list[int], query_lens: list[int],
                   extra: list[int] = ()) -> tuple[list[int], MetadataShape]:
     """The host's part of build_metadata: the ints to send (lengths, block tables padded with the
-    null block, `extra`) and their shape."""
-    batch, max_blocks = len(query_lens), max(len(t) for t in block_tables)
-    host = [*num_cached, *query_lens, *(b for t in block_tables for b in (*t, *[NULL_BLOCK] * (max_blocks - len(t)))),
-            *extra]
+    null block unless they are on the device already (None), `extra`) and their shape."""
+    batch = len(query_lens)
+    max_blocks = max(len(t) for t in block_tables) if block_tables is not None else 0
+    tables = (b for t in block_tables or () for b in (*t, *[NULL_BLOCK] * (max_blocks - len(t))))
+    host = [*num_cached, *query_lens, *tables, *extra]
     return host, MetadataShape(batch, max_blocks, sum(query_lens), max(query_lens), len(extra))
 
 
@@ -139,11 +140,15 @@ def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_l
     return derive_metadata(upload(host, device), shape, block_size)
 
 
-def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int) -> AttentionMetadata:
-    """The metadata from a packed buffer on the device, without a sync (the shapes come from the host)."""
-    batch, max_blocks, total, max_q, device = shape.batch, shape.max_blocks, shape.total, shape.max_q, packed.device
+def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int,
+                    tables: torch.Tensor | None = None) -> AttentionMetadata:
+    """The metadata from a packed buffer on the device, without a sync (the shapes come from the
+    host); `tables`: the block tables [B, max_blocks] where they are on the device already."""
+    batch, total, max_q, device = shape.batch, shape.total, shape.max_q, packed.device
     cached, lens = packed[:batch], packed[batch:2 * batch]
-    tables = packed[2 * batch:2 * batch + batch * max_blocks].view(batch, max_blocks)
+    if tables is None:
+        tables = packed[2 * batch:2 * batch + batch * shape.max_blocks].view(batch, shape.max_blocks)
+    max_blocks = tables.shape[1]
     query_start = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     token_seq = torch.repeat_interleave(torch.arange(batch, device=device), lens, output_size=total)
     positions = cached[token_seq] + torch.arange(total, device=device) - query_start[token_seq]
@@ -152,7 +157,7 @@ def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int)
     # Query i of sequence b sits at position num_cached + i and sees keys 0 .. that position.
     query_pos = cached[:, None] + offsets[None, :]                                            # [B, max_q]
     attn_mask = torch.arange(max_blocks * block_size, device=device)[None, None, :] <= query_pos[:, :, None]
-    start = 2 * batch + batch * max_blocks
+    start = 2 * batch + batch * shape.max_blocks
     return AttentionMetadata(
         slot_mapping=tables[token_seq, positions // block_size] * block_size + positions % block_size,
         block_tables=tables, context_lens=cached + lens, query_start=query_start, token_seq=token_seq,

@@ -76,10 +76,9 @@ class ExactlyK:
     def __getattr__(self, name):   # everything but propose is the real proposer's
         return getattr(self.proposer, name)
 
-    def propose(self, requests, ks, sampling, plan=None):
-        proposal = self.proposer.propose(requests, ks, sampling, plan)
-        if proposal.draft_probs is None:   # one-hot drafts: the step pads them to max(ks)
-            proposal.num_draft = list(ks)
+    def propose(self, requests, ks):
+        proposal = self.proposer.propose(requests, ks)
+        proposal.num_draft = list(ks)   # host drafts: the step pads them with 0 to max(ks)
         return proposal
 
 

@@ -2,8 +2,10 @@
 
 One interface for three kinds of guesser:
   max_drafts(request)          the most drafts it can make for the request now
-  propose(requests, ks, sampling) -> Proposal   up to ks[b] draft tokens for request b, on the device
-                               (or, with drafts_on_host, lists on the host that the step sends)
+  propose(requests, ks) -> Proposal   (drafts_on_host: n-gram) up to ks[b] drafts for request b, as
+                               lists on the host, which the step sends with its other host data
+  prepare(requests, ks) -> Round   (model proposers) plan a round of draft steps, which the step
+                               (cuda_graph.StepGraphs) runs on the device with first_step / next_step
   observe(request, features)   the target's features for positions it just cached for good (EAGLE)
   rollback(request)            forget what the proposer cached past the request's committed tokens
   free(request)                the request finished or was preempted: release the proposer's state
@@ -14,7 +16,7 @@ EagleProposer    an EAGLE-1 / EAGLE-3 head (eagle.py) fed the target's hidden st
 
 Invariant of the model-based proposers: after rollback their cache holds only positions whose
 inputs are committed tokens (and, for EAGLE, real target features), so it is always a prefix of the
-request; the next propose first catches up on what it has not seen, then drafts. Both size their
+request; the next round first catches up on what it has not seen, then drafts. Both size their
 pool like the target's: a request never holds more proposer positions than target positions, so the
 proposer never runs out of blocks before the target's scheduler preempts.
 """
@@ -26,17 +28,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from nanospec.kv_cache import KVCache, MetadataShape, decode_metadata, derive_metadata, pack_metadata, upload
+from nanospec.kv_cache import BlockTable, KVCache, MetadataShape, pack_metadata
 from nanospec.sampler import DRAFT, SamplingBatch, pick, target_probs, uniform_noise
 
 
 @dataclass
 class Proposal:
-    draft_ids: torch.Tensor | None          # [B, K] on the device; past num_draft[b]: padding (None: host_drafts)
-    draft_probs: torch.Tensor | None        # [B, K, V] the draft's q; None: one-hot drafts
+    """Drafts made on the host (n-gram): the engine sends them in the step's one copy."""
     num_draft: list[int]                    # drafts per request
-    finite: torch.Tensor | None = None      # [B] bool: the drafter's logits were finite (None: no model)
-    host_drafts: list[list[int]] | None = None   # drafts made on the host (n-gram): the engine sends them
+    host_drafts: list[list[int]]            # request b's drafts
 
 
 class Proposer:
@@ -49,10 +49,11 @@ class Proposer:
         return request.max_len
 
     def prepare(self, requests, ks: list[int]):
-        """A model proposer's plan of its round (see ModelProposer.prepare); None for others."""
-        return None
+        """A model proposer's plan of its round (see ModelProposer.prepare)."""
+        raise NotImplementedError
 
-    def propose(self, requests, ks: list[int], sampling: SamplingBatch, plan=None) -> Proposal:
+    def propose(self, requests, ks: list[int]) -> Proposal:
+        """Drafts made on the host (drafts_on_host)."""
         raise NotImplementedError
 
     def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor | None:
@@ -107,13 +108,13 @@ class NgramProposer(Proposer):
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
         self.device, self.min_n, self.max_n = device, min_n, max_n
 
-    def propose(self, requests, ks, sampling, plan=None) -> Proposal:
+    def propose(self, requests, ks) -> Proposal:
         drafts = []
         for req, k in zip(requests, ks):
             if req.proposer_state is None:
                 req.proposer_state = NgramIndex(self.min_n, self.max_n)
             drafts.append(req.proposer_state.lookup(req.tokens, k) if k else [])
-        return Proposal(None, None, [len(d) for d in drafts], host_drafts=drafts)   # one-hot, on the host
+        return Proposal([len(d) for d in drafts], drafts)   # one-hot, on the host
 
     def free(self, request) -> None:
         pass   # the index only depends on tokens, which preemption keeps
@@ -121,10 +122,14 @@ class NgramProposer(Proposer):
 
 @dataclass
 class Round:
-    """A model proposer's round of draft steps, planned on the host before the decode step's upload."""
-    host: list[int]                       # what the round needs from the host, sent in the step's one copy
-    steps: list[list[int]]                # the batch rows that draft at each step
+    """A model proposer's round of draft steps, planned on the host before the decode step's upload
+    (cuda_graph.StepGraphs runs it)."""
+    host: list[int]                       # the first step's lengths, input ids and batch rows: sent in the step's copy
+    rows: list[int]                       # the batch rows that draft (K > 0), in the first step's order
     shape: MetadataShape                  # of the first step's metadata at the start of `host`
+    first_position: list[int]             # per batch row: the proposer's position for d_1 (0: no round)
+    first_width: int                      # blocks of the longest table in the first step
+    width: int                            # blocks of the longest table by the end of the round
     features: torch.Tensor | None = None  # EAGLE: the target features the first step feeds
     device: torch.Tensor | None = None    # `host` on the device, once sent
 
@@ -132,7 +137,7 @@ class Round:
 @dataclass(slots=True)
 class CacheState:
     """A request's entries in a proposer's own paged cache."""
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0          # positions cached
     num_real: int = 0            # EAGLE: leading positions fed with real target features
     pending: list[torch.Tensor] = field(default_factory=list)   # EAGLE: real features not yet fed
@@ -157,8 +162,9 @@ def draw(logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor, posi
 
 
 class ModelProposer(Proposer):
-    """What the draft model and EAGLE share: a paged cache of their own and a K-step drafting loop
-    whose tokens stay on the device (no host sync between draft steps)."""
+    """What the draft model and EAGLE share: a paged cache of their own and a round of K draft steps,
+    planned on the host (prepare) and run on the device by cuda_graph.StepGraphs with first_step
+    and next_step, no host work between them."""
 
     def __init__(self, kv_cache: KVCache, vocab: int, max_positions: int, device: torch.device):
         # vocab: the ids the engine emits (its drafts are over those); max_positions: its context
@@ -175,60 +181,28 @@ class ModelProposer(Proposer):
         return max(0, self.max_positions + 1 - len(request.tokens))
 
     def prepare(self, requests, ks) -> Round:
-        """Plan a round of max(ks) draft steps (request b drafts ks[b] > 0) and grow every block it
-        will write before it runs. Its host data (the first step's metadata and inputs; each later
-        step's rows, draw positions, first-step table rows and feed positions) rides in the decode
-        step's one copy; the later steps' metadata is derived on the device (decode_metadata)."""
-        batch, k = len(requests), max(ks)
-        steps = [[b for b in range(batch) if ks[b] > i] for i in range(k)]
-        first = [requests[b] for b in steps[0]]
-        states = [self.state(r) for r in first]
-        inputs, lens, features = self.catch_up(first, states)
-        for st, n, b in zip(states, lens, steps[0]):   # the round feeds n positions, then ks[b] - 1 drafts
-            self.kv_cache.allocator.grow(st.block_table, st.num_cached + n + ks[b] - 1)
-        host, shape = pack_metadata([s.block_table for s in states], [s.num_cached for s in states], lens, inputs)
-        for st, n in zip(states, lens):
+        """Plan a round of max(ks) draft steps (request b drafts ks[b]) and grow every block it will
+        write, before it runs. Its host data rides in the decode step's one copy; the later steps
+        need none (cuda_graph.StepGraphs.round_body)."""
+        rows = [b for b, k in enumerate(ks) if k]
+        states = [self.state(requests[b]) for b in rows]
+        inputs, lens, features = self.catch_up([requests[b] for b in rows], states)
+        host, shape = pack_metadata(None, [s.num_cached for s in states], lens, inputs)
+        allocator, first_position = self.kv_cache.allocator, [0] * len(requests)
+        first_width = width = 1
+        for b, st, n in zip(rows, states, lens):   # the round feeds n positions, then ks[b] - 1 drafts
+            first_width = max(first_width, allocator.blocks_for(st.num_cached + n))
+            allocator.grow(st.block_table, st.num_cached + n + ks[b] - 1)
+            width = max(width, len(st.block_table))
             st.num_cached += n
-        table_row = {b: j for j, b in enumerate(steps[0])}
-        later = [(b, requests[b].proposer_state) for rows in steps[1:] for b in rows]
-        feed = []
-        for _, st in later:   # step i feeds d_i at the next position of its cache
-            feed.append(st.num_cached)
-            st.num_cached += 1
-        host += ([b for rows in steps for b in rows] + [len(requests[b].tokens) + i for i, rows in enumerate(steps)
-                                                        for b in rows]
-                 + [table_row[b] for b, _ in later] + feed)
-        return Round(host, steps, shape, features)
+            first_position[b] = st.num_cached
+            st.num_cached += ks[b] - 1
+        return Round(host + rows, rows, shape, first_position, first_width, width, features)
 
-    @torch.inference_mode()
-    def propose(self, requests, ks, sampling, plan: Round | None = None) -> Proposal:
-        """The planned round (or, without one, a round planned and sent here) on the device."""
-        if plan is None:
-            plan = self.prepare(requests, ks)
-            plan.device = upload(plan.host, self.device)
-        batch, k = len(requests), max(ks)
-        draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=self.device)
-        draft_probs = None if sampling.greedy else torch.zeros(batch, k, self.vocab, device=self.device)
-        finite = torch.ones(batch, dtype=torch.bool, device=self.device)   # read with the step's one host copy
-        sizes = [len(rows) for rows in plan.steps]
-        meta_size = 2 * plan.shape.batch + plan.shape.batch * plan.shape.max_blocks + plan.shape.extra
-        first = derive_metadata(plan.device[:meta_size], plan.shape, self.kv_cache.block_size)
-        rows, positions, table_rows, feed = plan.device[meta_size:].split([sum(sizes)] * 2 + [sum(sizes[1:])] * 2)
-        rows, positions = rows.split(sizes), positions.split(sizes)
-        table_rows, feed = table_rows.split(sizes[1:]), feed.split(sizes[1:])
-        carry = None   # what step i passes to step i + 1 (the draft's hidden states, for EAGLE)
-        for i in range(k):
-            if i == 0:   # catch up on everything this proposer has not seen, then draft d_1
-                logits, carry = self.first_step(first, plan, rows[0], batch)
-            else:        # feed d_i back: one token per row, at positions that advance on the device
-                meta = decode_metadata(first.block_tables[table_rows[i - 1]], feed[i - 1], self.kv_cache.block_size)
-                logits, carry = self.next_step(meta, draft_ids[rows[i], i - 1], carry, rows[i])
-            finite[rows[i]] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
-            tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows[i], positions[i])
-            draft_ids[rows[i], i] = tokens
-            if draft_probs is not None:
-                draft_probs[rows[i], i] = q
-        return Proposal(draft_ids, draft_probs, list(ks), finite)
+    def carry(self, batch: int) -> torch.Tensor | None:
+        """What a draft step hands the next besides its token (EAGLE: its hidden states), for
+        `batch` rows; None for a draft model."""
+        return None
 
     def twin(self, num_blocks: int) -> "ModelProposer":
         twin = copy.copy(self)
@@ -261,11 +235,12 @@ class DraftModelProposer(ModelProposer):
         inputs = [t for r, s in zip(requests, states) for t in r.tokens[s.num_cached:]]
         return inputs, [len(r.tokens) - s.num_cached for r, s in zip(requests, states)], None
 
-    def first_step(self, meta, plan, rows_t, batch):
-        return self.forward(meta, meta.extra), None
+    def first_step(self, meta, plan, rows_t, carry) -> torch.Tensor:
+        """The logits after each request's catch-up."""
+        return self.forward(meta, meta.extra)
 
-    def next_step(self, meta, input_ids, carry, rows_t):
-        return self.forward(meta, input_ids), None
+    def next_step(self, meta, input_ids, carry, rows_t) -> torch.Tensor:
+        return self.forward(meta, input_ids)
 
     def forward(self, meta, input_ids) -> torch.Tensor:
         hidden, _ = self.model(input_ids, meta.positions, self.kv_cache, meta)
@@ -317,17 +292,20 @@ class EagleProposer(ModelProposer):
             s.pending, s.num_real = [], s.num_real + n
         return token_ids, lens, features
 
-    def first_step(self, meta, plan, rows_t, batch):
-        hidden = self.forward(meta, meta.extra, plan.features)
-        carry = torch.zeros(batch, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
-        return self.finish(hidden, rows_t, carry)
+    def carry(self, batch: int) -> torch.Tensor:
+        return torch.zeros(batch, self.head.config.hidden_size, dtype=next(self.head.parameters()).dtype,
+                           device=self.device)
 
-    def next_step(self, meta, input_ids, carry, rows_t):
+    def first_step(self, meta, plan, rows_t, carry) -> torch.Tensor:
+        """The logits after each request's catch-up; its hidden states go to carry[rows_t]."""
+        return self.finish(self.forward(meta, meta.extra, plan.features), rows_t, carry)
+
+    def next_step(self, meta, input_ids, carry, rows_t) -> torch.Tensor:
         return self.finish(self.forward(meta, input_ids, carry[rows_t]), rows_t, carry)
 
-    def finish(self, hidden, rows_t, carry):
+    def finish(self, hidden, rows_t, carry) -> torch.Tensor:
         carry[rows_t] = hidden
-        return self.head.logits(hidden, self.target), carry
+        return self.head.logits(hidden, self.target)
 
     def forward(self, meta, token_ids, features) -> torch.Tensor:
         embeds = self.target.model.embed_tokens(token_ids)

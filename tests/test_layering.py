@@ -12,9 +12,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nanospec"
 LAYERS = [
     {"errors"},
     {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy"},
-    {"model", "dynamic_k", "proposer", "cuda_graph"},
+    {"model", "dynamic_k", "proposer"},
     {"checkpoint"},
-    {"tokenizer", "eagle"},
+    {"tokenizer", "eagle", "cuda_graph"},
     {"engine"},
     {"measure"},
     {"llm"},

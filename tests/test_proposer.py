@@ -31,17 +31,19 @@ def test_ngram_index_grows_incrementally():
 
 
 def record_proposals(llm):
-    """Wrap the proposer: keep (tokens of each request, its drafts) for every propose call."""
-    proposer, calls = llm.engine.proposer, []
-    original = proposer.propose
+    """Keep (tokens of each request, its drafts) for every draft round."""
+    engine, calls, pending = llm.engine, [], []
+    prepare, run_round = engine.proposer.prepare, engine.step_graphs.run_round
 
-    def spy(requests, ks, sampling, plan=None):
-        out = original(requests, ks, sampling, plan)
-        for b, req in enumerate(requests):
-            if out.num_draft[b]:
-                calls.append((list(req.tokens), out.draft_ids[b, :out.num_draft[b]].tolist()))
-        return out
-    proposer.propose = spy
+    def spy_prepare(requests, ks):
+        pending[:] = [(list(r.tokens), k) for r, k in zip(requests, ks)]
+        return prepare(requests, ks)
+
+    def spy_round(plan, sampling):
+        run_round(plan, sampling)
+        drafts = engine.step_graphs.drafts
+        calls.extend((tokens, drafts[b, :k].tolist()) for b, (tokens, k) in enumerate(pending) if k)
+    engine.proposer.prepare, engine.step_graphs.run_round = spy_prepare, spy_round
     return calls
 
 
