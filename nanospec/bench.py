@@ -23,7 +23,7 @@ import torch
 
 from nanospec import checkpoint
 from nanospec.cli import Progress, add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads
-from nanospec.cuda_graph import batch_buckets
+from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
@@ -187,7 +187,7 @@ def dynamic_policy(args, llm, max_k: int):
     # a fresh policy per row: every row starts from the profile
     spans = llm.engine.proposer.acceptance_in_spans   # (run checked that dynamic rows have a proposer)
     return profile, lambda row, batch: DynamicK(profile, max_k, per_request=row == "dynamic-per-request", spans=spans,
-                                                buckets=batch_buckets(batch))
+                                                buckets=step_buckets(batch, llm.engine.use_graphs))
 
 
 def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, new_policy, max_k: int) -> dict:

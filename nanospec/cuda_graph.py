@@ -51,6 +51,12 @@ MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
 
 
+# Eager steps pad their batch to the graphs' buckets too only when this is set (the tests set it, so
+# that every CPU test runs the padded step a GPU replays): on a CPU the padding rows cost what real
+# rows cost (a batch of 9 padded to 16 decoded SmolLM2 about 25% slower; docs/performance.md).
+PAD_EAGER_BATCHES = False
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """The padded batch sizes: 1, 2, 4, 8, then every 8 up to 64 and every 16 after, up to the
     first that holds max_batch."""
@@ -58,6 +64,12 @@ def batch_buckets(max_batch: int) -> list[int]:
     while sizes[-1] < max_batch:
         sizes.append(sizes[-1] + (8 if sizes[-1] < 64 else 16))
     return sizes
+
+
+def step_buckets(max_batch: int, graphs: bool) -> list[int]:
+    """The batch sizes an engine's steps run at: the graphs' buckets, or every size where no graph
+    is replayed (CPU, enforce_eager) unless PAD_EAGER_BATCHES."""
+    return batch_buckets(max_batch) if graphs or PAD_EAGER_BATCHES else list(range(1, max_batch + 1))
 
 
 def table_width(cache: KVCache, max_model_len: int) -> int:
@@ -102,7 +114,7 @@ class StepGraphs:
                  device: torch.device, sampler, proposer=None, use_graphs: bool = False):
         self.model, self.kv_cache, self.vocab, self.device, self.sampler = model, kv_cache, vocab, device, sampler
         self.proposer = proposer
-        self.buckets = batch_buckets(max_num_seqs)
+        self.buckets = step_buckets(max_num_seqs, use_graphs and device.type == "cuda")
         draft_cache = getattr(proposer, "kv_cache", None)
         widths = [table_width(kv_cache, max_model_len), table_width(draft_cache, max_model_len) if draft_cache else 0]
         self.flat_tables = torch.full(((max_num_seqs + 1) * sum(widths),), NULL_BLOCK, dtype=torch.int64, device=device)

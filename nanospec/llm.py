@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanospec import checkpoint
-from nanospec.cuda_graph import batch_buckets
+from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.eagle import load_eagle_head
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
@@ -237,10 +237,12 @@ class LLM:
                 return EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size, self.device)
             return None
 
+        graphs = self.device.type == "cuda" and not enforce_eager
+
         def make_engine(blocks: int, policy: KPolicy) -> Engine:
             return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, block_size,
                           max_num_seqs, max_num_batched_tokens, compile_sampler, make_proposer(blocks), policy,
-                          use_graphs=self.device.type == "cuda" and not enforce_eager)
+                          use_graphs=graphs)
 
         self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up
@@ -248,7 +250,7 @@ class LLM:
         if dynamic_k:   # a quick profile is measured on engines of its own, built from a one-block one
             self.profile = self.dynamic_k_profile(profile, k, lambda: make_engine(1, StaticK(0)))
             policy = DynamicK(self.profile, k, per_request=per_request_k, spans=ngram,   # n-gram drafts spans
-                              buckets=batch_buckets(max_num_seqs))
+                              buckets=step_buckets(max_num_seqs, graphs))
         if speculative_disable_queue_size is not None:
             policy = QueueSwitch(policy, speculative_disable_queue_size)
         self.engine = make_engine(num_blocks, policy)

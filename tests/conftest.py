@@ -95,6 +95,15 @@ def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 
     return folder
 
 
+@pytest.fixture(autouse=True)
+def padded_steps(monkeypatch):
+    """Every test's decode steps pad their batch to the CUDA graphs' buckets, as a GPU's do (a
+    CPU engine runs each batch size as it is by default: cuda_graph.PAD_EAGER_BATCHES);
+    tests/test_cuda_graph.py shows the two give the same tokens."""
+    from nanospec import cuda_graph
+    monkeypatch.setattr(cuda_graph, "PAD_EAGER_BATCHES", True)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """family -> folder of a tiny random checkpoint (built once per test session)."""
