@@ -168,16 +168,8 @@ class StepGraphs:
             for b, row in zip(plan.rows, rows0):
                 draft_rows[b] = row
         buf = self.host.numpy()
-        fields = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
-        fields[:, batch:] = 0   # padding rows: greedy requests of one token at position 0 on null rows
-        fields[0, batch:] = self.tables.null_row
-        fields[8, batch:] = self.draft_tables.null_row if self.draft_tables else 0
-        fields[7, batch:] = ONE_BITS   # top_p 1: off
-        params = [r.params for r in requests]
-        fields[:6, :batch] = [rows, [r.num_cached for r in requests], num_draft, [r.tokens[-1] for r in requests],
-                              [r.seed for r in requests], [p.top_k for p in params]]
-        fields[6:8, :batch] = np.array([[p.temperature for p in params], [p.top_p for p in params]]).view(np.int64)
-        fields[8, :batch], fields[9, :batch] = draft_rows, plan.first_position if plan else 0
+        self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), requests, num_draft, rows, draft_rows,
+                       plan.first_position if plan else [0] * batch)
         end = (FIELDS + k) * bucket
         drafts = buf[FIELDS * bucket:end].reshape(bucket, k)
         drafts[:] = 0
@@ -199,12 +191,26 @@ class StepGraphs:
         if host_drafts is not None:
             self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:end].view(bucket, k))
         longest = max(r.num_cached + d + 1 for r, d in zip(requests, num_draft))
+        params = [r.params for r in requests]
         probs = plan is not None and not all(p.temperature == 0 for p in params)
         self.step = (batch, bucket, k, len(pairs) // 2, longest, probs)
         return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
                              greedy=all(p.temperature == 0 for p in params),
                              truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
                                  max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
+
+    def pack_rows(self, fields: np.ndarray, requests, num_draft, rows, draft_rows, first_position) -> None:
+        """The FIELDS values of every row of the bucket into fields [FIELDS, bucket]; the rows past
+        the batch are padding: greedy requests of one token at position 0 on the null rows."""
+        batch, params = len(requests), [r.params for r in requests]
+        fields[:, batch:] = 0
+        fields[0, batch:] = self.tables.null_row
+        fields[8, batch:] = self.draft_tables.null_row if self.draft_tables else 0
+        fields[7, batch:] = ONE_BITS   # top_p 1: off
+        fields[:6, :batch] = [rows, [r.num_cached for r in requests], num_draft, [r.tokens[-1] for r in requests],
+                              [r.seed for r in requests], [p.top_k for p in params]]
+        fields[6:8, :batch] = np.array([[p.temperature for p in params], [p.top_p for p in params]]).view(np.int64)
+        fields[8, :batch], fields[9, :batch] = draft_rows, first_position
 
     def mode(self, sampling: SamplingBatch, bucket: int):
         """How a step samples: "greedy", or its truncation (under a graph: any truncation or none)."""
@@ -287,10 +293,7 @@ class StepGraphs:
     def upload_padding(self, bucket: int, k: int) -> None:
         """Inputs of a (bucket, k) step whose every row is padding, and no table update."""
         buf = self.host.numpy()
-        fields = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
-        fields[:] = 0
-        fields[0], fields[7] = self.tables.null_row, ONE_BITS
-        fields[8] = self.draft_tables.null_row if self.draft_tables else 0
+        self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), [], [], [], [], [])
         n = (FIELDS + k) * bucket + 1
         buf[FIELDS * bucket:n] = 0
         self.inputs[:n].copy_(self.host[:n], non_blocking=True)

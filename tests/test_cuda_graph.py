@@ -100,6 +100,30 @@ def test_padded_step_equals_unpadded(model, seed):
     torch.testing.assert_close(cache.pool[:, :, real], reference_cache.pool[:, :, real], rtol=1e-12, atol=1e-6)
 
 
+def test_capture_warm_ups_write_only_the_null_block(model):
+    """capture_all warms each graph up on inputs that are all padding rows (CUDA runs the body once
+    before capturing it): run here at full width, as a capture does, they leave every block a
+    request can own as it was, and the null block finite."""
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, 30, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.model.norm.weight.dtype, CPU)
+    cache.pool.normal_()
+    cache.pool[:, :, NULL_BLOCK] = 0
+    before = cache.pool.clone()
+    steps = cuda_graph.StepGraphs(model, cache, cfg.vocab_size, 8, 64, CPU, Sampler(compile=False))
+    table = BlockTable()   # a running request's table in device row 0, which padding must not touch
+    cache.allocator.grow(table, 10 * BLOCK)
+    _, pairs = steps.tables.updates([table])
+    steps.flat_tables[torch.tensor(pairs[0::2])] = torch.tensor(pairs[1::2])
+    with torch.inference_mode():
+        for bucket in (8, 1):
+            for k in (3, 0):
+                steps.grow(k)
+                steps.upload_padding(bucket, k)
+                steps.verify_body(("verify", bucket, k, "greedy", False), steps.tables.width, bucket * steps.row_width)
+    assert torch.equal(cache.pool[:, :, 1:], before[:, :, 1:])
+    assert cache.pool[:, :, NULL_BLOCK].isfinite().all() and not torch.equal(cache.pool, before)
+
+
 def test_buckets_cover_every_batch():
     buckets = cuda_graph.batch_buckets(256)
     assert buckets[:6] == [1, 2, 4, 8, 16, 24] and buckets[-1] == 256 and 64 in buckets and 80 in buckets
