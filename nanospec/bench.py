@@ -29,7 +29,7 @@ from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.k_policy import StaticK
 from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS
-from nanospec.measure import device_name, greedy_requests, quick_profile, timed
+from nanospec.measure import device_name, greedy_requests, oracle_proposer, quick_profile, timed
 from nanospec.prompts import shipped_prompts
 
 
@@ -122,6 +122,9 @@ def build_parser():
     ap = parser("python -m nanospec.bench", __doc__)
     add_model_args(ap)
     add_proposer_args(ap)
+    ap.add_argument("--oracle", action="store_true",
+                    help="draft with the target's own greedy continuation (recorded first): every draft is "
+                         "accepted, the ceiling of speculation on any model, random weights included")
     ap.add_argument("--ks", default="0", help="comma-separated rows: K values (0 is plain decoding; K > 0 needs a "
                                               "proposer), 'dynamic' (dynamic K), 'dynamic-per-request'")
     ap.add_argument("--profile", metavar="PROFILE.json",
@@ -205,7 +208,8 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
     rows = []
     for k in ks:
         policy = new_policy(k, batch_size) if k in DYNAMIC_ROWS else StaticK(k)   # K = 0 is plain decoding
-        engine = llm.engine.twin(num_blocks, max_num_seqs=batch_size, k_policy=policy)
+        engine = llm.engine.twin(num_blocks, max_num_seqs=batch_size, k_policy=policy,
+                                 proposer=getattr(args, "oracle_proposer", None) if k != 0 else None)
         rows.append({"k": k, "engine": engine, "groups": groups(prompts, batch_size, args.continuous),
                      "requests": [], "seconds": 0.0})
     while True:
@@ -246,9 +250,11 @@ def check_args(args) -> tuple[list[int], list]:
 def run(args) -> dict:
     batch_sizes, ks = check_args(args)
     static_ks = [k for k in ks if k not in DYNAMIC_ROWS]
-    if any(k != 0 for k in ks) and not (args.draft or args.eagle or args.ngram):
+    if args.oracle and (args.draft or args.eagle or args.ngram):
+        raise NanospecError("--oracle is a proposer of its own: drop --draft, --eagle and --ngram")
+    if any(k != 0 for k in ks) and not (args.draft or args.eagle or args.ngram or args.oracle):
         raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
-                            "--eagle PATH or --ngram (or --ks 0 for plain decoding)")
+                            "--eagle PATH, --ngram or --oracle (or --ks 0 for plain decoding)")
     max_k = max(static_ks, default=0) or DEFAULT_DYNAMIC_MAX_K   # dynamic K chooses among 0..the largest static K
     rows = shipped_prompts([c for c in args.categories.split(",") if c])
     rows = rows[:args.max_prompts] if args.max_prompts else rows
@@ -262,6 +268,7 @@ def run(args) -> dict:
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up
+    args.oracle_proposer = oracle_proposer(llm.engine, prompts, args.max_new_tokens) if args.oracle else None
     dynamic = any(k in DYNAMIC_ROWS for k in ks)
     profile, new_policy = dynamic_policy(args, llm, max_k) if dynamic else (None, None)
     ref = None

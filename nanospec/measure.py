@@ -20,6 +20,7 @@ from nanospec.dynamic_k import Profile
 from nanospec.engine import Engine, SamplingParams
 from nanospec.errors import NanospecError
 from nanospec.k_policy import StaticK
+from nanospec.proposer import OracleProposer
 
 
 def sync(device) -> None:
@@ -46,6 +47,17 @@ def greedy_requests(engine: Engine, prompt_ids: list[list[int]], max_new_tokens:
     reqs = [engine.new_request(i, "", ids, params) for i, ids in enumerate(prompt_ids)]
     engine.add_requests(reqs)
     return reqs
+
+
+def oracle_proposer(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int) -> OracleProposer:
+    """An OracleProposer of each prompt's plain greedy continuation, recorded on an engine of its
+    own over the same weights (its KV pool just large enough)."""
+    longest = max(map(len, prompt_ids)) + max_new_tokens
+    blocks = len(prompt_ids) * engine.kv_cache.allocator.blocks_for(longest)
+    twin = engine.twin(blocks, max_num_seqs=len(prompt_ids), k_policy=StaticK(0))
+    requests = greedy_requests(twin, prompt_ids, max_new_tokens)
+    twin.run_to_completion()
+    return OracleProposer({tuple(r.prompt_ids): r.output_ids for r in requests})
 
 
 def context(engine: Engine) -> int:

@@ -11,6 +11,7 @@ One interface for three kinds of guesser:
   free(request)                the request finished or was preempted: release the proposer's state
 
 NgramProposer    prompt lookup: continue the longest recent suffix as it went on before.
+OracleProposer   the target's own greedy continuation, recorded beforehand (benchmarks: the ceiling).
 DraftModelProposer  a smaller model with the target's tokenizer and its own paged KV cache.
 EagleProposer    an EAGLE-1 / EAGLE-3 head (eagle.py) fed the target's hidden states.
 
@@ -118,6 +119,28 @@ class NgramProposer(Proposer):
 
     def free(self, request) -> None:
         pass   # the index only depends on tokens, which preemption keeps
+
+
+class OracleProposer(Proposer):
+    """Drafts the target's own greedy continuation of each prompt, recorded beforehand by plain
+    decoding (continuations: prompt ids -> output ids): at T = 0 every draft is accepted, so it
+    measures the ceiling of the speculative machinery (acceptance length K + 1) on any model,
+    random weights included. For benchmarks only."""
+
+    drafts_on_host = True
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
+        self.continuations = continuations
+
+    def propose(self, requests, ks) -> Proposal:
+        drafts = []
+        for req, k in zip(requests, ks):
+            done = len(req.tokens) - len(req.prompt_ids)
+            drafts.append(self.continuations.get(tuple(req.prompt_ids), [])[done:done + k])
+        return Proposal([len(d) for d in drafts], drafts)
+
+    def free(self, request) -> None:
+        pass
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import tiktoken
 
-from nanospec.checkpoint import read_json
+from nanospec.checkpoint import RANDOM_MODELS, read_json
 from nanospec.errors import NanospecError
 
 # Pre-tokenizer patterns (how text is cut into pieces before BPE).
@@ -257,7 +257,19 @@ def from_gguf(meta: dict) -> Tokenizer:
                      eos_tokens=eos + STOP_TOKEN_NAMES, chat_template_source=meta.get("tokenizer.chat_template"))
 
 
+def byte_tokenizer(vocab_size: int = 257) -> Tokenizer:
+    """The random models' tokenizer: one id per byte (0 .. 255), <|endoftext|> (256), and ids up to
+    vocab_size that decode to nothing, so that a random model samples over its whole vocabulary
+    (what a real one of its shapes costs)."""
+    tokenizer = Tokenizer([(bytes([b]), b) for b in range(256)], {"<|endoftext|>": 256}, GPT2_PATTERN,
+                          eos_tokens=("<|endoftext|>",))
+    tokenizer.id_to_bytes += [b""] * (vocab_size - len(tokenizer.id_to_bytes))
+    return tokenizer
+
+
 def load_tokenizer(path: str, gguf_metadata: dict | None = None) -> Tokenizer:
+    if path.startswith("random:"):
+        return byte_tokenizer(RANDOM_MODELS[path.removeprefix("random:")]["vocab_size"])
     if gguf_metadata is not None:
         return from_gguf(gguf_metadata)
     if os.path.exists(os.path.join(path, "tokenizer.json")):

@@ -111,3 +111,28 @@ def test_bad_bench_flags_are_one_line_before_loading(capsys, args, match):
     assert bench.main(["--no-transformers", "--target", "/never/loaded", *args]) == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_oracle_drafts_are_all_accepted(tiny_llm):
+    """The oracle proposer replays the target's own greedy continuation: at K = 4 every draft is
+    accepted and each request gains K + 1 tokens a step (fewer only where max_tokens cuts K), and
+    the output is plain decoding's. (Not the identity: a proposer drafting the token after the
+    right one is accepted nowhere.)"""
+    from nanospec.measure import greedy_requests, oracle_proposer
+    from nanospec.k_policy import StaticK
+    prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:5]]
+    oracle = oracle_proposer(tiny_llm.engine, prompts, 20)
+    engine = tiny_llm.engine.twin(200, max_num_seqs=5, k_policy=StaticK(4), proposer=oracle)
+    requests = greedy_requests(engine, prompts, 20)
+    engine.run_to_completion()
+    stats = engine.stats.as_dict()
+    assert stats["acceptance_rate_per_position"] == [1.0] * 4
+    assert stats["mean_acceptance_length"] == 5.0   # 20 tokens: 4 steps of K + 1 = 5
+    assert [r.output_ids for r in requests] == [oracle.continuations[tuple(p)] for p in prompts]
+
+
+def test_bench_runs_random_models_with_the_oracle(capsys):
+    assert bench_main(["--target", "random:tiny", "--device", "cpu", "--oracle", "--ks", "0,4", "--batch-sizes", "2",
+                       "--max-new-tokens", "10", "--max-prompts", "2", "--no-transformers", "--no-chat"]) == 0
+    out = capsys.readouterr().out
+    assert "random:tiny" in out and " 5.00 " in out   # the oracle row's acceptance length: K + 1

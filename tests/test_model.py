@@ -124,3 +124,26 @@ def test_linear_fast_paths_compute_x_times_w_transposed(rows, bias):
     out.sum().backward()
     torch.testing.assert_close(layer.weight.grad.double(), torch.ones(rows, 80).double().T @ x.double(),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, params", [("llama3-8b", 8.030e9), ("llama3.2-1b", 1.236e9), ("qwen3-8b", 8.191e9),
+                                          ("qwen3-1.7b", 1.721e9), ("qwen3-0.6b", 0.596e9)])
+def test_random_models_have_the_real_models_shapes(name, params):
+    """random:NAME builds the public config's shapes (counted on the meta device: no 8B allocation);
+    the parameter counts are the published ones (Llama-3.1-8B 8.03B, Llama-3.2-1B 1.24B, Qwen3-8B
+    8.19B, Qwen3-1.7B 1.7B, Qwen3-0.6B 0.6B, tied embeddings counted once)."""
+    from nanospec.model import CausalLM
+    config = checkpoint.read_checkpoint(f"random:{name}").config
+    with torch.device("meta"):
+        model = CausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=1e-3)
+    assert config.num_kv_heads == 8 and config.family == ("llama" if name.startswith("llama") else "qwen3")
+
+
+def test_a_random_model_generates_over_its_whole_vocabulary():
+    from nanospec import LLM, SamplingParams
+    llm = LLM("random:tiny", device="cpu", dtype="float32", kv_cache_gb=0.01)
+    out = llm.generate(["Hello"], SamplingParams(temperature=1.0, seed=0, max_tokens=32, ignore_eos=True))[0]
+    assert llm.vocab_size == 320 and max(out.token_ids) >= 257   # ids past the byte tokenizer's decode to ""
+    with pytest.raises(NanospecError, match="no random model 'llama9'"):
+        checkpoint.read_checkpoint("random:llama9")
