@@ -8,6 +8,7 @@ step at a time, so that the drift of a shared machine hits them alike. Prints a 
 writes JSON with the device, versions and command.
 
 examples:
+  python -m nanospec.bench --gpu-check      # validate a GPU in one run (under 10 minutes)
   python -m nanospec.bench --batch-sizes 1,8,32 --max-new-tokens 64
   python -m nanospec.bench --ngram --ks 0,2,4,6 --batch-sizes 1 --categories code_edit,summarize,extract
   python -m nanospec.bench --ngram --ks 0,4,dynamic --batch-sizes 4 --num-requests 48 --continuous --no-transformers --out bench.json
@@ -27,6 +28,7 @@ from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
+from nanospec.gpu_check import gpu_check
 from nanospec.k_policy import StaticK
 from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS
 from nanospec.measure import device_name, greedy_requests, oracle_proposer, quick_profile, timed
@@ -122,6 +124,10 @@ def build_parser():
     ap = parser("python -m nanospec.bench", __doc__)
     add_model_args(ap)
     add_proposer_args(ap)
+    ap.add_argument("--gpu-check", action="store_true",
+                    help="validate a GPU in one run (the CUDA tests, then copy bandwidth, plain decoding against "
+                         "its roofline, oracle speedups and CUDA graphs against eager on random:llama3-8b) and "
+                         "write bench_results/gpu_check_<device>.json (or --out); on a CPU, a reduced run")
     ap.add_argument("--oracle", action="store_true",
                     help="draft with the target's own greedy continuation (recorded first): every draft is "
                          "accepted, the ceiling of speculation on any model, random weights included")
@@ -346,6 +352,8 @@ def print_table(report: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.gpu_check:
+        return run_command(lambda: gpu_check(args.device, args.out, log=log))
     return run_command(lambda: report(args, run(args)))
 
 

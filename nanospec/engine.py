@@ -331,19 +331,20 @@ class Engine:
         self.request_k = {}      # id(request) -> its K in the current decode step
 
     def twin(self, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
-             k_policy: KPolicy | None = None, proposer: Proposer | None = None) -> "Engine":
+             k_policy: KPolicy | None = None, proposer: Proposer | None = None,
+             use_graphs: bool | None = None) -> "Engine":
         """Another engine over the same model, tokenizer and sampler, with a KV cache of its own
         (num_kv_blocks; default as many as this one's), its own scheduler (max_num_seqs; default
         this one's), statistics and K policy (default: static K = 0), and the proposer's weights
-        with state of its own (or `proposer`): the benchmark's rows and the profiler's
-        measurements run on twins."""
+        with state of its own (or `proposer`), CUDA graphs as this one (or `use_graphs`): the
+        benchmark's rows and the profiler's measurements run on twins."""
         cache, scheduler = self.kv_cache, self.scheduler
         num_blocks = num_kv_blocks or cache.allocator.num_blocks
         if proposer is None and self.proposer is not None:
             proposer = self.proposer.twin(num_blocks)
         twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
                       max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
-                      proposer, k_policy, self.use_graphs)
+                      proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs)
         twin.sampler = twin.step_graphs.sampler = self.sampler
         return twin
 

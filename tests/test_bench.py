@@ -53,7 +53,7 @@ def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoint
     assert "--continuous has no transformers baseline" in capsys.readouterr().err
     for ks in ("0,2", "0,dynamic"):   # without a proposer these rows would silently decode plainly
         assert bench_main([a if a != "0" else ks for a in common]) != 0
-        assert "need a proposer: add --draft PATH, --eagle PATH or --ngram" in capsys.readouterr().err
+        assert "need a proposer: add --draft PATH, --eagle PATH, --ngram or --oracle" in capsys.readouterr().err
 
 
 def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):
@@ -136,3 +136,14 @@ def test_bench_runs_random_models_with_the_oracle(capsys):
                        "--max-new-tokens", "10", "--max-prompts", "2", "--no-transformers", "--no-chat"]) == 0
     out = capsys.readouterr().out
     assert "random:tiny" in out and " 5.00 " in out   # the oracle row's acceptance length: K + 1
+
+
+def test_gpu_check_runs_reduced_on_a_cpu_and_says_what_it_skipped(tmp_path, capsys):
+    out = tmp_path / "check.json"
+    assert bench_main(["--gpu-check", "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["mode"] == "reduced (no CUDA)" and report["target"] == "random:tiny"
+    assert "the CUDA tests" in report["skipped"] and report["copy_bandwidth_gb_s"] > 0
+    oracle = [r for r in report["rows"] if r["k"]]
+    assert oracle and all(r["mean_acceptance_length"] == r["k"] + 1 for r in oracle)
+    assert "skipped: the CUDA tests" in capsys.readouterr().err

@@ -18,7 +18,7 @@ LAYERS = [
     {"engine"},
     {"measure"},
     {"llm"},
-    {"__init__", "cli"},   # the package's names (LLM, SamplingParams, ...); the command lines' shared flags
+    {"__init__", "cli", "gpu_check"},   # the package's names (LLM, SamplingParams, ...); the command lines' shared flags
     {"generate", "bench", "profiler"},
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -1,0 +1,137 @@
+"""One command that validates a GPU: `python -m nanospec.bench --gpu-check` runs the CUDA tests and
+the headline measurements and writes them, with the device and versions, to
+bench_results/gpu_check_<device>.json. On a CPU it runs a reduced mode (a tiny random model, small
+batches, no test run) and says what it skipped.
+
+Measured (random:llama3-8b in bfloat16 on a GPU; random:tiny in float32 on a CPU):
+- the device's copy bandwidth (a device-to-device copy: bytes read + written per second);
+- plain decoding at batch 1: tokens/s, and the bytes a step reads (weights + KV cache) per second
+  as a fraction of that bandwidth (the roofline);
+- the oracle proposer (every draft accepted) at K = 2 and 4 against plain decoding, at batch 1,
+  16, 64 and 256, with CUDA graphs;
+- the decode step with CUDA graphs and eagerly (enforce_eager) at K = 0 and 4, the same batches.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+from nanospec.llm import LLM
+from nanospec.k_policy import StaticK
+from nanospec.measure import device_name, greedy_requests, oracle_proposer, sync, timed
+from nanospec.prompts import shipped_prompts
+
+# new_tokens: a multiple of every K + 1, so the oracle rows gain exactly K + 1 tokens a step
+CUDA_TESTS = ["tests/test_cuda_graph.py", "tests/test_step_copies.py", "tests/test_triton_attention.py"]
+FULL = dict(target="random:llama3-8b", dtype="bfloat16", batches=[1, 16, 64, 256], ks=[2, 4], new_tokens=30)
+REDUCED = dict(target="random:tiny", dtype="float32", batches=[1, 4], ks=[2, 4], new_tokens=15)
+
+
+def copy_bandwidth(device: torch.device, megabytes: int) -> float:
+    """Bytes per second a device-to-device copy reads and writes, best of 5."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(timed(device, lambda: dst.copy_(src))[1] for _ in range(5))
+    return 2 * src.numel() / best
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())   # a tied weight counts once
+
+
+def kv_bytes_per_token(model) -> int:
+    cfg, size = model.config, next(model.parameters()).element_size()
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
+
+
+def decode(llm, prompts: list[list[int]], k: int, new_tokens: int, oracle, graphs: bool | None = None) -> dict:
+    """Greedy decoding of the prompts at once on an engine of their batch size (with the oracle
+    proposer where k > 0); the decode steps' seconds, as the bench counts them."""
+    longest = max(map(len, prompts)) + new_tokens + k + 1
+    blocks = len(prompts) * llm.engine.kv_cache.allocator.blocks_for(longest)
+    engine = llm.engine.twin(blocks, max_num_seqs=len(prompts), k_policy=StaticK(k), proposer=oracle if k else None,
+                             use_graphs=graphs)
+    engine.step_graphs.capture_all([k])
+    greedy_requests(engine, prompts, new_tokens)
+    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+        engine.step()
+    engine.step()   # a first decode step: graphs it has not captured yet
+    seconds, steps, tokens = 0.0, 0, sum(len(r.output_ids) for r in engine.scheduler.running)
+    while engine.scheduler.has_work():
+        seconds += timed(llm.device, engine.step)[1]
+        steps += 1
+    tokens = len(prompts) * new_tokens - tokens
+    return {"batch": len(prompts), "k": k, "graphs": engine.use_graphs, "step_ms": round(1000 * seconds / steps, 3),
+            "tokens_per_s": round(tokens / seconds, 2),
+            "mean_acceptance_length": engine.stats.as_dict()["mean_acceptance_length"]}
+
+
+def run_tests(reduced: bool) -> dict:
+    if reduced:
+        return {"skipped": "no CUDA: the CUDA tests skip here (CI runs the rest)"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
+                          capture_output=True, text=True, timeout=400)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
+    return {"command": "python -m pytest -q " + " ".join(CUDA_TESTS), "returncode": proc.returncode,
+            "summary": tail, **counts, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def gpu_check(device: str = "auto", out: str | None = None, log=print) -> dict:
+    """Run the check; writes its report to `out` (default: bench_results/gpu_check_<device>.json)
+    and returns it."""
+    reduced = not (device in ("auto", "cuda") and torch.cuda.is_available())
+    plan = REDUCED if reduced else FULL
+    tests = run_tests(reduced)
+    log(f"CUDA tests: {tests.get('summary', tests.get('skipped'))}")
+    llm = LLM(plan["target"], device="cpu" if reduced else "cuda", dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
+              kv_cache_gb=0.05 if reduced else 8)
+    texts = [row["prompt"] for row in shipped_prompts()]
+    prompts = [llm.encode_prompt(texts[i % len(texts)])[:64] for i in range(max(plan["batches"]))]
+    bandwidth = copy_bandwidth(llm.device, 64 if reduced else 1024)
+    oracle = oracle_proposer(llm.engine, prompts, plan["new_tokens"] + max(plan["ks"]) + 1)
+    rows = []
+    for batch in plan["batches"]:
+        for k in [0, *plan["ks"]]:
+            rows.append(decode(llm, prompts[:batch], k, plan["new_tokens"], oracle))
+            if llm.device.type == "cuda" and k in (0, 4):
+                rows.append(decode(llm, prompts[:batch], k, plan["new_tokens"], oracle, graphs=False))
+            log(json.dumps(rows[-1]))
+    plain = next(r for r in rows if r["batch"] == 1 and r["k"] == 0 and r["graphs"] == (llm.device.type == "cuda"))
+    context = sum(map(len, prompts[:1])) + plan["new_tokens"] / 2   # the mean context of the batch-1 run
+    step_bytes = weight_bytes(llm.model) + context * kv_bytes_per_token(llm.model)
+    for r in rows:
+        base = next(p for p in rows if p["batch"] == r["batch"] and p["k"] == 0 and p["graphs"] == r["graphs"])
+        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+    report = {
+        "command": "python -m nanospec.bench --gpu-check", "device": device_name(llm.device),
+        "mode": "reduced (no CUDA)" if reduced else "full", "target": plan["target"], "dtype": plan["dtype"],
+        "torch": torch.__version__, "python": sys.version.split()[0], "cuda_tests": tests,
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "plain_batch1": {"tokens_per_s": plain["tokens_per_s"], "bytes_per_step": int(step_bytes),
+                         "fraction_of_copy_bandwidth": round(step_bytes / (plain["step_ms"] / 1000) / bandwidth, 3)},
+        "rows": rows,
+        "skipped": (["the CUDA tests", "CUDA graphs (a CPU runs every step eagerly)", "random:llama3-8b (too slow here)"]
+                    if reduced else []) + ["the attention kernel alone (issue 32: the tiled Triton kernel is ahead)",
+                                           "transformers' assisted generation (not run by the check)"],
+    }
+    slug = re.sub(r"[^a-z0-9]+", "_", report["device"].lower()).strip("_") or "device"
+    path = out or os.path.join("bench_results", f"gpu_check_{slug}{'_reduced' if reduced else ''}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    sync(llm.device)
+    log(f"plain decoding at batch 1: {plain['tokens_per_s']} tokens/s, "
+        f"{report['plain_batch1']['fraction_of_copy_bandwidth']:.0%} of the copy bandwidth "
+        f"({report['copy_bandwidth_gb_s']} GB/s); wrote {path}")
+    for line in report["skipped"]:
+        log(f"skipped: {line}")
+    return report
