@@ -323,9 +323,11 @@ class Engine:
         # An embedding padded past the tokenizer (Qwen: 151,936 rows, 151,665 tokens) never emits
         # its padding: the logits are cut to this size before sampling.
         self.vocab_size = emittable_vocab(cfg, tokenizer)
-        # Inside a graph the sampler runs as captured (the capture removes the launch overhead a compile would)
+        # Inside a CUDA graph the sampler runs uncompiled (the graph removes the launch overhead
+        # compiling would; torch.compile inside a capture has not been tried on a GPU yet)
+        graph_sampler = Sampler(compile=False) if use_graphs else self.sampler
         self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len, device,
-                                Sampler(compile=False) if use_graphs else self.sampler, proposer, use_graphs)
+                                      graph_sampler, proposer, use_graphs)
         self.stats = Stats()
         self.step_k = 0          # the current decode step's K (the largest of its requests')
         self.request_k = {}      # id(request) -> its K in the current decode step

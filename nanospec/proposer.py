@@ -1,6 +1,6 @@
 """Proposers: who guesses the next K tokens that the target then verifies in one forward pass.
 
-One interface for three kinds of guesser:
+One interface for every kind of guesser:
   max_drafts(request)          the most drafts it can make for the request now
   propose(requests, ks) -> Proposal   (drafts_on_host: n-gram) up to ks[b] drafts for request b, as
                                lists on the host, which the step sends with its other host data
