@@ -306,8 +306,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache.layer(self.layer_index)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if triton_attention.available(q):
-            out = triton_attention.paged_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.token_seq,
-                                                          positions, scale=self.head_dim ** -0.5)
+            out = triton_attention.paged_attention(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
         else:
             out = paged_attention_reference(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
         return self.o_proj(out.reshape(tokens, -1))

@@ -1,10 +1,18 @@
-"""Paged attention as one Triton kernel: K/V are read straight from the pages, never gathered into
-contiguous copies. The PyTorch reference (kv_cache.paged_attention_reference) is its oracle; the
-tests run this kernel on CPU through Triton's interpreter (TRITON_INTERPRET=1).
+"""Paged attention in Triton: K/V are read straight from the pages, never gathered into contiguous
+copies. The PyTorch reference (kv_cache.paged_attention_reference) is their oracle; the tests run
+the kernels on CPU through Triton's interpreter (TRITON_INTERPRET=1).
 
-One program handles one (new token, query head): it walks the token's sequence page by page up to
-the token's own position (causal, also within a multi-token verify step) with an online softmax,
-the running max and sum rescaled as each page arrives (the FlashAttention recurrence).
+Decode and verify steps (a few new tokens per sequence) use the tiled kernel: one program per
+(sequence, KV head, context split) takes all group x q_len queries that share the KV head as the
+rows of one tile, and walks its split of the context BLOCK_N keys at a time (each key's page looked
+up in the block table) with tl.dot, so each KV head is read once per step, not once per query head
+and new token. Long contexts at small batches are split across programs (flash-decoding); the
+splits' partial results (running max, sum and output, the FlashAttention recurrence) are merged
+afterwards. Queries are causal within the new tokens: each sees the keys up to its own position.
+
+Prefill chunks (many new tokens) keep the per-token kernel below: one program per (new token,
+query head) walking its context page by page. Whether a varlen flash kernel or PyTorch's SDPA over
+gathered pages beats it is not measured yet (no GPU has run nanospec).
 """
 from __future__ import annotations
 
@@ -54,7 +62,7 @@ if triton is not None:
         tl.store(out_ptr + (token * num_heads + head) * HEAD_DIM + dims, (acc / running_sum).to(out_ptr.dtype.element_ty))
 
 
-def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_attention_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]; block_tables:
@@ -66,3 +74,108 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.contiguous(), k_cache, v_cache, out, block_tables.contiguous(), token_seq, positions, scale,
         block_tables.shape[1], kv_heads, heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
     return out
+
+
+if triton is not None:
+    @triton.jit
+    def _tiled_kernel(q_ptr, k_cache_ptr, v_cache_ptr, acc_ptr, stats_ptr, block_tables_ptr, query_start_ptr,
+                      positions_ptr, scale, max_blocks, num_kv_heads, group, split_len,
+                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr):
+        seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - start
+        rows = tl.arange(0, BLOCK_M)                      # row r: new token r // group, query head r % group
+        token, head = rows // group, kv_head * group + rows % group
+        row_ok = token < q_len
+        dims = tl.arange(0, HEAD_DIM)
+        num_heads = num_kv_heads * group
+        q = tl.load(q_ptr + ((start + token) * num_heads + head)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        pos = tl.load(positions_ptr + start + token, mask=row_ok, other=-1)   # each row sees keys 0 .. pos
+        context = tl.max(pos, axis=0) + 1
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, context)
+        running_max = tl.full((BLOCK_M,), -1.0e30, tl.float32)   # finite: a row with no key here stays at 0
+        running_sum = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        for first in range(lo, hi, BLOCK_N):
+            keys = first + tl.arange(0, BLOCK_N)
+            key_ok = keys < hi
+            block = tl.load(block_tables_ptr + seq * max_blocks + keys // BLOCK_SIZE, mask=key_ok, other=0)
+            offsets = ((block * BLOCK_SIZE + keys % BLOCK_SIZE) * num_kv_heads + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+            k = tl.load(k_cache_ptr + offsets, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + offsets, mask=key_ok[:, None], other=0.0)
+            if FP32:   # exact float32 products (the default would round the inputs to tf32)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale    # [BLOCK_M, BLOCK_N]
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(key_ok[None, :] & (keys[None, :] <= pos[:, None]), scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            correction = tl.exp(running_max - new_max)
+            weights = tl.exp(scores - new_max[:, None])
+            running_sum = running_sum * correction + tl.sum(weights, axis=1)
+            if FP32:
+                acc = acc * correction[:, None] + tl.dot(weights, v, input_precision="ieee")
+            else:
+                acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
+            running_max = new_max
+        # this split's partial result: [seq, kv_head, split, row] -> acc [HEAD_DIM], (max, sum)
+        part = ((seq * num_kv_heads + kv_head) * NUM_SPLITS + split) * BLOCK_M + rows
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc)
+        tl.store(stats_ptr + part * 2, running_max)
+        tl.store(stats_ptr + part * 2 + 1, running_sum)
+
+
+MAX_TILED_QUERIES = 16   # new tokens per sequence up to which the tiled kernel runs (verify: K + 1 <= 9)
+
+
+def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, programs: int = 132) -> int:
+    """Context splits per (sequence, KV head): enough programs to fill an H100's 132 SMs once the
+    batch alone does not, each split at least 4 tiles of keys long."""
+    by_batch = max(1, programs // (batch * kv_heads))
+    by_length = max(1, max_context // (4 * block_n))
+    return min(by_batch, by_length, 16)
+
+
+def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          query_start: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor, max_q: int,
+                          scale: float, splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """q: [T, heads, head_dim], sequence b's new tokens at query_start[b] .. query_start[b + 1]
+    (at most max_q of them), token t of sequence token_seq[t] at positions[t]; caches:
+    [num_blocks, block_size, kv_heads, head_dim];
+    block_tables: [B, max_blocks]. splits: context splits per (sequence, KV head) (default: by
+    num_splits, over the tables' width, a bound the host knows without a sync)."""
+    tokens, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    batch, max_blocks = block_tables.shape
+    group = heads // kv_heads
+    block_m = max(16, triton.next_power_of_2(group * max_q))
+    splits = splits or num_splits(batch, kv_heads, max_blocks * block_size, block_n)
+    split_len = -(-max_blocks * block_size // splits // block_n) * block_n   # whole tiles
+    acc = torch.empty(batch, kv_heads, splits, block_m, head_dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(batch, kv_heads, splits, block_m, 2, dtype=torch.float32, device=q.device)
+    _tiled_kernel[(batch, kv_heads, splits)](
+        q.contiguous(), k_cache, v_cache, acc, stats, block_tables.contiguous(), query_start, positions, scale,
+        max_blocks, kv_heads, group, split_len, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        BLOCK_N=block_n, NUM_SPLITS=splits, FP32=q.dtype == torch.float32)
+    # Merge the splits: rescale each split's sum and output to the largest max, then divide.
+    top = stats[..., 0].amax(2, keepdim=True)
+    weight = torch.exp(stats[..., 0] - top)                                   # [B, kv, splits, M]
+    out = (acc * weight[..., None]).sum(2) / (stats[..., 1] * weight).sum(2)[..., None]   # [B, kv, M, D]
+    # row r of (b, kv_head) is new token r // group of b, query head kv_head * group + r % group
+    out = out[:, :, :group * max_q].view(batch, kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    out = out.reshape(batch * max_q, heads, head_dim)                       # [(b, token), head, D]
+    # token t is new token t - query_start[b] of its sequence b (a gather: no data-dependent shape, no sync)
+    index = token_seq * max_q + torch.arange(tokens, device=q.device) - query_start[token_seq]
+    return out[index].to(q.dtype)                                            # [T, heads, D], flat order
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """The kernel for a pass (meta: kv_cache.AttentionMetadata): tiled for decode and verify steps,
+    per token for prefill chunks."""
+    max_q = meta.query_index.shape[1]   # a shape the host knows
+    if max_q <= MAX_TILED_QUERIES:
+        return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.token_seq,
+                                     meta.positions, max_q, scale)
+    return paged_attention_tokens(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.positions, scale)
