@@ -347,7 +347,9 @@ class Engine:
         twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
                       max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
                       proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs)
-        twin.sampler = twin.step_graphs.sampler = self.sampler
+        twin.sampler = self.sampler   # compiled once (on CUDA), shared; a graph's sampler stays uncompiled
+        if not twin.use_graphs:
+            twin.step_graphs.sampler = self.sampler
         return twin
 
     def free(self, req: Request) -> None:
