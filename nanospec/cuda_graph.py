@@ -213,10 +213,11 @@ class StepGraphs:
         fields[8, :batch], fields[9, :batch] = draft_rows, first_position
 
     def mode(self, sampling: SamplingBatch, bucket: int):
-        """How a step samples: "greedy", or its truncation (under a graph: any truncation or none)."""
+        """How a step samples: "greedy", or its truncation (under a graph or a compiled sampler: any
+        truncation or none, a shape-independent choice)."""
         if sampling.greedy:
             return "greedy"
-        return bool(sampling.truncate) if self.graphed(bucket) else sampling.truncate
+        return bool(sampling.truncate) if self.graphed(bucket) or self.sampler.compiled else sampling.truncate
 
     @torch.inference_mode()
     def run_round(self, plan: Round, sampling: SamplingBatch) -> None:

@@ -323,11 +323,8 @@ class Engine:
         # An embedding padded past the tokenizer (Qwen: 151,936 rows, 151,665 tokens) never emits
         # its padding: the logits are cut to this size before sampling.
         self.vocab_size = emittable_vocab(cfg, tokenizer)
-        # Inside a CUDA graph the sampler runs uncompiled (the graph removes the launch overhead
-        # compiling would; torch.compile inside a capture has not been tried on a GPU yet)
-        graph_sampler = Sampler(compile=False) if use_graphs else self.sampler
         self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len, device,
-                                      graph_sampler, proposer, use_graphs)
+                                      self.sampler, proposer, use_graphs)
         self.stats = Stats()
         self.step_k = 0          # the current decode step's K (the largest of its requests')
         self.request_k = {}      # id(request) -> its K in the current decode step
@@ -347,9 +344,7 @@ class Engine:
         twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
                       max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
                       proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs)
-        twin.sampler = self.sampler   # compiled once (on CUDA), shared; a graph's sampler stays uncompiled
-        if not twin.use_graphs:
-            twin.step_graphs.sampler = self.sampler
+        twin.sampler = twin.step_graphs.sampler = self.sampler   # compiled once (on CUDA), shared
         return twin
 
     def free(self, req: Request) -> None:

@@ -265,10 +265,30 @@ def verify_greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_draft: 
 
 
 class Sampler:
-    """`rejection_sample` (which, with K = 0, is plain sampling), torch.compile'd where that pays
-    (CUDA by default), eager otherwise."""
+    """`rejection_sample` (which, with K = 0, is plain sampling) and `verify_greedy`, torch.compile'd
+    where that pays (CUDA by default), eager otherwise.
 
-    def __init__(self, compile: bool):
-        wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
+    Compiled for the shapes a decode step has: K static (a step, and its CUDA graph, is per K) and
+    the batch dynamic (one compiled kernel serves every bucket; a batch of 1 is its own). That is at
+    most 2 x (max_k + 1) variants of verify_greedy and 8 x (max_k + 1) of rejection_sample (with and
+    without draft probabilities and truncation), within the recompile limit set here; if a step
+    ever meets more, it raises instead of running eagerly without a word (dynamo's default)."""
+
+    def __init__(self, compile: bool, max_k: int = 16, backend: str = "inductor"):
+        self.compiled = compile
+        self.recompile_limit = 8 * (max_k + 1)
+        wrap = (lambda f: self.compile(f, backend)) if compile else (lambda f: f)
         self.rejection_sample = wrap(rejection_sample)
         self.verify_greedy = wrap(verify_greedy)
+
+    def compile(self, fn, backend: str):
+        compiled = torch.compile(fn, dynamic=False, backend=backend)
+
+        def call(*args):
+            for arg in args:   # every tensor argument is batch-first
+                if isinstance(arg, torch.Tensor) and arg.dim() and arg.shape[0] > 1:
+                    torch._dynamo.mark_dynamic(arg, 0)
+            with torch._dynamo.config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True,
+                                            accumulated_recompile_limit=max(256, 4 * self.recompile_limit)):
+                return compiled(*args)
+        return call

@@ -2,13 +2,14 @@
 reproducibly from (seed, position), whatever else shares the batch."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import reference_probs
 from nanospec import sampler
-from nanospec.sampler import sample, target_probs, uniform_noise
+from nanospec.sampler import Sampler, sample, target_probs, uniform_noise
 
 # 99.9% quantile of the chi-square distribution with 5 degrees of freedom.
 CHI2_DF5_999 = 20.515
@@ -94,3 +95,48 @@ def test_top_k_without_a_sort_is_top_k_with_one(logits, top_k):
     limits = sampler.Truncation(max(top_k), top_p=False)
     if 0 < limits.top_k <= len(logits) // 2:   # where target_probs takes the threshold path
         assert torch.equal(target_probs(x, t, k, p, limits), target_probs(x, t, k, p, True))
+
+
+def run_verify_shapes(sampler, buckets, ks, vocab=50, sampled_ks=()):
+    """Call the sampler as the decode step does, for each bucket and K (greedy), and for each bucket
+    and K in sampled_ks (sampling, with and without draft probabilities, truncating)."""
+    g = torch.Generator().manual_seed(0)
+    for bucket in buckets:
+        num_draft = torch.randint(0, 9, (bucket,), generator=g)
+        for k in ks:
+            nd = num_draft.clamp(max=k)
+            sampler.verify_greedy(torch.randint(0, vocab, (bucket, k + 1), generator=g),
+                                  torch.randint(0, vocab, (bucket, k), generator=g), nd)
+        for k in sampled_ks:
+            nd = num_draft.clamp(max=k)
+            for probs in (None, torch.softmax(torch.randn(bucket, k, vocab, generator=g), -1)):
+                sampler.rejection_sample(torch.randn(bucket, k + 1, vocab, generator=g),
+                                         torch.randint(0, vocab, (bucket, k), generator=g), probs, nd,
+                                         torch.full((bucket,), 0.8), torch.zeros(bucket, dtype=torch.long),
+                                         torch.full((bucket,), 0.9), torch.arange(bucket), torch.arange(bucket) + 7, True)
+
+
+def test_the_compiled_sampler_meets_every_bucket_and_k_within_its_recompile_limit():
+    """Compiled (dynamo with its eager backend: the same guards and recompiles as inductor, in
+    seconds), the sampler meets the decode step's shapes, every bucket up to 40 for K 0..8, with
+    one variant per K (the batch is dynamic): no recompile limit is reached, which would raise."""
+    from nanospec.cuda_graph import batch_buckets
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    sampler = Sampler(compile=True, max_k=8, backend="eager")
+    run_verify_shapes(sampler, batch_buckets(40), range(9), sampled_ks=(0, 1, 8))
+    # at most a batch of 1 and a dynamic batch per K and variant: 2 x 9 greedy, 2 x 3 x 2 sampled (8 buckets
+    # with a static batch would be 8 x 9 + 8 x 3 x 2)
+    assert counters["stats"]["unique_graphs"] <= 2 * 9 + 2 * 3 * 2, dict(counters["stats"])
+
+
+def test_a_compiled_sampler_past_its_recompile_limit_raises_instead_of_running_eagerly():
+    """Room for K 0..1 only (16 variants), K 0..8 met: dynamo's limit is reached and it raises,
+    where its default is to fall back to eager without a word."""
+    from nanospec.cuda_graph import batch_buckets
+    torch._dynamo.reset()
+    sampler = Sampler(compile=True, max_k=1, backend="eager")
+    with pytest.raises(Exception, match="recompile|cache_size|limit"):
+        run_verify_shapes(sampler, batch_buckets(40), range(9))
+    torch._dynamo.reset()
