@@ -235,8 +235,8 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     """A model of config's shapes with random weights, made on the device in its dtype (an 8B model
     in bfloat16 takes 16 GB and no host memory): weights ~ N(0, 1 / fan_in), norms 1."""
     with torch.device("meta"):
-        model = CausalLM(config)
-    model = model.to_empty(device=device).to(dtype=dtype)
+        model = CausalLM(config).to(dtype=dtype)
+    model = model.to_empty(device=device)   # in its dtype from the start: no float32 copy of 8B weights
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

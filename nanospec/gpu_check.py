@@ -103,8 +103,11 @@ def run_tests(reduced: bool) -> dict:
     if reduced:
         return {"skipped": "no CUDA: the CUDA tests skip here (CI runs the rest)"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
-                          capture_output=True, text=True, timeout=400)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
+                              capture_output=True, text=True, timeout=400)
+    except subprocess.TimeoutExpired:
+        return {"command": "python -m pytest -q " + " ".join(CUDA_TESTS), "summary": "timed out after 400 s"}
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
     return {"command": "python -m pytest -q " + " ".join(CUDA_TESTS), "returncode": proc.returncode,
