@@ -19,7 +19,7 @@ from nanospec.eagle import load_eagle_head
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
 from nanospec.errors import NanospecError, check_int, check_real, param
 from nanospec.k_policy import KPolicy, QueueSwitch, StaticK
-from nanospec.measure import device_name, quick_profile
+from nanospec.measure import device_name, quick_profile, step_memory
 from nanospec.prompts import shipped_prompts
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer
 from nanospec.tokenizer import load_tokenizer
@@ -217,16 +217,6 @@ class LLM:
         self.vocab_size = emittable_vocab(self.config, self.tokenizer)   # the ids a request may hold
         draft_model = self.load_draft(draft, reachable) if draft else None
         head, aux_layers = load_eagle_head(eagle, self.model, self.device, self.dtype) if eagle else (None, None)
-        if kv_cache_gb is None:
-            kv_cache_gb = self.default_kv_cache_gb()   # on a GPU: a share of what the weights left free
-        # Target and proposer get the same number of blocks (see proposer.py), from one memory budget.
-        block_bytes = target_block
-        if draft_model is not None:
-            block_bytes += kv_block_bytes(draft_model.config, self.dtype, block_size)
-        if head is not None:
-            block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
-        num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
-        self.check_pool(num_blocks, block_size, block_bytes, max_model_len)
 
         def make_proposer(blocks: int) -> Proposer | None:
             if ngram:
@@ -243,6 +233,17 @@ class LLM:
             return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, block_size,
                           max_num_seqs, max_num_batched_tokens, compile_sampler, make_proposer(blocks), policy,
                           use_graphs=graphs)
+
+        if kv_cache_gb is None:   # on a GPU: a share of what the weights and the decode step's graphs leave free
+            kv_cache_gb = self.default_kv_cache_gb(step_memory(make_engine(1, StaticK(0)), k) if graphs else 0)
+        # Target and proposer get the same number of blocks (see proposer.py), from one memory budget.
+        block_bytes = target_block
+        if draft_model is not None:
+            block_bytes += kv_block_bytes(draft_model.config, self.dtype, block_size)
+        if head is not None:
+            block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
+        num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
+        self.check_pool(num_blocks, block_size, block_bytes, max_model_len)
 
         self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up
@@ -303,10 +304,11 @@ class LLM:
                                 f"can emit {self.vocab_size}; use a draft whose embedding covers the tokenizer")
         return checkpoint.build_model(ckpt, self.device, self.dtype, max_len)
 
-    def default_kv_cache_gb(self) -> float:
+    def default_kv_cache_gb(self, reserve: int = 0) -> float:
+        """1 GiB on CPU; on CUDA 0.8 of the free memory less `reserve` bytes (what the graphs need)."""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return 0.8 * free / 2**30
+            return 0.8 * max(free - reserve, 0) / 2**30
         return 1.0
 
     @property

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from nanospec.cuda_graph import MAX_GRAPH_BATCH
 from nanospec.dynamic_k import Profile
 from nanospec.engine import Engine, SamplingParams
 from nanospec.errors import NanospecError
@@ -58,6 +59,27 @@ def oracle_proposer(engine: Engine, prompt_ids: list[list[int]], max_new_tokens:
     requests = greedy_requests(twin, prompt_ids, max_new_tokens)
     twin.run_to_completion()
     return OracleProposer({tuple(r.prompt_ids): r.output_ids for r in requests})
+
+
+def step_memory(engine: Engine, k: int) -> int:
+    """Bytes the largest decode step takes beyond what exists: the largest graphed bucket at K = k,
+    sampling with truncation (and draft probabilities, for a model proposer), run once eagerly on
+    padding rows (the null block only: a one-block engine will do). The CUDA graphs' shared pool
+    holds about this much (captured largest first, the smaller graphs reuse it), so the KV cache
+    is sized after it. 0 off CUDA, where no graph is kept (the step still runs, so CPU tests run it)."""
+    steps, cuda = engine.step_graphs, engine.device.type == "cuda"
+    bucket = max(b for b in steps.buckets if b <= MAX_GRAPH_BATCH)
+    probs = k > 0 and steps.draft_tables is not None
+    sync(engine.device)
+    if cuda:
+        base = torch.cuda.memory_allocated(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    steps.grow(k, probs=probs)
+    steps.upload_padding(bucket, k)
+    with torch.inference_mode():
+        steps.verify_body(("verify", bucket, k, True, probs), steps.tables.width, bucket * steps.row_width)
+    sync(engine.device)
+    return torch.cuda.max_memory_allocated(engine.device) - base if cuda else 0
 
 
 def context(engine: Engine) -> int:

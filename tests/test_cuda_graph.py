@@ -265,3 +265,15 @@ def test_cuda_decode_step_copies_once_each_way(spec_models, monkeypatch, name, b
                 copies[way] += event.count
     assert copies == {"HtoD": 1, "DtoH": 1}
     assert len(engine.step_graphs.graphs) == captured
+
+
+@pytest.mark.parametrize("name", ["plain", "draft", "eagle3"])
+def test_the_largest_step_runs_on_a_one_block_engine(spec_models, name):
+    """On CUDA the KV cache is sized after what the largest graphed step allocates (measure.step_memory):
+    that step, sampling with truncation and draft probabilities at the largest bucket and K, runs on
+    padding rows of a one-block engine, touching only the null block (0 bytes counted on CPU)."""
+    from nanospec.measure import step_memory
+    args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 4}
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=1, max_num_seqs=40, **args)
+    assert step_memory(llm.engine, 4 if args else 0) == 0
+    assert llm.engine.step_graphs.buckets[-1] == 40 and llm.engine.kv_cache.allocator.num_free == 1
