@@ -9,7 +9,8 @@ Measured (random:llama3-8b in bfloat16 on a GPU; random:tiny in float32 on a CPU
   as a fraction of that bandwidth (the roofline);
 - the oracle proposer (every draft accepted) at K = 2 and 4 against plain decoding, at batch 1,
   16, 64 and 256, with CUDA graphs;
-- the decode step with CUDA graphs and eagerly (enforce_eager) at K = 0 and 4, the same batches;
+- the decode step with CUDA graphs and eagerly (enforce_eager) at K = 0 and 4, the same batches, for
+  random:llama3-8b and random:qwen3-0.6b;
 - the tiled attention kernel alone: KV bytes read per second at contexts 1k, 4k, 16k.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from nanospec.prompts import shipped_prompts
 # new_tokens: a multiple of every K + 1, so the oracle rows gain exactly K + 1 tokens a step
 CUDA_TESTS = ["tests/test_cuda_graph.py", "tests/test_step_copies.py", "tests/test_triton_attention.py"]
 FULL = dict(target="random:llama3-8b", dtype="bfloat16", batches=[1, 16, 64, 256], ks=[2, 4], new_tokens=30)
+SMALL_TARGET = "random:qwen3-0.6b"   # graphs against eager on a small model too, where launches weigh most
 REDUCED = dict(target="random:tiny", dtype="float32", batches=[1, 4], ks=[2, 4], new_tokens=15)
 
 
@@ -99,6 +101,30 @@ def decode(llm, prompts: list[list[int]], k: int, new_tokens: int, oracle, graph
             "mean_acceptance_length": engine.stats.as_dict()["mean_acceptance_length"]}
 
 
+def measure_rows(target: str, plan: dict, reduced: bool, log) -> tuple:
+    """The decode rows of one target: K = 0 and plan["ks"] (oracle drafts) at every batch, with
+    graphs, and eagerly too at K 0 and 4 on CUDA. Returns (the LLM, its prompts, the rows)."""
+    # the LLM's own engine only records the oracle's continuations: no graphs of its own
+    llm = LLM(target, device="cpu" if reduced else "cuda", dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
+              kv_cache_gb=0.05 if reduced else 8, enforce_eager=True)
+    cuda = llm.device.type == "cuda"
+    texts = [row["prompt"] for row in shipped_prompts()]
+    prompts = [llm.encode_prompt(texts[i % len(texts)])[:64] for i in range(max(plan["batches"]))]
+    oracle = oracle_proposer(llm.engine, prompts, plan["new_tokens"] + max(plan["ks"]) + 1)
+    rows = []
+    for batch in plan["batches"]:
+        for k in [0, *plan["ks"]]:
+            rows.append(decode(llm, prompts[:batch], k, plan["new_tokens"], oracle, graphs=cuda))
+            log(json.dumps(rows[-1]))
+            if cuda and k in (0, 4):
+                rows.append(decode(llm, prompts[:batch], k, plan["new_tokens"], oracle, graphs=False))
+                log(json.dumps(rows[-1]))
+    for r in rows:
+        base = next(p for p in rows if p["batch"] == r["batch"] and p["k"] == 0 and p["graphs"] == r["graphs"])
+        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+    return llm, prompts, rows
+
+
 def run_tests(reduced: bool) -> dict:
     if reduced:
         return {"skipped": "no CUDA: the CUDA tests skip here (CI runs the rest)"}
@@ -121,30 +147,16 @@ def gpu_check(device: str = "auto", out: str | None = None, log=print) -> dict:
     plan = REDUCED if reduced else FULL
     tests = run_tests(reduced)
     log(f"CUDA tests: {tests.get('summary', tests.get('skipped'))}")
-    # the LLM's own engine only records the oracle's continuations: no graphs of its own
-    llm = LLM(plan["target"], device="cpu" if reduced else "cuda", dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
-              kv_cache_gb=0.05 if reduced else 8, enforce_eager=True)
+    llm, prompts, rows = measure_rows(plan["target"], plan, reduced, log)
     cuda = llm.device.type == "cuda"
-    texts = [row["prompt"] for row in shipped_prompts()]
-    prompts = [llm.encode_prompt(texts[i % len(texts)])[:64] for i in range(max(plan["batches"]))]
     bandwidth = copy_bandwidth(llm.device, 64 if reduced else 1024)
-    oracle = oracle_proposer(llm.engine, prompts, plan["new_tokens"] + max(plan["ks"]) + 1)
-    rows = []
-    for batch in plan["batches"]:
-        for k in [0, *plan["ks"]]:
-            rows.append(decode(llm, prompts[:batch], k, plan["new_tokens"], oracle, graphs=cuda))
-            if cuda and k in (0, 4):
-                rows.append(decode(llm, prompts[:batch], k, plan["new_tokens"], oracle, graphs=False))
-            log(json.dumps(rows[-1]))
+    small_rows = [] if reduced else measure_rows(SMALL_TARGET, dict(plan, ks=[4]), reduced, log)[2]
     attention = [] if reduced else attention_bandwidth(llm.device, llm.dtype)
     for row in attention:
         log(json.dumps(row))
     plain = next(r for r in rows if r["batch"] == 1 and r["k"] == 0 and r["graphs"] == cuda)
     context = sum(map(len, prompts[:1])) + plan["new_tokens"] / 2   # the mean context of the batch-1 run
     step_bytes = weight_bytes(llm.model) + context * kv_bytes_per_token(llm.model)
-    for r in rows:
-        base = next(p for p in rows if p["batch"] == r["batch"] and p["k"] == 0 and p["graphs"] == r["graphs"])
-        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
     report = {
         "command": "python -m nanospec.bench --gpu-check", "device": device_name(llm.device),
         "mode": "reduced (no CUDA)" if reduced else "full", "target": plan["target"], "dtype": plan["dtype"],
@@ -152,7 +164,8 @@ def gpu_check(device: str = "auto", out: str | None = None, log=print) -> dict:
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "plain_batch1": {"tokens_per_s": plain["tokens_per_s"], "bytes_per_step": int(step_bytes),
                          "fraction_of_copy_bandwidth": round(step_bytes / (plain["step_ms"] / 1000) / bandwidth, 3)},
-        "rows": rows, "attention_kernel": attention,
+        "rows": rows, "small_target": None if reduced else SMALL_TARGET, "small_target_rows": small_rows,
+        "attention_kernel": attention,
         "skipped": (["the CUDA tests", "CUDA graphs (a CPU runs every step eagerly)", "random:llama3-8b (too slow here)",
                      "the attention kernel alone (Triton needs CUDA)"] if reduced else [])
                    + ["transformers' assisted generation (not run by the check)"],
