@@ -28,16 +28,19 @@ from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
-from nanospec.gpu_check import gpu_check
+from nanospec.gpu_check import copy_bandwidth, gpu_check, kv_bytes_per_token, weight_bytes
 from nanospec.k_policy import StaticK
 from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS
 from nanospec.measure import device_name, greedy_requests, oracle_proposer, quick_profile, timed
 from nanospec.prompts import shipped_prompts
 
 
-def transformers_model(path: str, dtype: torch.dtype, device: torch.device):
-    """The same checkpoint in transformers (a folder, or a .gguf through transformers' own GGUF reader)."""
+def transformers_model(path: str, dtype: torch.dtype, device: torch.device, ours=None):
+    """The same checkpoint in transformers (a folder, or a .gguf through transformers' own GGUF
+    reader); for random:NAME, a transformers model of its config holding `ours`'s random weights."""
     import transformers
+    if path.startswith("random:"):
+        return random_transformers_model(path, ours, dtype, device)
     if not path.endswith(".gguf"):
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -50,6 +53,30 @@ def transformers_model(path: str, dtype: torch.dtype, device: torch.device):
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
     return model.to(device=device, dtype=dtype).eval()
+
+
+def random_transformers_model(path: str, ours, dtype: torch.dtype, device: torch.device):
+    """transformers' model of random:NAME's config, with our model's weights (so both compute the
+    same function: the same greedy tokens, the same drafts accepted)."""
+    import transformers
+    from nanospec.model import unpack_weights
+    config = dict(checkpoint.RANDOM_MODELS[path.removeprefix("random:")])
+    model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[config["architectures"][0]]
+    hf_config = transformers.AutoConfig.for_model(model_type, **config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    weights = unpack_weights({k: v for k, v in ours.state_dict().items() if "rotary" not in k}, ours.config)
+    model.load_state_dict(weights, strict=False, assign=True)   # our tensors themselves: no second copy
+    model.tie_weights()
+    with torch.device(device):   # the rotary tables, buffers made at init, made for real
+        model.model.rotary_emb = type(model.model.rotary_emb)(hf_config)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"not loaded: {left[:3]}"
+    return model.eval()
+
+
+def resolve(target: str) -> str:
+    return target if target.startswith("random:") else checkpoint.resolve(target)
 
 
 def groups(prompt_ids: list[list[int]], batch_size: int, continuous: bool = False) -> list[list[list[int]]]:
@@ -108,6 +135,15 @@ def time_transformers(model, prompt_ids: list[list[int]], batch_size: int, max_n
     return tokens / elapsed
 
 
+def roofline_fraction(llm, prompts: list[list[int]], batch_size: int, max_new_tokens: int, tokens_per_s: float,
+                      bandwidth: float) -> float:
+    """What plain decoding reads per second (the weights once a step, and the batch's KV cache at
+    its mean context; a step emits batch_size tokens) over the measured copy bandwidth."""
+    context = sum(map(len, prompts)) / len(prompts) + max_new_tokens / 2
+    step_bytes = weight_bytes(llm.model) + batch_size * context * kv_bytes_per_token(llm.model)
+    return round(step_bytes * tokens_per_s / batch_size / bandwidth, 3)
+
+
 def environment(llm) -> dict:
     env = {"device": device_name(llm.device),
            "device_type": llm.device.type, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -163,13 +199,13 @@ def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
     pad = llm.tokenizer.eos_ids[0]
     if k == 0:
         return {"transformers_tokens_per_s": round(time_transformers(ref, prompts, bs, args.max_new_tokens, pad), 2)}
-    if bs != 1 or args.eagle:
+    if bs != 1 or args.eagle or getattr(args, "oracle", False):   # transformers has no oracle
         return {}
     if args.ngram:
         spec = dict(prompt_lookup_num_tokens=k)
     else:
         if not hasattr(ref, "_bench_draft"):
-            ref._bench_draft = transformers_model(checkpoint.resolve(args.draft), llm.dtype, llm.device)
+            ref._bench_draft = transformers_model(resolve(args.draft), llm.dtype, llm.device, llm.engine.proposer.model)
         spec = dict(assistant_model=ref._bench_draft)
         ref._bench_draft.generation_config.num_assistant_tokens = k
         ref._bench_draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -280,11 +316,12 @@ def run(args) -> dict:
     ref = None
     if not args.no_transformers:
         try:
-            ref = transformers_model(checkpoint.resolve(args.target), llm.dtype, llm.device)
+            ref = transformers_model(resolve(args.target), llm.dtype, llm.device, llm.model)
             time_transformers(ref, prompts[:2], 2, 4, pad_id=llm.tokenizer.eos_ids[0])
         except ImportError:
             print("transformers is not installed: no baseline (pip install transformers)", file=sys.stderr)
     results = []
+    bandwidth = copy_bandwidth(llm.device, 1024 if llm.device.type == "cuda" else 256)
     progress = Progress("bench", len(batch_sizes) * args.repeats)
     for bs in batch_sizes:
         best = {}   # k -> the fastest of the repeats (rows side by side, so drift hits every K alike)
@@ -310,6 +347,9 @@ def run(args) -> dict:
             else:   # the K histograms say something only where K moves
                 for key in ("chosen_k", "request_k"):
                     row.pop(key)
+            if k == 0:   # plain decoding against its roofline
+                row["roofline_fraction"] = roofline_fraction(llm, prompts, bs, args.max_new_tokens,
+                                                             row["nanospec_tokens_per_s"], bandwidth)
             if ref is not None and k not in DYNAMIC_ROWS:
                 row.update(transformers_row(args, llm, ref, prompts, bs, k))
                 if "transformers_tokens_per_s" in row:
@@ -319,10 +359,10 @@ def run(args) -> dict:
                 else "all prompts batch_size at a time, each group run to completion")
     return {"benchmark": f"greedy, every request max_new_tokens long, {batching}",
             "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]),
-            "target": llm.target_name, "proposer": llm.proposer_name,
+            "target": llm.target_name, "proposer": "oracle (the target's own greedy continuation)" if args.oracle else llm.proposer_name,
             "categories": args.categories or "all", "num_prompts": len(prompts),
             "distinct_prompts": len(set(map(tuple, prompts))), "max_new_tokens": args.max_new_tokens,
-            "chat_template": not args.no_chat, "repeats": args.repeats, "environment": environment(llm),
+            "chat_template": not args.no_chat, "repeats": args.repeats, "environment": {**environment(llm), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)},
             "dynamic_k_profile": profile and {"source": args.profile or "quick built-in profile, measured in this run",
                                               "batch_sizes": profile.batch_sizes, "ks": profile.ks,
                                               "itl_s": profile.itl_s, "acceptance": profile.acceptance,
@@ -332,12 +372,13 @@ def run(args) -> dict:
 
 
 def print_table(report: dict) -> None:
-    """One line per row; "-" where a figure was not measured (no transformers row, one row alone)."""
+    """One line per row; "-" where a figure was not measured (no transformers row, one row alone).
+    roofline: a plain row's bytes read per second over the device's measured copy bandwidth."""
     print(f"{report['target']} on {report['environment']['device']} ({report['environment']['dtype']}), proposer "
           f"{report['proposer']}, {report['num_prompts']} prompts ({report['categories']}), "
           f"{report['max_new_tokens']} new tokens each")
     print(f"{'batch':>6} {'K':>19} {'nanospec tok/s':>15} {'all repeats':>12} {'accept len':>11}"
-          f" {'transformers tok/s':>19} {'ratio':>7} {'vs best other':>14} {'(all repeats)':>14}")
+          f" {'transformers tok/s':>19} {'ratio':>7} {'vs best other':>14} {'(all repeats)':>14} {'roofline':>9}")
     cell = lambda value, width, digits: f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
     for r in report["results"]:
         others = [o for o in report["results"] if o["batch_size"] == r["batch_size"] and o["k"] != r["k"]]
@@ -347,7 +388,7 @@ def print_table(report: dict) -> None:
         print(f"{r['batch_size']:>6} {r['k']:>19} {r['nanospec_tokens_per_s']:>15.1f} {r['tokens_per_s_all_repeats']:>12.1f}"
               f" {r['mean_acceptance_length']:>11.2f} {cell(r.get('transformers_tokens_per_s'), 19, 1)}"
               f" {cell(r.get('ratio'), 7, 2)} {cell(vs_best('nanospec_tokens_per_s'), 14, 2)}"
-              f" {cell(vs_best('tokens_per_s_all_repeats'), 14, 2)}")
+              f" {cell(vs_best('tokens_per_s_all_repeats'), 14, 2)} {cell(r.get('roofline_fraction'), 9, 3)}")
 
 
 def main(argv=None) -> int:

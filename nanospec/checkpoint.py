@@ -58,7 +58,8 @@ RANDOM_MODELS = {
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, tie=False),
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tie=True),
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tie=True),
-    "tiny": dict(_llama3(64, 136, 2, 4, 2, tie=False, factor=8.0), vocab_size=320, max_position_embeddings=2048),
+    "tiny": dict(_llama3(64, 136, 2, 4, 2, tie=False, factor=8.0), vocab_size=320, max_position_embeddings=2048,
+                 bos_token_id=None, eos_token_id=256),   # the byte tokenizer's <|endoftext|>
 }
 
 

@@ -147,3 +147,18 @@ def test_gpu_check_runs_reduced_on_a_cpu_and_says_what_it_skipped(tmp_path, caps
     oracle = [r for r in report["rows"] if r["k"]]
     assert oracle and all(r["mean_acceptance_length"] == r["k"] + 1 for r in oracle)
     assert "skipped: the CUDA tests" in capsys.readouterr().err
+
+
+def test_transformers_runs_a_random_model_on_our_weights():
+    """The transformers baseline of random:NAME is transformers' own model of its config holding
+    our random weights (shared, not copied): greedy decoding gives the same tokens."""
+    import torch
+    from nanospec import LLM, SamplingParams
+    from nanospec.bench import transformers_model
+    llm = LLM("random:tiny", device="cpu", dtype="float32", kv_cache_gb=0.01)
+    hf = transformers_model("random:tiny", torch.float32, torch.device("cpu"), llm.model)
+    ids = [5, 9, 100, 33, 7, 200]
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=256)
+    ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    assert theirs[0, len(ids):].tolist() == ours
+    assert hf.model.embed_tokens.weight.data_ptr() == llm.model.model.embed_tokens.weight.data_ptr()
