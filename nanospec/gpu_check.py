@@ -11,7 +11,8 @@ Measured (random:llama3-8b in bfloat16 on a GPU; random:tiny in float32 on a CPU
   16, 64 and 256, with CUDA graphs;
 - the decode step with CUDA graphs and eagerly (enforce_eager) at K = 0 and 4, the same batches, for
   random:llama3-8b and random:qwen3-0.6b;
-- the tiled attention kernel alone: KV bytes read per second at contexts 1k, 4k, 16k.
+- the tiled attention kernel alone: KV bytes read per second at contexts 1k, 4k, 16k;
+- a prefill chunk's attention by the tiled kernel, the per-token kernel and SDPA over gathered pages.
 """
 from __future__ import annotations
 
@@ -76,6 +77,32 @@ def attention_bandwidth(device: torch.device, dtype: torch.dtype, block_size: in
                 kv_bytes = batch * context * 2 * 8 * 128 * cache.pool.element_size()
                 rows.append({"context": context, "batch": batch, "k": k, "us": round(1e6 * seconds, 1),
                              "kv_gb_s": round(kv_bytes / seconds / 1e9, 1)})
+    return rows
+
+
+def prefill_attention(device: torch.device, dtype: torch.dtype, block_size: int = 16) -> list[dict]:
+    """Attention of a prefill chunk, one layer of Llama-3.1-8B's shape, by the three candidates:
+    the tiled kernel (what runs), the per-token kernel, and the reference's SDPA over gathered pages."""
+    from nanospec.kv_cache import KVCache, build_metadata, paged_attention_reference
+    from nanospec.triton_attention import paged_attention, paged_attention_tokens
+    rows = []
+    for batch, cached, new in ((1, 3072, 1024), (8, 0, 512)):
+        per_seq = (cached + new) // block_size + 1
+        cache = KVCache(1, batch * per_seq, block_size, 8, 128, dtype, device)
+        cache.pool.normal_()
+        tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
+        meta = build_metadata(tables, [cached] * batch, [new] * batch, block_size, device)
+        q = torch.randn(batch * new, 32, 128, dtype=dtype, device=device)
+        k_cache, v_cache = cache.layer(0)
+        kernels = {"tiled": lambda: paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5),
+                   "per_token": lambda: paged_attention_tokens(q, k_cache, v_cache, meta.block_tables, meta.token_seq,
+                                                               meta.positions, 128 ** -0.5),
+                   "sdpa_gathered": lambda: paged_attention_reference(q, k_cache, v_cache, meta, 128 ** -0.5)}
+        row = {"batch": batch, "cached": cached, "new": new}
+        for name, run in kernels.items():
+            run()
+            row[f"{name}_ms"] = round(1000 * min(timed(device, run)[1] for _ in range(3)), 3)
+        rows.append(row)
     return rows
 
 
@@ -152,7 +179,8 @@ def gpu_check(device: str = "auto", out: str | None = None, log=print) -> dict:
     bandwidth = copy_bandwidth(llm.device, 64 if reduced else 1024)
     small_rows = [] if reduced else measure_rows(SMALL_TARGET, dict(plan, ks=[4]), reduced, log)[2]
     attention = [] if reduced else attention_bandwidth(llm.device, llm.dtype)
-    for row in attention:
+    prefill = [] if reduced else prefill_attention(llm.device, llm.dtype)
+    for row in attention + prefill:
         log(json.dumps(row))
     plain = next(r for r in rows if r["batch"] == 1 and r["k"] == 0 and r["graphs"] == cuda)
     context = sum(map(len, prompts[:1])) + plan["new_tokens"] / 2   # the mean context of the batch-1 run
@@ -165,9 +193,9 @@ def gpu_check(device: str = "auto", out: str | None = None, log=print) -> dict:
         "plain_batch1": {"tokens_per_s": plain["tokens_per_s"], "bytes_per_step": int(step_bytes),
                          "fraction_of_copy_bandwidth": round(step_bytes / (plain["step_ms"] / 1000) / bandwidth, 3)},
         "rows": rows, "small_target": None if reduced else SMALL_TARGET, "small_target_rows": small_rows,
-        "attention_kernel": attention,
+        "attention_kernel": attention, "prefill_attention": prefill,
         "skipped": (["the CUDA tests", "CUDA graphs (a CPU runs every step eagerly)", "random:llama3-8b (too slow here)",
-                     "the attention kernel alone (Triton needs CUDA)"] if reduced else [])
+                     "the attention kernels alone (Triton needs CUDA)"] if reduced else [])
                    + ["transformers' assisted generation (not run by the check)"],
     }
     slug = re.sub(r"[^a-z0-9]+", "_", report["device"].lower()).strip("_") or "device"

@@ -10,9 +10,11 @@ and new token. Long contexts at small batches are split across programs (flash-d
 splits' partial results (running max, sum and output, the FlashAttention recurrence) are merged
 afterwards. Queries are causal within the new tokens: each sees the keys up to its own position.
 
-Prefill chunks (many new tokens) keep the per-token kernel below: one program per (new token,
-query head) walking its context page by page. Whether a varlen flash kernel or PyTorch's SDPA over
-gathered pages beats it is not measured yet (no GPU has run nanospec).
+Prefill chunks run through the same kernel in blocks of new tokens (a varlen flash kernel: each
+program a block of one sequence's tokens x the query heads of one KV head). The first kernel, one
+program per (new token, query head) walking its context page by page, stays beside it
+(paged_attention_tokens): the GPU check times the two and the reference's SDPA over gathered
+pages on a prefill chunk; no GPU has run it yet.
 """
 from __future__ import annotations
 
@@ -81,13 +83,14 @@ if triton is not None:
     def _tiled_kernel(q_ptr, k_cache_ptr, v_cache_ptr, acc_ptr, stats_ptr, block_tables_ptr, query_start_ptr,
                       positions_ptr, scale, max_blocks, num_kv_heads, group, split_len,
                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr):
-        seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TOKENS: tl.constexpr, FP32: tl.constexpr):
+        seq, kv_head = tl.program_id(0), tl.program_id(1)
+        query_block, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
         start = tl.load(query_start_ptr + seq)
         q_len = tl.load(query_start_ptr + seq + 1) - start
-        rows = tl.arange(0, BLOCK_M)                      # row r: new token r // group, query head r % group
-        token, head = rows // group, kv_head * group + rows % group
-        row_ok = token < q_len
+        rows = tl.arange(0, BLOCK_M)   # row r: new token query_block * TOKENS + r // group, query head r % group
+        token, head = query_block * TOKENS + rows // group, kv_head * group + rows % group
+        row_ok = (token < q_len) & (rows < TOKENS * group)
         dims = tl.arange(0, HEAD_DIM)
         num_heads = num_kv_heads * group
         q = tl.load(q_ptr + ((start + token) * num_heads + head)[:, None] * HEAD_DIM + dims[None, :],
@@ -120,62 +123,64 @@ if triton is not None:
             else:
                 acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
             running_max = new_max
-        # this split's partial result: [seq, kv_head, split, row] -> acc [HEAD_DIM], (max, sum)
-        part = ((seq * num_kv_heads + kv_head) * NUM_SPLITS + split) * BLOCK_M + rows
+        # this split's partial result: [seq, kv_head, query block and split, row] -> acc [HEAD_DIM], (max, sum)
+        part = ((seq * num_kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)) * BLOCK_M + rows
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc)
         tl.store(stats_ptr + part * 2, running_max)
         tl.store(stats_ptr + part * 2 + 1, running_sum)
 
 
-MAX_TILED_QUERIES = 16   # new tokens per sequence up to which the tiled kernel runs (verify: K + 1 <= 9)
-
-
-def num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, programs: int = 132) -> int:
-    """Context splits per (sequence, KV head): enough programs to fill an H100's 132 SMs once the
-    batch alone does not, each split at least 4 tiles of keys long."""
-    by_batch = max(1, programs // (batch * kv_heads))
+def num_splits(programs_without: int, max_context: int, block_n: int, programs: int = 132) -> int:
+    """Context splits per program: enough programs to fill an H100's 132 SMs once the batch alone
+    does not, each split at least 4 tiles of keys long."""
+    by_batch = max(1, programs // programs_without)
     by_length = max(1, max_context // (4 * block_n))
     return min(by_batch, by_length, 16)
 
 
 def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                           query_start: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor, max_q: int,
-                          scale: float, splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                          scale: float, splits: int | None = None, block_n: int = 64, max_rows: int = 128) -> torch.Tensor:
     """q: [T, heads, head_dim], sequence b's new tokens at query_start[b] .. query_start[b + 1]
     (at most max_q of them), token t of sequence token_seq[t] at positions[t]; caches:
-    [num_blocks, block_size, kv_heads, head_dim];
-    block_tables: [B, max_blocks]. splits: context splits per (sequence, KV head) (default: by
-    num_splits, over the tables' width, a bound the host knows without a sync)."""
-    tokens, heads, head_dim = q.shape
+    [num_blocks, block_size, kv_heads, head_dim]; block_tables: [B, max_blocks].
+
+    A program's rows are `tokens` new tokens x the group of query heads of one KV head: every new
+    token of a decode or verify step (up to max_rows rows), or a block of a prefill chunk's tokens.
+    splits: context splits per program (default: by num_splits over the tables' width, a bound
+    the host knows without a sync)."""
+    num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     batch, max_blocks = block_tables.shape
     group = heads // kv_heads
-    block_m = max(16, triton.next_power_of_2(group * max_q))
-    splits = splits or num_splits(batch, kv_heads, max_blocks * block_size, block_n)
+    tokens = max_q if group * max_q <= max_rows else max(1, 64 // group)
+    query_blocks = -(-max_q // tokens)
+    block_m = max(16, triton.next_power_of_2(group * tokens))
+    splits = splits or num_splits(batch * kv_heads * query_blocks, max_blocks * block_size, block_n)
     split_len = -(-max_blocks * block_size // splits // block_n) * block_n   # whole tiles
-    acc = torch.empty(batch, kv_heads, splits, block_m, head_dim, dtype=torch.float32, device=q.device)
-    stats = torch.empty(batch, kv_heads, splits, block_m, 2, dtype=torch.float32, device=q.device)
-    _tiled_kernel[(batch, kv_heads, splits)](
+    acc = torch.empty(batch, kv_heads, query_blocks, splits, block_m, head_dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(batch, kv_heads, query_blocks, splits, block_m, 2, dtype=torch.float32, device=q.device)
+    _tiled_kernel[(batch, kv_heads, query_blocks * splits)](
         q.contiguous(), k_cache, v_cache, acc, stats, block_tables.contiguous(), query_start, positions, scale,
         max_blocks, kv_heads, group, split_len, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, NUM_SPLITS=splits, FP32=q.dtype == torch.float32)
+        BLOCK_N=block_n, NUM_SPLITS=splits, TOKENS=tokens, FP32=q.dtype == torch.float32)
     # Merge the splits: rescale each split's sum and output to the largest max, then divide.
-    top = stats[..., 0].amax(2, keepdim=True)
-    weight = torch.exp(stats[..., 0] - top)                                   # [B, kv, splits, M]
-    out = (acc * weight[..., None]).sum(2) / (stats[..., 1] * weight).sum(2)[..., None]   # [B, kv, M, D]
-    # row r of (b, kv_head) is new token r // group of b, query head kv_head * group + r % group
-    out = out[:, :, :group * max_q].view(batch, kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
-    out = out.reshape(batch * max_q, heads, head_dim)                       # [(b, token), head, D]
+    top = stats[..., 0].amax(3, keepdim=True)
+    weight = torch.exp(stats[..., 0] - top)                                   # [B, kv, blocks, splits, M]
+    out = (acc * weight[..., None]).sum(3) / (stats[..., 1] * weight).sum(3)[..., None]   # [B, kv, blocks, M, D]
+    # row r of (b, kv_head, query block) is new token block * tokens + r // group, head kv_head * group + r % group
+    out = out[..., :group * tokens, :].reshape(batch, kv_heads, query_blocks * tokens, group, head_dim)
+    out = out.permute(0, 2, 1, 3, 4).reshape(batch * query_blocks * tokens, heads, head_dim)
     # token t is new token t - query_start[b] of its sequence b (a gather: no data-dependent shape, no sync)
-    index = token_seq * max_q + torch.arange(tokens, device=q.device) - query_start[token_seq]
+    index = token_seq * (query_blocks * tokens) + torch.arange(num_tokens, device=q.device) - query_start[token_seq]
     return out[index].to(q.dtype)                                            # [T, heads, D], flat order
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
-    """The kernel for a pass (meta: kv_cache.AttentionMetadata): tiled for decode and verify steps,
-    per token for prefill chunks."""
-    max_q = meta.query_index.shape[1]   # a shape the host knows
-    if max_q <= MAX_TILED_QUERIES:
-        return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.token_seq,
-                                     meta.positions, max_q, scale)
-    return paged_attention_tokens(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.positions, scale)
+    """The kernel for a pass (meta: kv_cache.AttentionMetadata): the tiled one, for decode and verify
+    steps and for prefill chunks (in blocks of new tokens). Its alternatives for prefill, the
+    per-token kernel and the reference's SDPA over gathered pages, are timed beside it by
+    `python -m nanospec.bench --gpu-check`; no GPU has run that yet, so the choice is by design
+    (tl.dot tiles over one pass of the KV pages), not by measurement."""
+    return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.token_seq,
+                                 meta.positions, meta.query_index.shape[1], scale)   # a shape the host knows

@@ -2,7 +2,8 @@
 interpreter (in a subprocess, since TRITON_INTERPRET must be set before triton is imported), and on
 CUDA in bf16 when a GPU is present. The tiled decode/verify kernel is checked over GQA ratios 1, 4
 and 8, head_dim 64 and 128, 1..9 new tokens per sequence (mixed in one batch), and contexts that
-cross block and split boundaries, in float32 and float16 (bfloat16 on CUDA)."""
+cross block and split boundaries, and prefill chunks in blocks of new tokens, in float32 and
+float16 (bfloat16 on CUDA)."""
 import os
 import subprocess
 import sys
@@ -43,7 +44,10 @@ TOKENS = [(4, 4, 2, 32, [(0, 5), (9, 1), (13, 4)]), (16, 8, 8, 16, [(30, 1), (0,
 # a batch; contexts across blocks of 16 and splits (whole tiles of 64 keys: 130 + 9 spans three)
 TILED = [(16, 4, 4, 64, [(0, 1), (17, 2), (40, 9)], 1), (16, 8, 2, 128, [(130, 9), (5, 1), (63, 1)], 3),
          (16, 8, 1, 64, [(64, 1), (70, 4), (0, 7)], 2), (4, 8, 1, 128, [(15, 3), (33, 8), (1, 5), (60, 9)], 4),
-         (16, 4, 1, 64, [(200, 6), (2, 2)], None), (16, 4, 4, 128, [(i * 11, i + 1) for i in range(9)], 2)]
+         (16, 4, 1, 64, [(200, 6), (2, 2)], None), (16, 4, 4, 128, [(i * 11, i + 1) for i in range(9)], 2),
+         # prefill chunks: query blocks of 64 // group tokens (more than 128 rows for one program)
+         (16, 8, 2, 64, [(0, 40), (17, 33), (5, 1)], 1), (4, 4, 4, 64, [(0, 130), (70, 2)], None),
+         (16, 16, 2, 128, [(3, 70)], 2)]
 
 def check(device, dtype, tol):
     for case in TOKENS:
