@@ -12,10 +12,13 @@ Measured (random:llama3-8b in bfloat16 on a GPU; random:tiny in float32 on a CPU
 - the decode step with CUDA graphs and eagerly (enforce_eager) at K = 0 and 4, the same batches, for
   random:llama3-8b and random:qwen3-0.6b;
 - the tiled attention kernel alone: KV bytes read per second at contexts 1k, 4k, 16k;
-- a prefill chunk's attention by the tiled kernel, the per-token kernel and SDPA over gathered pages.
+- a prefill chunk's attention by the tiled kernel, the per-token kernel and SDPA over gathered pages;
+- a draft model (random:llama3.2-1b, K = 4) against transformers' assisted generation on the same
+  weights, batch 1: the ratio of tokens/s.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -26,15 +29,19 @@ import time
 import torch
 
 from nanospec.llm import LLM
+from nanospec.baseline import time_transformers, transformers_model
+from nanospec.engine import SamplingParams
 from nanospec.k_policy import StaticK
 from nanospec.measure import device_name, greedy_requests, oracle_proposer, sync, timed
 from nanospec.prompts import shipped_prompts
 
 # new_tokens: a multiple of every K + 1, so the oracle rows gain exactly K + 1 tokens a step
 CUDA_TESTS = ["tests/test_cuda_graph.py", "tests/test_step_copies.py", "tests/test_triton_attention.py"]
-FULL = dict(target="random:llama3-8b", dtype="bfloat16", batches=[1, 16, 64, 256], ks=[2, 4], new_tokens=30)
+FULL = dict(target="random:llama3-8b", dtype="bfloat16", batches=[1, 16, 64, 256], ks=[2, 4], new_tokens=30,
+            assisted=("random:llama3-8b", "random:llama3.2-1b"))
 SMALL_TARGET = "random:qwen3-0.6b"   # graphs against eager on a small model too, where launches weigh most
-REDUCED = dict(target="random:tiny", dtype="float32", batches=[1, 4], ks=[2, 4], new_tokens=15)
+REDUCED = dict(target="random:tiny", dtype="float32", batches=[1, 4], ks=[2, 4], new_tokens=15,
+               assisted=("random:tiny", "random:tiny"))
 
 
 def copy_bandwidth(device: torch.device, megabytes: int) -> float:
@@ -152,6 +159,33 @@ def measure_rows(target: str, plan: dict, reduced: bool, log) -> tuple:
     return llm, prompts, rows
 
 
+def assisted_ratio(plan: dict, device: torch.device, log) -> dict:
+    """nanospec with a draft model against transformers' assisted generation, both on the same
+    random target and draft weights (greedy, batch 1, K = 4): tokens/s and their ratio."""
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "transformers' assisted generation (transformers is not installed)"}
+    target, draft = plan["assisted"]
+    llm = LLM(target, draft=draft, num_speculative_tokens=4, device=device, dtype=plan["dtype"], max_num_seqs=1,
+              kv_cache_gb=0.05 if device.type == "cpu" else 2)
+    prompt = llm.encode_prompt(shipped_prompts()[0]["prompt"])[:64]
+    params = SamplingParams(temperature=0, max_tokens=plan["new_tokens"], ignore_eos=True)
+    llm.generate([prompt], params)   # warm-up: graphs, compiles
+    ours = plan["new_tokens"] / timed(device, lambda: llm.generate([prompt], params))[1]
+    acceptance = llm.stats["mean_acceptance_length"]
+    ref = transformers_model(target, llm.dtype, device, llm.model)
+    assistant = transformers_model(draft, llm.dtype, device, llm.engine.proposer.model)
+    assistant.generation_config.num_assistant_tokens = 4
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    pad = llm.tokenizer.eos_ids[0]
+    time_transformers(ref, [prompt], 1, 4, pad, assistant_model=assistant)   # warm-up
+    theirs = time_transformers(ref, [prompt], 1, plan["new_tokens"], pad, assistant_model=assistant)
+    row = {"target": target, "draft": draft, "k": 4, "batch": 1, "nanospec_tokens_per_s": round(ours, 2),
+           "mean_acceptance_length": acceptance, "transformers_tokens_per_s": round(theirs, 2),
+           "ratio": round(ours / theirs, 3)}
+    log(json.dumps(row))
+    return row
+
+
 def run_tests(reduced: bool) -> dict:
     if reduced:
         return {"skipped": "no CUDA: the CUDA tests skip here (CI runs the rest)"}
@@ -175,35 +209,37 @@ def gpu_check(device: str = "auto", out: str | None = None, log=print) -> dict:
     tests = run_tests(reduced)
     log(f"CUDA tests: {tests.get('summary', tests.get('skipped'))}")
     llm, prompts, rows = measure_rows(plan["target"], plan, reduced, log)
-    cuda = llm.device.type == "cuda"
-    bandwidth = copy_bandwidth(llm.device, 64 if reduced else 1024)
-    small_rows = [] if reduced else measure_rows(SMALL_TARGET, dict(plan, ks=[4]), reduced, log)[2]
-    attention = [] if reduced else attention_bandwidth(llm.device, llm.dtype)
-    prefill = [] if reduced else prefill_attention(llm.device, llm.dtype)
-    for row in attention + prefill:
-        log(json.dumps(row))
+    device, dtype, cuda = llm.device, llm.dtype, llm.device.type == "cuda"
+    bandwidth = copy_bandwidth(device, 64 if reduced else 1024)
     plain = next(r for r in rows if r["batch"] == 1 and r["k"] == 0 and r["graphs"] == cuda)
     context = sum(map(len, prompts[:1])) + plan["new_tokens"] / 2   # the mean context of the batch-1 run
     step_bytes = weight_bytes(llm.model) + context * kv_bytes_per_token(llm.model)
+    del llm   # one large model at a time
+    small_rows = [] if reduced else measure_rows(SMALL_TARGET, dict(plan, ks=[4]), reduced, log)[2]
+    attention = [] if reduced else attention_bandwidth(device, dtype)
+    prefill = [] if reduced else prefill_attention(device, dtype)
+    for row in attention + prefill:
+        log(json.dumps(row))
+    assisted = assisted_ratio(plan, device, log)
     report = {
-        "command": "python -m nanospec.bench --gpu-check", "device": device_name(llm.device),
+        "command": "python -m nanospec.bench --gpu-check", "device": device_name(device),
         "mode": "reduced (no CUDA)" if reduced else "full", "target": plan["target"], "dtype": plan["dtype"],
         "torch": torch.__version__, "python": sys.version.split()[0], "cuda_tests": tests,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "plain_batch1": {"tokens_per_s": plain["tokens_per_s"], "bytes_per_step": int(step_bytes),
                          "fraction_of_copy_bandwidth": round(step_bytes / (plain["step_ms"] / 1000) / bandwidth, 3)},
         "rows": rows, "small_target": None if reduced else SMALL_TARGET, "small_target_rows": small_rows,
-        "attention_kernel": attention, "prefill_attention": prefill,
+        "attention_kernel": attention, "prefill_attention": prefill, "transformers_assisted": assisted,
         "skipped": (["the CUDA tests", "CUDA graphs (a CPU runs every step eagerly)", "random:llama3-8b (too slow here)",
                      "the attention kernels alone (Triton needs CUDA)"] if reduced else [])
-                   + ["transformers' assisted generation (not run by the check)"],
+                   + ([assisted["skipped"]] if "skipped" in assisted else []),
     }
     slug = re.sub(r"[^a-z0-9]+", "_", report["device"].lower()).strip("_") or "device"
     path = out or os.path.join("bench_results", f"gpu_check_{slug}{'_reduced' if reduced else ''}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
-    sync(llm.device)
+    sync(device)
     log(f"plain decoding at batch 1: {plain['tokens_per_s']} tokens/s, "
         f"{report['plain_batch1']['fraction_of_copy_bandwidth']:.0%} of the copy bandwidth "
         f"({report['copy_bandwidth_gb_s']} GB/s); wrote {path}")

@@ -154,7 +154,7 @@ def test_transformers_runs_a_random_model_on_our_weights():
     our random weights (shared, not copied): greedy decoding gives the same tokens."""
     import torch
     from nanospec import LLM, SamplingParams
-    from nanospec.bench import transformers_model
+    from nanospec.baseline import transformers_model
     llm = LLM("random:tiny", device="cpu", dtype="float32", kv_cache_gb=0.01)
     hf = transformers_model("random:tiny", torch.float32, torch.device("cpu"), llm.model)
     ids = [5, 9, 100, 33, 7, 200]

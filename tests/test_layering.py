@@ -17,7 +17,7 @@ LAYERS = [
     {"tokenizer", "eagle", "cuda_graph"},
     {"engine"},
     {"measure"},
-    {"llm"},
+    {"llm", "baseline"},
     {"__init__", "cli", "gpu_check"},   # the package's names (LLM, SamplingParams, ...); the command lines' shared flags
     {"generate", "bench", "profiler"},
 ]
