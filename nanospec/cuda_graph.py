@@ -7,7 +7,7 @@ A decode step is, in order:
              FIELDS rows of `bucket` values, one per batch row (see FIELDS below);
              [bucket, K] drafts made on the host (n-gram; zeros for the others);
              the block-table entries changed since the last step (target's and proposer's):
-             their count, then (flat index, block id) pairs;
+             (flat index, block id) pairs, written into the device tables right after the copy;
              a model proposer's first draft step (its catch-up): lengths and input ids.
   round    a draft model's or EAGLE head's K draft steps: the first (catch-up: each request feeds
            what the proposer has not seen, a varying length) eagerly, then steps 2..K as one graph
@@ -142,7 +142,7 @@ class StepGraphs:
         smaller buffers are dropped (their addresses are gone)."""
         bucket = self.buckets[-1]
         # the fields, the drafts, every table entry as an update, a model proposer's usual catch-up
-        size = (FIELDS + k) * bucket + 1 + 2 * self.row_width * bucket + 8 * (k + 2) * bucket
+        size = (FIELDS + k) * bucket + 2 * self.row_width * bucket + 8 * (k + 2) * bucket
         if self.inputs is None or self.inputs.numel() < size:
             self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
             self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -175,9 +175,8 @@ class StepGraphs:
         drafts[:] = 0
         for b, d in enumerate(host_drafts or ()):
             drafts[b, :len(d)] = d
-        buf[end] = len(pairs) // 2
-        buf[end + 1:end + 1 + len(pairs)] = pairs
-        n = end + 1 + len(pairs)
+        buf[end:end + len(pairs)] = pairs
+        n = end + len(pairs)
         extra = plan.host if plan else []
         fits = n + len(extra) <= len(buf)
         if fits:
@@ -185,6 +184,7 @@ class StepGraphs:
         self.inputs[:n + fits * len(extra)].copy_(self.host[:n + fits * len(extra)], non_blocking=True)  # the copy
         if plan is not None:   # a round too long for the buffer (a draft's first, over whole prompts): its own copy
             plan.device = self.inputs[n:n + len(extra)] if fits else upload(list(extra), self.device)
+        self.apply_updates(self.inputs[end:n])
         fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
         temperature, top_p = fields[6:8, :batch].view(torch.float64).float()
         self.finite.fill_(True)
@@ -193,7 +193,7 @@ class StepGraphs:
         longest = max(r.num_cached + d + 1 for r, d in zip(requests, num_draft))
         params = [r.params for r in requests]
         probs = plan is not None and not all(p.temperature == 0 for p in params)
-        self.step = (batch, bucket, k, len(pairs) // 2, longest, probs)
+        self.step = (batch, bucket, k, longest, probs)
         return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
                              greedy=all(p.temperature == 0 for p in params),
                              truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
@@ -222,10 +222,9 @@ class StepGraphs:
     @torch.inference_mode()
     def run_round(self, plan: Round, sampling: SamplingBatch) -> None:
         """A model proposer's round: the catch-up step eagerly, then steps 2..K (a graph)."""
-        batch, bucket, k, num_pairs, longest, probs = self.step
+        batch, bucket, k, longest, probs = self.step
         if probs:
             self.grow(k, probs=True)
-        self.apply_updates(self.inputs[(FIELDS + k) * bucket:], num_pairs)   # the proposer's tables (verify repeats it)
         fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
         shape, block_size = plan.shape, self.proposer.kv_cache.block_size
         meta_size = 2 * shape.batch + shape.extra
@@ -246,15 +245,15 @@ class StepGraphs:
         """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (see the module's
         docstring) and the target's features for EAGLE ([bucket * (K + 1), F], request b's at rows
         b * (K + 1) ...)."""
-        batch, bucket, k, num_pairs, longest, probs = self.step
+        batch, bucket, k, longest, probs = self.step
         return self.replay(("verify", bucket, k, self.mode(sampling, bucket), probs),
-                           self.kv_cache.allocator.blocks_for(longest), num_pairs)
+                           self.kv_cache.allocator.blocks_for(longest))
 
-    def replay(self, key, width: int, num_pairs: int = 0):
+    def replay(self, key, width: int):
         """Run the body of `key`: eagerly at `width` (the widest table it reads), or as a graph."""
         body = self.verify_body if key[0] == "verify" else self.round_body
         if not self.graphed(key[1]):
-            return body(key, width, num_pairs)
+            return body(key, width)
         if key not in self.graphs:
             self.graphs[key] = self.capture(body, key)
         graph, outputs = self.graphs[key]
@@ -264,16 +263,15 @@ class StepGraphs:
     def capture(self, body, key):
         """Warm up on a side stream (it runs the current step, which replay then repeats: the same
         writes), then capture the body at full width into the shared pool."""
-        bucket, width = key[1], (self.tables if key[0] == "verify" else self.draft_tables).width
-        num_pairs = self.row_width * bucket   # every table entry of the bucket's rows
+        width = (self.tables if key[0] == "verify" else self.draft_tables).width
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            body(key, width, num_pairs)
+            body(key, width)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = body(key, width, num_pairs)
+            outputs = body(key, width)
         return graph, outputs
 
     def capture_all(self, ks) -> None:
@@ -292,10 +290,10 @@ class StepGraphs:
                     self.graphs[key] = self.capture(self.verify_body, key)
 
     def upload_padding(self, bucket: int, k: int) -> None:
-        """Inputs of a (bucket, k) step whose every row is padding, and no table update."""
+        """Inputs of a (bucket, k) step whose every row is padding."""
         buf = self.host.numpy()
         self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), [], [], [], [], [])
-        n = (FIELDS + k) * bucket + 1
+        n = (FIELDS + k) * bucket
         buf[FIELDS * bucket:n] = 0
         self.inputs[:n].copy_(self.host[:n], non_blocking=True)
         self.drafts.zero_()
@@ -308,14 +306,13 @@ class StepGraphs:
                                  truncate=mode if mode != "greedy" else False)
         return fields, sampling
 
-    def verify_body(self, key, width: int, num_pairs: int):
-        """The verification on the static buffers: table updates, the metadata, the target's forward
-        over [last token, d_1 .. d_K] per row, acceptance and sampling. No host data, no sync."""
+    def verify_body(self, key, width: int):
+        """The verification on the static buffers: the metadata, the target's forward over
+        [last token, d_1 .. d_K] per row, acceptance and sampling. No host data, no sync."""
         _, bucket, k, mode, probs = key
         q_len, block_size, device = k + 1, self.kv_cache.block_size, self.device
         fields, sampling = self.fields(bucket, mode)
         table_row, cached, num_draft, last = fields[:4]
-        self.apply_updates(self.inputs[(FIELDS + k) * bucket:], num_pairs)
         offsets = torch.arange(q_len, device=device)
         real_offsets = torch.minimum(offsets[None, :], num_draft[:, None])       # [bucket, K + 1]
         positions = cached[:, None] + real_offsets                               # padding repeats the last real query
@@ -349,7 +346,7 @@ class StepGraphs:
         broken = (~row_max.gather(1, real_offsets).isfinite().all(-1)).long() + 2 * (~self.finite[:bucket]).long()
         return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features
 
-    def round_body(self, key, width: int, num_pairs: int = 0) -> None:
+    def round_body(self, key, width: int) -> None:
         """Draft steps 2..K of a model proposer's round, for every row of the bucket: step i feeds
         d_{i-1} at the row's next position (d_1's plus i - 2) and draws d_i. A row past its own K
         drafts on at position 0 into the null block; its drafts there are never verified."""
@@ -372,12 +369,8 @@ class StepGraphs:
             if probs:
                 self.draft_probs[:bucket, i] = q
 
-    def apply_updates(self, updates: torch.Tensor, num_pairs: int) -> None:
-        """Write the uploaded (index, id) pairs into the device tables. A graph reads a fixed
-        number of pairs: those past the step's count (stale) are sent to the target's null row's
-        first entry, with its own value."""
-        count, pairs = updates[0], updates[1:1 + 2 * num_pairs].view(num_pairs, 2)
-        valid = torch.arange(num_pairs, device=self.device) < count
-        index = torch.where(valid, pairs[:, 0], self.tables.null_row * self.tables.width)
-        self.flat_tables.scatter_(0, index, torch.where(valid, pairs[:, 1], NULL_BLOCK))
-
+    def apply_updates(self, pairs: torch.Tensor) -> None:
+        """Write the uploaded (flat index, block id) pairs into the device tables, eagerly, before
+        any graph of the step reads them (no graph holds a pair count of its own)."""
+        pairs = pairs.view(-1, 2)
+        self.flat_tables.scatter_(0, pairs[:, 0], pairs[:, 1])   # no sync, where indexing could need one

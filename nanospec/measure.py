@@ -77,7 +77,7 @@ def step_memory(engine: Engine, k: int) -> int:
     steps.grow(k, probs=probs)
     steps.upload_padding(bucket, k)
     with torch.inference_mode():
-        steps.verify_body(("verify", bucket, k, True, probs), steps.tables.width, bucket * steps.row_width)
+        steps.verify_body(("verify", bucket, k, True, probs), steps.tables.width)
     sync(engine.device)
     return torch.cuda.max_memory_allocated(engine.device) - base if cuda else 0
 
