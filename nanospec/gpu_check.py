@@ -48,9 +48,7 @@ def copy_bandwidth(device: torch.device, megabytes: int) -> float:
     """Bytes per second a device-to-device copy reads and writes, best of 5."""
     src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(timed(device, lambda: dst.copy_(src))[1] for _ in range(5))
-    return 2 * src.numel() / best
+    return 2 * src.numel() / best_seconds(device, lambda: dst.copy_(src), 5)
 
 
 def weight_bytes(model) -> int:
@@ -62,53 +60,54 @@ def kv_bytes_per_token(model) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
 
 
-def attention_bandwidth(device: torch.device, dtype: torch.dtype, block_size: int = 16) -> list[dict]:
-    """The tiled attention kernel alone, one layer of Llama-3.1-8B's shape (32 query heads, 8 KV
-    heads, head_dim 128): the KV bytes it reads per second at contexts 1k, 4k, 16k, batch 1 and
-    64, K 0 and 4 (K + 1 new tokens per sequence)."""
+def llama8b_layer(device: torch.device, dtype: torch.dtype, batch: int, cached: int, new: int, block_size: int = 16):
+    """One attention layer of Llama-3.1-8B's shape (32 query heads, 8 KV heads, head_dim 128) over
+    random pages: batch sequences of `cached` tokens adding `new` each. Returns (q, k_cache, v_cache, meta)."""
     from nanospec.kv_cache import KVCache, build_metadata
+    per_seq = (cached + new) // block_size + 1
+    cache = KVCache(1, batch * per_seq, block_size, 8, 128, dtype, device)
+    cache.pool.normal_()
+    tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
+    meta = build_metadata(tables, [cached] * batch, [new] * batch, block_size, device)
+    return torch.randn(batch * new, 32, 128, dtype=dtype, device=device), *cache.layer(0), meta
+
+
+def best_seconds(device: torch.device, run, repeats: int) -> float:
+    run()   # warm-up (a kernel's compile)
+    return min(timed(device, run)[1] for _ in range(repeats))
+
+
+def attention_bandwidth(device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The tiled attention kernel alone, one layer of Llama-3.1-8B's shape: the KV bytes it reads per
+    second at contexts 1k, 4k, 16k, batch 1 and 64, K 0 and 4 (K + 1 new tokens per sequence)."""
     from nanospec.triton_attention import paged_attention
     rows = []
     for context in (1024, 4096, 16384):
         for batch in (1, 64):
-            blocks = batch * (context // block_size + 1)
-            cache = KVCache(1, blocks, block_size, 8, 128, dtype, device)
-            cache.pool.normal_()
             for k in (0, 4):
-                tables = [list(range(1 + b * (blocks // batch), 1 + (b + 1) * (blocks // batch))) for b in range(batch)]
-                meta = build_metadata(tables, [context - k - 1] * batch, [k + 1] * batch, block_size, device)
-                q = torch.randn(batch * (k + 1), 32, 128, dtype=dtype, device=device)
-                run = lambda: paged_attention(q, *cache.layer(0), meta, 128 ** -0.5)
-                run()
-                seconds = min(timed(device, run)[1] for _ in range(5))
-                kv_bytes = batch * context * 2 * 8 * 128 * cache.pool.element_size()
+                q, k_cache, v_cache, meta = llama8b_layer(device, dtype, batch, context - k - 1, k + 1)
+                seconds = best_seconds(device, lambda: paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5), 5)
+                kv_bytes = batch * context * 2 * 8 * 128 * k_cache.element_size()
                 rows.append({"context": context, "batch": batch, "k": k, "us": round(1e6 * seconds, 1),
                              "kv_gb_s": round(kv_bytes / seconds / 1e9, 1)})
     return rows
 
 
-def prefill_attention(device: torch.device, dtype: torch.dtype, block_size: int = 16) -> list[dict]:
+def prefill_attention(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Attention of a prefill chunk, one layer of Llama-3.1-8B's shape, by the three candidates:
     the tiled kernel (what runs), the per-token kernel, and the reference's SDPA over gathered pages."""
-    from nanospec.kv_cache import KVCache, build_metadata, paged_attention_reference
+    from nanospec.kv_cache import paged_attention_reference
     from nanospec.triton_attention import paged_attention, paged_attention_tokens
     rows = []
     for batch, cached, new in ((1, 3072, 1024), (8, 0, 512)):
-        per_seq = (cached + new) // block_size + 1
-        cache = KVCache(1, batch * per_seq, block_size, 8, 128, dtype, device)
-        cache.pool.normal_()
-        tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
-        meta = build_metadata(tables, [cached] * batch, [new] * batch, block_size, device)
-        q = torch.randn(batch * new, 32, 128, dtype=dtype, device=device)
-        k_cache, v_cache = cache.layer(0)
+        q, k_cache, v_cache, meta = llama8b_layer(device, dtype, batch, cached, new)
         kernels = {"tiled": lambda: paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5),
                    "per_token": lambda: paged_attention_tokens(q, k_cache, v_cache, meta.block_tables, meta.token_seq,
                                                                meta.positions, 128 ** -0.5),
                    "sdpa_gathered": lambda: paged_attention_reference(q, k_cache, v_cache, meta, 128 ** -0.5)}
         row = {"batch": batch, "cached": cached, "new": new}
         for name, run in kernels.items():
-            run()
-            row[f"{name}_ms"] = round(1000 * min(timed(device, run)[1] for _ in range(3)), 3)
+            row[f"{name}_ms"] = round(1000 * best_seconds(device, run, 3), 3)
         rows.append(row)
     return rows
 
