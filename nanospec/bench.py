@@ -28,7 +28,7 @@ from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.engine import Stats
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.baseline import groups, resolve, time_transformers, transformers_model
-from nanospec.gpu_check import copy_bandwidth, gpu_check, kv_bytes_per_token, weight_bytes
+from nanospec.gpu_check import SECTIONS as GPU_CHECK_SECTIONS, copy_bandwidth, gpu_check, kv_bytes_per_token, weight_bytes
 from nanospec.k_policy import StaticK
 from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS
 from nanospec.measure import device_name, greedy_requests, oracle_proposer, quick_profile, timed
@@ -93,9 +93,17 @@ def build_parser():
     add_model_args(ap)
     add_proposer_args(ap)
     ap.add_argument("--gpu-check", action="store_true",
-                    help="validate a GPU in one run (the CUDA tests, then copy bandwidth, plain decoding against "
-                         "its roofline, oracle speedups and CUDA graphs against eager on random:llama3-8b) and "
-                         "write bench_results/gpu_check_<device>.json (or --out); on a CPU, a reduced run")
+                    help="validate a GPU in one run of under 10 minutes (a preflight, then sections each in its own "
+                         "time budget: copy bandwidth, plain and oracle decoding of random:llama3-8b, CUDA graphs "
+                         "against eager, the attention kernels, a draft model against transformers, the CUDA tests) "
+                         "and write bench_results/gpu_check_<device>.json (or --out) after every section; on a "
+                         "CPU, a reduced run")
+    ap.add_argument("--gpu-check-sections", metavar="NAMES",
+                    help="with --gpu-check: only these sections (comma-separated, of " + ",".join(GPU_CHECK_SECTIONS)
+                         + "), e.g. to rerun one that failed")
+    ap.add_argument("--gpu-check-seconds", type=float, metavar="S",
+                    help="with --gpu-check: the run's deadline in seconds (default 480 on a GPU): no section starts "
+                         "after it, and the CUDA tests get at most what is left")
     ap.add_argument("--oracle", action="store_true",
                     help="draft with the target's own greedy continuation (recorded first): every draft is "
                          "accepted, the ceiling of speculation on any model, random weights included")
@@ -326,8 +334,21 @@ def print_table(report: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.gpu_check:
-        return run_command(lambda: gpu_check(args.device, args.out, log=log))
+        return run_command(lambda: gpu_check(args.device, args.out, log, *gpu_check_args(args)))
     return run_command(lambda: report(args, run(args)))
+
+
+def gpu_check_args(args) -> tuple[list[str] | None, float | None]:
+    """--gpu-check-sections and --gpu-check-seconds, checked: (the sections or None for all, the deadline)."""
+    if args.gpu_check_seconds is not None and args.gpu_check_seconds <= 0:
+        raise NanospecError(f"--gpu-check-seconds must be above 0, got {args.gpu_check_seconds:g}")
+    if args.gpu_check_sections is None:
+        return None, args.gpu_check_seconds
+    names = [name.strip() for name in args.gpu_check_sections.split(",") if name.strip()]
+    if not names or any(name not in GPU_CHECK_SECTIONS for name in names):
+        raise NanospecError(f"--gpu-check-sections takes names among {','.join(GPU_CHECK_SECTIONS)}, "
+                            f"got {args.gpu_check_sections!r}")
+    return names, args.gpu_check_seconds
 
 
 def report(args, measured: dict) -> None:

@@ -1,54 +1,128 @@
-"""One command that validates a GPU: `python -m nanospec.bench --gpu-check` runs the CUDA tests and
-the headline measurements and writes them, with the device and versions, to
-bench_results/gpu_check_<device>.json. On a CPU it runs a reduced mode (a tiny random model, small
-batches, no test run) and says what it skipped.
+"""One command that validates a lent GPU: `python -m nanospec.bench --gpu-check`. A lent GPU call
+lasts at most 10 minutes, and a first run on new hardware fails somewhere: so the check is a row of
+sections, each bounded in time and caught on its own, and the report on disk
+(bench_results/gpu_check_<device>.json, or --out) is rewritten after every section and every row of
+the long ones. A kill, a hang or a crash keeps everything measured before it.
 
-Measured (random:llama3-8b in bfloat16 on a GPU; random:tiny in float32 on a CPU):
-- the device's copy bandwidth (a device-to-device copy: bytes read + written per second);
-- plain decoding at batch 1: tokens/s, and the bytes a step reads (weights + KV cache) per second
-  as a fraction of that bandwidth (the roofline);
-- the oracle proposer (every draft accepted) at K = 2 and 4 against plain decoding, at batch 1,
-  16, 64 and 256, with CUDA graphs;
-- the decode step with CUDA graphs and eagerly (enforce_eager) at K = 0 and 4, the same batches, for
-  random:llama3-8b and random:qwen3-0.6b;
-- the tiled attention kernel alone: KV bytes read per second at contexts 1k, 4k, 16k;
-- a prefill chunk's attention by the tiled kernel, the per-token kernel and SDPA over gathered pages;
-- a draft model (random:llama3.2-1b, K = 4) against transformers' assisted generation on the same
-  weights, batch 1: the ratio of tokens/s.
+First a one-line preflight: a CUDA GPU, triton, gcc (Triton builds a C launcher at the first
+launch), Python.h (the launcher includes it) and ptxas (in the triton wheel). Then the sections,
+the most important figures first; each has a time budget (no new row starts once it is spent, the
+first row always runs), and the whole run a deadline (FULL["seconds"]: a section that would start
+after it is skipped; the CUDA tests get at most what is left):
+
+  section            budget  what (FULL: random:llama3-8b in bfloat16)
+  copy_bandwidth       20 s  a 1 GiB device-to-device copy: bytes read + written per second
+  decode              150 s  plain and oracle rows (K 4, then 2) at batch 1, 16, 64, 256 with CUDA
+                             graphs; K = 0 rows against their roofline. Includes loading the model
+  graphs_vs_eager      50 s  the same rows with enforce_eager, K 0 and 4: graphs over eager
+  attention_kernel     40 s  the tiled attention kernel alone, one layer of Llama-3.1-8B's shape:
+                             KV bytes read per second at contexts 1k, 4k, 16k, batch 1 and 64, K 0, 4
+  draft_vs_assisted    90 s  a draft model (random:llama3.2-1b, K = 4) against transformers'
+                             assisted generation on the same weights, batch 1
+  cuda_tests          240 s  `pytest -m cuda tests/` in a subprocess: the tests that need CUDA only
+  small_target         60 s  graphs against eager on random:qwen3-0.6b, where launches weigh most
+  prefill_attention    25 s  a prefill chunk's attention: tiled kernel, per-token kernel, SDPA
+
+The deadline (480 s) leaves room for Python's start, a row that overruns its section's budget and
+the summary inside the 10 minutes. Kernels (copy, attention) are timed over many launches
+(triton.testing.do_bench; else CUDA events around a loop; on a CPU a perf_counter loop), never one
+call between two syncs, which would time Python's launch overhead around a few-MiB read.
+
+Oracle rows replay the target's greedy continuation. On a GPU the logits are bfloat16 and every
+(batch, K, graphs) row computes them in other shapes, so near-ties flip and a continuation recorded
+elsewhere is not quite this row's: each row runs, takes its own outputs as the oracle and runs
+again, until its acceptance length is K + 1 or 3 tries; only the last run is timed, and the tries
+and the acceptance are reported as measured.
+
+At the end (and in the file after every section) a summary: each headline figure against its goal
+(DESIGN.md), pass / fail / unmeasured; "not judged" on a reduced run. On a CPU the check runs
+reduced (REDUCED: random:tiny in float32, small batches, a few tokens, the PyTorch reference
+attention instead of the Triton kernels unless TRITON_INTERPRET=1): every section's code runs, and
+the CUDA tests are skipped with a reason.
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
-from nanospec.llm import LLM
+from nanospec import kv_cache, triton_attention
 from nanospec.baseline import time_transformers, transformers_model
 from nanospec.engine import SamplingParams
 from nanospec.k_policy import StaticK
-from nanospec.measure import device_name, greedy_requests, oracle_proposer, sync, timed
+from nanospec.llm import LLM
+from nanospec.measure import device_name, greedy_requests, oracle_proposer, timed
 from nanospec.prompts import shipped_prompts
+from nanospec.proposer import OracleProposer
 
-# new_tokens: a multiple of every K + 1, so the oracle rows gain exactly K + 1 tokens a step
-CUDA_TESTS = ["tests/test_cuda_graph.py", "tests/test_step_copies.py", "tests/test_triton_attention.py"]
-FULL = dict(target="random:llama3-8b", dtype="bfloat16", batches=[1, 16, 64, 256], ks=[2, 4], new_tokens=30,
-            assisted=("random:llama3-8b", "random:llama3.2-1b"))
-SMALL_TARGET = "random:qwen3-0.6b"   # graphs against eager on a small model too, where launches weigh most
-REDUCED = dict(target="random:tiny", dtype="float32", batches=[1, 4], ks=[2, 4], new_tokens=15,
-               assisted=("random:tiny", "random:tiny"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository (tests/ is there)
+CUDA_TESTS = ["-m", "cuda", "tests/"]   # the tests marked @pytest.mark.cuda: those that need a GPU
+
+# new_tokens: a multiple of every K + 1, so that an oracle row gains exactly K + 1 tokens a step.
+# ks: the oracle rows' K, the headline first. Budgets in seconds (see the docstring).
+FULL = dict(target="random:llama3-8b", small_target="random:qwen3-0.6b", dtype="bfloat16", batches=[1, 16, 64, 256],
+            small_batches=[1, 16, 64], ks=[4, 2], new_tokens=60, oracle_tries=3, kv_cache_gb=2,
+            assisted=("random:llama3-8b", "random:llama3.2-1b"), assisted_tokens=64, copy_megabytes=1024,
+            attention=dict(contexts=[1024, 4096, 16384], batches=[1, 64], ks=[0, 4]),
+            prefill=[(1, 3072, 1024), (8, 0, 512)], seconds=480, cuda_tests_timeout=240,
+            budgets=dict(copy_bandwidth=20, decode=150, graphs_vs_eager=50, attention_kernel=40, draft_vs_assisted=90,
+                         cuda_tests=240, small_target=60, prefill_attention=25))
+REDUCED = dict(FULL, target="random:tiny", small_target="random:tiny", dtype="float32", batches=[1, 4],
+               small_batches=[1], new_tokens=15, kv_cache_gb=0.05, assisted=("random:tiny", "random:tiny"),
+               assisted_tokens=15, copy_megabytes=64, attention=dict(contexts=[256], batches=[1, 4], ks=[0, 4]),
+               prefill=[(1, 96, 32), (2, 0, 32)], seconds=300,
+               budgets={name: 60 for name in FULL["budgets"]})
+START_AT_LEAST = 15   # seconds of the deadline a section needs left to start at all
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+def kernel_seconds(device: torch.device, run, launches: int = 20) -> tuple[float, str]:
+    """Seconds one call of run() takes, over many launches, and the timer's name: on CUDA
+    triton.testing.do_bench (CUDA events, the L2 cache cleared between launches, the median), or
+    CUDA events around `launches` calls where Triton cannot run; on a CPU a perf_counter loop."""
+    run()   # warm-up: a kernel's compile
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+            return do_bench(run, warmup=25, rep=100, return_mode="median") / 1000, "triton.testing.do_bench"
+        except Exception:   # no triton, or one that cannot build its launcher: CUDA events alone
+            pass
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000 / launches, f"cuda events over {launches} launches"
+    start = time.perf_counter()
+    for _ in range(launches):
+        run()
+    return (time.perf_counter() - start) / launches, f"perf_counter over {launches} calls"
+
+
+def time_copy(device: torch.device, megabytes: int) -> tuple[float, str]:
+    """Bytes per second a device-to-device copy reads and writes, and the timer's name."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds, timer = kernel_seconds(device, lambda: dst.copy_(src), launches=5)
+    return 2 * src.numel() / seconds, timer
 
 
 def copy_bandwidth(device: torch.device, megabytes: int) -> float:
-    """Bytes per second a device-to-device copy reads and writes, best of 5."""
-    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / best_seconds(device, lambda: dst.copy_(src), 5)
+    return time_copy(device, megabytes)[0]
 
 
 def weight_bytes(model) -> int:
@@ -60,116 +134,380 @@ def kv_bytes_per_token(model) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
 
 
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else '(no message)'}"
+
+
+# ---- preflight ------------------------------------------------------------------------------------
+
+def preflight() -> dict:
+    """What the GPU path needs, each found (where) or missing (None)."""
+    found = {"cuda_gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+             "triton": None, "ptxas": None, "gcc": shutil.which("gcc") or shutil.which("cc")}
+    try:
+        import triton
+        found["triton"] = triton.__version__
+        ptxas = os.environ.get("TRITON_PTXAS_PATH") or os.path.join(
+            os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        found["ptxas"] = ptxas if os.path.exists(ptxas) else None
+    except Exception:   # not installed, or broken
+        pass
+    header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    found["python_h"] = header if os.path.exists(header) else None
+    return found
+
+
+MISSING = {"cuda_gpu": "a CUDA GPU (torch.cuda.is_available() is False)", "triton": "triton (not importable)",
+           "gcc": "gcc or cc (Triton builds a C launcher at the first launch)",
+           "python_h": "the Python headers (Python.h: the launcher includes it)",
+           "ptxas": "ptxas (triton/backends/nvidia/bin/ptxas)"}
+
+
+def preflight_line(found: dict, reduced: bool, plan: dict) -> str:
+    missing = [MISSING[name] for name, where in found.items() if where is None]
+    line = "preflight: " + ("missing " + "; ".join(missing) if missing else
+                            f"found a CUDA GPU ({found['cuda_gpu']}), triton {found['triton']}, gcc, Python.h, ptxas")
+    if reduced:
+        line += f". Runs reduced: {plan['target']} in {plan['dtype']} on the CPU, the CUDA tests skipped"
+    elif missing:
+        line += ". The Triton kernels will fail to build or launch"
+    return line
+
+
+# ---- the report and its sections ------------------------------------------------------------------
+
+@dataclass
+class Loaded:
+    llm: LLM
+    prompts: list[list[int]]   # distinct prompts, one per request of the largest batch
+    oracle: OracleProposer     # their greedy continuations, recorded eagerly at the largest batch
+
+
+class Section:
+    """One section's entry in the report: its rows, saved as each comes, and its time budget."""
+
+    def __init__(self, check: "GpuCheck", name: str, budget: float):
+        self.check, self.name, self.budget, self.start = check, name, budget, time.perf_counter()
+        self.entry = check.report["sections"][name] = {"budget_s": round(budget), "rows": []}
+
+    def log(self, line: str) -> None:
+        self.check.log(f"[{self.name}] {line}")
+
+    def more(self) -> bool:
+        """Whether another row may start: the first always, the next while the budget lasts."""
+        rows = len(self.entry["rows"])
+        if rows and time.perf_counter() - self.start >= self.budget:
+            self.entry["stopped"] = f"the budget of {self.budget:.0f} s was spent after {rows} rows"
+            self.log(f"stopped: {self.entry['stopped']}")
+            return False
+        return True
+
+    def add(self, row: dict, line: str) -> None:
+        self.entry["rows"].append(row)
+        self.log(line)
+        self.check.save()
+
+    def skip(self, reason: str) -> None:
+        self.entry["skipped"] = reason
+        self.log(f"skipped: {reason}")
+
+
+class GpuCheck:
+    def __init__(self, plan: dict, reduced: bool, path: str, report: dict, log):
+        self.plan, self.reduced, self.path, self.report, self.log = plan, reduced, path, report, log
+        self.device = torch.device("cpu" if reduced else "cuda")
+        self.cuda = not reduced
+        self.start = time.perf_counter()
+        self.models: dict[str, Loaded] = {}
+
+    def save(self) -> None:
+        """Rewrite the report (whole, then renamed over the old one: a kill never leaves half a file)."""
+        self.report["elapsed_s"] = round(time.perf_counter() - self.start, 1)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.report, f, indent=2)
+        os.replace(self.path + ".tmp", self.path)
+
+    def seconds_left(self) -> float:
+        return self.plan["seconds"] - (time.perf_counter() - self.start)
+
+    def run(self, name: str, measure) -> None:
+        """One section: started only with time left, its error caught and recorded as one line (a
+        CUDA out-of-memory error too, after which every model is dropped), memory freed after it."""
+        left = self.seconds_left()
+        section = Section(self, name, max(0.0, min(self.plan["budgets"][name], left)))
+        start = time.perf_counter()
+        if left < START_AT_LEAST:
+            section.skip(f"not started: {max(0, left):.0f} s were left of the run's {self.plan['seconds']} s")
+        else:
+            section.log(f"budget {section.budget:.0f} s")
+            try:
+                measure(self, section)
+            except Exception as e:   # one section's failure must not lose the others
+                section.entry["error"] = one_line(e)
+                section.log(f"error: {section.entry['error']}")
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    section.entry["out_of_memory"] = True
+                    self.models.clear()
+        free_memory()   # out of the except block: the traceback's frames (and their tensors) are gone
+        section.entry["seconds"] = round(time.perf_counter() - start, 1)
+        self.report["summary"] = summarize(self.report)
+        self.save()
+        section.log(f"{section.entry['seconds']:.1f} s (run: {time.perf_counter() - self.start:.0f} s)")
+
+    def load(self, key: str) -> Loaded:
+        """plan[key]'s model (kept for the sections after it), its prompts and their oracle."""
+        if key not in self.models:
+            plan, start = self.plan, time.perf_counter()
+            # the LLM's own engine only records the oracle's continuations: no graphs of its own
+            llm = LLM(plan[key], device=str(self.device), dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
+                      kv_cache_gb=plan["kv_cache_gb"], enforce_eager=True)
+            texts = [row["prompt"] for row in shipped_prompts()]
+            # distinct prompts (a numbered copy where texts repeat), so that each has one continuation
+            prompts = [llm.encode_prompt(f"{i}. {texts[i % len(texts)]}")[:64] for i in range(max(plan["batches"]))]
+            oracle = oracle_proposer(llm.engine, prompts, plan["new_tokens"] + max(plan["ks"]) + 1)
+            self.models[key] = Loaded(llm, prompts, oracle)
+            self.log(f"loaded {plan[key]} and recorded its greedy continuations in {time.perf_counter() - start:.1f} s")
+        return self.models[key]
+
+    def drop(self, keys) -> None:
+        for key in keys:
+            self.models.pop(key, None)
+        free_memory()
+
+
+# ---- decode rows ----------------------------------------------------------------------------------
+
+def run_once(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy decoding of the prompts at once; the decode steps' seconds (the first one untimed: a
+    proposer's catch-up, graphs of sampling steps), acceptance over the run, and the outputs."""
+    stats = engine.stats
+    accepted, request_steps = stats.accepted_tokens, stats.request_steps
+    requests = greedy_requests(engine, prompts, new_tokens)
+    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    untimed = sum(len(r.output_ids) for r in requests)
+    seconds, steps = 0.0, 0
+    while engine.scheduler.has_work():
+        seconds += timed(engine.device, engine.step)[1]
+        steps += 1
+    # acceptance length: 1 + accepted drafts per request and step (engine.Stats), over this run
+    acceptance = 1 + (stats.accepted_tokens - accepted) / max(1, stats.request_steps - request_steps)
+    return {"seconds": seconds, "steps": steps, "tokens": len(prompts) * new_tokens - untimed,
+            "acceptance": round(acceptance, 4), "outputs": {tuple(r.prompt_ids): r.output_ids for r in requests}}
+
+
+def decode_row(loaded: Loaded, batch: int, k: int, graphs: bool, plan: dict) -> dict:
+    """Greedy decoding of `batch` prompts on an engine of their own (K = k drafts by the oracle, CUDA
+    graphs or not). An oracle row whose acceptance is below K + 1 takes this very configuration's
+    outputs as its oracle and runs again, up to plan["oracle_tries"] runs; the last is timed."""
+    llm, prompts, new_tokens = loaded.llm, loaded.prompts[:batch], plan["new_tokens"]
+    longest = max(map(len, prompts)) + new_tokens + k + 1
+    blocks = batch * llm.engine.kv_cache.allocator.blocks_for(longest)
+    oracle = OracleProposer(dict(loaded.oracle.continuations)) if k else None   # this row's own
+    engine = llm.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle, use_graphs=graphs)
+    engine.step_graphs.capture_all([k])
+    tries = []
+    while True:
+        run = run_once(engine, prompts, new_tokens)
+        tries.append(run["acceptance"])
+        if not k or run["acceptance"] >= k + 1 or len(tries) == plan["oracle_tries"]:
+            break
+        oracle.continuations.update(run["outputs"])
+    return {"batch": batch, "k": k, "graphs": engine.step_graphs.use_graphs,
+            "step_ms": round(1000 * run["seconds"] / max(1, run["steps"]), 3),
+            "tokens_per_s": round(run["tokens"] / run["seconds"], 2) if run["seconds"] else None,
+            "mean_acceptance_length": run["acceptance"], "oracle_tries": len(tries), "acceptance_each_try": tries}
+
+
+def row_line(row: dict, seconds: float) -> str:
+    tries = f" ({row['oracle_tries']} {'try' if row['oracle_tries'] == 1 else 'tries'})" if row["k"] else ""
+    return (f"batch {row['batch']:>3} K {row['k']} {'graphs' if row['graphs'] else 'eager '}: "
+            f"{row['tokens_per_s']} tok/s, step {row['step_ms']:.2f} ms, acceptance "
+            f"{row['mean_acceptance_length']:.2f}{tries} [{seconds:.1f} s]")
+
+
+def measure_row(check: GpuCheck, key: str, batch: int, k: int, graphs: bool) -> dict:
+    start = time.perf_counter()
+    row = decode_row(check.load(key), batch, k, graphs, check.plan)
+    free_memory()   # the row's engine: its KV pool and graphs
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def find(rows: list[dict], **match) -> dict | None:
+    return next((r for r in rows if all(r.get(name) == value for name, value in match.items())), None)
+
+
+def copy_gb_s(report: dict) -> float | None:
+    rows = report["sections"].get("copy_bandwidth", {}).get("rows")
+    return rows[0]["gb_s"] if rows else None
+
+
+def add_roofline(check: GpuCheck, row: dict) -> None:
+    """A plain row's bytes read per step (the weights once, the batch's KV cache at its mean
+    context) per second over the measured copy bandwidth."""
+    loaded, bandwidth = check.load("target"), copy_gb_s(check.report)
+    context = sum(map(len, loaded.prompts[:row["batch"]])) / row["batch"] + check.plan["new_tokens"] / 2
+    model = loaded.llm.model
+    row["bytes_per_step"] = int(weight_bytes(model) + row["batch"] * context * kv_bytes_per_token(model))
+    if bandwidth and row["step_ms"]:
+        row["fraction_of_copy_bandwidth"] = round(row["bytes_per_step"] / (row["step_ms"] / 1000) / bandwidth / 1e9, 3)
+
+
+def measure_decode(check: GpuCheck, section: Section) -> None:
+    """Plain and oracle rows with CUDA graphs: K 0 and the headline K at every batch, then the other
+    K's; an oracle row's speedup over the plain row of its batch."""
+    plan, rows = check.plan, section.entry["rows"]
+    first, *others = plan["ks"]
+    for batch, k in [(b, k) for b in plan["batches"] for k in (0, first)] + \
+                    [(b, k) for k in others for b in plan["batches"]]:
+        if not section.more():
+            return
+        row = measure_row(check, "target", batch, k, graphs=check.cuda)
+        plain = find(rows, batch=batch, k=0)
+        if k == 0:
+            add_roofline(check, row)
+        elif plain and plain["tokens_per_s"] and row["tokens_per_s"]:
+            row["speedup_vs_plain"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3)
+        section.add(row, row_line(row, row["seconds"]) + (f", {row.get('speedup_vs_plain')}x plain" if k else
+                                                            f", {row.get('fraction_of_copy_bandwidth')} of copy bw"))
+
+
+def compare_graphs(check: GpuCheck, section: Section, key: str, batch: int, k: int, graph_row: dict | None) -> None:
+    """The same row with CUDA graphs (measured here unless given) and eagerly: their ratio."""
+    if graph_row is None:
+        graph_row = measure_row(check, key, batch, k, graphs=check.cuda)
+        section.log(row_line(graph_row, graph_row["seconds"]))
+    eager = measure_row(check, key, batch, k, graphs=False)
+    ratio = round(graph_row["tokens_per_s"] / eager["tokens_per_s"], 3) \
+        if graph_row["tokens_per_s"] and eager["tokens_per_s"] else None
+    row = {"target": check.plan[key], "batch": batch, "k": k, "graphs_tokens_per_s": graph_row["tokens_per_s"],
+           "eager_tokens_per_s": eager["tokens_per_s"], "graphs_over_eager": ratio, "graphs": graph_row["graphs"],
+           "graphs_step_ms": graph_row["step_ms"], "eager_step_ms": eager["step_ms"],
+           "eager_mean_acceptance_length": eager["mean_acceptance_length"], "eager_oracle_tries": eager["oracle_tries"]}
+    if not check.cuda:
+        row["note"] = "no CUDA: both rows run eagerly"
+    section.add(row, row_line(eager, eager["seconds"]) + f"; graphs / eager {ratio}")
+
+
+def measure_graphs_vs_eager(check: GpuCheck, section: Section) -> None:
+    """The target's rows eagerly (enforce_eager) at K 0 and the headline K, against the decode
+    section's graph rows (measured here where that section did not reach them)."""
+    graph_rows = check.report["sections"].get("decode", {}).get("rows", [])
+    for batch in check.plan["batches"]:
+        for k in (0, check.plan["ks"][0]):
+            if not section.more():
+                return
+            compare_graphs(check, section, "target", batch, k, find(graph_rows, batch=batch, k=k, graphs=check.cuda))
+
+
+def measure_small_target(check: GpuCheck, section: Section) -> None:
+    """Graphs against eager on the small target, where launch overhead weighs most."""
+    for batch in check.plan["small_batches"]:
+        for k in (0, check.plan["ks"][0]):
+            if not section.more():
+                return
+            compare_graphs(check, section, "small_target", batch, k, None)
+
+
+# ---- kernels alone --------------------------------------------------------------------------------
+
 def llama8b_layer(device: torch.device, dtype: torch.dtype, batch: int, cached: int, new: int, block_size: int = 16):
     """One attention layer of Llama-3.1-8B's shape (32 query heads, 8 KV heads, head_dim 128) over
     random pages: batch sequences of `cached` tokens adding `new` each. Returns (q, k_cache, v_cache, meta)."""
-    from nanospec.kv_cache import KVCache, build_metadata
     per_seq = (cached + new) // block_size + 1
-    cache = KVCache(1, batch * per_seq, block_size, 8, 128, dtype, device)
+    cache = kv_cache.KVCache(1, batch * per_seq, block_size, 8, 128, dtype, device)
     cache.pool.normal_()
     tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
-    meta = build_metadata(tables, [cached] * batch, [new] * batch, block_size, device)
+    meta = kv_cache.build_metadata(tables, [cached] * batch, [new] * batch, block_size, device)
     return torch.randn(batch * new, 32, 128, dtype=dtype, device=device), *cache.layer(0), meta
 
 
-def best_seconds(device: torch.device, run, repeats: int) -> float:
-    run()   # warm-up (a kernel's compile)
-    return min(timed(device, run)[1] for _ in range(repeats))
+def attention_kernels(device: torch.device, prefill: bool) -> dict:
+    """name -> attention(q, k_cache, v_cache, meta): the Triton kernels where they run (CUDA, or a
+    CPU under TRITON_INTERPRET=1), the PyTorch reference (SDPA over gathered pages) always."""
+    scale = 128 ** -0.5
+    kernels = {}
+    if triton_attention.triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        kernels["tiled"] = lambda q, k, v, meta: triton_attention.paged_attention(q, k, v, meta, scale)
+        if prefill:
+            kernels["per_token"] = lambda q, k, v, meta: triton_attention.paged_attention_tokens(
+                q, k, v, meta.block_tables, meta.token_seq, meta.positions, scale)
+    if prefill or not kernels:
+        kernels["sdpa_gathered"] = lambda q, k, v, meta: kv_cache.paged_attention_reference(q, k, v, meta, scale)
+    return kernels
 
 
-def attention_bandwidth(device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The tiled attention kernel alone, one layer of Llama-3.1-8B's shape: the KV bytes it reads per
-    second at contexts 1k, 4k, 16k, batch 1 and 64, K 0 and 4 (K + 1 new tokens per sequence)."""
-    from nanospec.triton_attention import paged_attention
-    rows = []
-    for context in (1024, 4096, 16384):
-        for batch in (1, 64):
-            for k in (0, 4):
-                q, k_cache, v_cache, meta = llama8b_layer(device, dtype, batch, context - k - 1, k + 1)
-                seconds = best_seconds(device, lambda: paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5), 5)
-                kv_bytes = batch * context * 2 * 8 * 128 * k_cache.element_size()
-                rows.append({"context": context, "batch": batch, "k": k, "us": round(1e6 * seconds, 1),
-                             "kv_gb_s": round(kv_bytes / seconds / 1e9, 1)})
-    return rows
+def measure_copy_bandwidth(check: GpuCheck, section: Section) -> None:
+    megabytes = check.plan["copy_megabytes"]
+    bandwidth, timer = time_copy(check.device, megabytes)
+    row = {"megabytes": megabytes, "gb_s": round(bandwidth / 1e9, 1), "timer": timer}
+    section.add(row, f"{row['gb_s']} GB/s (read + written, {megabytes} MiB, {timer})")
 
 
-def prefill_attention(device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """Attention of a prefill chunk, one layer of Llama-3.1-8B's shape, by the three candidates:
-    the tiled kernel (what runs), the per-token kernel, and the reference's SDPA over gathered pages."""
-    from nanospec.kv_cache import paged_attention_reference
-    from nanospec.triton_attention import paged_attention, paged_attention_tokens
-    rows = []
-    for batch, cached, new in ((1, 3072, 1024), (8, 0, 512)):
-        q, k_cache, v_cache, meta = llama8b_layer(device, dtype, batch, cached, new)
-        kernels = {"tiled": lambda: paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5),
-                   "per_token": lambda: paged_attention_tokens(q, k_cache, v_cache, meta.block_tables, meta.token_seq,
-                                                               meta.positions, 128 ** -0.5),
-                   "sdpa_gathered": lambda: paged_attention_reference(q, k_cache, v_cache, meta, 128 ** -0.5)}
+def measure_attention(check: GpuCheck, section: Section) -> None:
+    """The decode/verify attention alone, one layer of Llama-3.1-8B's shape: KV bytes read per second."""
+    plan, dtype = check.plan["attention"], getattr(torch, check.plan["dtype"])
+    (name, attention), = attention_kernels(check.device, prefill=False).items()
+    bandwidth = copy_gb_s(check.report)
+    for context in plan["contexts"]:
+        for batch in plan["batches"]:
+            for k in plan["ks"]:
+                if not section.more():
+                    return
+                q, k_cache, v_cache, meta = llama8b_layer(check.device, dtype, batch, context - k - 1, k + 1)
+                seconds, timer = kernel_seconds(check.device, lambda: attention(q, k_cache, v_cache, meta))
+                kv_gb_s = batch * context * 2 * 8 * 128 * k_cache.element_size() / seconds / 1e9
+                row = {"kernel": name, "context": context, "batch": batch, "k": k, "us": round(1e6 * seconds, 1),
+                       "kv_gb_s": round(kv_gb_s, 1), "timer": timer,
+                       "fraction_of_copy_bandwidth": round(kv_gb_s / bandwidth, 3) if bandwidth else None}
+                del q, k_cache, v_cache, meta
+                free_memory()
+                section.add(row, f"{name} context {context} batch {batch} K {k}: {row['us']} us, {row['kv_gb_s']} GB/s")
+
+
+def measure_prefill(check: GpuCheck, section: Section) -> None:
+    """A prefill chunk's attention, one layer of Llama-3.1-8B's shape, by each candidate."""
+    dtype = getattr(torch, check.plan["dtype"])
+    kernels = attention_kernels(check.device, prefill=True)
+    for batch, cached, new in check.plan["prefill"]:
+        if not section.more():
+            return
+        q, k_cache, v_cache, meta = llama8b_layer(check.device, dtype, batch, cached, new)
         row = {"batch": batch, "cached": cached, "new": new}
-        for name, run in kernels.items():
-            row[f"{name}_ms"] = round(1000 * best_seconds(device, run, 3), 3)
-        rows.append(row)
-    return rows
+        for name, attention in kernels.items():
+            seconds, row["timer"] = kernel_seconds(check.device, lambda: attention(q, k_cache, v_cache, meta), 5)
+            row[f"{name}_ms"] = round(1000 * seconds, 3)
+        del q, k_cache, v_cache, meta
+        free_memory()
+        section.add(row, f"batch {batch}, {cached} cached + {new} new: "
+                    + ", ".join(f"{name} {row[f'{name}_ms']} ms" for name in kernels))
 
 
-def decode(llm, prompts: list[list[int]], k: int, new_tokens: int, oracle, graphs: bool) -> dict:
-    """Greedy decoding of the prompts at once on an engine of their batch size (with the oracle
-    proposer where k > 0); the decode steps' seconds, as the bench counts them."""
-    longest = max(map(len, prompts)) + new_tokens + k + 1
-    blocks = len(prompts) * llm.engine.kv_cache.allocator.blocks_for(longest)
-    engine = llm.engine.twin(blocks, max_num_seqs=len(prompts), k_policy=StaticK(k), proposer=oracle if k else None,
-                             use_graphs=graphs)
-    engine.step_graphs.capture_all([k])
-    greedy_requests(engine, prompts, new_tokens)
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
-        engine.step()
-    engine.step()   # a first decode step: graphs it has not captured yet
-    seconds, steps, tokens = 0.0, 0, sum(len(r.output_ids) for r in engine.scheduler.running)
-    while engine.scheduler.has_work():
-        seconds += timed(llm.device, engine.step)[1]
-        steps += 1
-    tokens = len(prompts) * new_tokens - tokens
-    return {"batch": len(prompts), "k": k, "graphs": engine.use_graphs, "step_ms": round(1000 * seconds / steps, 3),
-            "tokens_per_s": round(tokens / seconds, 2),
-            "mean_acceptance_length": engine.stats.as_dict()["mean_acceptance_length"]}
+# ---- against transformers -------------------------------------------------------------------------
 
-
-def measure_rows(target: str, plan: dict, reduced: bool, log) -> tuple:
-    """The decode rows of one target: K = 0 and plan["ks"] (oracle drafts) at every batch, with
-    graphs, and eagerly too at K 0 and 4 on CUDA. Returns (the LLM, its prompts, the rows)."""
-    # the LLM's own engine only records the oracle's continuations: no graphs of its own
-    llm = LLM(target, device="cpu" if reduced else "cuda", dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
-              kv_cache_gb=0.05 if reduced else 8, enforce_eager=True)
-    cuda = llm.device.type == "cuda"
-    texts = [row["prompt"] for row in shipped_prompts()]
-    prompts = [llm.encode_prompt(texts[i % len(texts)])[:64] for i in range(max(plan["batches"]))]
-    oracle = oracle_proposer(llm.engine, prompts, plan["new_tokens"] + max(plan["ks"]) + 1)
-    rows = []
-    for batch in plan["batches"]:
-        for k in [0, *plan["ks"]]:
-            rows.append(decode(llm, prompts[:batch], k, plan["new_tokens"], oracle, graphs=cuda))
-            log(json.dumps(rows[-1]))
-            if cuda and k in (0, 4):
-                rows.append(decode(llm, prompts[:batch], k, plan["new_tokens"], oracle, graphs=False))
-                log(json.dumps(rows[-1]))
-    for r in rows:
-        base = next(p for p in rows if p["batch"] == r["batch"] and p["k"] == 0 and p["graphs"] == r["graphs"])
-        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-    return llm, prompts, rows
-
-
-def assisted_ratio(plan: dict, device: torch.device, log) -> dict:
+def measure_assisted(check: GpuCheck, section: Section) -> None:
     """nanospec with a draft model against transformers' assisted generation, both on the same
     random target and draft weights (greedy, batch 1, K = 4): tokens/s and their ratio."""
     if importlib.util.find_spec("transformers") is None:
-        return {"skipped": "transformers' assisted generation (transformers is not installed)"}
-    target, draft = plan["assisted"]
-    llm = LLM(target, draft=draft, num_speculative_tokens=4, device=device, dtype=plan["dtype"], max_num_seqs=1,
-              kv_cache_gb=0.05 if device.type == "cpu" else 2)
+        return section.skip("transformers is not installed (pip install transformers)")
+    plan, device = check.plan, check.device
+    (target, draft), tokens = plan["assisted"], plan["assisted_tokens"]
+    llm = LLM(target, draft=draft, num_speculative_tokens=4, device=str(device), dtype=plan["dtype"], max_num_seqs=1,
+              kv_cache_gb=plan["kv_cache_gb"])
     prompt = llm.encode_prompt(shipped_prompts()[0]["prompt"])[:64]
-    params = SamplingParams(temperature=0, max_tokens=plan["new_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([prompt], params)   # warm-up: graphs, compiles
-    ours = plan["new_tokens"] / timed(device, lambda: llm.generate([prompt], params))[1]
+    ours = tokens / timed(device, lambda: llm.generate([prompt], params))[1]
     acceptance = llm.stats["mean_acceptance_length"]
     ref = transformers_model(target, llm.dtype, device, llm.model)
     assistant = transformers_model(draft, llm.dtype, device, llm.engine.proposer.model)
@@ -177,71 +515,181 @@ def assisted_ratio(plan: dict, device: torch.device, log) -> dict:
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     pad = llm.tokenizer.eos_ids[0]
     time_transformers(ref, [prompt], 1, 4, pad, assistant_model=assistant)   # warm-up
-    theirs = time_transformers(ref, [prompt], 1, plan["new_tokens"], pad, assistant_model=assistant)
-    row = {"target": target, "draft": draft, "k": 4, "batch": 1, "nanospec_tokens_per_s": round(ours, 2),
-           "mean_acceptance_length": acceptance, "transformers_tokens_per_s": round(theirs, 2),
-           "ratio": round(ours / theirs, 3)}
-    log(json.dumps(row))
-    return row
+    theirs = time_transformers(ref, [prompt], 1, tokens, pad, assistant_model=assistant)
+    row = {"target": target, "draft": draft, "k": 4, "batch": 1, "new_tokens": tokens,
+           "nanospec_tokens_per_s": round(ours, 2), "mean_acceptance_length": acceptance,
+           "transformers_tokens_per_s": round(theirs, 2), "ratio": round(ours / theirs, 3)}
+    section.add(row, f"nanospec {row['nanospec_tokens_per_s']} tok/s (acceptance {acceptance:.2f}), transformers "
+                     f"{row['transformers_tokens_per_s']} tok/s: {row['ratio']}x")
 
 
-def run_tests(reduced: bool) -> dict:
-    if reduced:
-        return {"skipped": "no CUDA: the CUDA tests skip here (CI runs the rest)"}
+# ---- the CUDA tests -------------------------------------------------------------------------------
+
+def read_pytest(output: str) -> dict:
+    """Counts from pytest -v's output: its last summary line, or (a run cut off before it) the
+    per-test lines; the failures' one-line summaries."""
+    lines = output.strip().splitlines()
+    summary = next((line.strip("= ") for line in reversed(lines) if re.match(r"=+ .*\d+ \w+.* in [\d.]+s", line)), None)
+    if summary:
+        counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+    else:
+        results = re.findall(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR)", output)
+        counts = {word.lower(): results.count(word) for word in ("PASSED", "FAILED", "SKIPPED", "ERROR")
+                  if word in results}
+    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:20]
+    return {"summary": summary, **counts, "failures": failures}
+
+
+def run_cuda_tests(check: GpuCheck, section: Section) -> None:
+    """pytest -m cuda tests/ in a subprocess of its own session, bounded by the section's time
+    (what is left of the run, at most plan["cuda_tests_timeout"]); a timeout is recorded, with the
+    tests finished by then."""
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--tb=short", *CUDA_TESTS]
+    shown = "python -m pytest -v " + " ".join(CUDA_TESTS)
+    if not check.cuda:
+        return section.skip(f"no CUDA GPU: every test `{shown}` selects would skip here (CI runs the others)")
+    if not os.path.isdir(os.path.join(ROOT, "tests")):
+        return section.skip(f"no tests/ folder beside the package ({ROOT})")
+    timeout = max(1.0, min(check.plan["cuda_tests_timeout"], section.budget))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
-                              capture_output=True, text=True, timeout=400)
-    except subprocess.TimeoutExpired:
-        return {"command": "python -m pytest -q " + " ".join(CUDA_TESTS), "summary": "timed out after 400 s"}
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
-    return {"command": "python -m pytest -q " + " ".join(CUDA_TESTS), "returncode": proc.returncode,
-            "summary": tail, **counts, "seconds": round(time.perf_counter() - start, 1)}
+    with tempfile.TemporaryFile("w+") as out:   # a file, not a pipe: compile workers may outlive pytest
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            returncode, timed_out = proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)   # pytest and what it started (its session)
+            returncode, timed_out = proc.wait(), True
+        out.seek(0)
+        output = out.read()
+    row = {"command": shown, "returncode": returncode, "timed_out": timed_out, "timeout_s": round(timeout),
+           "seconds": round(time.perf_counter() - start, 1), **read_pytest(output)}
+    if timed_out:
+        row["summary"] = f"timed out after {timeout:.0f} s"
+    if returncode or timed_out:
+        row["tail"] = output[-3000:]
+    counts = ", ".join(f"{row[w]} {w}" for w in ("passed", "failed", "skipped", "error", "errors") if row.get(w))
+    section.add(row, f"{row['summary']} ({counts or 'no test finished'}) [{row['seconds']} s]")
 
 
-def gpu_check(device: str = "auto", out: str | None = None, log=print) -> dict:
-    """Run the check; writes its report to `out` (default: bench_results/gpu_check_<device>.json)
-    and returns it."""
+# ---- the summary ----------------------------------------------------------------------------------
+
+def figure(name: str, value, goal: float | None, goal_text: str, reduced: bool, why: str, detail: str = "") -> dict:
+    if value is None:
+        status = "unmeasured"
+    elif reduced:
+        status = "not judged (reduced run)"
+    else:
+        status = "pass" if value >= goal else "fail"
+    return {"figure": name, "value": value, "goal": goal_text, "status": status,
+            "detail": detail if value is not None else why}
+
+
+def why_missing(report: dict, name: str) -> str:
+    entry = report["sections"].get(name)
+    if entry is None:
+        return f"section {name} has not run"
+    return entry.get("error") or entry.get("skipped") or entry.get("stopped") or f"section {name} has no such row"
+
+
+def summarize(report: dict) -> list[dict]:
+    """Each headline figure against its goal (DESIGN.md's targets; our own bar where it sets none)."""
+    sections, reduced, cuda = report["sections"], report["mode"] != "full", report["mode"] == "full"
+    rows = {name: entry.get("rows", []) for name, entry in sections.items()}
+    plain = find(rows.get("decode", []), batch=1, k=0, graphs=cuda)
+    oracle = find(rows.get("decode", []), batch=1, k=4, graphs=cuda)
+    batches = sorted({r["batch"] for r in rows.get("graphs_vs_eager", []) if r["k"] == 0})
+    graphs_1 = find(rows.get("graphs_vs_eager", []), batch=1, k=0)
+    graphs_n = find(rows.get("graphs_vs_eager", []), batch=batches[-1], k=0) if len(batches) > 1 else None
+    small = find(rows.get("small_target", []), batch=1, k=0)
+    kernel = max((r for r in rows.get("attention_kernel", []) if r["k"] == 0),
+                 key=lambda r: r["context"] * r["batch"], default=None)
+    assisted = next(iter(rows.get("draft_vs_assisted", [])), None)
+    target = report["target"]
+    return [
+        figure(f"plain decoding, {target}, batch 1: bytes read per second / copy bandwidth",
+               plain and plain.get("fraction_of_copy_bandwidth"), 0.8, ">= 0.8", reduced,
+               why_missing(report, "decode" if not plain else "copy_bandwidth"),
+               plain and f"{plain['tokens_per_s']} tok/s, step {plain['step_ms']} ms"),
+        figure(f"oracle K = 4, {target}, batch 1: speedup over plain", oracle and oracle.get("speedup_vs_plain"),
+               4.0, ">= 4", reduced, why_missing(report, "decode"),
+               oracle and f"acceptance {oracle['mean_acceptance_length']} (oracle runs: {oracle['oracle_tries']})"),
+        figure(f"CUDA graphs / eager, {target}, batch 1, K 0", graphs_1 and graphs_1["graphs_over_eager"], 1.0,
+               ">= 1 (graphs never slower)", reduced, why_missing(report, "graphs_vs_eager"),
+               graphs_1 and f"step {graphs_1['graphs_step_ms']} ms against {graphs_1['eager_step_ms']} ms"),
+        figure(f"CUDA graphs / eager, {target}, batch {batches[-1] if len(batches) > 1 else 'above 1'}, K 0",
+               graphs_n and graphs_n["graphs_over_eager"], 1.0, ">= 1 (graphs never slower)", reduced,
+               why_missing(report, "graphs_vs_eager"),
+               graphs_n and f"step {graphs_n['graphs_step_ms']} ms against {graphs_n['eager_step_ms']} ms"),
+        figure(f"CUDA graphs / eager, small target {report['small_target']}, batch 1, K 0", small and small["graphs_over_eager"],
+               1.0, ">= 1 (graphs never slower)", reduced, why_missing(report, "small_target"),
+               small and f"step {small['graphs_step_ms']} ms against {small['eager_step_ms']} ms"),
+        figure("attention kernel alone: KV bytes read per second / copy bandwidth",
+               kernel and kernel["fraction_of_copy_bandwidth"], 0.5, ">= 0.5 (our bar; DESIGN.md sets none)", reduced,
+               why_missing(report, "attention_kernel" if not kernel else "copy_bandwidth"),
+               kernel and f"{kernel['kv_gb_s']} GB/s ({kernel['kernel']}, context {kernel['context']}, "
+                          f"batch {kernel['batch']}, K 0)"),
+        figure("draft model / transformers' assisted generation (tokens/s, batch 1, K 4)",
+               assisted and assisted["ratio"], 3.0 if cuda else 1.5, ">= 3 on a GPU" if cuda else ">= 1.5 on a CPU",
+               reduced, why_missing(report, "draft_vs_assisted"),
+               assisted and f"{assisted['nanospec_tokens_per_s']} against {assisted['transformers_tokens_per_s']} "
+                            f"tok/s, acceptance {assisted['mean_acceptance_length']}"),
+    ]
+
+
+def summary_lines(summary: list[dict]) -> list[str]:
+    width = max(len(f["figure"]) for f in summary)
+    lines = [f"{'summary':<{width}}  {'value':>7}  {'goal':<12}  status"]
+    for f in summary:
+        value = "-" if f["value"] is None else f"{f['value']:.3g}"
+        lines.append(f"{f['figure']:<{width}}  {value:>7}  {f['goal'].split(' (')[0]:<12}  {f['status']}: {f['detail']}")
+    return lines
+
+
+# ---- the command ----------------------------------------------------------------------------------
+
+SECTIONS = {"copy_bandwidth": measure_copy_bandwidth, "decode": measure_decode,
+            "graphs_vs_eager": measure_graphs_vs_eager, "attention_kernel": measure_attention,
+            "draft_vs_assisted": measure_assisted, "cuda_tests": run_cuda_tests,
+            "small_target": measure_small_target, "prefill_attention": measure_prefill}
+USES = {"decode": "target", "graphs_vs_eager": "target", "small_target": "small_target"}   # models kept between
+
+
+def report_path(out: str | None, device: str, reduced: bool) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_") or "device"
+    return out or os.path.join("bench_results", f"gpu_check_{slug}{'_reduced' if reduced else ''}.json")
+
+
+def gpu_check(device: str = "auto", out: str | None = None, log=None, sections: list[str] | None = None,
+              seconds: float | None = None) -> dict:
+    """Run the check (`sections`: a subset of SECTIONS, in their order; `seconds`: the run's
+    deadline instead of the plan's); writes the report to `out` (default:
+    bench_results/gpu_check_<device>.json) after every section and returns it."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     reduced = not (device in ("auto", "cuda") and torch.cuda.is_available())
-    plan = REDUCED if reduced else FULL
-    tests = run_tests(reduced)
-    log(f"CUDA tests: {tests.get('summary', tests.get('skipped'))}")
-    llm, prompts, rows = measure_rows(plan["target"], plan, reduced, log)
-    device, dtype, cuda = llm.device, llm.dtype, llm.device.type == "cuda"
-    bandwidth = copy_bandwidth(device, 64 if reduced else 1024)
-    plain = next(r for r in rows if r["batch"] == 1 and r["k"] == 0 and r["graphs"] == cuda)
-    context = sum(map(len, prompts[:1])) + plan["new_tokens"] / 2   # the mean context of the batch-1 run
-    step_bytes = weight_bytes(llm.model) + context * kv_bytes_per_token(llm.model)
-    del llm   # one large model at a time
-    small_rows = [] if reduced else measure_rows(SMALL_TARGET, dict(plan, ks=[4]), reduced, log)[2]
-    attention = [] if reduced else attention_bandwidth(device, dtype)
-    prefill = [] if reduced else prefill_attention(device, dtype)
-    for row in attention + prefill:
-        log(json.dumps(row))
-    assisted = assisted_ratio(plan, device, log)
-    report = {
-        "command": "python -m nanospec.bench --gpu-check", "device": device_name(device),
-        "mode": "reduced (no CUDA)" if reduced else "full", "target": plan["target"], "dtype": plan["dtype"],
-        "torch": torch.__version__, "python": sys.version.split()[0], "cuda_tests": tests,
-        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "plain_batch1": {"tokens_per_s": plain["tokens_per_s"], "bytes_per_step": int(step_bytes),
-                         "fraction_of_copy_bandwidth": round(step_bytes / (plain["step_ms"] / 1000) / bandwidth, 3)},
-        "rows": rows, "small_target": None if reduced else SMALL_TARGET, "small_target_rows": small_rows,
-        "attention_kernel": attention, "prefill_attention": prefill, "transformers_assisted": assisted,
-        "skipped": (["the CUDA tests", "CUDA graphs (a CPU runs every step eagerly)", "random:llama3-8b (too slow here)",
-                     "the attention kernels alone (Triton needs CUDA)"] if reduced else [])
-                   + ([assisted["skipped"]] if "skipped" in assisted else []),
-    }
-    slug = re.sub(r"[^a-z0-9]+", "_", report["device"].lower()).strip("_") or "device"
-    path = out or os.path.join("bench_results", f"gpu_check_{slug}{'_reduced' if reduced else ''}.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    sync(device)
-    log(f"plain decoding at batch 1: {plain['tokens_per_s']} tokens/s, "
-        f"{report['plain_batch1']['fraction_of_copy_bandwidth']:.0%} of the copy bandwidth "
-        f"({report['copy_bandwidth_gb_s']} GB/s); wrote {path}")
-    for line in report["skipped"]:
-        log(f"skipped: {line}")
+    plan = dict(REDUCED if reduced else FULL, **({"seconds": seconds} if seconds else {}))
+    found = preflight()
+    line = preflight_line(found, reduced, plan)
+    log(line)
+    torch_device = torch.device("cpu" if reduced else "cuda")
+    command = f"python -m nanospec.bench --gpu-check --device {device}" + (
+        f" --gpu-check-sections {','.join(sections)}" if sections else "") + (
+        f" --gpu-check-seconds {seconds:g}" if seconds else "")
+    report = {"command": command, "device": device_name(torch_device),
+              "mode": "reduced (no CUDA)" if reduced else "full", "target": plan["target"],
+              "small_target": plan["small_target"], "dtype": plan["dtype"], "torch": torch.__version__,
+              "python": sys.version.split()[0], "preflight": {**found, "line": line},
+              "plan": {name: plan[name] for name in ("batches", "ks", "new_tokens", "oracle_tries", "seconds", "budgets")},
+              "sections": {}, "summary": [], "finished": False}
+    check = GpuCheck(plan, reduced, report_path(out, report["device"], reduced), report, log)
+    names = [name for name in SECTIONS if sections is None or name in sections]
+    for i, name in enumerate(names):
+        check.run(name, SECTIONS[name])
+        check.drop([key for key in list(check.models) if key not in {USES.get(n) for n in names[i + 1:]}])
+    report["finished"] = True
+    check.save()
+    for line in summary_lines(report["summary"]):
+        log(line)
+    log(f"{report['elapsed_s']:.0f} s in all; wrote {check.path}")
     return report

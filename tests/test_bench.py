@@ -138,17 +138,6 @@ def test_bench_runs_random_models_with_the_oracle(capsys):
     assert "random:tiny" in out and " 5.00 " in out   # the oracle row's acceptance length: K + 1
 
 
-def test_gpu_check_runs_reduced_on_a_cpu_and_says_what_it_skipped(tmp_path, capsys):
-    out = tmp_path / "check.json"
-    assert bench_main(["--gpu-check", "--device", "cpu", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["mode"] == "reduced (no CUDA)" and report["target"] == "random:tiny"
-    assert "the CUDA tests" in report["skipped"] and report["copy_bandwidth_gb_s"] > 0
-    oracle = [r for r in report["rows"] if r["k"]]
-    assert oracle and all(r["mean_acceptance_length"] == r["k"] + 1 for r in oracle)
-    assert "skipped: the CUDA tests" in capsys.readouterr().err
-
-
 def test_transformers_runs_a_random_model_on_our_weights():
     """The transformers baseline of random:NAME is transformers' own model of its config holding
     our random weights (shared, not copied): greedy decoding gives the same tokens."""

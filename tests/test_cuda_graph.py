@@ -207,6 +207,7 @@ def check_tables(engine):
     assert (tables.tables[tables.null_row] == NULL_BLOCK).all()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
 def test_cuda_graph_replay_equals_eager(spec_models, name):
@@ -222,6 +223,7 @@ def test_cuda_graph_replay_equals_eager(spec_models, name):
     assert outputs[False] == outputs[True]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("batch", [1, 16])
 @pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])

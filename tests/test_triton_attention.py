@@ -88,6 +88,7 @@ def test_a_wrong_tiled_kernel_fails_the_check():
     assert float(proc.stdout.strip().splitlines()[-1]) > 1e-2
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernels_equal_the_reference_on_cuda_bf16():
     namespace = {}
