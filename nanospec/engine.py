@@ -13,6 +13,7 @@ Invariants of a running request:
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import time
@@ -298,6 +299,16 @@ def emittable_vocab(config, tokenizer) -> int:
     return min(config.vocab_size, tokenizer.vocab_size)
 
 
+def release(step_graphs: StepGraphs, proposer: Proposer | None, req: Request) -> None:
+    """A request left the running batch (finished, preempted, removed): release its device table
+    rows and its proposer state."""
+    step_graphs.tables.release(req.block_table)
+    if proposer:
+        if step_graphs.draft_tables and req.proposer_state is not None:
+            step_graphs.draft_tables.release(req.proposer_state.block_table)
+        proposer.free(req)
+
+
 class Engine:
     """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request.
 
@@ -315,7 +326,6 @@ class Engine:
         self.proposer, self.k_policy = proposer, k_policy or StaticK(0)
         self.kv_cache = KVCache(cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 next(model.parameters()).dtype, device)
-        self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens, on_free=self.free)
         self.use_graphs = use_graphs
         self.sampler = Sampler(compile=device.type == "cuda" if compile_sampler is None else compile_sampler)
         self.eos_ids = set(cfg.eos_token_ids) | set(tokenizer.eos_ids)
@@ -325,6 +335,10 @@ class Engine:
         self.vocab_size = emittable_vocab(cfg, tokenizer)
         self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len, device,
                                       self.sampler, proposer, use_graphs)
+        # on_free is not a bound method of the engine: a scheduler holding the engine would make a
+        # reference cycle, and a dead engine's graphs and KV cache would wait for the garbage collector.
+        self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
+                                   on_free=functools.partial(release, self.step_graphs, proposer))
         self.stats = Stats()
         self.step_k = 0          # the current decode step's K (the largest of its requests')
         self.request_k = {}      # id(request) -> its K in the current decode step
@@ -346,15 +360,6 @@ class Engine:
                       proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs)
         twin.sampler = twin.step_graphs.sampler = self.sampler   # compiled once (on CUDA), shared
         return twin
-
-    def free(self, req: Request) -> None:
-        """A request left the running batch (finished, preempted, removed): release its device table
-        rows and its proposer state."""
-        self.step_graphs.tables.release(req.block_table)
-        if self.proposer:
-            if self.step_graphs.draft_tables and req.proposer_state is not None:
-                self.step_graphs.draft_tables.release(req.proposer_state.block_table)
-            self.proposer.free(req)
 
     def add_requests(self, requests: list[Request]) -> None:
         """Queue requests made by new_request (the one way work enters the engine)."""

@@ -347,6 +347,14 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
 
 
+def for_inference(model: nn.Module) -> nn.Module:
+    """The model in eval mode with no parameter requiring grad: every loaded model, draft model and
+    EAGLE head is made so, so that no step (nor a CUDA graph's capture) records an autograd graph.
+    (An in-place KV write under autograd links the pool to every activation that fed it, and keeps
+    them all alive.) train_eagle.py trains a head it builds itself, not a loaded one."""
+    return model.requires_grad_(False).eval()
+
+
 class CausalLM(nn.Module):
     """Decoder plus LM head. `forward` returns final hidden states; `logits` projects chosen rows."""
 

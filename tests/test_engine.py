@@ -2,7 +2,7 @@
 one at a time, a tiny KV pool (preempting) equals an ample one, seeds reproduce, no block leaks."""
 import pytest
 
-from conftest import assert_no_leak
+from conftest import assert_no_leak, proposer_args
 from nanospec import LLM, NanospecError, SamplingParams
 from nanospec.engine import Stats
 
@@ -114,3 +114,64 @@ def test_stats_of_two_calls_add_up_to_one_call_over_both(checkpoints):
     assert sum(n for ks in added["chosen_k"].values() for n in ks.values()) == added["steps"]
     for b, ks in added["request_k"].items():   # every request of a step of batch b counted once
         assert sum(ks.values()) == int(b) * sum(added["chosen_k"][b].values()), (b, ks)
+
+
+def held_tensors(root) -> list[tuple[str, "torch.Tensor"]]:
+    """Every tensor reachable from root through nanospec's objects (attributes, containers, module
+    parameters and buffers), with a path naming it."""
+    import torch
+    found, seen, todo = [], set(), [("llm", root)]
+    while todo:
+        path, obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append((path, obj))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += [(f"{path}[{i}]", x) for i, x in enumerate(obj)]
+        elif isinstance(obj, dict):
+            todo += [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+        elif isinstance(obj, torch.nn.Module):
+            todo += [(f"{path}.{n}", t) for n, t in [*obj.named_parameters(), *obj.named_buffers()]]
+            todo += [(f"{path}.{n}", v) for n, v in vars(obj).items() if not n.startswith("_")]
+        elif type(obj).__module__.startswith("nanospec"):
+            names = list(getattr(obj, "__dict__", {})) + [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+            todo += [(f"{path}.{n}", getattr(obj, n)) for n in names if hasattr(obj, n)]
+    return found
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
+def test_no_tensor_the_engine_holds_requires_grad(spec_models, name):
+    """After loading and generating, no parameter of the target, draft model or EAGLE head, and no
+    buffer or cache of the engine, requires grad or hangs on an autograd graph: a step (and a CUDA
+    graph's capture) records nothing for backward, so nothing keeps its activations alive."""
+    args = {} if name == "plain" else proposer_args(spec_models, name)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.01, **args)
+    llm.generate(PROMPTS[:3], SamplingParams(temperature=0.8, seed=1, max_tokens=12))
+    tensors = held_tensors(llm)
+    assert any(path.endswith("pool") for path, _ in tensors) and len(tensors) > 30
+    assert [path for path, t in tensors if t.requires_grad or t.grad_fn is not None] == []
+
+
+@pytest.mark.parametrize("name", ["plain", "draft", "eagle3"])
+def test_a_dropped_llm_is_freed_at_once(spec_models, name):
+    """With the garbage collector off, dropping the last reference to an LLM frees its engine, KV
+    caches and step buffers at once: no reference cycle holds them (a GPU's memory would otherwise
+    wait for a full collection, which torch.cuda.graph no longer runs)."""
+    import gc
+    import weakref
+    args = {} if name == "plain" else proposer_args(spec_models, name)
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.01, **args)
+        llm.generate(PROMPTS[:3], greedy(8))
+        engine = llm.engine
+        held = [engine, engine.kv_cache.pool, engine.step_graphs, engine.step_graphs.inputs, engine.scheduler,
+                getattr(engine.proposer, "kv_cache", engine.kv_cache).pool]
+        refs = [weakref.ref(x) for x in held]
+        del llm, engine, held
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
