@@ -234,7 +234,7 @@ class LLM:
                           max_num_seqs, max_num_batched_tokens, compile_sampler, make_proposer(blocks), policy,
                           use_graphs=graphs)
 
-        if kv_cache_gb is None:   # on a GPU: a share of what the weights and the decode step's graphs leave free
+        if kv_cache_gb is None and num_kv_blocks is None:   # on a GPU: a share of what the weights and the graphs leave free
             kv_cache_gb = self.default_kv_cache_gb(step_memory(make_engine(1, StaticK(0)), k) if graphs else 0)
         # Target and proposer get the same number of blocks (see proposer.py), from one memory budget.
         block_bytes = target_block

@@ -22,6 +22,7 @@ Noise streams (one draw per stream per token position, so no draw is ever reused
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -265,30 +266,42 @@ def verify_greedy(target_ids: torch.Tensor, draft_ids: torch.Tensor, num_draft: 
 
 
 class Sampler:
-    """`rejection_sample` (which, with K = 0, is plain sampling) and `verify_greedy`, torch.compile'd
-    where that pays (CUDA by default), eager otherwise.
+    """`rejection_sample` (which, with K = 0, is plain sampling) and `verify_greedy`, with
+    rejection_sample torch.compile'd where that pays (CUDA by default), eager otherwise.
+
+    What is compiled, and why only that: a sampled step of a batch (softmax, truncation, float64
+    scans over [rows, vocab]), where fusion saves whole passes over the vocabulary and, in an eager
+    step, many launches. Not verify_greedy (an argmax's compare over [batch, K]: nothing to fuse),
+    and not a batch of 1 (its tensors are small, and inside a CUDA graph it launches nothing from
+    Python anyway). Every step runs under inference mode, so no variant is compiled twice for grad.
 
     Compiled for the shapes a decode step has: K static (a step, and its CUDA graph, is per K) and
-    the batch dynamic (one compiled kernel serves every bucket; a batch of 1 is its own). That is at
-    most 2 x (max_k + 1) variants of verify_greedy and 8 x (max_k + 1) of rejection_sample (with and
-    without draft probabilities and truncation), within the recompile limit set here; if a step
-    ever meets more, it raises instead of running eagerly without a word (dynamo's default)."""
+    the batch dynamic (one compiled kernel serves every bucket). That is at most 4 x (max_k + 1)
+    variants (with and without draft probabilities, with and without truncation), within the
+    recompile limit set here; if a step ever meets more, it raises instead of running eagerly
+    without a word (dynamo's default)."""
 
     def __init__(self, compile: bool, max_k: int = 16, backend: str = "inductor"):
         self.compiled = compile
-        self.recompile_limit = 8 * (max_k + 1)
-        wrap = (lambda f: self.compile(f, backend)) if compile else (lambda f: f)
-        self.rejection_sample = wrap(rejection_sample)
-        self.verify_greedy = wrap(verify_greedy)
+        self.recompile_limit = 4 * (max_k + 1)
+        self.verify_greedy = verify_greedy
+        self.rejection_sample = compiled_for_batches(rejection_sample, backend, self.recompile_limit) if compile \
+            else rejection_sample
 
-    def compile(self, fn, backend: str):
-        compiled = torch.compile(fn, dynamic=False, backend=backend)
 
-        def call(*args):
-            for arg in args:   # every tensor argument is batch-first
-                if isinstance(arg, torch.Tensor) and arg.dim() and arg.shape[0] > 1:
-                    torch._dynamo.mark_dynamic(arg, 0)
-            with torch._dynamo.config.patch(recompile_limit=self.recompile_limit, fail_on_recompile_limit_hit=True,
-                                            accumulated_recompile_limit=max(256, 4 * self.recompile_limit)):
-                return compiled(*args)
-        return call
+@functools.cache   # one per process: engines (an LLM's, its twins, other LLMs) share what is compiled
+def compiled_for_batches(fn, backend: str, recompile_limit: int):
+    """fn compiled with its batch (the first dimension of every tensor argument) dynamic, called
+    eagerly for a batch of 1; raising when it would be compiled more than recompile_limit times."""
+    compiled = torch.compile(fn, dynamic=False, backend=backend)
+
+    def call(*args):
+        tensors = [arg for arg in args if isinstance(arg, torch.Tensor) and arg.dim()]
+        if tensors[0].shape[0] == 1:
+            return fn(*args)
+        for arg in tensors:   # every tensor argument is batch-first
+            torch._dynamo.mark_dynamic(arg, 0)
+        with torch._dynamo.config.patch(recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True,
+                                        accumulated_recompile_limit=max(256, 4 * recompile_limit)):
+            return compiled(*args)
+    return call
