@@ -12,7 +12,8 @@ A decode step is, in order:
   round    a draft model's or EAGLE head's K draft steps: the first (catch-up: each request feeds
            what the proposer has not seen, a varying length) eagerly, then steps 2..K as one graph
            whose positions advance on the device; drafts, draft probabilities and a finiteness
-           flag land in static buffers.
+           flag land in static buffers. A draft model's steady-state round (a catch-up of 1 or 2
+           positions per row, padded to 2) is one graph, its first step included.
   verify   the target over [last token, d_1 .. d_K] for every row, acceptance and sampling, as
            one graph; it returns one [bucket, K + 3] int64 tensor: each row's K + 1 tokens, its
            accepted count, and a flag for non-finite logits (1: the target's, 2: the drafter's),
@@ -32,6 +33,12 @@ On CUDA the graphs share one memory pool, are captured at start for greedy steps
 first) and on first use for the others; batches above MAX_GRAPH_BATCH run the bodies eagerly. A
 body reads block tables at their full width under a graph and at the batch's widest table when
 eager (the same values; only the padding is shorter).
+
+Every body is safe to run twice on the same buffers (capture runs it once to warm up on the
+current step's inputs, then replay runs it again): nothing a body reads is written by it, except
+values it writes the same way every time (its K/V, drafts[:, i] from drafts[:, i - 1], a flag it
+only clears). REHEARSE_GRAPHS makes an eager step run so (twice, at full width), and the tests
+compare that with the plain eager step. Capture and every step run under inference mode.
 """
 from __future__ import annotations
 
@@ -45,8 +52,9 @@ from nanospec.sampler import SamplingBatch, Truncation
 
 # Per batch row: the target's block-table row, its cached tokens (the last token's position), its
 # drafts, its last token, seed, top_k, temperature and top_p (the bits of their float64 values),
-# the proposer's block-table row, the proposer's position for d_1.
-FIELDS = 10
+# the proposer's block-table row, the proposer's position for d_1, the token before the last, and
+# the positions the proposer's first step feeds (its catch-up; 0: the row drafts nothing).
+FIELDS = 12
 MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
 
@@ -55,6 +63,10 @@ ONE_BITS = int(np.array(1.0).view(np.int64))
 # that every CPU test runs the padded step a GPU replays): on a CPU the padding rows cost what real
 # rows cost (a batch of 9 padded to 16 decoded SmolLM2 about 25% slower; docs/performance.md).
 PAD_EAGER_BATCHES = False
+
+# An eager step runs each graph body as capture and replay would: twice, at the tables' full width
+# (the tests set it, to show that replaying a graph computes what the eager step computes).
+REHEARSE_GRAPHS = False
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -169,7 +181,7 @@ class StepGraphs:
                 draft_rows[b] = row
         buf = self.host.numpy()
         self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), requests, num_draft, rows, draft_rows,
-                       plan.first_position if plan else [0] * batch)
+                       plan.first_position if plan else [0] * batch, plan.catch_up if plan else [0] * batch)
         end = (FIELDS + k) * bucket
         drafts = buf[FIELDS * bucket:end].reshape(bucket, k)
         drafts[:] = 0
@@ -199,7 +211,7 @@ class StepGraphs:
                              truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
                                  max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
 
-    def pack_rows(self, fields: np.ndarray, requests, num_draft, rows, draft_rows, first_position) -> None:
+    def pack_rows(self, fields: np.ndarray, requests, num_draft, rows, draft_rows, first_position, catch_up) -> None:
         """The FIELDS values of every row of the bucket into fields [FIELDS, bucket]; the rows past
         the batch are padding: greedy requests of one token at position 0 on the null rows."""
         batch, params = len(requests), [r.params for r in requests]
@@ -211,6 +223,8 @@ class StepGraphs:
                               [r.seed for r in requests], [p.top_k for p in params]]
         fields[6:8, :batch] = np.array([[p.temperature for p in params], [p.top_p for p in params]]).view(np.int64)
         fields[8, :batch], fields[9, :batch] = draft_rows, first_position
+        fields[10, :batch] = [r.tokens[-2] if len(r.tokens) > 1 else 0 for r in requests]
+        fields[11, :batch] = catch_up
 
     def mode(self, sampling: SamplingBatch, bucket: int):
         """How a step samples: "greedy", or its truncation (under a graph or a compiled sampler: any
@@ -221,10 +235,14 @@ class StepGraphs:
 
     @torch.inference_mode()
     def run_round(self, plan: Round, sampling: SamplingBatch) -> None:
-        """A model proposer's round: the catch-up step eagerly, then steps 2..K (a graph)."""
+        """A model proposer's round: the catch-up step eagerly, then steps 2..K (a graph); or, where
+        every row's catch-up is short (a draft model's steady state), the whole round as one graph."""
         batch, bucket, k, longest, probs = self.step
         if probs:
             self.grow(k, probs=True)
+        if plan.shape.max_q <= self.proposer.graphed_catch_up:
+            self.replay(("round", bucket, k, self.mode(sampling, bucket), probs, True), plan.width)
+            return
         fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
         shape, block_size = plan.shape, self.proposer.kv_cache.block_size
         meta_size = 2 * shape.batch + shape.extra
@@ -238,7 +256,7 @@ class StepGraphs:
         if probs:
             self.draft_probs[rows, 0] = q
         if k > 1:
-            self.replay(("round", bucket, k, self.mode(sampling, bucket), probs), plan.width)
+            self.replay(("round", bucket, k, self.mode(sampling, bucket), probs, False), plan.width)
 
     @torch.inference_mode()
     def run(self, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -253,6 +271,9 @@ class StepGraphs:
         """Run the body of `key`: eagerly at `width` (the widest table it reads), or as a graph."""
         body = self.verify_body if key[0] == "verify" else self.round_body
         if not self.graphed(key[1]):
+            if REHEARSE_GRAPHS:   # as capture (a warm-up) and replay would: twice, at full width
+                width = self.full_width(key)
+                body(key, width)
             return body(key, width)
         if key not in self.graphs:
             self.graphs[key] = self.capture(body, key)
@@ -260,10 +281,14 @@ class StepGraphs:
         graph.replay()
         return outputs
 
+    def full_width(self, key) -> int:
+        return (self.tables if key[0] == "verify" else self.draft_tables).width
+
+    @torch.inference_mode()
     def capture(self, body, key):
         """Warm up on a side stream (it runs the current step, which replay then repeats: the same
         writes), then capture the body at full width into the shared pool."""
-        width = (self.tables if key[0] == "verify" else self.draft_tables).width
+        width = self.full_width(key)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -274,6 +299,7 @@ class StepGraphs:
             outputs = body(key, width)
         return graph, outputs
 
+    @torch.inference_mode()
     def capture_all(self, ks) -> None:
         """Capture the greedy verify step of every bucket up to MAX_GRAPH_BATCH for each K in ks,
         largest bucket first (the smaller graphs then fit in the pool memory the larger ones left),
@@ -292,7 +318,7 @@ class StepGraphs:
     def upload_padding(self, bucket: int, k: int) -> None:
         """Inputs of a (bucket, k) step whose every row is padding."""
         buf = self.host.numpy()
-        self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), [], [], [], [], [])
+        self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), [], [], [], [], [], [])
         n = (FIELDS + k) * bucket
         buf[FIELDS * bucket:n] = 0
         self.inputs[:n].copy_(self.host[:n], non_blocking=True)
@@ -306,28 +332,38 @@ class StepGraphs:
                                  truncate=mode if mode != "greedy" else False)
         return fields, sampling
 
+    def padded_metadata(self, tables: torch.Tensor, cached: torch.Tensor, num_new: torch.Tensor, q_len: int,
+                        block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata of q_len queries per row over tables [bucket, width] on the device: row b's
+        num_new[b] new tokens at positions cached[b] .. cached[b] + num_new[b] - 1, then padding
+        queries that repeat its last real position (so they see the same keys) and write their K/V
+        to the null block. Also returns each query's real offset [bucket, q_len] (clamped to the
+        last real one): where a row's logits are read."""
+        bucket, device = len(cached), cached.device
+        offsets = torch.arange(q_len, device=device)
+        real_offsets = torch.minimum(offsets[None, :], (num_new[:, None] - 1).clamp(min=0))   # [bucket, q_len]
+        positions = cached[:, None] + real_offsets
+        slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
+        slots = torch.where(offsets[None, :] < num_new[:, None], slots, NULL_BLOCK * block_size + offsets % block_size)
+        flat = torch.arange(bucket * q_len, device=device)
+        meta = AttentionMetadata(
+            slot_mapping=slots.flatten(), block_tables=tables, context_lens=cached + num_new,
+            query_start=torch.arange(bucket + 1, device=device) * q_len, token_seq=flat // q_len,
+            positions=positions.flatten(), query_index=flat.view(bucket, q_len),
+            query_valid=torch.ones(bucket, q_len, dtype=torch.bool, device=device))
+        return meta, real_offsets
+
     def verify_body(self, key, width: int):
         """The verification on the static buffers: the metadata, the target's forward over
         [last token, d_1 .. d_K] per row, acceptance and sampling. No host data, no sync."""
         _, bucket, k, mode, probs = key
-        q_len, block_size, device = k + 1, self.kv_cache.block_size, self.device
+        q_len = k + 1
         fields, sampling = self.fields(bucket, mode)
         table_row, cached, num_draft, last = fields[:4]
-        offsets = torch.arange(q_len, device=device)
-        real_offsets = torch.minimum(offsets[None, :], num_draft[:, None])       # [bucket, K + 1]
-        positions = cached[:, None] + real_offsets                               # padding repeats the last real query
-        tables = self.tables.tables[table_row, :width]
-        slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
-        slots = torch.where(offsets[None, :] <= num_draft[:, None], slots, NULL_BLOCK * block_size + offsets % block_size)
+        meta, real_offsets = self.padded_metadata(self.tables.tables[table_row, :width], cached, num_draft + 1, q_len,
+                                                  self.kv_cache.block_size)
         drafts = self.drafts[:bucket, :k]
         input_ids = torch.cat([last[:, None], drafts], dim=1).flatten()
-        flat = torch.arange(bucket * q_len, device=device)
-        meta = AttentionMetadata(
-            slot_mapping=slots.flatten(), block_tables=tables, context_lens=cached + num_draft + 1,
-            query_start=torch.arange(bucket + 1, device=device) * q_len, token_seq=flat // q_len,
-            positions=positions.flatten(), query_index=flat.view(bucket, q_len),
-            query_valid=torch.ones(bucket, q_len, dtype=torch.bool, device=device),
-            attn_mask=(torch.arange(width * block_size, device=device)[None, None, :] <= positions[:, :, None])[:, None])
         proposer = self.proposer
         capture = proposer.capture_layers if proposer else ()
         hidden, captured = self.model(input_ids, meta.positions, self.kv_cache, meta, capture)
@@ -347,27 +383,50 @@ class StepGraphs:
         return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features
 
     def round_body(self, key, width: int) -> None:
-        """Draft steps 2..K of a model proposer's round, for every row of the bucket: step i feeds
+        """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft
+        model's catch-up of 1 or 2 positions, padded to 2) and steps 2..K, where step i feeds
         d_{i-1} at the row's next position (d_1's plus i - 2) and draws d_i. A row past its own K
         drafts on at position 0 into the null block; its drafts there are never verified."""
-        _, bucket, k, mode, probs = key
+        _, bucket, k, mode, probs, with_first = key
         fields, sampling = self.fields(bucket, mode)
-        cached, num_draft, draft_row, first_position = fields[1], fields[2], fields[8], fields[9]
+        cached, num_draft, last, draft_row, first_position = fields[1], fields[2], fields[3], fields[8], fields[9]
         block_size = self.proposer.kv_cache.block_size
         rows = torch.arange(bucket, device=self.device)
         tables = self.draft_tables.tables[draft_row, :width]
+        if with_first:
+            self.first_draft_step(fields, sampling, tables, probs)
+        # EAGLE: the first step's hidden states, read here and never written, so that a second run
+        # of this body (a graph's replay after its warm-up) starts from the same state.
+        hidden = self.carry[:bucket] if self.carry is not None else None
         for i in range(1, k):
             active = num_draft > i
             meta = decode_metadata(tables, torch.where(active, first_position + i - 1, 0), block_size)
             meta.slot_mapping = torch.where(active, meta.slot_mapping, NULL_BLOCK * block_size)
-            if self.carry is not None:   # an idle row starts from zeros: iterating its own output could overflow
-                self.carry[:bucket] = torch.where(active[:, None], self.carry[:bucket], 0)
-            logits = self.proposer.next_step(meta, self.drafts[:bucket, i - 1], self.carry, rows)
+            if hidden is not None:   # an idle row starts from zeros: iterating its own output could overflow
+                hidden = torch.where(active[:, None], hidden, 0)
+            logits, hidden = self.proposer.next_step(meta, self.drafts[:bucket, i - 1], hidden)
             self.finite[:bucket] &= ~active | logits.amax(-1).isfinite()
             tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, cached + 1 + i)
             self.drafts[:bucket, i] = tokens
             if probs:
                 self.draft_probs[:bucket, i] = q
+
+    def first_draft_step(self, fields, sampling: SamplingBatch, tables: torch.Tensor, probs: bool) -> None:
+        """A draft model's first step in a graph: row b feeds its last catch_up[b] tokens (1 or 2:
+        [previous, last] or [last]; 0 for a row that drafts nothing, whose queries go to the null
+        block) and draws d_1 from the logits of its last real query."""
+        bucket = fields.shape[1]
+        cached, last, first_position, previous, catch_up = fields[1], fields[3], fields[9], fields[10], fields[11]
+        meta, real_offsets = self.padded_metadata(tables, first_position - catch_up, catch_up, 2,
+                                                  self.proposer.kv_cache.block_size)
+        input_ids = torch.where((real_offsets == 0) & (catch_up[:, None] == 2), previous[:, None], last[:, None])
+        rows = torch.arange(bucket, device=self.device)
+        logits = self.proposer.catch_up_step(meta, input_ids.flatten(), rows * 2 + real_offsets[:, 1])
+        self.finite[:bucket] &= (catch_up == 0) | logits.amax(-1).isfinite()
+        tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, cached + 1)
+        self.drafts[:bucket, 0] = tokens
+        if probs:
+            self.draft_probs[:bucket, 0] = q
 
     def apply_updates(self, pairs: torch.Tensor) -> None:
         """Write the uploaded (flat index, block id) pairs into the device tables, eagerly, before

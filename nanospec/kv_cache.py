@@ -96,8 +96,18 @@ class AttentionMetadata:
     # Derived once per pass and shared by every layer of the reference path:
     query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
     query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token
-    attn_mask: torch.Tensor      # [B, 1, max_q, max_k] True where a query may see a key (causal, in context)
     extra: torch.Tensor | None = None   # [n] the rest of the step's one host-to-device copy (build_metadata)
+    mask: torch.Tensor | None = None    # attention_mask's, once built
+
+    def attention_mask(self, block_size: int) -> torch.Tensor:
+        """[B, 1, max_q, max_k] True where a query may see a key: keys 0 .. its own position (causal,
+        in context). Built by the first layer that asks (the reference path; the Triton kernel
+        never does), then shared by the others: once per pass, not once per layer."""
+        if self.mask is None:
+            keys = torch.arange(self.block_tables.shape[1] * block_size, device=self.positions.device)
+            query_pos = self.positions[self.query_index]                     # [B, max_q]; padding: a real position
+            self.mask = (keys[None, None, :] <= query_pos[:, :, None])[:, None]
+        return self.mask
 
 
 @dataclass(frozen=True)
@@ -148,35 +158,29 @@ def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int,
     cached, lens = packed[:batch], packed[batch:2 * batch]
     if tables is None:
         tables = packed[2 * batch:2 * batch + batch * shape.max_blocks].view(batch, shape.max_blocks)
-    max_blocks = tables.shape[1]
     query_start = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     token_seq = torch.repeat_interleave(torch.arange(batch, device=device), lens, output_size=total)
     positions = cached[token_seq] + torch.arange(total, device=device) - query_start[token_seq]
     offsets = torch.arange(max_q, device=device)
     query_valid = offsets[None, :] < lens[:, None]
-    # Query i of sequence b sits at position num_cached + i and sees keys 0 .. that position.
-    query_pos = cached[:, None] + offsets[None, :]                                            # [B, max_q]
-    attn_mask = torch.arange(max_blocks * block_size, device=device)[None, None, :] <= query_pos[:, :, None]
     start = 2 * batch + batch * shape.max_blocks
     return AttentionMetadata(
         slot_mapping=tables[token_seq, positions // block_size] * block_size + positions % block_size,
         block_tables=tables, context_lens=cached + lens, query_start=query_start, token_seq=token_seq,
         positions=positions, query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0),
-        query_valid=query_valid, attn_mask=attn_mask[:, None], extra=packed[start:start + shape.extra])
+        query_valid=query_valid, extra=packed[start:start + shape.extra])
 
 
 def decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> AttentionMetadata:
     """Metadata for one new token per sequence at `positions` [B], over block tables [B, max_blocks]
     already on the device (a draft round's later steps): nothing from the host."""
-    batch, max_blocks, device = len(positions), block_tables.shape[1], positions.device
+    batch, device = len(positions), positions.device
     rows = torch.arange(batch, device=device)
     slots = block_tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
-    attn_mask = torch.arange(max_blocks * block_size, device=device)[None, :] <= positions[:, None]
     return AttentionMetadata(
         slot_mapping=slots, block_tables=block_tables, context_lens=positions + 1,
         query_start=torch.arange(batch + 1, device=device), token_seq=rows, positions=positions,
-        query_index=rows[:, None], query_valid=torch.ones(batch, 1, dtype=torch.bool, device=device),
-        attn_mask=attn_mask[:, None, None])
+        query_index=rows[:, None], query_valid=torch.ones(batch, 1, dtype=torch.bool, device=device))
 
 
 class KVCache:
@@ -225,7 +229,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     batch, max_q = meta.query_index.shape
     queries = q[meta.query_index].view(batch, max_q, kv_heads, group, head_dim)
     queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * max_q, head_dim)
-    mask = meta.attn_mask.repeat(1, 1, group, 1)                           # [B, 1, group * max_q, max_k]
+    mask = meta.attention_mask(k_cache.shape[1]).repeat(1, 1, group, 1)   # [B, 1, group * max_q, max_k]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [B, max_q, kv, group, hd]
     return out.reshape(batch, max_q, kv_heads * group, head_dim)[meta.query_valid]   # [T, heads, hd], flat order

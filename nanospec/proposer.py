@@ -5,7 +5,8 @@ One interface for every kind of guesser:
   propose(requests, ks) -> Proposal   (drafts_on_host: n-gram) up to ks[b] drafts for request b, as
                                lists on the host, which the step sends with its other host data
   prepare(requests, ks) -> Round   (model proposers) plan a round of draft steps, which the step
-                               (cuda_graph.StepGraphs) runs on the device with first_step / next_step
+                               (cuda_graph.StepGraphs) runs on the device with first_step (or
+                               catch_up_step) and next_step
   observe(request, features)   the target's features for positions it just cached for good (EAGLE)
   rollback(request)            forget what the proposer cached past the request's committed tokens
   free(request)                the request finished or was preempted: release the proposer's state
@@ -151,6 +152,7 @@ class Round:
     rows: list[int]                       # the batch rows that draft (K > 0), in the first step's order
     shape: MetadataShape                  # of the first step's metadata at the start of `host`
     first_position: list[int]             # per batch row: the proposer's position for d_1 (0: no round)
+    catch_up: list[int]                   # per batch row: the positions its first step feeds (0: no round)
     first_width: int                      # blocks of the longest table in the first step
     width: int                            # blocks of the longest table by the end of the round
     features: torch.Tensor | None = None  # EAGLE: the target features the first step feeds
@@ -187,7 +189,15 @@ def draw(logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor, posi
 class ModelProposer(Proposer):
     """What the draft model and EAGLE share: a paged cache of their own and a round of K draft steps,
     planned on the host (prepare) and run on the device by cuda_graph.StepGraphs with first_step
-    and next_step, no host work between them."""
+    and next_step, no host work between them.
+
+    next_step(meta, input_ids, hidden) -> (logits, hidden): a draft step takes what the step before
+    handed it (EAGLE: its hidden states; None for a draft model) and returns its own, writing
+    nothing else but its K/V: a graph of the round can run twice (capture's warm-up, then replay)."""
+
+    # A round whose first step feeds at most this many positions per row (a draft model's steady
+    # state: 1 after a rejection, 2 when all K were accepted) runs as one graph, catch-up included.
+    graphed_catch_up = 0
 
     def __init__(self, kv_cache: KVCache, vocab: int, max_positions: int, device: torch.device):
         # vocab: the ids the engine emits (its drafts are over those); max_positions: its context
@@ -211,16 +221,16 @@ class ModelProposer(Proposer):
         states = [self.state(requests[b]) for b in rows]
         inputs, lens, features = self.catch_up([requests[b] for b in rows], states)
         host, shape = pack_metadata(None, [s.num_cached for s in states], lens, inputs)
-        allocator, first_position = self.kv_cache.allocator, [0] * len(requests)
+        allocator, first_position, catch_up = self.kv_cache.allocator, [0] * len(requests), [0] * len(requests)
         first_width = width = 1
         for b, st, n in zip(rows, states, lens):   # the round feeds n positions, then ks[b] - 1 drafts
             first_width = max(first_width, allocator.blocks_for(st.num_cached + n))
             allocator.grow(st.block_table, st.num_cached + n + ks[b] - 1)
             width = max(width, len(st.block_table))
             st.num_cached += n
-            first_position[b] = st.num_cached
+            first_position[b], catch_up[b] = st.num_cached, n
             st.num_cached += ks[b] - 1
-        return Round(host + rows, rows, shape, first_position, first_width, width, features)
+        return Round(host + rows, rows, shape, first_position, catch_up, first_width, width, features)
 
     def carry(self, batch: int) -> torch.Tensor | None:
         """What a draft step hands the next besides its token (EAGLE: its hidden states), for
@@ -246,6 +256,8 @@ class DraftModelProposer(ModelProposer):
     request's length - 1). When all K drafts are accepted, d_K (never fed) and the bonus token are
     both new to it: the next catch-up feeds them."""
 
+    graphed_catch_up = 2
+
     def __init__(self, model, num_blocks: int, block_size: int, vocab: int, device: torch.device):
         cfg = model.config
         dtype = next(model.parameters()).dtype
@@ -260,14 +272,15 @@ class DraftModelProposer(ModelProposer):
 
     def first_step(self, meta, plan, rows_t, carry) -> torch.Tensor:
         """The logits after each request's catch-up."""
-        return self.forward(meta, meta.extra)
+        return self.catch_up_step(meta, meta.extra, meta.query_start[1:] - 1)
 
-    def next_step(self, meta, input_ids, carry, rows_t) -> torch.Tensor:
-        return self.forward(meta, input_ids)
-
-    def forward(self, meta, input_ids) -> torch.Tensor:
+    def catch_up_step(self, meta, input_ids, last) -> torch.Tensor:
+        """The logits at flat rows `last` (each request's last fed position)."""
         hidden, _ = self.model(input_ids, meta.positions, self.kv_cache, meta)
-        return self.model.logits(hidden[meta.query_start[1:] - 1])
+        return self.model.logits(hidden[last])
+
+    def next_step(self, meta, input_ids, hidden):
+        return self.catch_up_step(meta, input_ids, meta.query_start[1:] - 1), None
 
     def rollback(self, request) -> None:
         st = self.state(request)
@@ -323,8 +336,9 @@ class EagleProposer(ModelProposer):
         """The logits after each request's catch-up; its hidden states go to carry[rows_t]."""
         return self.finish(self.forward(meta, meta.extra, plan.features), rows_t, carry)
 
-    def next_step(self, meta, input_ids, carry, rows_t) -> torch.Tensor:
-        return self.finish(self.forward(meta, input_ids, carry[rows_t]), rows_t, carry)
+    def next_step(self, meta, input_ids, hidden):
+        hidden = self.forward(meta, input_ids, hidden)
+        return self.head.logits(hidden, self.target), hidden
 
     def finish(self, hidden, rows_t, carry) -> torch.Tensor:
         carry[rows_t] = hidden

@@ -197,6 +197,67 @@ def test_batch_padding_changes_no_token(spec_models, monkeypatch, tmp_path, name
     assert padded == unpadded
 
 
+def sampled_and_greedy(n: int) -> list[SamplingParams]:
+    """Greedy requests, and seeded sampling with and without top-p, mixed in one batch."""
+    return [SamplingParams(temperature=0.8 if i % 3 else 0, top_p=0.9 if i % 2 else 1, seed=i, max_tokens=24,
+                           ignore_eos=True) for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
+def test_graph_bodies_run_twice_equal_the_eager_step(spec_models, monkeypatch, name):
+    """Every graph body (verify, a draft round with or without its first step) run as capture and
+    replay run it, twice on the same buffers at the tables' full width, gives what the eager step
+    gives, token for token, greedy and sampled: nothing a body reads is left changed by its warm-up.
+    (Before the fix, an EAGLE round read back its own last hidden state, and sampled drafts moved.)"""
+    args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 4}
+    prompts = (PROMPTS * 2)[:12]
+
+    def outputs(rehearse: bool):
+        monkeypatch.setattr(cuda_graph, "REHEARSE_GRAPHS", rehearse)
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=120, **args)
+        steps, rounds = llm.engine.step_graphs, []
+
+        def run_round(plan, sampling):   # every round's drafts and draft probabilities, as drawn
+            real_run_round(plan, sampling)
+            rounds.append([None if t is None else t.clone() for t in (steps.drafts, steps.draft_probs)])
+        real_run_round = steps.run_round
+        monkeypatch.setattr(steps, "run_round", run_round)
+        out = [o.token_ids for o in llm.generate(prompts, sampled_and_greedy(len(prompts)))]
+        assert_no_leak(llm)
+        return out, llm.stats["accepted_tokens"], llm.stats["drafted_tokens"], rounds
+
+    (eager, *eager_counts, eager_rounds), (twice, *twice_counts, twice_rounds) = outputs(False), outputs(True)
+    assert twice == eager and twice_counts == eager_counts
+    assert name == "plain" or eager_counts[1] > 50   # drafts were made and verified
+    assert len(twice_rounds) == len(eager_rounds) and (name not in ("draft", "eagle1", "eagle3") or eager_rounds)
+    for mine, theirs in zip(twice_rounds, eager_rounds):
+        for a, b in zip(mine, theirs):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_draft_models_round_as_one_graph_equals_its_eager_catch_up(spec_models, monkeypatch, temperature):
+    """The draft model's steady-state first step inside the round's graph (its 1 or 2 new tokens
+    a row, padded to 2) drafts what the eager catch-up step drafts: the same outputs and the same
+    acceptance, greedy and sampled."""
+    from nanospec.proposer import DraftModelProposer
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=30, ignore_eos=True) for i in range(8)]
+
+    def run(graphed_catch_up: int):
+        monkeypatch.setattr(DraftModelProposer, "graphed_catch_up", graphed_catch_up)
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=120,
+                  draft=spec_models["target"], num_speculative_tokens=3)   # a self-draft: long acceptances
+        rounds = []
+        real = llm.engine.step_graphs.first_draft_step
+        monkeypatch.setattr(llm.engine.step_graphs, "first_draft_step", lambda *a: (rounds.append(1), real(*a)))
+        out = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        return out, llm.stats["acceptance_rate_per_position"], len(rounds)
+
+    (eager, eager_rates, none), (graphed, graphed_rates, rounds) = run(0), run(2)
+    assert none == 0 and rounds >= 5   # every decode step after the first catch-up
+    assert graphed == eager and graphed_rates == eager_rates
+
+
 def check_tables(engine):
     """Every running request's table on the device holds its synced ids, and the null row nothing else."""
     tables = engine.step_graphs.tables

@@ -83,8 +83,9 @@ def metadata_on_the_host(block_tables, num_cached, query_lens, block_size):
             "block_tables": [t + [0] * (max_blocks - len(t)) for t in block_tables],
             "query_valid": valid,
             "query_index": [[query_start[b] + i if valid[b][i] else 0 for i in range(max_q)] for b in range(len(valid))],
-            "attn_mask": [[[[k <= c + i for k in range(max_blocks * block_size)] for i in range(max_q)]]
-                          for c in num_cached]}
+            # a real query's row (padding rows are never read)
+            "attention_mask": [[k <= c + i for k in range(max_blocks * block_size)]
+                               for c, n in zip(num_cached, query_lens) for i in range(n)]}
 
 
 @settings(max_examples=60, deadline=None)
@@ -99,8 +100,10 @@ def test_metadata_derived_on_the_device_equals_the_host_oracle(block_size, seqs,
     tables = [ids[sum(need[:b]):sum(need[:b + 1])] for b in range(len(seqs))]
     cached, lens = [c for c, _, _ in seqs], [n for _, n, _ in seqs]
     meta = build_metadata(tables, cached, lens, block_size, torch.device("cpu"), extra=extra)
-    for name, expected in metadata_on_the_host(tables, cached, lens, block_size).items():
-        assert getattr(meta, name).tolist() == expected, name
+    expected = metadata_on_the_host(tables, cached, lens, block_size)
+    assert meta.attention_mask(block_size)[:, 0][meta.query_valid].tolist() == expected.pop("attention_mask")
+    for name, value in expected.items():
+        assert getattr(meta, name).tolist() == value, name
     assert meta.extra.tolist() == extra
 
 
