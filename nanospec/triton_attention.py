@@ -1,22 +1,35 @@
 """Paged attention in Triton: K/V are read straight from the pages, never gathered into contiguous
 copies. The PyTorch reference (kv_cache.paged_attention_reference) is their oracle; the tests run
-the kernels on CPU through Triton's interpreter (TRITON_INTERPRET=1).
+the kernels on CPU through Triton's interpreter (TRITON_INTERPRET=1), and compile every variant the
+engine launches ahead of time for sm_80 and sm_90 (no spills).
 
 Decode and verify steps (a few new tokens per sequence) use the tiled kernel: one program per
 (sequence, KV head, context split) takes all group x q_len queries that share the KV head as the
 rows of one tile, and walks its split of the context BLOCK_N keys at a time (each key's page looked
 up in the block table) with tl.dot, so each KV head is read once per step, not once per query head
-and new token. Long contexts at small batches are split across programs (flash-decoding); the
-splits' partial results (running max, sum and output, the FlashAttention recurrence) are merged
-afterwards. Queries are causal within the new tokens: each sees the keys up to its own position.
+and new token. Queries are causal within the new tokens: each sees the keys up to its own position.
+
+Long contexts at small batches are split across programs (flash-decoding). The host fixes only a
+bound on the splits (the grid, from shapes: under CUDA graphs the block table is the full width
+whatever the context); each sequence picks its own count from its real context inside the kernel,
+and the programs past it exit at once. A sequence of one split writes its finished rows straight
+into the output; one of several writes partial results (running max, sum and output, the
+FlashAttention recurrence) that one small merge kernel combines into the output rows.
 
 Prefill chunks run through the same kernel in blocks of new tokens (a varlen flash kernel: each
 program a block of one sequence's tokens x the query heads of one KV head). The first kernel, one
 program per (new token, query head) walking its context page by page, stays beside it
 (paged_attention_tokens): the GPU check times the two and the reference's SDPA over gathered
-pages on a prefill chunk; no GPU has run it yet.
+pages on a prefill chunk.
+
+The kernels compile only for power-of-two head_dim (16 .. 128) and block size (tl.arange spans
+powers of two): `available` says False otherwise, and the model uses the reference.
 """
 from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -27,11 +40,39 @@ except ImportError:   # CPU-only installs: the reference path is used
     triton = None
 
 
-def available(q: torch.Tensor) -> bool:
-    return triton is not None and q.is_cuda
+def available(q: torch.Tensor, k_cache: torch.Tensor | None = None) -> bool:
+    """Whether the Triton kernels run this attention: triton installed, q [T, heads, head_dim] on
+    CUDA, and shapes they compile for (supported). k_cache [num_blocks, block_size, kv_heads,
+    head_dim] gives the block size; without it only head_dim is checked."""
+    block_size = k_cache.shape[1] if k_cache is not None else 16
+    return triton is not None and q.is_cuda and supported(q.shape[-1], block_size)
+
+
+def supported(head_dim: int, block_size: int) -> bool:
+    """tl.arange spans a power of two (head_dim; the page in the per-token kernel, and the tiled
+    kernel's page arithmetic is compiled for one), tl.dot needs 16 or more along head_dim, and
+    tiles past head_dim 128 are neither compiled by the tests nor sized to fit."""
+    def power_of_two(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+    return 16 <= head_dim <= 128 and power_of_two(head_dim) and power_of_two(block_size)
 
 
 if triton is not None:
+    # Triton 3.6's interpreter takes a loop bound with int(array of shape (1,)) (every scalar there is
+    # such an array, a kernel argument as much as a loaded value), which NumPy 2.4 refuses: "only
+    # 0-dimensional arrays can be converted to Python scalars" (triton-lang/triton#9171; 3.9 squeezes
+    # first). So the kernels pass their runtime loop bounds through _bound.
+    _INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret if hasattr(triton, "knobs")
+                                else os.environ.get("TRITON_INTERPRET") == "1")   # older Triton: no knobs
+
+    @triton.jit
+    def _bound(x):
+        """A runtime loop bound as `range` takes it: unchanged when compiled (the compiler never sees
+        the constexpr-false branch), a Python int under the interpreter."""
+        if _INTERPRETED:
+            return x.handle.data.item()   # a `return`: the interpreter would turn an assigned int back into an array
+        return x
+
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, token_seq_ptr,
                                 positions_ptr, scale, max_blocks, num_kv_heads, group,
@@ -47,7 +88,7 @@ if triton is not None:
         running_max = tl.full((), float("-inf"), tl.float32)
         running_sum = tl.zeros((), tl.float32)
         acc = tl.zeros((HEAD_DIM,), tl.float32)
-        for page in range(0, pos // BLOCK_SIZE + 1):
+        for page in range(0, _bound(pos // BLOCK_SIZE + 1)):
             block = tl.load(block_tables_ptr + seq * max_blocks + page)
             # element (block, slot, kv_head, dim) of the [num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM] pool
             offsets = ((block * BLOCK_SIZE + slots[:, None]) * num_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
@@ -80,29 +121,70 @@ def paged_attention_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 if triton is not None:
     @triton.jit
-    def _tiled_kernel(q_ptr, k_cache_ptr, v_cache_ptr, acc_ptr, stats_ptr, block_tables_ptr, query_start_ptr,
-                      positions_ptr, scale, max_blocks, num_kv_heads, group, split_len,
+    def _rows(query_block, kv_head, group, tokens, BLOCK_M: tl.constexpr):
+        """A program's rows: row r is new token query_block * tokens + r // group of its sequence and
+        query head kv_head * group + r % group (rows past tokens * group are padding)."""
+        rows = tl.arange(0, BLOCK_M)
+        return rows, query_block * tokens + rows // group, kv_head * group + rows % group
+
+    @triton.jit
+    def _split_plan(query_start_ptr, positions_ptr, seq, max_splits, BLOCK_N: tl.constexpr):
+        """Sequence seq's context splits, (count, keys per split), from its real context: one split
+        per 4 tiles of BLOCK_N keys, at most max_splits, each a whole number of tiles, and no split
+        empty. The tiled kernel and the merge both call this, so they agree on the count."""
+        end = tl.load(query_start_ptr + seq + 1)
+        context = tl.load(positions_ptr + end - 1) + 1   # the last new token sees the most keys
+        tiles = tl.cdiv(context, BLOCK_N)
+        per_split = tl.cdiv(tiles, tl.minimum(tl.maximum(tiles // 4, 1), max_splits))
+        return tl.cdiv(tiles, per_split), per_split * BLOCK_N
+
+    @triton.jit
+    def _store_rows(out_ptr, start, token, head, num_heads, row_ok, values, HEAD_DIM: tl.constexpr):
+        """values [BLOCK_M, HEAD_DIM] into out [T, heads, HEAD_DIM] (its dtype): row r at flat token
+        start + token[r], head head[r]."""
+        offsets = ((start + token) * num_heads + head)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    # Runtime ints are not specialized (Triton would compile another variant wherever one of them is
+    # 1 or a multiple of 16): the variants are the constexpr sets of tiled_constexprs and
+    # merge_constexprs, and the ahead-of-time test compiles exactly those.
+    @triton.jit(do_not_specialize=["max_blocks", "num_kv_heads", "group", "tokens", "max_splits"])
+    def _tiled_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_stats_ptr, block_tables_ptr,
+                      query_start_ptr, positions_ptr, scale, max_blocks, num_kv_heads, group, tokens, max_splits,
                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TOKENS: tl.constexpr, FP32: tl.constexpr):
+                      BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FP32: tl.constexpr):
+        """One program per (sequence, KV head, query block x split of the bound max_splits): its
+        rows' attention over its split of the context. DIRECT: the bound is 1, so there is no split
+        to choose and no partial result."""
         seq, kv_head = tl.program_id(0), tl.program_id(1)
-        query_block, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
+        query_block, split = tl.program_id(2) // max_splits, tl.program_id(2) % max_splits
         start = tl.load(query_start_ptr + seq)
         q_len = tl.load(query_start_ptr + seq + 1) - start
-        rows = tl.arange(0, BLOCK_M)   # row r: new token query_block * TOKENS + r // group, query head r % group
-        token, head = query_block * TOKENS + rows // group, kv_head * group + rows % group
-        row_ok = (token < q_len) & (rows < TOKENS * group)
+        if query_block * tokens >= q_len:   # the grid covers the longest sequence's new tokens
+            return
+        if DIRECT:   # a launch of one split: the whole context, output written here
+            num_splits, split_len = 1, 0
+        else:
+            num_splits, split_len = _split_plan(query_start_ptr, positions_ptr, seq, max_splits, BLOCK_N)
+            if split >= num_splits:   # this sequence's context needs fewer splits than the grid has
+                return
+        rows, token, head = _rows(query_block, kv_head, group, tokens, BLOCK_M)
+        row_ok = (token < q_len) & (rows < tokens * group)
         dims = tl.arange(0, HEAD_DIM)
         num_heads = num_kv_heads * group
         q = tl.load(q_ptr + ((start + token) * num_heads + head)[:, None] * HEAD_DIM + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
         pos = tl.load(positions_ptr + start + token, mask=row_ok, other=-1)   # each row sees keys 0 .. pos
-        context = tl.max(pos, axis=0) + 1
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, context)
+        hi = tl.max(pos, axis=0) + 1
+        if DIRECT:
+            lo = 0
+        else:   # this split's keys (none where this block of tokens sees fewer keys than its sequence)
+            lo = split * split_len
+            hi = tl.minimum(lo + split_len, hi)
         running_max = tl.full((BLOCK_M,), -1.0e30, tl.float32)   # finite: a row with no key here stays at 0
         running_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-        for first in range(lo, hi, BLOCK_N):
+        for first in range(_bound(lo), _bound(hi), BLOCK_N):
             keys = first + tl.arange(0, BLOCK_N)
             key_ok = keys < hi
             block = tl.load(block_tables_ptr + seq * max_blocks + keys // BLOCK_SIZE, mask=key_ok, other=0)
@@ -114,6 +196,7 @@ if triton is not None:
             else:
                 scores = tl.dot(q, tl.trans(k)) * scale
             scores = tl.where(key_ok[None, :] & (keys[None, :] <= pos[:, None]), scores, float("-inf"))
+            # the FlashAttention recurrence: rescale what came before to the new running max
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             correction = tl.exp(running_max - new_max)
             weights = tl.exp(scores - new_max[:, None])
@@ -123,64 +206,145 @@ if triton is not None:
             else:
                 acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
             running_max = new_max
-        # this split's partial result: [seq, kv_head, query block and split, row] -> acc [HEAD_DIM], (max, sum)
-        part = ((seq * num_kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)) * BLOCK_M + rows
-        tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc)
-        tl.store(stats_ptr + part * 2, running_max)
-        tl.store(stats_ptr + part * 2 + 1, running_sum)
+        if num_splits == 1:   # the whole context: the finished rows, straight into the output
+            _store_rows(out_ptr, start, token, head, num_heads, row_ok, acc / running_sum[:, None], HEAD_DIM)
+        else:   # a partial result, for _merge_kernel: part [B, kv_heads, query blocks, splits] -> (max, sum) rows, acc rows
+            part = (seq * num_kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)
+            tl.store(part_stats_ptr + part * 2 * BLOCK_M + rows, running_max, mask=row_ok)
+            tl.store(part_stats_ptr + (part * 2 + 1) * BLOCK_M + rows, running_sum, mask=row_ok)
+            tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit(do_not_specialize=["num_kv_heads", "group", "tokens", "max_splits"])
+    def _merge_kernel(out_ptr, part_acc_ptr, part_stats_ptr, query_start_ptr, positions_ptr, num_kv_heads, group,
+                      tokens, max_splits, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program per (sequence, KV head, query block) of the tiled kernel's grid: its real splits'
+        partial results rescaled to their largest max and summed, then divided, into the output rows."""
+        seq, kv_head, query_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - start
+        if query_block * tokens >= q_len:
+            return
+        num_splits, _ = _split_plan(query_start_ptr, positions_ptr, seq, max_splits, BLOCK_N)
+        if num_splits == 1:   # the tiled kernel wrote these rows itself
+            return
+        rows, token, head = _rows(query_block, kv_head, group, tokens, BLOCK_M)
+        row_ok = (token < q_len) & (rows < tokens * group)
+        dims = tl.arange(0, HEAD_DIM)
+        top = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+        total = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        first = ((seq * num_kv_heads + kv_head) * tl.num_programs(2) + query_block) * max_splits
+        for part in range(_bound(first), _bound(first + num_splits)):
+            part_max = tl.load(part_stats_ptr + part * 2 * BLOCK_M + rows, mask=row_ok, other=-1.0e30)
+            part_sum = tl.load(part_stats_ptr + (part * 2 + 1) * BLOCK_M + rows, mask=row_ok, other=0.0)
+            part_acc = tl.load(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + dims[None, :],
+                               mask=row_ok[:, None], other=0.0)
+            # the same recurrence over splits: both sides rescaled to the larger max
+            new_top = tl.maximum(top, part_max)
+            old_scale, part_scale = tl.exp(top - new_top), tl.exp(part_max - new_top)
+            total = total * old_scale + part_sum * part_scale
+            acc = acc * old_scale[:, None] + part_acc * part_scale[:, None]
+            top = new_top
+        _store_rows(out_ptr, start, token, head, num_kv_heads * group, row_ok, acc / total[:, None], HEAD_DIM)
 
 
-def num_splits(programs_without: int, max_context: int, block_n: int, programs: int = 132) -> int:
-    """Context splits per program: enough programs to fill an H100's 132 SMs once the batch alone
-    does not, each split at least 4 tiles of keys long."""
-    by_batch = max(1, programs // programs_without)
-    by_length = max(1, max_context // (4 * block_n))
-    return min(by_batch, by_length, 16)
+MAX_SPLITS = 16   # most context splits of one (sequence, KV head, query block)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How the tiled kernel covers a pass: a program's rows are `tokens` new tokens x the group of
+    query heads of one KV head, padded to block_m (a power of two, at least 16 for tl.dot); it walks
+    the context block_n keys at a time. The merge takes the same rows, with as many warps."""
+    tokens: int
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def tile_config(max_q: int, group: int, head_dim: int, dtype: torch.dtype) -> Tile:
+    """The tile for a pass whose sequences add at most max_q new tokens each: all of them in one
+    program where the rows fit (a decode or verify step: each KV head read once), else blocks of
+    tokens (a prefill chunk). A pure function of host-known shapes, so the grid is the same under
+    CUDA graphs, and the ahead-of-time test compiles what it returns (tests/test_triton_compile.py).
+
+    Sized so that no tile spills registers on sm_80 or sm_90 (measured by that test): 8 warps from
+    8,192 elements of the [rows, head_dim] accumulator on, and 32 keys a step past that; float32's
+    exact products run on FMA units, not tensor cores, so its tiles are 16 x 16."""
+    if dtype == torch.float32:
+        step_rows, chunk_rows, block_n = 16, 16, 16
+    else:
+        step_rows, chunk_rows, block_n = 128, 64, 64
+    tokens = max_q if group * max_q <= step_rows else max(1, chunk_rows // group)
+    block_m = max(16, 1 << (group * tokens - 1).bit_length())   # a power of two, 16 or more for tl.dot
+    elements = block_m * head_dim
+    warps = 8 if elements >= 8192 else 4
+    return Tile(tokens, block_m, block_n if elements <= 8192 else 32, warps)
+
+
+def tiled_constexprs(tile: Tile, head_dim: int, block_size: int, dtype: torch.dtype, direct: bool) -> dict:
+    """The tiled kernel's compile-time arguments (one variant each)."""
+    return dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                DIRECT=direct, FP32=dtype == torch.float32)
+
+
+def merge_constexprs(tile: Tile, head_dim: int) -> dict:
+    return dict(HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
+
+
+def split_bound(programs: int, max_keys: int, block_n: int, sm_count: int) -> int:
+    """The grid's context splits per (sequence, KV head, query block), from host-known shapes only:
+    enough programs to fill the SMs once the batch alone does not (programs: the grid without
+    splits), no more than a table max_keys wide holds at 4 tiles a split, at most MAX_SPLITS. Only
+    a bound: each sequence picks its own count from its real context in the kernel (_split_plan),
+    since under CUDA graphs the table is the full width whatever the context."""
+    return max(1, min(sm_count // programs, max_keys // (4 * block_n), MAX_SPLITS))
+
+
+@functools.lru_cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; an H100's 132 elsewhere (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                          query_start: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor, max_q: int,
-                          scale: float, splits: int | None = None, block_n: int = 64, max_rows: int = 128) -> torch.Tensor:
+                          query_start: torch.Tensor, positions: torch.Tensor, max_q: int, scale: float,
+                          splits: int | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim], sequence b's new tokens at query_start[b] .. query_start[b + 1]
-    (at most max_q of them), token t of sequence token_seq[t] at positions[t]; caches:
-    [num_blocks, block_size, kv_heads, head_dim]; block_tables: [B, max_blocks].
+    (at most max_q of them), token t at positions[t]; caches: [num_blocks, block_size, kv_heads,
+    head_dim]; block_tables: [B, max_blocks]. Returns [T, heads, head_dim] in q's dtype.
 
-    A program's rows are `tokens` new tokens x the group of query heads of one KV head: every new
-    token of a decode or verify step (up to max_rows rows), or a block of a prefill chunk's tokens.
-    splits: context splits per program (default: by num_splits over the tables' width, a bound
-    the host knows without a sync)."""
+    splits: the bound on context splits (default: split_bound). With one, every program writes its
+    rows of the output; with more, a sequence that uses several writes partial results that
+    _merge_kernel combines into the output."""
+    q = q.contiguous()
     num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     batch, max_blocks = block_tables.shape
     group = heads // kv_heads
-    tokens = max_q if group * max_q <= max_rows else max(1, 64 // group)
-    query_blocks = -(-max_q // tokens)
-    block_m = max(16, triton.next_power_of_2(group * tokens))
-    splits = splits or num_splits(batch * kv_heads * query_blocks, max_blocks * block_size, block_n)
-    split_len = -(-max_blocks * block_size // splits // block_n) * block_n   # whole tiles
-    acc = torch.empty(batch, kv_heads, query_blocks, splits, block_m, head_dim, dtype=torch.float32, device=q.device)
-    stats = torch.empty(batch, kv_heads, query_blocks, splits, block_m, 2, dtype=torch.float32, device=q.device)
+    tile = tile_config(max_q, group, head_dim, q.dtype)
+    query_blocks = -(-max_q // tile.tokens)
+    splits = splits or split_bound(batch * kv_heads * query_blocks, max_blocks * block_size, tile.block_n,
+                                   sm_count(q.device))
+    out = torch.empty_like(q)
+    parts = batch * kv_heads * query_blocks * splits if splits > 1 else 0   # partial results, one per program
+    part_acc = torch.empty(parts, tile.block_m, head_dim, dtype=torch.float32, device=q.device)
+    part_stats = torch.empty(parts, 2, tile.block_m, dtype=torch.float32, device=q.device)   # (max, sum) per row
     _tiled_kernel[(batch, kv_heads, query_blocks * splits)](
-        q.contiguous(), k_cache, v_cache, acc, stats, block_tables.contiguous(), query_start, positions, scale,
-        max_blocks, kv_heads, group, split_len, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, NUM_SPLITS=splits, TOKENS=tokens, FP32=q.dtype == torch.float32)
-    # Merge the splits: rescale each split's sum and output to the largest max, then divide.
-    top = stats[..., 0].amax(3, keepdim=True)
-    weight = torch.exp(stats[..., 0] - top)                                   # [B, kv, blocks, splits, M]
-    out = (acc * weight[..., None]).sum(3) / (stats[..., 1] * weight).sum(3)[..., None]   # [B, kv, blocks, M, D]
-    # row r of (b, kv_head, query block) is new token block * tokens + r // group, head kv_head * group + r % group
-    out = out[..., :group * tokens, :].reshape(batch, kv_heads, query_blocks * tokens, group, head_dim)
-    out = out.permute(0, 2, 1, 3, 4).reshape(batch * query_blocks * tokens, heads, head_dim)
-    # token t is new token t - query_start[b] of its sequence b (a gather: no data-dependent shape, no sync)
-    index = token_seq * (query_blocks * tokens) + torch.arange(num_tokens, device=q.device) - query_start[token_seq]
-    return out[index].to(q.dtype)                                            # [T, heads, D], flat order
+        q, k_cache, v_cache, out, part_acc, part_stats, block_tables.contiguous(), query_start, positions, scale,
+        max_blocks, kv_heads, group, tile.tokens, splits,
+        **tiled_constexprs(tile, head_dim, block_size, q.dtype, direct=splits == 1), num_warps=tile.num_warps)
+    if splits > 1:
+        _merge_kernel[(batch, kv_heads, query_blocks)](
+            out, part_acc, part_stats, query_start, positions, kv_heads, group, tile.tokens, splits,
+            **merge_constexprs(tile, head_dim), num_warps=tile.num_warps)
+    return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
-    """The kernel for a pass (meta: kv_cache.AttentionMetadata): the tiled one, for decode and verify
-    steps and for prefill chunks (in blocks of new tokens). Its alternatives for prefill, the
-    per-token kernel and the reference's SDPA over gathered pages, are timed beside it by
-    `python -m nanospec.bench --gpu-check`; no GPU has run that yet, so the choice is by design
-    (tl.dot tiles over one pass of the KV pages), not by measurement."""
-    return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.token_seq,
-                                 meta.positions, meta.query_index.shape[1], scale)   # a shape the host knows
+    """The kernel for a pass (meta: kv_cache.AttentionMetadata; its attn_mask is never read, and may be
+    None on CUDA): the tiled one, for decode and verify steps and for prefill chunks (in blocks of
+    new tokens). Its alternatives for prefill, the per-token kernel and the reference's SDPA over
+    gathered pages, are timed beside it by `python -m nanospec.bench --gpu-check`."""
+    return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
+                                 meta.query_index.shape[1], scale)   # max_q: a shape the host knows
