@@ -305,7 +305,7 @@ class Attention(nn.Module):
         q, k = rope(q, positions), rope(k, positions)
         k_cache, v_cache = kv_cache.layer(self.layer_index)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        if triton_attention.available(q):
+        if triton_attention.available(q, k_cache):
             out = triton_attention.paged_attention(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
         else:
             out = paged_attention_reference(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)

@@ -110,7 +110,7 @@ def test_the_cuda_tests_run_alone_and_a_timeout_is_recorded_not_fatal(tmp_path, 
         rows += report["sections"]["cuda_tests"]["rows"]
     finished, killed = rows
     assert finished["returncode"] == 0 and not finished["timed_out"]
-    assert (finished["skipped"], finished["deselected"]) == (1, 2), finished
+    assert finished["skipped"] == 1 and finished["deselected"] >= 2, finished   # the CPU tests left out
     assert killed["timed_out"] and killed["summary"] == "timed out after 1 s" and "tail" in killed
 
 

@@ -129,6 +129,7 @@ def test_a_wrong_merge_fails_the_check(tmp_path):
     assert error > 1e-2
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernels_equal_the_reference_on_cuda_bf16():
     namespace = {}
