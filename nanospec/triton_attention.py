@@ -342,8 +342,8 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
-    """The kernel for a pass (meta: kv_cache.AttentionMetadata; its attn_mask is never read, and may be
-    None on CUDA): the tiled one, for decode and verify steps and for prefill chunks (in blocks of
+    """The kernel for a pass (meta: kv_cache.AttentionMetadata; the kernels need no attention mask,
+    so none is built on this path): the tiled one, for decode and verify steps and for prefill chunks (in blocks of
     new tokens). Its alternatives for prefill, the per-token kernel and the reference's SDPA over
     gathered pages, are timed beside it by `python -m nanospec.bench --gpu-check`."""
     return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
