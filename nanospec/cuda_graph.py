@@ -389,7 +389,7 @@ class StepGraphs:
         drafts on at position 0 into the null block; its drafts there are never verified."""
         _, bucket, k, mode, probs, with_first = key
         fields, sampling = self.fields(bucket, mode)
-        cached, num_draft, last, draft_row, first_position = fields[1], fields[2], fields[3], fields[8], fields[9]
+        cached, num_draft, draft_row, first_position = fields[1], fields[2], fields[8], fields[9]
         block_size = self.proposer.kv_cache.block_size
         rows = torch.arange(bucket, device=self.device)
         tables = self.draft_tables.tables[draft_row, :width]

@@ -216,11 +216,11 @@ def test_graph_bodies_run_twice_equal_the_eager_step(spec_models, monkeypatch, n
         monkeypatch.setattr(cuda_graph, "REHEARSE_GRAPHS", rehearse)
         llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=120, **args)
         steps, rounds = llm.engine.step_graphs, []
+        real_run_round = steps.run_round
 
         def run_round(plan, sampling):   # every round's drafts and draft probabilities, as drawn
             real_run_round(plan, sampling)
             rounds.append([None if t is None else t.clone() for t in (steps.drafts, steps.draft_probs)])
-        real_run_round = steps.run_round
         monkeypatch.setattr(steps, "run_round", run_round)
         out = [o.token_ids for o in llm.generate(prompts, sampled_and_greedy(len(prompts)))]
         assert_no_leak(llm)
