@@ -1,6 +1,7 @@
 """The engine's batching, preemption and stopping never change what a request gets: batched equals
 one at a time, a tiny KV pool (preempting) equals an ample one, seeds reproduce, no block leaks."""
 import pytest
+import torch
 
 from conftest import assert_no_leak, proposer_args
 from nanospec import LLM, NanospecError, SamplingParams
@@ -116,10 +117,9 @@ def test_stats_of_two_calls_add_up_to_one_call_over_both(checkpoints):
         assert sum(ks.values()) == int(b) * sum(added["chosen_k"][b].values()), (b, ks)
 
 
-def held_tensors(root) -> list[tuple[str, "torch.Tensor"]]:
+def held_tensors(root) -> list[tuple[str, torch.Tensor]]:
     """Every tensor reachable from root through nanospec's objects (attributes, containers, module
     parameters and buffers), with a path naming it."""
-    import torch
     found, seen, todo = [], set(), [("llm", root)]
     while todo:
         path, obj = todo.pop()
