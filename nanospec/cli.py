@@ -109,6 +109,43 @@ def busy_cores(seconds: float = 0.2) -> float:
     return (os.cpu_count() or 1) * (busy1 - busy0) / max(1, total1 - total0)
 
 
+def add_speculation_args(ap: argparse.ArgumentParser) -> None:
+    """The proposer flags and K's: how many drafts a step verifies, fixed or chosen by dynamic K."""
+    spec = add_proposer_args(ap)
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                      help="draft tokens per step, 1..16 (default: 4 with a proposer; with --dynamic-k the "
+                           "largest K it may choose, 8)")
+    spec.add_argument("--dynamic-k", action="store_true",
+                      help="choose K per step by goodput (acceptance length / step time for the batch size)")
+    spec.add_argument("--per-request-k", action="store_true",
+                      help="with --dynamic-k, a K per request: drafts go to the requests that accept them")
+    spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "
+                      "`python -m nanospec.profiler` (default: a quick profile measured at start-up)")
+    spec.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
+                      help="no speculation while more than N requests wait or run (default: always speculate)")
+
+
+def load_llm(args, **sizes):
+    """The LLM the model, device, proposer and K flags (add_model_args, add_speculation_args, and a
+    --max-model-len) ask for, every flag checked before anything loads; sizes: the engine's other
+    sizes (max_num_seqs, ...). Logs the loading on stderr."""
+    from nanospec.llm import LLM, EngineSizes, SpeculativeConfig   # the one command-line piece that loads a model
+    SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
+                      args.per_request_k, args.speculative_disable_queue_size).validate()
+    EngineSizes(max_model_len=args.max_model_len, **sizes).validate()
+    set_threads(args.threads)
+    start = time.perf_counter()
+    log_loading(args.target)
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
+              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
+              dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
+              speculative_disable_queue_size=args.speculative_disable_queue_size, log=log,
+              enforce_eager=args.enforce_eager, **sizes)
+    log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
+        f"{torch.get_num_threads()} CPU threads)")
+    return llm
+
+
 def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """--draft, --eagle and --ngram (one of them); returns the group, for the command's own K flags."""
     group = ap.add_argument_group("speculative decoding (one proposer)")

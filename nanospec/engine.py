@@ -43,6 +43,7 @@ class SamplingParams:
     seed: int | None = None      # None: a random seed per request; else 0 .. 2**63 - 1
     stop: list[str] = field(default_factory=list)   # stop strings (one string: one stop); the text ends before the first
     ignore_eos: bool = False
+    num_speculative_tokens: int | None = None   # at most this K for this request (0: no speculation); None: the engine's
 
     def validate(self) -> None:
         """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
@@ -59,6 +60,8 @@ class SamplingParams:
             check_int(self.seed, param("seed"), low=0, high=2**63 - 1)
         if not isinstance(self.ignore_eos, bool):
             raise NanospecError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.num_speculative_tokens is not None:
+            check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0, fix="0 turns speculation off")
         self.stop = stop_strings(self.stop)
 
 
@@ -85,7 +88,14 @@ class Request:
     num_cached: int = 0
     finish_reason: str | None = None
     text: str | None = None       # set when it finishes: the output before any stop
+    error: str | None = None      # why it failed (finish_reason "error"): its own logits were not finite
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
+    # Its own speculation: decode steps with drafts, drafts found and accepted (in all, per draft position).
+    spec_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
@@ -115,13 +125,20 @@ class Batch:
 
 class Scheduler:
     """Continuous batching: admit waiting requests while blocks allow, prefill in chunks under a
-    token budget, and when decode runs out of blocks preempt the newest request (free, recompute)."""
+    token budget, and when decode runs out of blocks preempt the newest request (free, recompute).
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, on_free=None):
+    decode_between_prefills (the server's setting): after a prefill chunk, a decode step for the
+    requests already decoding, so that a long prompt arriving does not stall the running streams
+    for all its chunks; offline, every prefill goes first (the largest decode batches)."""
+
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, on_free=None,
+                 decode_between_prefills: bool = False):
         self.allocator = allocator
         self.on_free = on_free or (lambda request: None)   # the proposer releases its state too
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_between_prefills = decode_between_prefills
+        self.last_was_prefill = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -131,10 +148,15 @@ class Scheduler:
 
     def schedule(self, num_drafts=lambda request: 0) -> Batch:
         """Prefill chunks if any request needs one, else a decode step in which request r verifies
-        num_drafts(r) draft tokens after its last one (so it needs num_drafts(r) + 1 new slots)."""
+        num_drafts(r) draft tokens after its last one (so it needs num_drafts(r) + 1 new slots);
+        with decode_between_prefills, a decode step first after each prefill chunk."""
         while True:
-            batch = self._schedule_prefill() or self._schedule_decode(num_drafts)
+            if self.decode_between_prefills and self.last_was_prefill:
+                batch = self._schedule_decode(num_drafts) or self._schedule_prefill()
+            else:
+                batch = self._schedule_prefill() or self._schedule_decode(num_drafts)
             if batch:
+                self.last_was_prefill = batch.is_prefill
                 return batch
             self.preempt(self.running[-1])   # every running request is stuck in prefill: make room
 
@@ -282,15 +304,31 @@ def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]
     return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
 
 
-def non_finite_error(reqs: list[Request], broken: list[int], proposer) -> NanospecError:
-    """broken[b]: 1 where the target's logits for request b held NaN or +inf, 2 the drafter's (3 both)."""
-    for req, flag in zip(reqs, broken):
-        if flag:
-            who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
-            return NanospecError(
-                f"the {who} produced NaN or infinite logits for request {req.index} at position {len(req.tokens)}: "
-                "its weights hold NaN/inf, its config.json has a broken value (rope_theta, rms_norm_eps), or float16 "
-                "overflowed; check the checkpoint, or run in float32 (--dtype float32, dtype='float32')")
+class NonFiniteLogits(Exception):
+    """A decode step found NaN / inf logits: failed holds (request, message) for each request hit."""
+
+    def __init__(self, failed: list[tuple[Request, str]]):
+        super().__init__(failed[0][1])
+        self.failed = failed
+
+
+def non_finite_error(req: Request, flag: int, proposer) -> str:
+    """flag: 1 where the target's logits for the request held NaN or +inf, 2 the drafter's (3 both)."""
+    who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
+    return (f"the {who} produced NaN or infinite logits for request {req.index} at position {len(req.tokens)}: "
+            "its weights hold NaN/inf, its config.json has a broken value (rope_theta, rms_norm_eps), or float16 "
+            "overflowed; check the checkpoint, or run in float32 (--dtype float32, dtype='float32')")
+
+
+def note_speculation(req: Request, num_draft: int, num_accepted: int) -> None:
+    """Count a decode step's drafts in the request's own figures (its usage, in the server)."""
+    req.spec_steps += 1
+    req.drafted += num_draft
+    req.accepted += num_accepted
+    for per_position, n in ((req.drafted_per_position, num_draft), (req.accepted_per_position, num_accepted)):
+        per_position.extend([0] * (n - len(per_position)))
+        for i in range(n):
+            per_position[i] += 1
 
 
 def emittable_vocab(config, tokenizer) -> int:
@@ -340,6 +378,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
                                    on_free=functools.partial(release, self.step_graphs, proposer))
         self.stats = Stats()
+        self.max_k = 0           # the largest K a request may ask for (the LLM sets it: its graphs' K)
         self.step_k = 0          # the current decode step's K (the largest of its requests')
         self.request_k = {}      # id(request) -> its K in the current decode step
 
@@ -390,6 +429,11 @@ class Engine:
             raise NanospecError(f"request {index} needs up to {max_len} tokens of KV cache but the pool holds "
                                 f"{allocator.num_blocks * allocator.block_size}; raise the KV cache size "
                                 "or lower max_tokens")
+        asked = params.num_speculative_tokens
+        if asked is not None and asked > self.max_k:
+            raise NanospecError(f"request {index} asks for {param('num_speculative_tokens')} {asked} but this engine "
+                                + (f"drafts at most {self.max_k}; ask for 0..{self.max_k}" if self.proposer
+                                   else "has no proposer; ask for 0 or leave it unset"))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids))
 
@@ -401,18 +445,26 @@ class Engine:
             self.step_k, self.request_k = 0, {}
             return
         ks = self.k_policy.choose(decoding, len(self.scheduler.waiting) + len(self.scheduler.running))
+        ks = [k if r.params.num_speculative_tokens is None else min(k, r.params.num_speculative_tokens)
+              for r, k in zip(decoding, ks)]   # a request's own cap (0: no speculation for it)
         self.step_k, self.request_k = max(ks), {id(r): k for r, k in zip(decoding, ks)}
 
     def num_drafts(self, req: Request) -> int:
         """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left)."""
-        return max(0, min(self.request_k.get(id(req), self.step_k), req.max_len - len(req.tokens) - 1))
+        k = self.request_k.get(id(req), self.step_k)
+        if req.params.num_speculative_tokens is not None:
+            k = min(k, req.params.num_speculative_tokens)
+        return max(0, min(k, req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:
         """One forward pass over the scheduled batch; returns the requests that got new tokens."""
         self.choose_ks()
         batch = self.scheduler.schedule(self.num_drafts)
         run = self.run_prefill if batch.is_prefill else self.run_verify
-        results = run(batch)   # [(request, new tokens, features of its newly cached positions)]
+        try:
+            results = run(batch)   # [(request, new tokens, features of its newly cached positions)]
+        except NonFiniteLogits as e:
+            return self.fail(e.failed)
         for req, tokens, features in results:
             self.commit(req, tokens)
             if req.finish_reason is None:
@@ -463,20 +515,35 @@ class Engine:
         out = out[:len(reqs)]
         host_out = out.tolist()   # the one copy back
         if any(row[-1] for row in host_out):
-            self.clear_caches()   # the step wrote its NaN / inf K/V: no later request may read them
-            raise non_finite_error(reqs, [row[-1] for row in host_out], self.proposer)
+            raise NonFiniteLogits([(r, non_finite_error(r, row[-1], self.proposer))
+                                   for r, row in zip(reqs, host_out) if row[-1]])
         q_len = max(num_draft) + 1
         if features is not None:   # out of the graph's output before the next replay overwrites it
             features = features[:len(reqs) * q_len].clone()
         accepted = [row[-2] for row in host_out]
-        for req, d in zip(reqs, num_draft):
+        for req, d, a in zip(reqs, num_draft, accepted):
             req.num_cached += d + 1
+            if d:
+                note_speculation(req, d, a)
         self.stats.record(self.step_k, ks, num_draft, accepted)
         # timed after the one copy above, so the device's work is in it; no extra sync
         self.k_policy.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, host_out[b][:a + 1], None if features is None else features[b * q_len:b * q_len + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]
+
+    def fail(self, failed: list[tuple[Request, str]]) -> list[Request]:
+        """Requests whose own logits were not finite fail alone (finish_reason "error", their error
+        set) and leave; the step wrote their NaN / inf K/V, so the caches are cleared and every
+        other running request recomputes its own (its output does not change: see the top)."""
+        self.clear_caches()
+        for req in reversed(self.scheduler.running):   # reversed: they wait again in their order
+            if not any(req is r for r, _ in failed):
+                self.scheduler.preempt(req)
+        for req, message in failed:
+            req.finish_reason, req.error, req.text = "error", message, ""
+        self.abort([r for r, _ in failed])
+        return [r for r, _ in failed]
 
     def clear_caches(self) -> None:
         self.kv_cache.clear()

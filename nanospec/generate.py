@@ -11,32 +11,17 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
-import torch
-
-from nanospec.cli import add_model_args, add_proposer_args, log, log_loading, parser, set_threads
+from nanospec.cli import add_model_args, add_speculation_args, load_llm, parser
 from nanospec.engine import SamplingParams
 from nanospec.errors import NanospecError, run_command
-from nanospec.llm import LLM, EngineSizes, SpeculativeConfig
 from nanospec.prompts import read_prompts_file
 
 
 def build_parser():
     ap = parser("python -m nanospec.generate", __doc__)
     add_model_args(ap)
-    spec = add_proposer_args(ap)
-    spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                      help="draft tokens per step, 1..16 (default: 4 with a proposer; with --dynamic-k the "
-                           "largest K it may choose, 8)")
-    spec.add_argument("--dynamic-k", action="store_true",
-                      help="choose K per step by goodput (acceptance length / step time for the batch size)")
-    spec.add_argument("--per-request-k", action="store_true",
-                      help="with --dynamic-k, a K per request: drafts go to the requests that accept them")
-    spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "
-                      "`python -m nanospec.profiler` (default: a quick profile measured at start-up)")
-    spec.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
-                      help="no speculation while more than N requests wait or run (default: always speculate)")
+    add_speculation_args(ap)
     ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     ap.add_argument("--prompts-file", metavar="FILE.jsonl", help="JSON lines with a 'prompt' field")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -109,18 +94,7 @@ def run(args) -> None:
               for i in range(len(prompts))]
     for p in params:
         p.validate()
-    SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
-                      args.per_request_k, args.speculative_disable_queue_size).validate()   # before loading
-    EngineSizes(max_model_len=args.max_model_len).validate()
-    set_threads(args.threads)
-    start = time.perf_counter()
-    log_loading(args.target)
-    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
-              dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
-              speculative_disable_queue_size=args.speculative_disable_queue_size, log=log, enforce_eager=args.enforce_eager)
-    log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
-        f"{torch.get_num_threads()} CPU threads)")
+    llm = load_llm(args)
     stream = len(prompts) == 1 and not args.json
     outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer) if stream else None)
     if args.json:

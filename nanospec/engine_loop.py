@@ -1,0 +1,178 @@
+"""The engine on a thread of its own, for the server: requests join the running batch at the next
+step and leave when they finish or are aborted; each step's new tokens go to the request's listener.
+
+The engine is touched by this thread only. Other threads (the HTTP server's) hand it requests and
+aborts through `submit` and `abort`, which only queue them; between two steps the loop takes what
+was queued, so the scheduler and the K policy see the real running and waiting queues. A listener is
+called on this thread with an Update after every step that gave its request tokens, and once at the
+end; it must not block (the server's posts the update to its event loop).
+
+TextStream turns a request's tokens into text deltas as a client should see them: whole UTF-8
+characters only, and no text that could still turn out to be the start of a stop string.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from nanospec.engine import Engine, Request
+from nanospec.errors import NanospecError
+
+
+class QueueFull(NanospecError):
+    pass
+
+
+@dataclass
+class Update:
+    new_ids: list[int]               # tokens committed since the last update
+    finish_reason: str | None = None   # "stop", "length", "abort" or "error" on the last update
+    text: str | None = None          # the whole output text, on the last update (before any stop)
+    error: str | None = None         # why it failed (finish_reason "error")
+
+
+@dataclass
+class Tracked:
+    req: Request
+    listener: object                 # called with an Update on the loop's thread
+    arrival: float
+    sent: int = 0                    # output tokens handed to the listener
+    first: float | None = None       # when the first token came
+    last: float | None = None        # when the latest came
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics=None, max_waiting: int = 1024):
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.inbox: deque[Tracked] = deque()        # submitted, not yet in the engine
+        self.aborts: deque[Request] = deque()
+        self.tracked: dict[int, Tracked] = {}       # id(request) -> its record, while in the engine
+        self.stopping = False
+        self.error: str | None = None               # set if the loop itself died
+        self.thread = threading.Thread(target=self.run, name="nanospec-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self.thread.start()
+        return self
+
+    def num_waiting(self) -> int:
+        return len(self.inbox) + len(self.engine.scheduler.waiting)   # a deque's len is safe to read
+
+    def submit(self, req: Request, listener) -> None:
+        """Queue a request made by engine.new_request; QueueFull when max_waiting wait already."""
+        with self.lock:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            if self.num_waiting() >= self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
+            self.inbox.append(Tracked(req, listener, time.perf_counter()))
+            self.wake.notify()
+
+    def abort(self, req: Request) -> None:
+        """Drop a request at the next step (its client went away), with its blocks and proposer state."""
+        with self.lock:
+            self.aborts.append(req)
+            self.wake.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop taking requests; the loop finishes what it holds, then ends."""
+        with self.lock:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join(timeout)
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            with self.lock:
+                while not (self.inbox or self.aborts or engine.scheduler.has_work() or self.stopping):
+                    self.wake.wait()
+                arrived, self.inbox = list(self.inbox), deque()
+                aborted, self.aborts = list(self.aborts), deque()
+            if self.stopping and not (arrived or engine.scheduler.has_work()):
+                return
+            for t in arrived:
+                self.tracked[id(t.req)] = t
+            engine.add_requests([t.req for t in arrived])
+            self.drop(aborted)
+            if engine.scheduler.has_work():
+                self.step()
+
+    def step(self) -> None:
+        engine = self.engine
+        try:
+            updated = engine.step()
+        except Exception as e:   # a bug, not a request's fault: fail what the engine holds and go on
+            held = [t.req for t in self.tracked.values()]
+            engine.abort(held)
+            for req in held:
+                req.finish_reason, req.error = "error", f"the engine failed: {type(e).__name__}: {e}"
+            updated = held
+        now = time.perf_counter()
+        if self.metrics:
+            self.metrics.after_step(was_decode=not engine.scheduler.last_was_prefill)
+        for req in updated:
+            t = self.tracked.get(id(req))
+            if t is not None:
+                self.deliver(t, now)
+
+    def deliver(self, t: Tracked, now: float) -> None:
+        req = t.req
+        new = req.output_ids[t.sent:]
+        if new:
+            if t.first is None:
+                t.first = now
+                if self.metrics:
+                    self.metrics.ttft.observe(now - t.arrival)
+            elif self.metrics:
+                self.metrics.itl.observe(now - t.last)
+            t.last, t.sent = now, t.sent + len(new)
+        done = req.finish_reason is not None
+        if done:
+            del self.tracked[id(req)]
+            if self.metrics:
+                self.metrics.finished_request(req, req.finish_reason, t.arrival, t.first, t.last or now)
+        t.listener(Update(new, req.finish_reason, req.text if done else None, req.error))
+
+    def drop(self, aborted: list[Request]) -> None:
+        gone = [self.tracked.pop(id(r)) for r in aborted if id(r) in self.tracked]
+        self.engine.abort([t.req for t in gone])
+        for t in gone:
+            if self.metrics:
+                self.metrics.finished_request(t.req, "abort", t.arrival, t.first, time.perf_counter())
+        if gone and self.metrics:
+            self.metrics.update_queues()
+
+
+class TextStream:
+    """A request's text as it grows: push() the token ids of each update, get the text a client may
+    see now. Held back: a character whose bytes have not all come, and any end of the text that is
+    the start of a stop string (the engine may yet end the output before it). The last update's
+    text (the engine's, cut before any stop) completes it, so the deltas add up to it exactly."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, update: Update) -> str:
+        self.ids += update.new_ids
+        if update.finish_reason is not None:
+            text = update.text or ""
+        else:
+            text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+            text = text[:len(text) - held_back(text, self.stops)]
+        if not text.startswith(self.sent):   # cannot happen with a prefix-stable decode; never resend
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that is the start of a stop string."""
+    return max((n for stop in stops for n in range(min(len(stop), len(text)), 0, -1)
+                if stop.startswith(text[-n:])), default=0)

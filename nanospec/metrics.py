@@ -1,0 +1,109 @@
+"""The server's Prometheus metrics (GET /metrics), named as vLLM names its own under a `nanospec:`
+prefix, so that a dashboard built for vLLM reads them with the prefix changed: the request queues,
+tokens, TTFT / TPOT / inter-token-latency histograms and speculative decoding's counters (drafts,
+draft tokens, accepted tokens in all and per draft position). What vLLM has no name for is ours:
+the K chosen per decode step and each KV pool's free blocks (a leaked block shows there).
+
+Everything is updated on the engine loop's thread, after each step (prometheus_client is thread-safe)."""
+from __future__ import annotations
+
+import prometheus_client as prom
+
+from nanospec.engine import Engine, Request, Stats
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
+prom.disable_created_metrics()   # no *_created series, as vLLM
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class Metrics:
+    def __init__(self, engine: Engine, model_name: str):
+        self.registry = prom.CollectorRegistry()   # one per server: two servers in one process do not mix
+        self.engine, self.seen = engine, Stats()   # the engine's statistics counted so far
+        label = {"model_name": model_name}
+
+        def make(kind, name, doc, labels=(), **kw):
+            metric = kind(f"nanospec:{name}", doc, ["model_name", *labels], registry=self.registry, **kw)
+            return metric if labels else metric.labels(**label)
+
+        self.label = label
+        self.running = make(prom.Gauge, "num_requests_running", "Requests in the running batch.")
+        self.waiting = make(prom.Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
+        self.finished = make(prom.Counter, "request_success", "Finished requests, by finish reason.",
+                             ["finished_reason"])
+        self.prompt_tokens = make(prom.Counter, "prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = make(prom.Counter, "generation_tokens", "Tokens generated.")
+        self.preemptions = make(prom.Counter, "num_preemptions", "Requests preempted (their cache recomputed).")
+        self.ttft = make(prom.Histogram, "time_to_first_token_seconds", "Time to the first token.",
+                         buckets=TTFT_BUCKETS)
+        self.itl = make(prom.Histogram, "inter_token_latency_seconds",
+                        "Time between two steps that gave a request tokens.", buckets=ITL_BUCKETS)
+        self.tpot = make(prom.Histogram, "request_time_per_output_token_seconds",
+                         "A finished request's (end-to-end - TTFT) / (output tokens - 1).", buckets=ITL_BUCKETS)
+        self.e2e = make(prom.Histogram, "e2e_request_latency_seconds", "Arrival to the last token.",
+                        buckets=LATENCY_BUCKETS)
+        self.kv_usage = make(prom.Gauge, "kv_cache_usage_perc", "The target KV pool's used share (0..1).")
+        self.free_blocks = make(prom.Gauge, "kv_cache_free_blocks", "Free blocks per KV pool.", ["pool"])
+        self.num_blocks = make(prom.Gauge, "kv_cache_blocks", "Blocks per KV pool.", ["pool"])
+        self.drafts = make(prom.Counter, "spec_decode_num_drafts", "Request-steps that verified drafts.")
+        self.draft_tokens = make(prom.Counter, "spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.accepted = make(prom.Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = make(prom.Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by draft position (0 is the first).", ["position"])
+        self.chosen_k = make(prom.Counter, "spec_decode_chosen_k", "Decode steps, by the K they verified.", ["k"])
+        self.update_queues()
+
+    def pools(self) -> dict:
+        engine = self.engine
+        pools = {"target": engine.kv_cache.allocator}
+        draft_cache = getattr(engine.proposer, "kv_cache", None)
+        if draft_cache is not None:
+            pools["draft"] = draft_cache.allocator
+        return pools
+
+    def update_queues(self) -> None:
+        scheduler = self.engine.scheduler
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        for pool, allocator in self.pools().items():
+            self.free_blocks.labels(pool=pool, **self.label).set(allocator.num_free)
+            self.num_blocks.labels(pool=pool, **self.label).set(allocator.num_blocks)
+        target = self.engine.kv_cache.allocator
+        self.kv_usage.set(1 - target.num_free / target.num_blocks)
+
+    def after_step(self, was_decode: bool) -> None:
+        """Count what the engine's statistics gained in the step."""
+        stats, seen = self.engine.stats, self.seen
+        self.generation_tokens.inc(stats.generated_tokens - seen.generated_tokens)
+        if was_decode:
+            self.chosen_k.labels(k=str(self.engine.step_k), **self.label).inc()
+        drafted = stats.drafted_per_position[:1] or [0]
+        self.drafts.inc(drafted[0] - (seen.drafted_per_position[:1] or [0])[0])
+        self.draft_tokens.inc(stats.drafted_tokens - seen.drafted_tokens)
+        self.accepted.inc(stats.accepted_tokens - seen.accepted_tokens)
+        for i, n in enumerate(stats.accepted_per_position):
+            before = seen.accepted_per_position[i] if i < len(seen.accepted_per_position) else 0
+            self.accepted_per_pos.labels(position=str(i), **self.label).inc(n - before)
+        self.preemptions.inc(self.engine.scheduler.num_preemptions - seen.preemptions)
+        self.seen = Stats(generated_tokens=stats.generated_tokens, drafted_tokens=stats.drafted_tokens,
+                          accepted_tokens=stats.accepted_tokens, preemptions=self.engine.scheduler.num_preemptions,
+                          drafted_per_position=stats.drafted_per_position[:1],
+                          accepted_per_position=list(stats.accepted_per_position))
+        self.update_queues()
+
+    def finished_request(self, req: Request, reason: str, arrival: float, first: float | None, last: float) -> None:
+        self.finished.labels(finished_reason=reason, **self.label).inc()
+        self.prompt_tokens.inc(len(req.prompt_ids))
+        self.e2e.observe(last - arrival)
+        n = len(req.output_ids)
+        if first is not None and n > 1:
+            self.tpot.observe((last - first) / (n - 1))
+
+    def render(self) -> bytes:
+        return prom.generate_latest(self.registry)

@@ -1,0 +1,410 @@
+"""Serve a model over the OpenAI API: POST /v1/completions and /v1/chat/completions (streamed as
+server-sent events, or whole), GET /v1/models, /health and /metrics (Prometheus). One engine runs on
+its own thread (engine_loop.py); a request joins the running batch at the next step, its tokens
+stream as each step commits them, and a client that goes away has its request aborted.
+
+example:
+  python -m nanospec.serve --ngram --port 8000
+  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 64}'
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import sys
+import time
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from nanospec.cli import add_model_args, add_speculation_args, load_llm, log, parser
+from nanospec.engine import SamplingParams
+from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
+from nanospec.errors import NanospecError, is_int, run_command
+from nanospec.metrics import Metrics
+
+
+class ApiError(Exception):
+    """An error the client gets in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# The fields a request may hold. Those of the OpenAI API nanospec does not implement are refused
+# unless they hold their neutral value (n = 1, no logprobs, no tools), never silently ignored.
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
+          "ignore_eos", "num_speculative_tokens", "user"}
+FIELDS = {"completions": COMMON | {"prompt"},
+          "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt"}}
+NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
+           "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
+           "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "functions": ([],),
+           "response_format": ({"type": "text"},), "stream_options": ()}
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    unknown = sorted(k for k in body if k not in FIELDS[endpoint] and k not in NEUTRAL)
+    if unknown:
+        raise ApiError(400, f"unknown field{'s' * (len(unknown) > 1)} {', '.join(unknown)}: "
+                            f"remove {'them' if len(unknown) > 1 else 'it'}", param=unknown[0])
+    for key, neutral in NEUTRAL.items():
+        value = body.get(key)
+        if key in body and key not in FIELDS[endpoint] and value is not None and value not in neutral:
+            raise ApiError(400, f"{key}={json.dumps(value)} is not supported by nanospec; remove it"
+                                + (" (n = 1: one choice per request)" if key == "n" else ""), param=key)
+
+
+def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
+    """The request's SamplingParams, checked (a NanospecError names the field)."""
+    max_tokens = body.get("max_tokens")
+    if body.get("max_completion_tokens") is not None:
+        if max_tokens is not None:
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+        max_tokens = body["max_completion_tokens"]
+    top_k = body.get("top_k")
+    params = SamplingParams(
+        temperature=1.0 if body.get("temperature") is None else body["temperature"],
+        top_p=1.0 if body.get("top_p") is None else body["top_p"],
+        top_k=0 if top_k in (None, -1) else top_k,   # -1 is "off" in vLLM, 0 in nanospec
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        seed=body.get("seed"), stop=body.get("stop"), ignore_eos=bool_field(body, "ignore_eos", False),
+        num_speculative_tokens=body.get("num_speculative_tokens"))
+    params.validate()
+    return params
+
+
+def bool_field(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{key} must be true or false, got {json.dumps(value)}", param=key)
+    return value
+
+
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise ApiError(400, 'stream_options must be {"include_usage": true or false}', param="stream_options")
+    if not body.get("stream"):
+        raise ApiError(400, "stream_options is only for streamed requests (stream: true)", param="stream_options")
+    return bool_field(options, "include_usage", False)
+
+
+def completion_prompt(llm, body: dict) -> tuple[str, list[int]]:
+    """The prompt text (for the record) and its token ids: a string, a list of token ids, or a list
+    of one of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, llm.tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return "", prompt
+    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request), got "
+                        + json.dumps(prompt)[:80], param="prompt")
+
+
+def usage(req, speculation: bool) -> dict:
+    """prompt_tokens, completion_tokens (the end-of-sequence token counted, as vLLM counts it), and
+    with a proposer the request's own speculation: drafts found and accepted, the acceptance length
+    (tokens a decode step with drafts gave it) and the acceptance rate per draft position."""
+    out = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+           "total_tokens": len(req.prompt_ids) + len(req.output_ids)}
+    if speculation:
+        steps = req.spec_steps
+        out["speculation"] = {
+            "draft_steps": steps, "draft_tokens": req.drafted, "accepted_tokens": req.accepted,
+            "acceptance_length": round(1 + req.accepted / steps, 4) if steps else None,
+            "acceptance_rate_per_position": [round(a / d, 4) for a, d in
+                                             zip(req.accepted_per_position + [0] * len(req.drafted_per_position),
+                                                 req.drafted_per_position)]}
+    return out
+
+
+class Server:
+    """The HTTP face: parses a request, queues it on the engine loop, answers whole or streamed."""
+
+    def __init__(self, llm, name: str, api_key: str | None = None, max_waiting: int = 1024,
+                 decode_between_prefills: bool = True):
+        self.llm, self.name, self.api_key = llm, name, api_key
+        llm.engine.scheduler.decode_between_prefills = decode_between_prefills
+        self.metrics = Metrics(llm.engine, name)
+        self.loop = EngineLoop(llm.engine, self.metrics, max_waiting)
+        self.created = int(time.time())
+        self.count = 0   # requests taken, for their index in error messages
+
+    def app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.loop.start()
+            yield
+            self.loop.stop()   # uvicorn has finished (or cancelled) every response by now
+
+        app = FastAPI(title="nanospec", lifespan=lifespan)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request: HttpRequest, e: HTTPException):   # an unknown path or method
+            return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
+
+        @app.post("/v1/completions")
+        async def completions(request: HttpRequest):
+            return await self.handle(request, "completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: HttpRequest):
+            return await self.handle(request, "chat")
+
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        return app
+
+    async def models(self, request: HttpRequest):
+        if (error := self.auth_error(request)) is not None:
+            return error.response()
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                            "owned_by": "nanospec", "root": self.llm.target_name,
+                                            "max_model_len": self.llm.max_model_len}]}
+
+    async def health(self):
+        alive = self.loop.thread.is_alive()
+        return Response(status_code=200 if alive else 503)
+
+    async def prometheus(self):
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def auth_error(self, request: HttpRequest) -> ApiError | None:
+        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
+            return None
+        return ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' with the "
+                             "server's --api-key", code="invalid_api_key", kind="authentication_error")
+
+    async def handle(self, request: HttpRequest, endpoint: str):
+        try:
+            if (error := self.auth_error(request)) is not None:
+                raise error
+            req, body = self.new_request(await self.read_body(request), endpoint)
+            updates: asyncio.Queue[Update] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self.loop.submit(req, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
+        except ApiError as e:
+            return e.response()
+        except QueueFull as e:
+            return ApiError(503, str(e), kind="server_error", code="queue_full", headers={"Retry-After": "1"}).response()
+        except NanospecError as e:   # a bad value, a prompt over the context: the engine's own one line
+            return ApiError(400, str(e)).response()
+        reply = Reply(self, req, endpoint, body)
+        if body.get("stream"):
+            return StreamingResponse(self.stream(reply, updates), media_type="text/event-stream")
+        return await self.whole(request, reply, updates)
+
+    async def read_body(self, request: HttpRequest) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def new_request(self, body: dict, endpoint: str):
+        check_fields(body, endpoint)
+        model = body.get("model")
+        if model is not None and model != self.name:
+            raise ApiError(404, f"the model {json.dumps(model)} is not served here; use {json.dumps(self.name)} "
+                                "(GET /v1/models)", param="model", code="model_not_found")
+        include_usage(body)
+        bool_field(body, "stream", False)
+        llm = self.llm
+        if endpoint == "chat":
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+            ids = llm.encode_chat(body.get("messages"), chat_template_kwargs=kwargs,
+                                  add_generation_prompt=bool_field(body, "add_generation_prompt", True))
+            text, default_max = "", max(1, llm.max_model_len - len(ids))   # chat: up to the context
+        else:
+            (text, ids), default_max = completion_prompt(llm, body), 16     # completions: the API's 16
+        params = sampling_params(body, default_max)
+        self.count += 1
+        return llm.engine.new_request(self.count, text, ids, params), body
+
+    async def whole(self, request: HttpRequest, reply: "Reply", updates: asyncio.Queue):
+        while True:
+            try:
+                update = await asyncio.wait_for(updates.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.loop.abort(reply.req)
+                    return Response(status_code=499)
+                continue
+            reply.text.push(update)
+            if update.finish_reason is not None:
+                break
+        if update.finish_reason == "error":
+            return ApiError(500, update.error, kind="server_error").response()
+        return reply.whole(update)
+
+    async def stream(self, reply: "Reply", updates: asyncio.Queue):
+        """Server-sent events: a chunk per step that gave text, the finish, the usage if asked, [DONE].
+        If the client goes away, the response is cancelled here and the request aborted."""
+        done = False
+        try:
+            yield reply.sse(reply.first_chunk())
+            while not done:
+                update = await updates.get()
+                done = update.finish_reason is not None
+                if update.finish_reason == "error":
+                    yield reply.sse(ApiError(500, update.error, kind="server_error").body())
+                    break
+                delta = reply.text.push(update)
+                if delta or done:
+                    yield reply.sse(reply.chunk(delta, update.finish_reason))
+            if done and reply.include_usage and update.finish_reason != "error":
+                yield reply.sse(reply.usage_chunk())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:
+                self.loop.abort(reply.req)
+
+
+class Reply:
+    """One request's answer in the endpoint's shape: whole, or as stream chunks."""
+
+    def __init__(self, server: Server, req, endpoint: str, body: dict):
+        self.server, self.req, self.chat = server, req, endpoint == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text = TextStream(server.llm.tokenizer, req.params.stop)
+        self.include_usage = include_usage(body)
+
+    def head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.server.name}
+
+    def usage(self) -> dict:
+        return usage(self.req, self.server.llm.engine.proposer is not None)
+
+    def whole(self, update: Update) -> dict:
+        text = update.text or ""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": update.finish_reason}
+            return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": update.finish_reason}
+        return {**self.head("text_completion"), "choices": [choice], "usage": self.usage()}
+
+    def first_chunk(self) -> dict | None:
+        if not self.chat:
+            return None
+        return {**self.head("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]}
+
+    def chunk(self, delta: str, finish_reason: str | None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return {**self.head("chat.completion.chunk"), "choices": [choice]}
+        return {**self.head("text_completion"),
+                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def usage_chunk(self) -> dict:
+        return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage()}
+
+    @staticmethod
+    def sse(data: dict | None) -> str:
+        return "" if data is None else f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class UvicornServer(uvicorn.Server):
+    """uvicorn, except that after the graceful shutdown a SIGINT / SIGTERM is not raised again
+    (uvicorn re-raises it, which makes the process die by the signal or print a traceback): the
+    server stops taking connections, finishes its responses, and the process exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def uvicorn_server(app, host: str, port: int, graceful_seconds: float = 30.0) -> UvicornServer:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=graceful_seconds)
+    return UvicornServer(config)
+
+
+def build_parser():
+    ap = parser("python -m nanospec.serve", __doc__)
+    add_model_args(ap)
+    add_speculation_args(ap)
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: --target)")
+    ap.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    ap.add_argument("--max-queue", type=int, default=1024, metavar="N",
+                    help="requests that may wait; past it a request gets 503 with Retry-After")
+    ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                    help="the longest prompt + answer (default: the model's context length)")
+    ap.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="requests in the running batch at most")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+                    help="prompt tokens per prefill chunk; a decode step runs between chunks")
+    ap.add_argument("--prefill-first", action="store_true",
+                    help="run every prefill chunk before any decode step, as offline generate does "
+                         "(running streams stall while a long prompt is prefilled)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    loaded = {}
+
+    def load():
+        if args.max_queue < 1 or not 0 <= args.port < 65536:
+            raise NanospecError("--max-queue must be >= 1 and --port in 0..65535")
+        loaded["llm"] = load_llm(args, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens)
+
+    status = run_command(load)
+    if status:
+        return status
+    name = args.served_model_name or args.target or "SmolLM2-135M-Instruct"
+    server = Server(loaded["llm"], name, args.api_key, args.max_queue, not args.prefill_first)
+    http = uvicorn_server(server.app(), args.host, args.port)
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port", file=sys.stderr)
+        return 2
+    log(f"serving {name!r} on http://{args.host}:{sock.getsockname()[1]}/v1 (Ctrl-C to stop)")
+    http.run(sockets=[sock])
+    log("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
