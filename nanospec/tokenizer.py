@@ -7,18 +7,18 @@ piece, the adjacent pair whose concatenation has the lowest rank. Byte-level BPE
 that comes first in the merge list. So a token's rank is the position of the merge that creates it
 (single bytes first), not its id; `rank_to_id` maps tiktoken's ranks back to the model's ids.
 Added tokens (`<|im_start|>`, ...) become tiktoken special tokens, matched literally.
+Chat prompts are rendered by the checkpoint's own template (chat_template.py) and encoded here.
 """
 from __future__ import annotations
 
 import base64
 import json
 import os
-import re
-from dataclasses import dataclass
 
 import numpy as np
 import tiktoken
 
+from nanospec.chat_template import ChatTemplate, load_template, named_special_tokens
 from nanospec.checkpoint import RANDOM_MODELS, read_json
 from nanospec.errors import NanospecError
 
@@ -37,6 +37,8 @@ LLAMA3_SPECIAL_TOKENS = (["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_sp
                           "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
                           "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
                          + [f"<|reserved_special_token_{3 + i}|>" for i in range(245)])
+GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                       "pad_token": "padding_token_id"}
 STOP_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")
 
 
@@ -60,38 +62,13 @@ def token_bytes(token: str) -> bytes:
     return bytes(UNICODE_TO_BYTE[c] for c in token)
 
 
-@dataclass
-class ChatTemplate:
-    style: str                          # "llama3" or "chatml"
-    default_system: str | None = None
-
-    def render(self, messages: list[dict]) -> str:
-        if self.default_system and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.default_system}] + messages
-        if self.style == "llama3":
-            turns = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>"
-                            for m in messages)
-            return f"<|begin_of_text|>{turns}<|start_header_id|>assistant<|end_header_id|>\n\n"
-        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return f"{turns}<|im_start|>assistant\n"
-
-
-def chat_template_for(vocab_specials: dict[str, int], jinja_source: str | None) -> ChatTemplate | None:
-    """Recognise the family's chat format from its special tokens; keep the template's default system prompt."""
-    if "<|start_header_id|>" in vocab_specials:
-        return ChatTemplate("llama3")
-    if "<|im_start|>" in vocab_specials:
-        match = re.search(r"<\|im_start\|>system(?:\n|\\n)(.+?)<\|im_end\|>", jinja_source or "", re.S)
-        default = match.group(1) if match and "{{" not in match.group(1) else None
-        return ChatTemplate("chatml", default)
-    return None
-
-
 class Tokenizer:
     def __init__(self, ranked_tokens: list[tuple[bytes, int]], special_tokens: dict[str, int],
                  pattern: str, add_bos: bool = False, bos_token: str | None = None,
-                 eos_tokens: tuple[str, ...] = (), chat_template_source: str | None = None):
-        """ranked_tokens: (bytes, id) in merge order, so that list position is the BPE rank."""
+                 eos_tokens: tuple[str, ...] = (), chat_template: ChatTemplate | None = None):
+        """ranked_tokens: (bytes, id) in merge order, so that list position is the BPE rank.
+        chat_template: the checkpoint's (chat_template.load_template), or None for the fallback
+        format the special tokens name, if any."""
         mergeable = {}
         for token, token_id in ranked_tokens:
             mergeable.setdefault(token, (len(mergeable), token_id))
@@ -113,7 +90,7 @@ class Tokenizer:
         self.bos_id = special_tokens.get(bos_token) if bos_token else None
         self.add_bos = add_bos and self.bos_id is not None
         self.eos_ids = sorted({special_tokens[t] for t in eos_tokens if t in special_tokens})
-        self.chat_template = chat_template_for(special_tokens, chat_template_source)
+        self.chat_template = chat_template or load_template(vocab_specials=special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -132,11 +109,18 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """The conversation (a list of {"role", "content"} dicts, or one string: one user message)
+        rendered by the chat template, as token ids. As transformers does, the rendered text is
+        encoded without adding a BOS (a template that wants one writes it) and with special tokens
+        parsed."""
         if self.chat_template is None:
-            raise NanospecError("--chat: this tokenizer has no known chat format (Llama 3 or ChatML); "
-                                "drop --chat and give the prompt as plain text")
-        return self.encode(self.chat_template.render([{"role": "user", "content": prompt}]), add_bos=False)
+            raise NanospecError("this tokenizer has no chat template (no chat_template.jinja, no chat_template in "
+                                "tokenizer_config.json or the GGUF metadata) and no known chat format (Llama 3 or "
+                                "ChatML); give the prompt as plain text (drop --chat)")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self.encode(self.chat_template.render(messages, add_generation_prompt, template_kwargs), add_bos=False)
 
 
 def ranked_from_merges(vocab: dict[str, int], merges: list, source: str = "tokenizer.json") -> list[tuple[bytes, int]]:
@@ -203,11 +187,12 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
     post = json.dumps(data.get("post_processor") or {})
     bos = config.get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
-    template = config.get("chat_template")
     return Tokenizer(ranked_from_merges(vocab, merges, path), specials,
                      pattern_from_pre_tokenizer(data.get("pre_tokenizer")),
                      add_bos=isinstance(bos, str) and f'"{bos}"' in post, bos_token=bos if isinstance(bos, str) else None,
-                     eos_tokens=STOP_TOKEN_NAMES, chat_template_source=template if isinstance(template, str) else None)
+                     eos_tokens=STOP_TOKEN_NAMES,
+                     chat_template=load_template(folder, config, special_tokens=named_special_tokens(config),
+                                                 vocab_specials=specials))
 
 
 def from_tiktoken_model(folder: str) -> Tokenizer:
@@ -224,8 +209,12 @@ def from_tiktoken_model(folder: str) -> Tokenizer:
                                         "tiktoken-format tokenizer.model is supported (not a SentencePiece one)") from e
     ranked.sort(key=lambda pair: pair[1])
     specials = {s: len(ranked) + i for i, s in enumerate(LLAMA3_SPECIAL_TOKENS)}
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    config = read_json(config_path) if os.path.exists(config_path) else {}
+    named = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", **named_special_tokens(config)}
     return Tokenizer(ranked, specials, LLAMA3_PATTERN, add_bos=True, bos_token="<|begin_of_text|>",
-                     eos_tokens=STOP_TOKEN_NAMES)
+                     eos_tokens=STOP_TOKEN_NAMES,
+                     chat_template=load_template(folder, config, special_tokens=named, vocab_specials=specials))
 
 
 def from_gguf(meta: dict) -> Tokenizer:
@@ -251,10 +240,13 @@ def from_gguf(meta: dict) -> Tokenizer:
         raise NanospecError(f"the GGUF tokenizer names token id {bad[0]!r} as bos/eos, outside its {len(tokens)} tokens; "
                             "re-convert the model")
     eos = tuple(tokens[i] for i in eos_ids if i is not None)
+    # The special tokens a template may name, as transformers reads them from a GGUF file.
+    named = {name: tokens[i] for name, key in GGUF_SPECIAL_TOKENS.items()
+             if isinstance(i := meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens)}
     return Tokenizer(ranked_from_merges(normal, merges, "the GGUF tokenizer"), specials,
                      GGUF_PRE_TOKENIZERS[pre], add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                     bos_token=tokens[bos_id] if bos_id is not None else None,
-                     eos_tokens=eos + STOP_TOKEN_NAMES, chat_template_source=meta.get("tokenizer.chat_template"))
+                     bos_token=tokens[bos_id] if bos_id is not None else None, eos_tokens=eos + STOP_TOKEN_NAMES,
+                     chat_template=load_template(gguf_metadata=meta, special_tokens=named, vocab_specials=specials))
 
 
 def byte_tokenizer(vocab_size: int = 257) -> Tokenizer:

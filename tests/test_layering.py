@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nanospec"
 # Layer by layer, lowest first: a module may import the modules of the layers before its own.
 LAYERS = [
     {"errors"},
-    {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy"},
+    {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy", "chat_template"},
     {"model", "dynamic_k", "proposer"},
     {"checkpoint"},
     {"tokenizer", "eagle", "cuda_graph"},
