@@ -21,12 +21,14 @@ A decode step is, in order:
 
 Padding keeps the step lossless:
 - a bucket's rows past the batch are requests of one token at position 0 whose block-table rows are
-  null rows (every entry the null block, which the allocator never hands out). They write and
-  read only the null block, whose slots stay finite (kv_cache.py), and nothing reads their output.
+  null rows (every entry the null block, which the allocator never hands out). They read only
+  the null block (zero: nothing writes it), write only the sink block (no table holds it), and
+  nothing reads their output.
 - a request with fewer drafts than the step's K repeats its last real query in the padded
-  positions (the same position, so the same keys), writes their K/V to the null block (it may own
+  positions (the same position, so the same keys), writes their K/V to the sink block (it may own
   no block there), and its logits rows there are replaced by its last real one before sampling.
-  In the draft round, a request past its own K drafts on (position 0, writes to the null block).
+  In the draft round, a request past its own K drafts on (position 0, writes to the sink block).
+  So a request's non-finite K/V stay in its own blocks: no other request reads them, even masked.
 - every draft id in the static buffer, stale or padding, is a token id, so the embedding can read it.
 
 On CUDA the graphs share one memory pool, are captured at start for greedy steps (largest bucket
@@ -45,8 +47,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanospec.kv_cache import (NULL_BLOCK, AttentionMetadata, BlockTable, KVCache, decode_metadata,
-                               derive_metadata, upload)
+from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache, decode_metadata,
+                               derive_metadata, padding_to_sink, upload)
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.sampler import SamplingBatch, Truncation
 
@@ -98,9 +100,13 @@ class DeviceBlockTables:
         self.base, self.width, self.null_row = base, width, num_rows
         self.tables = flat[base:base + (num_rows + 1) * width].view(num_rows + 1, width)
         self.free_rows = list(range(num_rows - 1, -1, -1))
+        self.row_len = [0] * num_rows   # per row: the ids past it on the device are the null block
 
     def updates(self, tables: list[BlockTable]) -> tuple[list[int], list[int]]:
-        """Each table's row (assigned on first use) and the (index into flat, id) pairs to write."""
+        """Each table's row (assigned on first use) and the (index into flat, id) pairs to write:
+        the ids it gained, and the null block over any id past its end (of its own blocks freed by
+        a rollback, or of the row's earlier owner), so that a row reaches no other sequence's
+        blocks, not even masked (kv_cache.py's invariants)."""
         rows, pairs = [], []
         for table in tables:
             if table.row is None:
@@ -109,7 +115,9 @@ class DeviceBlockTables:
             start = self.base + table.row * self.width
             for j in range(table.synced, len(table)):
                 pairs += (start + j, table[j])
-            table.synced = len(table)
+            for j in range(len(table), self.row_len[table.row]):
+                pairs += (start + j, NULL_BLOCK)
+            table.synced = self.row_len[table.row] = len(table)
         return rows, pairs
 
     def release(self, table: BlockTable) -> None:
@@ -303,7 +311,7 @@ class StepGraphs:
     def capture_all(self, ks) -> None:
         """Capture the greedy verify step of every bucket up to MAX_GRAPH_BATCH for each K in ks,
         largest bucket first (the smaller graphs then fit in the pool memory the larger ones left),
-        on inputs that are all padding rows, so the warm-ups write only null blocks. Draft rounds
+        on inputs that are all padding rows, so the warm-ups write only sink blocks. Draft rounds
         and sampling steps are captured on first use."""
         if not self.use_graphs:
             return
@@ -337,14 +345,15 @@ class StepGraphs:
         """Metadata of q_len queries per row over tables [bucket, width] on the device: row b's
         num_new[b] new tokens at positions cached[b] .. cached[b] + num_new[b] - 1, then padding
         queries that repeat its last real position (so they see the same keys) and write their K/V
-        to the null block. Also returns each query's real offset [bucket, q_len] (clamped to the
+        to the sink block. Also returns each query's real offset [bucket, q_len] (clamped to the
         last real one): where a row's logits are read."""
         bucket, device = len(cached), cached.device
         offsets = torch.arange(q_len, device=device)
         real_offsets = torch.minimum(offsets[None, :], (num_new[:, None] - 1).clamp(min=0))   # [bucket, q_len]
         positions = cached[:, None] + real_offsets
-        slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
-        slots = torch.where(offsets[None, :] < num_new[:, None], slots, NULL_BLOCK * block_size + offsets % block_size)
+        blocks = tables.gather(1, positions // block_size)
+        slots = padding_to_sink(blocks, blocks * block_size + positions % block_size, block_size)   # padding rows'
+        slots = torch.where(offsets[None, :] < num_new[:, None], slots, SINK_BLOCK * block_size + offsets % block_size)
         flat = torch.arange(bucket * q_len, device=device)
         meta = AttentionMetadata(
             slot_mapping=slots.flatten(), block_tables=tables, context_lens=cached + num_new,
@@ -386,7 +395,7 @@ class StepGraphs:
         """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft
         model's catch-up of 1 or 2 positions, padded to 2) and steps 2..K, where step i feeds
         d_{i-1} at the row's next position (d_1's plus i - 2) and draws d_i. A row past its own K
-        drafts on at position 0 into the null block; its drafts there are never verified."""
+        drafts on at position 0 into the sink block; its drafts there are never verified."""
         _, bucket, k, mode, probs, with_first = key
         fields, sampling = self.fields(bucket, mode)
         cached, num_draft, draft_row, first_position = fields[1], fields[2], fields[8], fields[9]
@@ -401,7 +410,7 @@ class StepGraphs:
         for i in range(1, k):
             active = num_draft > i
             meta = decode_metadata(tables, torch.where(active, first_position + i - 1, 0), block_size)
-            meta.slot_mapping = torch.where(active, meta.slot_mapping, NULL_BLOCK * block_size)
+            meta.slot_mapping = torch.where(active, meta.slot_mapping, SINK_BLOCK * block_size)
             if hidden is not None:   # an idle row starts from zeros: iterating its own output could overflow
                 hidden = torch.where(active[:, None], hidden, 0)
             logits, hidden = self.proposer.next_step(meta, self.drafts[:bucket, i - 1], hidden)

@@ -7,11 +7,15 @@ Invariants:
   frees the blocks wholly past it, so the kept slots stay valid;
 - a block belongs to at most one sequence, and every block returns to the free list when its
   sequence finishes or is preempted (tests check that no block leaks);
-- block 0 of a KVCache is the null block, never handed out: the padding of a static step
-  (cuda_graph.py) writes its K/V there and the padding of block tables points there;
-- every slot holds a finite value: the reference attention reads masked slots too (stale ones of
-  earlier sequences, padding) and weighs them by 0, and 0 * inf or 0 * NaN is NaN. The pool starts
-  zeroed and is zeroed again (`clear`) after a step that computed non-finite values.
+- two blocks of a KVCache are never handed out: the null block 0, which the padding of block
+  tables points to and nothing writes (it stays zero), and the sink block 1, where the padding of
+  a static step (cuda_graph.py) writes its K/V and which no table holds;
+- every slot a sequence may read holds a finite value unless that sequence wrote a non-finite one:
+  the reference attention reads masked slots too (stale ones of its own blocks, the null block) and
+  weighs them by 0, and 0 * inf or 0 * NaN is NaN. A table reaches only its own blocks and the null
+  block (cuda_graph.DeviceBlockTables keeps no stale ids), so one request's NaN cannot reach
+  another's attention; the pool starts zeroed and is zeroed again (`clear`) after a step that
+  computed non-finite values, before its blocks go to other sequences.
 
 Attention over pages has one readable PyTorch path (`paged_attention_reference`), used on every
 device and as the oracle of the tests; a fused kernel can sit beside it on CUDA.
@@ -23,7 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-NULL_BLOCK = 0   # block 0 of every KVCache: never handed out (see the invariants above)
+NULL_BLOCK = 0   # block 0 of every KVCache: read as tables' padding, never written (see the invariants above)
+SINK_BLOCK = 1   # block 1: the static step's padding writes here, no table holds it
+RESERVED_BLOCKS = 2
 
 
 class OutOfBlocks(Exception):
@@ -171,12 +177,18 @@ def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int,
         query_valid=query_valid, extra=packed[start:start + shape.extra])
 
 
+def padding_to_sink(blocks: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """slots, except that a slot in the null block (a padding row's) goes to the sink block."""
+    return torch.where(blocks == NULL_BLOCK, SINK_BLOCK * block_size + slots % block_size, slots)
+
+
 def decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> AttentionMetadata:
     """Metadata for one new token per sequence at `positions` [B], over block tables [B, max_blocks]
     already on the device (a draft round's later steps): nothing from the host."""
     batch, device = len(positions), positions.device
     rows = torch.arange(batch, device=device)
-    slots = block_tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
+    slots = padding_to_sink(blocks, blocks * block_size + positions % block_size, block_size)
     return AttentionMetadata(
         slot_mapping=slots, block_tables=block_tables, context_lens=positions + 1,
         query_start=torch.arange(batch + 1, device=device), token_seq=rows, positions=positions,
@@ -185,14 +197,14 @@ def decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor, block_s
 
 class KVCache:
     """The pool of K/V pages for every layer of one model: num_blocks blocks to hand out, ids
-    1 .. num_blocks, after the null block 0."""
+    2 .. num_blocks + 1, after the null block 0 and the sink block 1."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
-        self.pool = torch.zeros(num_layers, 2, 1 + num_blocks, block_size, num_kv_heads, head_dim,
+        self.pool = torch.zeros(num_layers, 2, RESERVED_BLOCKS + num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
-        self.allocator = BlockAllocator(num_blocks, block_size, first_id=NULL_BLOCK + 1)
+        self.allocator = BlockAllocator(num_blocks, block_size, first_id=RESERVED_BLOCKS)
 
     def empty_like(self, num_blocks: int) -> "KVCache":
         """An empty pool of num_blocks for the same model (another engine over it)."""

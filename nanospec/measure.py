@@ -64,7 +64,7 @@ def oracle_proposer(engine: Engine, prompt_ids: list[list[int]], max_new_tokens:
 def step_memory(engine: Engine, k: int) -> int:
     """Bytes the largest decode step takes beyond what exists: the largest graphed bucket at K = k,
     sampling with truncation (and draft probabilities, for a model proposer), run once eagerly on
-    padding rows (the null block only: a one-block engine will do). The CUDA graphs' shared pool
+    padding rows (the null and sink blocks only: a one-block engine will do). The CUDA graphs' shared pool
     holds about this much (captured largest first, the smaller graphs reuse it), so the KV cache
     is sized after it. 0 off CUDA, where no graph is kept (the step still runs, so CPU tests run it)."""
     steps, cuda = engine.step_graphs, engine.device.type == "cuda"

@@ -16,6 +16,7 @@ import json
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 
@@ -240,7 +241,10 @@ class Server:
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
-            ids = llm.encode_chat(body.get("messages"), chat_template_kwargs=kwargs,
+            messages = body.get("messages")
+            if not (isinstance(messages, list) and messages):
+                raise ApiError(400, 'messages must be a non-empty list of {"role", "content"} objects', param="messages")
+            ids = llm.encode_chat(messages, chat_template_kwargs=kwargs,
                                   add_generation_prompt=bool_field(body, "add_generation_prompt", True))
             text, default_max = "", max(1, llm.max_model_len - len(ids))   # chat: up to the context
         else:
@@ -344,6 +348,9 @@ class UvicornServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():   # signals reach the main thread only
+            yield
+            return
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield

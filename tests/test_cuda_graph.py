@@ -11,7 +11,7 @@ from conftest import PROMPTS, assert_no_leak, proposer_args
 from nanospec import LLM, SamplingParams, checkpoint, cuda_graph
 from nanospec.dynamic_k import Profile
 from nanospec.engine import Request
-from nanospec.kv_cache import NULL_BLOCK, BlockTable, KVCache, build_metadata
+from nanospec.kv_cache import NULL_BLOCK, SINK_BLOCK, BlockTable, KVCache, build_metadata
 from nanospec.sampler import Sampler
 
 CPU = torch.device("cpu")
@@ -68,7 +68,7 @@ def test_padded_step_equals_unpadded(model, seed):
     fewer drafts for some requests, contexts across block boundaries (block size 4): the padded
     step's logits equal the unpadded forward's (float64: to rounding; float32: its greedy tokens
     and accepted counts), it writes the same K/V to the requests' blocks, and its padding touches
-    only the null block."""
+    only the sink block."""
     rng = random.Random(seed)
     batch, k = rng.randint(1, 40), rng.randint(0, 8)
     cfg, vocab = model.config, model.config.vocab_size
@@ -96,14 +96,14 @@ def test_padded_step_equals_unpadded(model, seed):
         if model.model.norm.weight.dtype == torch.float64:
             torch.testing.assert_close(got, expected[b], rtol=1e-12, atol=1e-12)
     real = torch.ones(cache.pool.shape[2], dtype=torch.bool)
-    real[NULL_BLOCK] = False
+    real[SINK_BLOCK] = False
     torch.testing.assert_close(cache.pool[:, :, real], reference_cache.pool[:, :, real], rtol=1e-12, atol=1e-6)
 
 
-def test_capture_warm_ups_write_only_the_null_block(model):
+def test_capture_warm_ups_write_only_the_sink_block(model):
     """capture_all warms each graph up on inputs that are all padding rows (CUDA runs the body once
     before capturing it): run here at full width, as a capture does, they leave every block a
-    request can own as it was, and the null block finite."""
+    request can own as it was, and the null block zero: they write the sink block only."""
     cfg = model.config
     cache = KVCache(cfg.num_layers, 30, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.model.norm.weight.dtype, CPU)
     cache.pool.normal_()
@@ -120,8 +120,8 @@ def test_capture_warm_ups_write_only_the_null_block(model):
                 steps.grow(k)
                 steps.upload_padding(bucket, k)
                 steps.verify_body(("verify", bucket, k, "greedy", False), steps.tables.width)
-    assert torch.equal(cache.pool[:, :, 1:], before[:, :, 1:])
-    assert cache.pool[:, :, NULL_BLOCK].isfinite().all() and not torch.equal(cache.pool, before)
+    assert torch.equal(cache.pool[:, :, SINK_BLOCK + 1:], before[:, :, SINK_BLOCK + 1:])
+    assert (cache.pool[:, :, NULL_BLOCK] == 0).all() and not torch.equal(cache.pool, before)
 
 
 def test_buckets_cover_every_batch():
@@ -135,7 +135,7 @@ def test_null_block_is_never_handed_out():
     cache = KVCache(1, 9, BLOCK, 1, 8, torch.float32, CPU)
     table = BlockTable()
     cache.allocator.grow(table, 9 * BLOCK)
-    assert sorted(table) == list(range(1, 10)) and cache.pool.shape[2] == 10 and cache.allocator.num_free == 0
+    assert sorted(table) == list(range(2, 11)) and cache.pool.shape[2] == 11 and cache.allocator.num_free == 0
 
 
 def test_device_tables_follow_truncate_and_grow():
@@ -185,7 +185,7 @@ def test_batch_padding_changes_no_token(spec_models, monkeypatch, tmp_path, name
         llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=40, max_num_seqs=19, **args)
         got = [o.token_ids for o in llm.generate(prompts, params, on_step=lambda reqs: check_tables(llm.engine))]
         for cache in (llm.engine.kv_cache, getattr(llm.engine.proposer, "kv_cache", llm.engine.kv_cache)):
-            assert cache.pool[:, :, NULL_BLOCK].isfinite().all()   # padding reads it: it must stay finite
+            assert (cache.pool[:, :, NULL_BLOCK] == 0).all()   # tables' padding reads it; nothing writes it
         assert llm.engine.stats.preemptions > 0
         assert_no_leak(llm)
         return got, llm.engine.step_graphs.buckets
@@ -259,12 +259,14 @@ def test_a_draft_models_round_as_one_graph_equals_its_eager_catch_up(spec_models
 
 
 def check_tables(engine):
-    """Every running request's table on the device holds its synced ids, and the null row nothing else."""
+    """Every running request's table on the device holds its synced ids and, past what it last
+    sent, only the null block (no stale id of another sequence); the null row nothing else."""
     tables = engine.step_graphs.tables
     for req in engine.scheduler.running:
         t = req.block_table
         if t.row is not None:
             assert tables.tables[t.row, :t.synced].tolist() == t[:t.synced]
+            assert (tables.tables[t.row, tables.row_len[t.row]:] == NULL_BLOCK).all()
     assert (tables.tables[tables.null_row] == NULL_BLOCK).all()
 
 
@@ -334,7 +336,7 @@ def test_cuda_decode_step_copies_once_each_way(spec_models, monkeypatch, name, b
 def test_the_largest_step_runs_on_a_one_block_engine(spec_models, name):
     """On CUDA the KV cache is sized after what the largest graphed step allocates (measure.step_memory):
     that step, sampling with truncation and draft probabilities at the largest bucket and K, runs on
-    padding rows of a one-block engine, touching only the null block (0 bytes counted on CPU)."""
+    padding rows of a one-block engine, touching only the sink block (0 bytes counted on CPU)."""
     from nanospec.measure import step_memory
     args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 4}
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=1, max_num_seqs=40, **args)

@@ -1,0 +1,369 @@
+"""The OpenAI-compatible server, driven by the real `openai` client on 127.0.0.1: its answers equal
+offline generate / chat token for token (every proposer, greedy and seeded sampling, whole and
+streamed); 32 concurrent clients with a quarter of them going away mid-stream leave no block behind;
+every error is in the OpenAI shape with its status; a request whose logits are not finite fails
+alone; SIGTERM under load finishes the streams and exits 0."""
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from conftest import PROMPTS, ROOT, assert_no_leak, proposer_args
+from nanospec import LLM, SamplingParams
+from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update, held_back
+from nanospec.serve import Server, uvicorn_server
+
+KV = dict(device="cpu", dtype="float32", kv_cache_gb=0.02)
+NAME = "tiny"
+
+
+@contextlib.contextmanager
+def serving(llm, **kw):
+    """The server over `llm` on a free port, in a thread; yields (server, base URL)."""
+    server = Server(llm, NAME, **kw)
+    sock = socket.create_server(("127.0.0.1", 0))
+    http = uvicorn_server(server.app(), "127.0.0.1", 0, graceful_seconds=10)
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not http.started and time.time() < deadline:
+        time.sleep(0.02)
+    try:
+        yield server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        http.should_exit = True
+        thread.join(30)
+        assert not server.loop.thread.is_alive()
+
+
+def client(url, key="none"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def post(url, body, headers=None):
+    """(status, JSON body) of a raw POST; body: bytes as sent, or an object to send as JSON."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metrics(url) -> dict:
+    """Prometheus samples without their labels but model_name's, summed: name{other labels} -> value."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            labels = ",".join(x for x in re.findall(r'\w+="[^"]*"', name) if not x.startswith("model_name="))
+            out[name.split("{")[0] + (f"{{{labels}}}" if labels else "")] = float(value)
+    return out
+
+
+GREEDY = dict(temperature=0, max_tokens=16)
+SEEDED = dict(temperature=0.8, top_p=0.9, max_tokens=16)
+CONVERSATIONS = [[{"role": "user", "content": "hello there!"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1234567890 numbers"},
+                  {"role": "assistant", "content": "It was"}, {"role": "user", "content": "The quick brown fox"}]]
+
+
+def params(kw, seed=None):
+    return SamplingParams(**kw, seed=seed)
+
+
+@pytest.mark.parametrize("proposer", ["plain", "ngram", "draft", "eagle1", "eagle3"])
+def test_answers_equal_offline_generate_and_chat(spec_models, proposer):
+    llm = LLM(spec_models["target"], **KV, **({} if proposer == "plain" else proposer_args(spec_models, proposer)))
+    prompts = PROMPTS[:4]
+    greedy = [o.text for o in llm.generate(prompts, params(GREEDY))]
+    seeded = llm.generate(prompts, [params(SEEDED, seed=i) for i in range(len(prompts))])
+    chats = [llm.chat(c, params(GREEDY))[0] for c in CONVERSATIONS]
+    with serving(llm) as (server, url):
+        api = client(url)
+        for i, prompt in enumerate(prompts):
+            out = api.completions.create(model=NAME, prompt=prompt, **GREEDY)
+            assert out.choices[0].text == greedy[i]
+            sampled = api.completions.create(model=NAME, prompt=prompt, seed=i, **SEEDED)
+            assert sampled.choices[0].text == seeded[i].text
+            assert sampled.usage.completion_tokens == len(seeded[i].token_ids)
+            assert sampled.usage.prompt_tokens == len(seeded[i].prompt_token_ids)
+            stream = api.completions.create(model=NAME, prompt=prompt, seed=i, stream=True,
+                                            stream_options={"include_usage": True}, **SEEDED)
+            chunks = list(stream)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == seeded[i].text
+            assert chunks[-1].usage.completion_tokens == len(seeded[i].token_ids)
+            assert chunks[-2].choices[0].finish_reason == seeded[i].finish_reason
+        for conversation, expected in zip(CONVERSATIONS, chats):
+            out = api.chat.completions.create(model=NAME, messages=conversation, **GREEDY)
+            assert out.choices[0].message.content == expected.text
+            assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+            stream = api.chat.completions.create(model=NAME, messages=conversation, stream=True, **GREEDY)
+            assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
+        if proposer != "plain":   # the request's own figures ride in usage
+            speculation = out.usage.model_extra["speculation"]
+            assert speculation["draft_tokens"] >= speculation["accepted_tokens"] >= 0 and speculation["draft_steps"] > 0
+    assert_no_leak(llm)
+
+
+@pytest.fixture(scope="module")
+def ngram_llm(spec_models):
+    return LLM(spec_models["target"], ngram=True, **KV)
+
+
+def mixed_params(i: int) -> SamplingParams:
+    """Request i of 32: greedy or sampled (top-p, top-k), its own seed, length and K (0..4)."""
+    sampled = i % 3 != 0
+    return SamplingParams(temperature=0.7 if sampled else 0, top_p=0.9 if i % 2 else 1.0, top_k=20 if i % 4 == 1 else 0,
+                          seed=1000 + i, max_tokens=8 + i % 9, num_speculative_tokens=i % 5, ignore_eos=True)
+
+
+def test_32_concurrent_clients_a_quarter_of_them_leaving(ngram_llm):
+    """Every staying request gets its offline answer; the ones that leave mid-stream are aborted
+    with every block of theirs; the server answers afterwards."""
+    llm = ngram_llm
+    n = 32
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    expected = [o.text for o in llm.generate(prompts, [mixed_params(i) for i in range(n)])]
+    leaving = set(range(0, n, 4))
+    got, errors = {}, []
+    with serving(llm) as (server, url):
+        def one(i):
+            try:
+                p = mixed_params(i)
+                extra = {"top_k": p.top_k, "ignore_eos": True, "num_speculative_tokens": p.num_speculative_tokens}
+                if i in leaving:   # a long answer, dropped after two chunks
+                    stream = client(url).completions.create(model=NAME, prompt=prompts[i], max_tokens=400,
+                                                            temperature=0.7, seed=i, stream=True, extra_body=extra)
+                    for k, _ in enumerate(stream):
+                        if k == 1:
+                            break
+                    stream.close()
+                    return
+                stream = client(url).completions.create(model=NAME, prompt=prompts[i], max_tokens=p.max_tokens,
+                                                        temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                                                        stream=True, extra_body=extra)
+                got[i] = "".join(c.choices[0].text for c in stream)
+            except Exception as e:   # reported below, with the request's number
+                errors.append((i, repr(e)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+        assert got == {i: expected[i] for i in range(n) if i not in leaving}
+        deadline = time.time() + 30
+        while time.time() < deadline:   # the aborts land at the next step
+            m = metrics(url)
+            if m["nanospec:num_requests_running"] == 0 and m["nanospec:num_requests_waiting"] == 0:
+                break
+            time.sleep(0.1)
+        assert m['nanospec:kv_cache_free_blocks{pool="target"}'] == m['nanospec:kv_cache_blocks{pool="target"}']
+        assert m['nanospec:request_success_total{finished_reason="abort"}'] == len(leaving)
+        assert m['nanospec:request_success_total{finished_reason="length"}'] == n - len(leaving)
+        assert m["nanospec:spec_decode_num_draft_tokens_total"] >= m["nanospec:spec_decode_num_accepted_tokens_total"]
+        assert client(url).completions.create(model=NAME, prompt="The", max_tokens=4).choices[0].text is not None
+    assert_no_leak(llm)
+
+
+def error(status_body):
+    status, body = status_body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return status, body["error"]
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{bad", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "must be a JSON object"),
+    ({"prompt": "x", "foo": 1}, 400, "unknown field foo"),
+    ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"prompt": "x", "logprobs": 3}, 400, "logprobs=3 is not supported"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens must be an integer >= 1"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a finite number"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop holds an empty string"),
+    ({"prompt": "x", "stop": 5}, 400, "stop must be a string or a list of strings"),
+    ({"prompt": "x", "num_speculative_tokens": 2}, 400, "has no proposer"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed requests"),
+    ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ({"prompt": [999999]}, 400, "outside this model and tokenizer's ids"),
+    ({"prompt": "x " * 600}, 400, "the context holds"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, 'the model "gpt-4" is not served here'),
+])
+def test_errors_are_in_the_openai_shape(tiny_served, body, status, message):
+    url, key = tiny_served
+    got_status, err = error(post(url + "/v1/completions", body, {"Authorization": f"Bearer {key}"}))
+    assert got_status == status and message in err["message"]
+
+
+def test_chat_errors_and_unsupported_fields(tiny_served):
+    url, key = tiny_served
+    auth = {"Authorization": f"Bearer {key}"}
+    for body, message in [({"messages": "hi"}, "messages"), ({"messages": [{"role": "user"}], "tools": [{}]}, "tools"),
+                          ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                            "max_completion_tokens": 4}, "not both")]:
+        status, err = error(post(url + "/v1/chat/completions", body, auth))
+        assert status == 400 and message in err["message"]
+
+
+def test_api_key_unknown_routes_and_a_full_queue(tiny_served, monkeypatch):
+    url, key = tiny_served
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        status, err = error(post(url + "/v1/completions", {"prompt": "x"}, headers))
+        assert status == 401 and err["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client(url, "wrong").models.list()
+    assert [m.id for m in client(url, key).models.list()] == [NAME]
+    assert urllib.request.urlopen(url + "/health").status == 200
+    status, err = error(post(url + "/v1/nothing", {}))
+    assert status == 404
+    with pytest.raises(openai.APIStatusError) as e:
+        client(url, key).completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"best_of": 3})
+    assert e.value.status_code == 400
+
+
+def test_a_full_queue_is_503_with_retry_after(tiny_llm):
+    with serving(tiny_llm) as (server, url):
+        server.loop.max_waiting = 0
+        request = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}')
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=30)
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+        assert "already waiting" in json.loads(e.value.read())["error"]["message"]
+        server.loop.max_waiting = 10
+        assert client(url).completions.create(model=NAME, prompt="x", max_tokens=2).choices
+
+
+@pytest.fixture(scope="module")
+def tiny_served(spec_models):
+    llm = LLM(spec_models["target"], **KV, max_model_len=512)
+    with serving(llm, api_key="sekret") as (server, url):
+        yield url, "sekret"
+
+
+def test_the_loop_counts_its_waiting_requests(tiny_llm):
+    loop = EngineLoop(tiny_llm.engine, max_waiting=1)   # not started: nothing leaves the inbox
+    make = lambda: tiny_llm.engine.new_request(0, "", [5, 6], SamplingParams(max_tokens=2))
+    loop.submit(make(), print)
+    with pytest.raises(QueueFull, match="1 requests are already waiting"):
+        loop.submit(make(), print)
+
+
+def test_a_request_with_non_finite_logits_fails_alone(spec_models):
+    """A prompt holding a token whose embedding is NaN fails with a 500 naming the cause; requests
+    in the same batch get their offline answers (their caches recomputed) and the server goes on."""
+    llm = LLM(spec_models["target"], **KV)
+    prompts = PROMPTS[:3]
+    expected = llm.generate(prompts, params(GREEDY))
+    used = {t for o in expected for t in o.prompt_token_ids + o.token_ids}
+    bad = next(t for t in range(3, 300) if t not in used)
+    with torch.no_grad():
+        llm.model.model.embed_tokens.weight[bad] = float("nan")
+    results = {}
+    with serving(llm) as (server, url):
+        def one(key, prompt):
+            results[key] = post(url + "/v1/completions", {"prompt": prompt, **GREEDY})
+        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+        threads.append(threading.Thread(target=one, args=("bad", [5, bad, 7])))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        status, err = error(results.pop("bad"))
+        assert status == 500 and "produced NaN or infinite logits" in err["message"]
+        assert {i: r[1]["choices"][0]["text"] for i, r in results.items()} == {i: o.text for i, o in enumerate(expected)}
+        assert post(url + "/v1/completions", {"prompt": prompts[0], **GREEDY})[1]["choices"][0]["text"] == expected[0].text
+    assert_no_leak(llm)
+
+
+def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
+    """Token by token, what a client has seen is always a start of the final text (no character
+    sent in halves, nothing of the stop sent), and the deltas add up to it."""
+    tok = tiny_llm.tokenizer
+    assert held_back("abc xy", ["xyz"]) == 2 and held_back("abc", ["xyz"]) == 0
+    final = "héllo wörld, "
+    ids = tok.encode(final + "stop here")
+    end = next(n for n in range(len(ids)) if "stop" in tok.decode(ids[:n + 1]))   # where the engine would stop
+    stream, seen = TextStream(tok, ["stop"]), ""
+    for t in ids[:end]:
+        seen += stream.push(Update([t]))
+        assert final.startswith(seen)
+    assert seen + stream.push(Update([ids[end]], "stop", final)) == final
+
+
+def test_decode_steps_run_between_the_chunks_of_a_long_prompt(spec_models):
+    """With decode_between_prefills (the server's setting), a request already decoding gets a step
+    between every two prefill chunks of a long prompt; offline, all chunks go first."""
+    for between, expect_gaps in ((True, True), (False, False)):
+        llm = LLM(spec_models["target"], **KV, max_num_batched_tokens=32)
+        llm.engine.scheduler.decode_between_prefills = between
+        engine = llm.engine
+        short = engine.new_request(0, "", [5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        engine.add_requests([short])
+        while not short.output_ids:
+            engine.step()
+        long = engine.new_request(1, "", list(range(3, 200)), SamplingParams(temperature=0, max_tokens=2))
+        engine.add_requests([long])
+        kinds = []
+        while long.in_prefill or long.num_cached == 0:
+            before = len(short.output_ids)
+            engine.step()
+            kinds.append("decode" if len(short.output_ids) > before else "prefill")
+        chunks = kinds.count("prefill")
+        assert chunks >= 6
+        assert (kinds.count("decode") >= chunks - 1) == expect_gaps
+        engine.abort([short, long])
+
+
+def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--target", spec_models["target"], "--device",
+                             "cpu", "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        outs = {}
+
+        def one(i):
+            stream = client(url).completions.create(model=spec_models["target"], prompt=PROMPTS[i], max_tokens=150,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+            outs[i] = [c.choices[0].finish_reason for c in stream if c.choices]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0
+        stderr = proc.stderr.read()
+        assert "Traceback" not in stderr and "stopped" in stderr
+        assert all(outs[i][-1] == "length" for i in range(4))   # each stream ran to its end
+    finally:
+        proc.kill()
