@@ -257,6 +257,7 @@ class LLM:
         if speculative_disable_queue_size is not None:
             policy = QueueSwitch(policy, speculative_disable_queue_size)
         self.engine = make_engine(num_blocks, policy)
+        self.engine.max_k = k   # a request may ask for less (SamplingParams.num_speculative_tokens), never more
         self.engine.step_graphs.capture_all(range(k + 1))   # CUDA graphs of every K the policy can choose
 
     def check_pool(self, num_blocks: int, block_size: int, block_bytes: int, max_model_len: int | None) -> None:
@@ -370,8 +371,16 @@ class LLM:
                     for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
         self.engine.stats = Stats()        # llm.stats describes this call
         self.engine.add_requests(requests)  # only once every request is valid
+
+        def after_step(updated):   # offline, one failed request (its logits not finite) ends the call
+            failed = next((r for r in updated if r.error), None)
+            if failed:
+                raise NanospecError(failed.error)
+            if on_step:
+                on_step(updated)
+
         try:
-            self.engine.run_to_completion(on_step)
+            self.engine.run_to_completion(after_step)
         except BaseException:   # an error, or Ctrl-C: this call's requests leave with their blocks
             self.engine.abort(requests)
             raise

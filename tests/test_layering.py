@@ -17,9 +17,9 @@ LAYERS = [
     {"tokenizer", "eagle", "cuda_graph"},
     {"engine"},
     {"measure"},
-    {"llm", "baseline"},
+    {"llm", "baseline", "engine_loop", "metrics"},
     {"__init__", "cli", "gpu_check"},   # the package's names (LLM, SamplingParams, ...); the command lines' shared flags
-    {"generate", "bench", "profiler"},
+    {"generate", "bench", "profiler", "serve"},
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py"))
