@@ -12,6 +12,7 @@ examples:
   python -m nanospec.bench --batch-sizes 1,8,32 --max-new-tokens 64
   python -m nanospec.bench --ngram --ks 0,2,4,6 --batch-sizes 1 --categories code_edit,summarize,extract
   python -m nanospec.bench --ngram --ks 0,4,dynamic --batch-sizes 4 --num-requests 48 --continuous --no-transformers --out bench.json
+  python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --max-concurrency 4   # a server (bench_serve.py)
 """
 from __future__ import annotations
 
@@ -332,6 +333,10 @@ def print_table(report: dict) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:   # `bench serve`: the OpenAI-API client (bench_serve.py)
+        from nanospec import bench_serve
+        return bench_serve.main(argv[1:])
     args = parse_args(argv)
     if args.gpu_check:
         return run_command(lambda: gpu_check(args.device, args.out, log, *gpu_check_args(args)))

@@ -1,0 +1,279 @@
+"""Benchmark an OpenAI-compatible server (nanospec's, vLLM's, any): send N prompts at a request
+rate (Poisson arrivals) or at a fixed concurrency, stream every answer, and measure what vLLM's
+`bench serve` measures: TTFT (to the first chunk with text), TPOT ((latency - TTFT) / (output
+tokens - 1), per request), ITL (between two chunks with text: a speculative step's several tokens
+are one chunk), end-to-end latency, request and output-token throughput; output tokens are the
+server's own count (usage, asked for with stream_options.include_usage). Where the server's
+/metrics has speculative-decoding counters (vllm:spec_decode_* or nanospec:spec_decode_*), their
+change over the run gives the acceptance length. Prints a table; --out writes JSON with the command.
+
+example:
+  python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --num-prompts 16 --max-concurrency 4
+  python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --num-prompts 32 --request-rate 2 --out rate2.json
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import random
+import re
+import sys
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+from nanospec.cli import log, parser
+from nanospec.errors import NanospecError, run_command
+from nanospec.prompts import read_prompts_file, shipped_prompts
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float | None = None
+    latency: float | None = None
+    chunk_times: list[float] = field(default_factory=list)   # when each chunk with text came
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+def build_parser():
+    ap = parser("python -m nanospec.bench serve", __doc__)
+    ap.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--model", help="the model name to send (default: the first of GET /v1/models)")
+    ap.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    ap.add_argument("--dataset", default="shipped", help="shipped (nanospec's prompts) or a FILE.jsonl of 'prompt's")
+    ap.add_argument("--num-prompts", type=int, default=16, metavar="N", help="requests to send (prompts cycle)")
+    load = ap.add_mutually_exclusive_group()
+    load.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
+                      help="requests per second, Poisson arrivals (default: all at once)")
+    load.add_argument("--max-concurrency", type=int, default=None, metavar="C", help="requests in flight at most")
+    ap.add_argument("--max-tokens", type=int, default=64, metavar="N", help="max_tokens of every request")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                    help="chat: the prompt as one user message, in the server's chat template")
+    ap.add_argument("--extra-body", default="{}", metavar="JSON",
+                    help='more request fields, e.g. \'{"ignore_eos": true}\'')
+    ap.add_argument("--seed", type=int, default=0, help="the arrival times' seed")
+    ap.add_argument("--label", default="", help="a name for this run in the table and JSON")
+    ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON")
+    return ap
+
+
+def load_prompts(dataset: str, n: int) -> list[str]:
+    prompts = [r["prompt"] for r in shipped_prompts()] if dataset == "shipped" else read_prompts_file(dataset)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+class Client:
+    """Plain HTTP/1.1 with one connection per request (http.client: no dependency)."""
+
+    def __init__(self, base_url: str, api_key: str | None):
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise NanospecError(f"--base-url must be http://HOST:PORT, got {base_url!r}")
+        self.url, self.path = url, url.path.rstrip("/")
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def connect(self, timeout: float = 600):
+        kind = http.client.HTTPSConnection if self.url.scheme == "https" else http.client.HTTPConnection
+        return kind(self.url.hostname, self.url.port, timeout=timeout)
+
+    def get(self, path: str) -> str:
+        conn = self.connect(30)
+        try:
+            conn.request("GET", self.path + path, headers=self.headers)
+            response = conn.getresponse()
+            body = response.read().decode()
+            if response.status != 200:
+                raise NanospecError(f"GET {path}: {response.status} {body[:200]}")
+            return body
+        except OSError as e:
+            raise NanospecError(f"cannot reach {self.url.geturl()} ({e}); is the server up?") from None
+        finally:
+            conn.close()
+
+    def stream(self, endpoint: str, body: dict) -> Result:
+        result, conn = Result(start=time.perf_counter()), self.connect()
+        path = self.path + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
+        try:
+            conn.request("POST", path, body=json.dumps(body), headers=self.headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                result.error = f"{response.status} {response.read().decode()[:200]}"
+                return result
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                self.take(json.loads(data), result, endpoint)
+            result.ok = result.error == "" and result.latency is not None
+        except (OSError, ValueError) as e:
+            result.error = repr(e)
+        finally:
+            conn.close()
+        return result
+
+    @staticmethod
+    def take(chunk: dict, result: Result, endpoint: str) -> None:
+        now = time.perf_counter()
+        if "error" in chunk:
+            result.error = str(chunk["error"].get("message"))
+        if chunk.get("usage"):
+            result.output_tokens = chunk["usage"].get("completion_tokens") or 0
+            result.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
+            if text:
+                result.chunk_times.append(now)
+                if result.ttft is None:
+                    result.ttft = now - result.start
+            if text or choice.get("finish_reason"):
+                result.latency = now - result.start
+                if result.ttft is None:   # an answer with no text (EOS first): its end is its first token
+                    result.ttft = result.latency
+
+
+def spec_counters(client: Client) -> dict:
+    """The speculative-decoding counters of the server's /metrics, summed over labels ({} if none)."""
+    try:
+        text = client.get("/metrics")
+    except NanospecError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(?:vllm|nanospec):spec_decode_(num_drafts|num_accepted_tokens)_total(?:\{[^}]*\})? (\S+)", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def run_load(client: Client, endpoint: str, bodies: list[dict], rate: float, concurrency: int | None,
+             seed: int) -> tuple[list[Result], float]:
+    """Send every body (at Poisson arrival times of `rate`, or keeping `concurrency` in flight);
+    returns the results in order and the run's duration."""
+    results: list[Result | None] = [None] * len(bodies)
+    slots = threading.Semaphore(concurrency or len(bodies))
+    rng = random.Random(seed)
+
+    def one(i):
+        try:
+            results[i] = client.stream(endpoint, bodies[i])
+        finally:
+            slots.release()
+
+    start, threads, arrival = time.perf_counter(), [], 0.0
+    for i in range(len(bodies)):
+        if math.isfinite(rate):
+            arrival += rng.expovariate(rate)
+            time.sleep(max(0.0, start + arrival - time.perf_counter()))
+        slots.acquire()
+        thread = threading.Thread(target=one, args=(i,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - start
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    s = sorted(values)
+
+    def at(q):   # linear interpolation, as numpy's default
+        x = q * (len(s) - 1)
+        lo = int(x)
+        return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
+    return {"mean": sum(s) / len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def summarize(results: list[Result], duration: float, before: dict, after: dict) -> dict:
+    ok = [r for r in results if r.ok]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    out_tokens = sum(r.output_tokens for r in ok)
+    summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+               "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+               "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_tokens for r in ok),
+               "ttft_s": percentiles([r.ttft for r in ok]), "tpot_s": percentiles(tpots), "itl_s": percentiles(itls),
+               "e2el_s": percentiles([r.latency for r in ok])}
+    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    if drafts > 0:
+        summary["acceptance_length"] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        summary["first_error"] = errors[0]
+    return summary
+
+
+def format_row(label: str, s: dict) -> str:
+    ms = lambda d, k: f"{1000 * d[k]:8.1f}" if d[k] is not None else "       -"
+    al = f"{s['acceptance_length']:.2f}" if "acceptance_length" in s else "-"
+    return (f"{label:<28} {s['completed']:>4} {ms(s['ttft_s'], 'p50')} {ms(s['ttft_s'], 'p99')} "
+            f"{ms(s['tpot_s'], 'p50')} {ms(s['itl_s'], 'p50')} {ms(s['itl_s'], 'p99')} "
+            f"{s['request_throughput']:7.2f} {s['output_throughput']:8.1f} {al:>5}")
+
+
+HEADER = (f"{'run':<28} {'done':>4} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p50':>8} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'req/s':>7} {'tok/s':>8} {'AL':>5}   (times in ms)")
+
+
+def run(args) -> dict:
+    if args.num_prompts < 1:
+        raise NanospecError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise NanospecError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.request_rate > 0:
+        raise NanospecError(f"--request-rate must be above 0, got {args.request_rate}")
+    try:
+        extra = json.loads(args.extra_body)
+    except json.JSONDecodeError as e:
+        raise NanospecError(f"--extra-body is not JSON ({e.msg}); give an object like '{{\"ignore_eos\": true}}'") from None
+    if not isinstance(extra, dict):
+        raise NanospecError("--extra-body must be a JSON object")
+    client = Client(args.base_url, args.api_key)
+    model = args.model or json.loads(client.get("/v1/models"))["data"][0]["id"]
+    prompts = load_prompts(args.dataset, args.num_prompts)
+    bodies = []
+    for prompt in prompts:
+        body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}
+        body.update({"messages": [{"role": "user", "content": prompt}]} if args.endpoint == "chat" else {"prompt": prompt})
+        bodies.append(body)
+    load = f"concurrency {args.max_concurrency}" if args.max_concurrency else f"rate {args.request_rate:g}/s"
+    log(f"bench serve: {len(bodies)} requests to {args.base_url} ({model}), {load} ...")
+    before = spec_counters(client)
+    results, duration = run_load(client, args.endpoint, bodies, args.request_rate, args.max_concurrency, args.seed)
+    summary = summarize(results, duration, before, spec_counters(client))
+    label = args.label or load
+    print(HEADER)
+    print(format_row(label, summary))
+    report = {"label": label, "base_url": args.base_url, "model": model, "endpoint": args.endpoint,
+              "num_prompts": args.num_prompts, "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+              "max_concurrency": args.max_concurrency, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "extra_body": extra, "dataset": args.dataset, **summary,
+              "command": "python -m nanospec.bench serve " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["serve"]
+                                                                       else sys.argv[1:])}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
