@@ -104,7 +104,7 @@ def include_usage(body: dict) -> bool:
     options = body.get("stream_options")
     if options is None:
         return False
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError(400, 'stream_options must be {"include_usage": true or false}', param="stream_options")
     if not body.get("stream"):
         raise ApiError(400, "stream_options is only for streamed requests (stream: true)", param="stream_options")
