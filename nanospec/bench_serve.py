@@ -187,14 +187,14 @@ def run_load(client: Client, endpoint: str, bodies: list[dict], rate: float, con
 
 def percentiles(values: list[float]) -> dict:
     if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     s = sorted(values)
 
     def at(q):   # linear interpolation, as numpy's default
         x = q * (len(s) - 1)
         lo = int(x)
         return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
-    return {"mean": sum(s) / len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+    return {"mean": sum(s) / len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": s[-1]}
 
 
 def summarize(results: list[Result], duration: float, before: dict, after: dict) -> dict:

@@ -367,3 +367,20 @@ def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
         assert all(outs[i][-1] == "length" for i in range(4))   # each stream ran to its end
     finally:
         proc.kill()
+
+
+def test_bench_serve_measures_a_live_server(tiny_llm, capsys, tmp_path):
+    """`python -m nanospec.bench serve` against the server: every request completes, output
+    tokens are the server's count, and the figures are ordered as they must be."""
+    from nanospec import bench_serve
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    with serving(tiny_llm) as (server, url):
+        args = bench_serve.build_parser().parse_args(["--base-url", url, "--num-prompts", "6", "--max-concurrency", "3",
+                                                      "--dataset", str(dataset),
+                                                      "--max-tokens", "8", "--extra-body", '{"ignore_eos": true}'])
+        report = bench_serve.run(args)
+    assert report["completed"] == 6 and report["failed"] == 0 and report["output_tokens"] == 6 * 8
+    assert 0 < report["ttft_s"]["p50"] <= report["e2el_s"]["p50"]
+    assert report["itl_s"]["p50"] <= report["itl_s"]["max"] and report["request_throughput"] > 0
+    assert "concurrency 3" in capsys.readouterr().out
