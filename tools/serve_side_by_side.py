@@ -117,11 +117,14 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--only", default="", help="comma-separated server labels to run (default: all)")
+    ap.add_argument("--long-prompts-only", action="store_true",
+                    help="only the long-prompt ITL rows (nanospec, with and without --prefill-first)")
+    ap.add_argument("--nanospec-args", default="", help="more flags for nanospec's server, e.g. '--threads 1'")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     prompts = load_prompts("shipped", args.num_prompts)
     py = sys.executable
-    nanospec = [py, "-m", "nanospec.serve", "--target", args.model, "--max-model-len", "2048"]
+    nanospec = [py, "-m", "nanospec.serve", "--target", args.model, "--max-model-len", "2048", *args.nanospec_args.split()]
     servers = [("nanospec plain", nanospec, {}), ("nanospec ngram K=4", nanospec + ["--ngram"], {}),
                ("nanospec ngram dynamic K", nanospec + ["--ngram", "--dynamic-k"], {})]
     if args.vllm_python:
@@ -143,7 +146,8 @@ def main() -> None:
         result["servers"].append(label)
         proc = start(cmd + ["--port", str(port)], port, env, f"/tmp/serve_{label.replace(' ', '_')}.log")
         try:
-            measure(port, label, prompts, args.max_tokens, rows)
+            if not args.long_prompts_only:
+                measure(port, label, prompts, args.max_tokens, rows)
             if label == "nanospec plain":
                 long_prompt_itl(port, label + " (decode between chunks)", prompts, rows)
         finally:
