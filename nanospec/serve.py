@@ -58,7 +58,7 @@ FIELDS = {"completions": COMMON | {"prompt"},
 NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
            "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "functions": ([],),
-           "response_format": ({"type": "text"},), "stream_options": ()}
+           "response_format": ({"type": "text"},)}
 
 
 def check_fields(body: dict, endpoint: str) -> None:
