@@ -320,6 +320,12 @@ def non_finite_error(req: Request, flag: int, proposer) -> str:
             "overflowed; check the checkpoint, or run in float32 (--dtype float32, dtype='float32')")
 
 
+def own_cap(req: Request, k: int) -> int:
+    """k, at most the request's own num_speculative_tokens (0: no speculation for it)."""
+    cap = req.params.num_speculative_tokens
+    return k if cap is None else min(k, cap)
+
+
 def note_speculation(req: Request, num_draft: int, num_accepted: int) -> None:
     """Count a decode step's drafts in the request's own figures (its usage, in the server)."""
     req.spec_steps += 1
@@ -445,16 +451,12 @@ class Engine:
             self.step_k, self.request_k = 0, {}
             return
         ks = self.k_policy.choose(decoding, len(self.scheduler.waiting) + len(self.scheduler.running))
-        ks = [k if r.params.num_speculative_tokens is None else min(k, r.params.num_speculative_tokens)
-              for r, k in zip(decoding, ks)]   # a request's own cap (0: no speculation for it)
+        ks = [own_cap(r, k) for r, k in zip(decoding, ks)]
         self.step_k, self.request_k = max(ks), {id(r): k for r, k in zip(decoding, ks)}
 
     def num_drafts(self, req: Request) -> int:
         """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left)."""
-        k = self.request_k.get(id(req), self.step_k)
-        if req.params.num_speculative_tokens is not None:
-            k = min(k, req.params.num_speculative_tokens)
-        return max(0, min(k, req.max_len - len(req.tokens) - 1))
+        return max(0, min(own_cap(req, self.request_k.get(id(req), self.step_k)), req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:
         """One forward pass over the scheduled batch; returns the requests that got new tokens."""

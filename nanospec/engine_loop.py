@@ -28,7 +28,7 @@ class QueueFull(NanospecError):
 @dataclass
 class Update:
     new_ids: list[int]               # tokens committed since the last update
-    finish_reason: str | None = None   # "stop", "length", "abort" or "error" on the last update
+    finish_reason: str | None = None   # "stop", "length" or "error" on the last update (an abort sends none)
     text: str | None = None          # the whole output text, on the last update (before any stop)
     error: str | None = None         # why it failed (finish_reason "error")
 
@@ -52,7 +52,6 @@ class EngineLoop:
         self.aborts: deque[Request] = deque()
         self.tracked: dict[int, Tracked] = {}       # id(request) -> its record, while in the engine
         self.stopping = False
-        self.error: str | None = None               # set if the loop itself died
         self.thread = threading.Thread(target=self.run, name="nanospec-engine", daemon=True)
 
     def start(self) -> "EngineLoop":

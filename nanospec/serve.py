@@ -205,7 +205,9 @@ class Server:
         try:
             if (error := self.auth_error(request)) is not None:
                 raise error
-            req, body = self.new_request(await self.read_body(request), endpoint)
+            body = await self.read_body(request)
+            req = self.new_request(body, endpoint)
+            reply = Reply(self, req, endpoint, body)   # checks stream_options
             updates: asyncio.Queue[Update] = asyncio.Queue()
             loop = asyncio.get_running_loop()
             self.loop.submit(req, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
@@ -215,7 +217,6 @@ class Server:
             return ApiError(503, str(e), kind="server_error", code="queue_full", headers={"Retry-After": "1"}).response()
         except NanospecError as e:   # a bad value, a prompt over the context: the engine's own one line
             return ApiError(400, str(e)).response()
-        reply = Reply(self, req, endpoint, body)
         if body.get("stream"):
             return StreamingResponse(self.stream(reply, updates), media_type="text/event-stream")
         return await self.whole(request, reply, updates)
@@ -235,24 +236,20 @@ class Server:
         if model is not None and model != self.name:
             raise ApiError(404, f"the model {json.dumps(model)} is not served here; use {json.dumps(self.name)} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
-        include_usage(body)
         bool_field(body, "stream", False)
         llm = self.llm
         if endpoint == "chat":
-            kwargs = body.get("chat_template_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
             messages = body.get("messages")
             if not (isinstance(messages, list) and messages):
                 raise ApiError(400, 'messages must be a non-empty list of {"role", "content"} objects', param="messages")
-            ids = llm.encode_chat(messages, chat_template_kwargs=kwargs,
+            ids = llm.encode_chat(messages, chat_template_kwargs=body.get("chat_template_kwargs"),
                                   add_generation_prompt=bool_field(body, "add_generation_prompt", True))
             text, default_max = "", max(1, llm.max_model_len - len(ids))   # chat: up to the context
         else:
             (text, ids), default_max = completion_prompt(llm, body), 16     # completions: the API's 16
         params = sampling_params(body, default_max)
         self.count += 1
-        return llm.engine.new_request(self.count, text, ids, params), body
+        return llm.engine.new_request(self.count, text, ids, params)
 
     async def whole(self, request: HttpRequest, reply: "Reply", updates: asyncio.Queue):
         while True:

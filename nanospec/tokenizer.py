@@ -182,8 +182,7 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
         raise NanospecError(f"{path}: added_tokens must be a list of objects; re-download the tokenizer")
     specials = {t.get("content"): t.get("id") for t in added}
     check_vocabulary(vocab, specials, path)
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    config = read_json(config_path) if os.path.exists(config_path) else {}
+    config = tokenizer_config(folder)
     post = json.dumps(data.get("post_processor") or {})
     bos = config.get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
@@ -193,6 +192,12 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
                      eos_tokens=STOP_TOKEN_NAMES,
                      chat_template=load_template(folder, config, special_tokens=named_special_tokens(config),
                                                  vocab_specials=specials))
+
+
+def tokenizer_config(folder: str) -> dict:
+    """tokenizer_config.json of the folder ({} without one)."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    return read_json(path) if os.path.exists(path) else {}
 
 
 def from_tiktoken_model(folder: str) -> Tokenizer:
@@ -209,8 +214,7 @@ def from_tiktoken_model(folder: str) -> Tokenizer:
                                         "tiktoken-format tokenizer.model is supported (not a SentencePiece one)") from e
     ranked.sort(key=lambda pair: pair[1])
     specials = {s: len(ranked) + i for i, s in enumerate(LLAMA3_SPECIAL_TOKENS)}
-    config_path = os.path.join(folder, "tokenizer_config.json")
-    config = read_json(config_path) if os.path.exists(config_path) else {}
+    config = tokenizer_config(folder)
     named = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", **named_special_tokens(config)}
     return Tokenizer(ranked, specials, LLAMA3_PATTERN, add_bos=True, bos_token="<|begin_of_text|>",
                      eos_tokens=STOP_TOKEN_NAMES,

@@ -100,12 +100,10 @@ def offline_tpot(model: str, prompts: list[str], max_tokens: int) -> dict:
     tpots = []
     for p in prompts:
         times = []
-        start = time.perf_counter()
         out = llm.generate([p], SamplingParams(temperature=0, max_tokens=max_tokens), chat=True,
                            on_step=lambda reqs: times.append(time.perf_counter()) if reqs else None)[0]
         if len(out.token_ids) > 1:
             tpots.append((times[-1] - times[0]) / (len(out.token_ids) - 1))
-        del start
     tpots.sort()
     return {"requests": len(tpots), "tpot_mean_s": sum(tpots) / len(tpots), "tpot_p50_s": tpots[len(tpots) // 2]}
 
