@@ -82,13 +82,12 @@ def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str
                     help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
 
 
-def set_threads(threads: int | None, reserve: int = 0) -> None:
-    """torch's CPU threads: `threads`, or by default one per core that other work leaves free, less
-    `reserve` cores kept for the process's other threads (OpenMP threads that share a busy core
-    wait on each other: see docs/performance.md)."""
+def set_threads(threads: int | None) -> None:
+    """torch's CPU threads: `threads`, or by default one per core that other work leaves free
+    (OpenMP threads that share a busy core wait on each other: see docs/performance.md)."""
     if threads is None:
         cores = os.cpu_count() or 1
-        threads = max(1, min(cores, round(cores - busy_cores())) - reserve)
+        threads = max(1, min(cores, round(cores - busy_cores())))
     elif threads < 1:
         raise NanospecError(f"--threads must be an integer >= 1, got {threads}")
     torch.set_num_threads(threads)
@@ -126,16 +125,15 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
                       help="no speculation while more than N requests wait or run (default: always speculate)")
 
 
-def load_llm(args, reserve_cores: int = 0, **sizes):
+def load_llm(args, **sizes):
     """The LLM the model, device, proposer and K flags (add_model_args, add_speculation_args, and a
     --max-model-len) ask for, every flag checked before anything loads; sizes: the engine's other
-    sizes (max_num_seqs, ...); reserve_cores: cores the default --threads leaves to other threads.
-    Logs the loading on stderr."""
+    sizes (max_num_seqs, ...). Logs the loading on stderr."""
     from nanospec.llm import LLM, EngineSizes, SpeculativeConfig   # the one command-line piece that loads a model
     SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
                       args.per_request_k, args.speculative_disable_queue_size).validate()
     EngineSizes(max_model_len=args.max_model_len, **sizes).validate()
-    set_threads(args.threads, reserve_cores)
+    set_threads(args.threads)
     start = time.perf_counter()
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,

@@ -1,11 +1,17 @@
-"""The engine on a thread of its own, for the server: requests join the running batch at the next
-step and leave when they finish or are aborted; each step's new tokens go to the request's listener.
+"""The engine's loop, for the server: requests join the running batch at the next step and leave
+when they finish or are aborted; each step's new tokens go to the request's listener.
 
-The engine is touched by this thread only. Other threads (the HTTP server's) hand it requests and
-aborts through `submit` and `abort`, which only queue them; between two steps the loop takes what
-was queued, so the scheduler and the K policy see the real running and waiting queues. A listener is
-called on this thread with an Update after every step that gave its request tokens, and once at the
-end; it must not block (the server's posts the update to its event loop).
+The engine is touched by the loop's thread only. Other threads (the HTTP server's) hand it requests
+and aborts through `submit` and `abort`, which only queue them; between two steps the loop takes
+what was queued, so the scheduler and the K policy see the real running and waiting queues. A
+listener is called on the loop's thread with an Update after every step that gave its request
+tokens, and once at the end; it must not block (the server's posts the update to its event loop).
+
+The loop should run on the thread that built the model (`run()`; the server's main thread). torch's
+CPU ops run their OpenMP teams per calling thread, and a second thread's team on cores the first
+team's threads also wait on slows every parallel op: a small matmul took 0.24 ms on a second thread
+against 0.13 ms on the main one (tools/torch_thread_teams.py), and the server's TPOT at concurrency 1
+was 67-75 ms stepping on a thread of its own against 40-47 ms on the main one. `start()` is for tests.
 
 TextStream turns a request's tokens into text deltas as a client should see them: whole UTF-8
 characters only, and no text that could still turn out to be the start of a stop string.
@@ -52,9 +58,12 @@ class EngineLoop:
         self.aborts: deque[Request] = deque()
         self.tracked: dict[int, Tracked] = {}       # id(request) -> its record, while in the engine
         self.stopping = False
-        self.thread = threading.Thread(target=self.run, name="nanospec-engine", daemon=True)
+        self.running = False                        # run() is taking requests and stepping
+        self.thread: threading.Thread | None = None   # the loop's own thread, when start() made one
 
     def start(self) -> "EngineLoop":
+        """Run the loop on a thread of its own (slower on CPU: see above)."""
+        self.thread = threading.Thread(target=self.run, name="nanospec-engine", daemon=True)
         self.thread.start()
         return self
 
@@ -78,13 +87,23 @@ class EngineLoop:
             self.wake.notify()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop taking requests; the loop finishes what it holds, then ends."""
+        """Stop taking requests; the loop finishes what it holds, then ends (waited for when it
+        runs on a thread start() made)."""
         with self.lock:
             self.stopping = True
             self.wake.notify()
-        self.thread.join(timeout)
+        if self.thread is not None:
+            self.thread.join(timeout)
 
     def run(self) -> None:
+        """Step until stop(): on this thread, which should be the one that built the model."""
+        self.running = True
+        try:
+            self.loop()
+        finally:
+            self.running = False
+
+    def loop(self) -> None:
         engine = self.engine
         while True:
             with self.lock:

@@ -1,7 +1,8 @@
 """Serve a model over the OpenAI API: POST /v1/completions and /v1/chat/completions (streamed as
-server-sent events, or whole), GET /v1/models, /health and /metrics (Prometheus). One engine runs on
-its own thread (engine_loop.py); a request joins the running batch at the next step, its tokens
-stream as each step commits them, and a client that goes away has its request aborted.
+server-sent events, or whole), GET /v1/models, /health and /metrics (Prometheus). One engine loop
+(engine_loop.py) runs on the main thread, which built the model, and uvicorn on a thread beside it;
+a request joins the running batch at the next step, its tokens stream as each step commits them,
+and a client that goes away has its request aborted.
 
 example:
   python -m nanospec.serve --ngram --port 8000
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
 import sys
@@ -157,8 +157,7 @@ class Server:
 
     def app(self) -> FastAPI:
         @contextlib.asynccontextmanager
-        async def lifespan(app):
-            self.loop.start()
+        async def lifespan(app):   # whoever made the server runs its loop (serve(), or loop.start())
             yield
             self.loop.stop()   # uvicorn has finished (or cancelled) every response by now
 
@@ -189,8 +188,7 @@ class Server:
                                             "max_model_len": self.llm.max_model_len}]}
 
     async def health(self):
-        alive = self.loop.thread.is_alive()
-        return Response(status_code=200 if alive else 503)
+        return Response(status_code=200 if self.loop.running else 503)
 
     async def prometheus(self):
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -339,28 +337,37 @@ class Reply:
         return "" if data is None else f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-class UvicornServer(uvicorn.Server):
-    """uvicorn, except that after the graceful shutdown a SIGINT / SIGTERM is not raised again
-    (uvicorn re-raises it, which makes the process die by the signal or print a traceback): the
-    server stops taking connections, finishes its responses, and the process exits 0."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():   # signals reach the main thread only
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
-def uvicorn_server(app, host: str, port: int, graceful_seconds: float = 30.0) -> UvicornServer:
+def uvicorn_server(app, host: str, port: int, graceful_seconds: float = 30.0) -> uvicorn.Server:
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=graceful_seconds)
-    return UvicornServer(config)
+    return uvicorn.Server(config)
+
+
+def serve(server: Server, sock: socket.socket, graceful_seconds: float = 30.0) -> None:
+    """uvicorn on a thread of its own, the engine loop on this one (the thread that built the
+    model: see engine_loop.py) until SIGINT / SIGTERM. Then uvicorn stops taking connections and
+    lets the responses finish (`graceful_seconds` at most; a second SIGINT cuts them), its shutdown
+    stops the loop, and this returns. uvicorn off the main thread leaves signals alone (it would
+    re-raise one after its shutdown and the process would die by it), so they are handled here."""
+    host, port = sock.getsockname()[:2]
+    http = uvicorn_server(server.app(), host, port, graceful_seconds)
+
+    def answer():
+        try:
+            http.run(sockets=[sock])
+        finally:
+            server.loop.stop()   # also when uvicorn fails, so the loop does not wait forever
+
+    previous = {sig: signal.signal(sig, http.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=answer, name="http")
+    thread.start()
+    try:
+        server.loop.run()
+    finally:
+        http.should_exit = True   # the loop ended by itself only if it failed: take HTTP down too
+        thread.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def build_parser():
@@ -391,24 +398,20 @@ def main(argv=None) -> int:
     def load():
         if args.max_queue < 1 or not 0 <= args.port < 65536:
             raise NanospecError("--max-queue must be >= 1 and --port in 0..65535")
-        # By default one core is left to the HTTP thread (and clients on this machine): on 2 cores
-        # that cut TPOT at concurrency 1 from 58.8 to 43.3 ms (bench_results/serve_cpu_smollm2*.json).
-        loaded["llm"] = load_llm(args, reserve_cores=1 if (os.cpu_count() or 1) > 1 else 0,
-                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        loaded["llm"] = load_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
 
     status = run_command(load)
     if status:
         return status
     name = args.served_model_name or args.target or "SmolLM2-135M-Instruct"
     server = Server(loaded["llm"], name, args.api_key, args.max_queue, not args.prefill_first)
-    http = uvicorn_server(server.app(), args.host, args.port)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port", file=sys.stderr)
         return 2
     log(f"serving {name!r} on http://{args.host}:{sock.getsockname()[1]}/v1 (Ctrl-C to stop)")
-    http.run(sockets=[sock])
+    serve(server, sock)
     log("stopped")
     return 0
 

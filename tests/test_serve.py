@@ -35,6 +35,7 @@ def serving(llm, **kw):
     server = Server(llm, NAME, **kw)
     sock = socket.create_server(("127.0.0.1", 0))
     http = uvicorn_server(server.app(), "127.0.0.1", 0, graceful_seconds=10)
+    server.loop.start()   # on a thread: the test runs on the main one
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30

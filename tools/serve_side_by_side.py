@@ -1,8 +1,10 @@
-"""The serving benchmark of nanospec and vLLM on one model, prompts, client and machine: each server
-is started, measured by `python -m nanospec.bench serve`'s client at several concurrencies and
-request rates, and stopped; then nanospec's server overhead against offline generate at
-concurrency 1, and the running streams' ITL while long prompts arrive (decode steps between
-prefill chunks, against --prefill-first). Writes one JSON with every row and the command.
+"""The serving benchmark of nanospec and vLLM on one model, prompts, client and machine. The two
+servers of a pair (plain, n-gram) are up together and measured by `python -m nanospec.bench
+serve`'s client in turn, load by load (concurrency 1, 4, 16, 1 and 4 requests/s), `--rounds` times,
+so that a slow minute of a shared machine falls on both; then nanospec's dynamic K alone. nanospec's
+server overhead: its TPOT at concurrency 1 against offline generate in this process, alternated.
+The running streams' ITL while long prompts arrive: decode steps between prefill chunks against
+--prefill-first. Writes one JSON with every row and the command.
 
 example (vLLM's CPU build in a venv of its own, serving an HF folder; see DEVELOPERS.md):
   python tools/serve_side_by_side.py --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -60,17 +63,26 @@ def bodies(model: str, prompts: list[str], max_tokens: int, extra: dict | None =
             for p in prompts]
 
 
-def measure(port: int, label: str, prompts: list[str], max_tokens: int, rows: list) -> None:
+def model_name(port: int) -> str:
+    return json.loads(Client(f"http://127.0.0.1:{port}", None).get("/v1/models"))["data"][0]["id"]
+
+
+def warm_up(port: int, prompts: list[str]) -> None:
+    run_load(Client(f"http://127.0.0.1:{port}", None), "chat", bodies(model_name(port), prompts[:2], 8),
+             float("inf"), None, 0)
+
+
+def measure(port: int, label: str, load: tuple, prompts: list[str], max_tokens: int, rows: list, round_: int) -> dict:
+    """One load against one server: a row of the bench serve summary."""
+    name, rate, concurrency = load
     client = Client(f"http://127.0.0.1:{port}", None)
-    model = json.loads(client.get("/v1/models"))["data"][0]["id"]
-    run_load(client, "chat", bodies(model, prompts[:2], 8), float("inf"), None, 0)   # warm-up
-    for load, rate, concurrency in LOADS:
-        before = spec_counters(client)
-        results, duration = run_load(client, "chat", bodies(model, prompts, max_tokens), rate or float("inf"),
-                                     concurrency, 0)
-        summary = summarize(results, duration, before, spec_counters(client))
-        rows.append({"server": label, "load": load, **summary})
-        print(format_row(f"{label}, {load}", summary), flush=True)
+    before = spec_counters(client)
+    results, duration = run_load(client, "chat", bodies(model_name(port), prompts, max_tokens), rate or float("inf"),
+                                 concurrency, 0)
+    summary = summarize(results, duration, before, spec_counters(client))
+    rows.append({"server": label, "load": name, "round": round_, **summary})
+    print(format_row(f"{label}, {name}", summary), flush=True)
+    return summary
 
 
 def long_prompt_itl(port: int, label: str, prompts: list[str], rows: list) -> None:
@@ -92,11 +104,8 @@ def long_prompt_itl(port: int, label: str, prompts: list[str], rows: list) -> No
     print(format_row(f"{label}, long prompts", summary), flush=True)
 
 
-def offline_tpot(model: str, prompts: list[str], max_tokens: int) -> dict:
-    """TPOT of offline generate, one prompt at a time (what concurrency 1 asks of the server)."""
-    set_threads(None)
-    llm = LLM(model, device="cpu", dtype="float32", max_model_len=2048)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), chat=True)   # warm-up
+def offline_tpot(llm: LLM, prompts: list[str], max_tokens: int) -> float:
+    """TPOT p50 of offline generate, one prompt at a time (what concurrency 1 asks of the server)."""
     tpots = []
     for p in prompts:
         times = []
@@ -104,8 +113,22 @@ def offline_tpot(model: str, prompts: list[str], max_tokens: int) -> dict:
                            on_step=lambda reqs: times.append(time.perf_counter()) if reqs else None)[0]
         if len(out.token_ids) > 1:
             tpots.append((times[-1] - times[0]) / (len(out.token_ids) - 1))
-    tpots.sort()
-    return {"requests": len(tpots), "tpot_mean_s": sum(tpots) / len(tpots), "tpot_p50_s": tpots[len(tpots) // 2]}
+    return statistics.median(tpots)
+
+
+def overhead(port: int, model: str, prompts: list[str], max_tokens: int, rounds: int) -> dict:
+    """The server's TPOT p50 at concurrency 1 against offline generate's in this process (the
+    server idle meanwhile), alternated `rounds` times; the ratio of the medians."""
+    set_threads(None)
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=2048)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), chat=True)   # warm-up
+    served, offline = [], []
+    for round_ in range(rounds):
+        served.append(measure(port, "nanospec plain", LOADS[0], prompts, max_tokens, [], round_)["tpot_s"]["p50"])
+        offline.append(offline_tpot(llm, prompts, max_tokens))
+        print(f"offline generate, one prompt at a time: TPOT p50 {1000 * offline[-1]:.1f} ms", flush=True)
+    return {"server_tpot_p50_s": served, "offline_tpot_p50_s": offline,
+            "ratio_of_medians": statistics.median(served) / statistics.median(offline)}
 
 
 def main() -> None:
@@ -113,56 +136,75 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="an HF folder both servers load")
     ap.add_argument("--vllm-python", help="the python of vLLM's venv (default: no vLLM rows)")
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--only", default="", help="comma-separated server labels to run (default: all)")
-    ap.add_argument("--long-prompts-only", action="store_true",
-                    help="only the long-prompt ITL rows (nanospec, with and without --prefill-first)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2, help="times each load is run on each server, in turn")
+    ap.add_argument("--only", default="", help="comma-separated parts to run: plain, ngram, dynamic, overhead, "
+                                               "long (default: all)")
     ap.add_argument("--nanospec-args", default="", help="more flags for nanospec's server, e.g. '--threads 1'")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     prompts = load_prompts("shipped", args.num_prompts)
-    py = sys.executable
-    nanospec = [py, "-m", "nanospec.serve", "--target", args.model, "--max-model-len", "2048", *args.nanospec_args.split()]
-    servers = [("nanospec plain", nanospec, {}), ("nanospec ngram K=4", nanospec + ["--ngram"], {}),
-               ("nanospec ngram dynamic K", nanospec + ["--ngram", "--dynamic-k"], {})]
-    if args.vllm_python:
-        vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype",
-                "float32", "--max-model-len", "2048"]
-        env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
-        servers = [("vLLM plain", vllm, env), servers[0],
-                   ("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], env), *servers[1:]]
-    only = [s for s in args.only.split(",") if s]
+    only = set(filter(None, args.only.split(","))) or {"plain", "ngram", "dynamic", "overhead", "long"}
+    nanospec = [sys.executable, "-m", "nanospec.serve", "--target", args.model, "--max-model-len", "2048",
+                *args.nanospec_args.split()]
+    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", "float32",
+            "--max-model-len", "2048"]
+    vllm_env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    groups = [("plain", [("vLLM plain", vllm, vllm_env), ("nanospec plain", nanospec, {})]),
+              ("ngram", [("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], vllm_env),
+                         ("nanospec ngram K=4", nanospec + ["--ngram"], {})]),
+              ("dynamic", [("nanospec ngram dynamic K", nanospec + ["--ngram", "--dynamic-k"], {})])]
     rows = []
     result = {"command": "python tools/serve_side_by_side.py " + " ".join(sys.argv[1:]), "prompts": "shipped",
               "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": 0, "endpoint": "chat",
-              "rows": rows}
-    print(HEADER, flush=True)
-    for label, cmd, env in servers:
-        if only and label not in only:
-            continue
-        port = 8200 + 2 * len(result.setdefault("servers", []))
-        result["servers"].append(label)
-        proc = start(cmd + ["--port", str(port)], port, env, f"/tmp/serve_{label.replace(' ', '_')}.log")
-        try:
-            if not args.long_prompts_only:
-                measure(port, label, prompts, args.max_tokens, rows)
-            if label == "nanospec plain":
-                long_prompt_itl(port, label + " (decode between chunks)", prompts, rows)
-        finally:
-            stop(proc)
-        if label == "nanospec plain":
-            proc = start(cmd + ["--port", str(port + 1), "--prefill-first"], port + 1, env, "/tmp/serve_prefill_first.log")
-            try:
-                long_prompt_itl(port + 1, label + " (--prefill-first)", prompts, rows)
-            finally:
-                stop(proc)
+              "rounds": args.rounds, "rows": rows}
+
+    def save():
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    if not only or "offline" in only:
-        result["offline_concurrency_1"] = offline_tpot(args.model, prompts, args.max_tokens)
-        print("offline generate, one prompt at a time:", result["offline_concurrency_1"], flush=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+
+    print(HEADER, flush=True)
+    port = 8200
+    for group, servers in groups:
+        servers = [s for s in servers if args.vllm_python or not s[0].startswith("vLLM")]
+        if group not in only or not servers:
+            continue
+        procs = []
+        try:
+            for label, cmd, env in servers:   # up together, measured in turn
+                port += 1
+                procs.append((label, port, start(cmd + ["--port", str(port)], port, env,
+                                                 f"/tmp/serve_{label.replace(' ', '_')}.log")))
+                warm_up(port, prompts)
+            for load in LOADS:
+                for round_ in range(args.rounds):
+                    for label, p, _ in procs:
+                        measure(p, label, load, prompts, args.max_tokens, rows, round_)
+                save()
+        finally:
+            for *_, proc in procs:
+                stop(proc)
+    if "overhead" in only or "long" in only:
+        port += 1
+        proc = start(nanospec + ["--port", str(port)], port, {}, "/tmp/serve_nanospec_overhead.log")
+        try:
+            warm_up(port, prompts)
+            if "overhead" in only:
+                result["overhead_concurrency_1"] = overhead(port, args.model, prompts, args.max_tokens, 3)
+                print("server / offline TPOT p50:", result["overhead_concurrency_1"], flush=True)
+                save()
+            if "long" in only:
+                long_prompt_itl(port, "nanospec plain (decode between chunks)", prompts, rows)
+        finally:
+            stop(proc)
+    if "long" in only:
+        port += 1
+        proc = start(nanospec + ["--port", str(port), "--prefill-first"], port, {}, "/tmp/serve_prefill_first.log")
+        try:
+            long_prompt_itl(port, "nanospec plain (--prefill-first)", prompts, rows)
+        finally:
+            stop(proc)
+    save()
 
 
 if __name__ == "__main__":
