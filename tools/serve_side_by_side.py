@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanospec import LLM, SamplingParams  # noqa: E402
 from nanospec.bench_serve import HEADER, Client, format_row, load_prompts, run_load, spec_counters, summarize  # noqa: E402
-from nanospec.cli import set_threads  # noqa: E402
+from nanospec.cli import busy_cores, set_threads  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 LOADS = [("concurrency 1", None, 1), ("concurrency 4", None, 4), ("concurrency 16", None, 16),
@@ -72,9 +72,18 @@ def warm_up(port: int, prompts: list[str]) -> None:
              float("inf"), None, 0)
 
 
+def settle(limit: float = 15.0) -> None:
+    """Wait until the machine is quiet: vLLM's CPU worker keeps a core busy for about a second after
+    its last request, which would fall on the next server's first request."""
+    deadline = time.time() + limit
+    while busy_cores(0.5) > 0.3 and time.time() < deadline:
+        pass
+
+
 def measure(port: int, label: str, load: tuple, prompts: list[str], max_tokens: int, rows: list, round_: int) -> dict:
-    """One load against one server: a row of the bench serve summary."""
+    """One load against one server, once the machine is quiet: a row of the bench serve summary."""
     name, rate, concurrency = load
+    settle()
     client = Client(f"http://127.0.0.1:{port}", None)
     before = spec_counters(client)
     results, duration = run_load(client, "chat", bodies(model_name(port), prompts, max_tokens), rate or float("inf"),
@@ -125,6 +134,7 @@ def overhead(port: int, model: str, prompts: list[str], max_tokens: int, rounds:
     served, offline = [], []
     for round_ in range(rounds):
         served.append(measure(port, "nanospec plain", LOADS[0], prompts, max_tokens, [], round_)["tpot_s"]["p50"])
+        settle()
         offline.append(offline_tpot(llm, prompts, max_tokens))
         print(f"offline generate, one prompt at a time: TPOT p50 {1000 * offline[-1]:.1f} ms", flush=True)
     return {"server_tpot_p50_s": served, "offline_tpot_p50_s": offline,
