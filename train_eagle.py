@@ -22,8 +22,9 @@
    (its drafts use the full one; this only makes the term cheaper).
    AdamW, linear warm-up then cosine decay, gradient clipping; a progress line with loss and
    accuracy; OUT/checkpoint.pt every --save-every steps: the same command resumes a stopped run.
-4. Output: OUT/model.safetensors + OUT/config.json (loads with --eagle OUT, and in vLLM / SGLang),
-   then the head's mean acceptance length on held-out prompts (the shipped benchmark prompts), over
+4. Output: OUT/model.safetensors + OUT/config.json, which nanospec (--eagle OUT), vLLM and SGLang
+   load unchanged; an EAGLE-1 head SGLang needs in its own layout, written to OUT/sglang (--export;
+   docs/eagle_training.md says why). Then the head's mean acceptance length on held-out prompts (the shipped benchmark prompts), over
    all and per category, measured with the real engine, next to the n-gram proposer's, in
    OUT/train_report.json.
 """
@@ -288,10 +289,24 @@ def build_dataset(args, llm: LLM, aux_layers) -> dict:
 
 # ---- 3. the head and its training forward ----
 
-def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, trained_dtype: str | None = None) -> dict:
+# What the engines read (docs/eagle_training.md has the sources): vLLM 0.32 takes the method from
+# its command line and renames `architectures` (LlamaForCausalLM -> EagleLlamaForCausalLM or
+# Eagle3LlamaForCausalLM; LlamaForCausalLMEagle3 kept; LlamaForCausalLMEagle unknown), its EAGLE-1
+# fc has no bias; SGLang picks the class by `architectures` alone (LlamaForCausalLMEagle,
+# LlamaForCausalLMEagle3) and its EAGLE-1 fc always has one. So an EAGLE-1 head trains without a
+# bias and SGLang's copy gets a zero one and its own name; EAGLE-3's one file serves both.
+ARCHITECTURES = {("eagle1", "vllm"): "LlamaForCausalLM", ("eagle1", "sglang"): "LlamaForCausalLMEagle",
+                 ("eagle3", "vllm"): "LlamaForCausalLMEagle3", ("eagle3", "sglang"): "LlamaForCausalLMEagle3"}
+
+
+def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, trained_dtype: str | None = None,
+                engine: str = "vllm") -> dict:
     """config.json of the head: a one-layer Llama with the target's shapes (the public layouts), and
-    the dtype of the target whose features it learned (the engine warns when it serves another)."""
-    cfg = {"architectures": ["LlamaForCausalLM" if arch == "eagle1" else "LlamaForCausalLMEagle3"],
+    the dtype of the target whose features it learned (the engine warns when it serves another).
+    EAGLE-3's layers are written in both engines' fields, each in its own meaning (eagle.py's
+    aux_layers): top-level for vLLM (the states entering them), eagle_config for SGLang (the
+    outputs of the layers before)."""
+    cfg = {"architectures": [ARCHITECTURES[arch, engine]],
            "model_type": "llama", "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
            "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
            "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
@@ -302,7 +317,8 @@ def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, tr
         cfg["rope_scaling"] = target.rope_scaling
     if arch == "eagle3":
         cfg["draft_vocab_size"] = draft_vocab
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux_layers]}
     if trained_dtype:
         cfg["trained_target_dtype"] = trained_dtype
     return cfg
@@ -310,8 +326,8 @@ def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, tr
 
 def new_head(target_config: ModelConfig, cfg: dict, draft_vocab: int):
     config = ModelConfig.from_hf({**cfg, "architectures": ["LlamaForCausalLM"]})
-    if cfg["architectures"][0] == "LlamaForCausalLM":
-        return Eagle1Head(config, fc_bias=True)
+    if "draft_vocab_size" not in cfg:
+        return Eagle1Head(config, fc_bias=False)   # vLLM's EAGLE-1 fc has none (see ARCHITECTURES)
     return Eagle3Head(config, target_config.hidden_size, draft_vocab, target_config.vocab_size)
 
 
@@ -570,16 +586,25 @@ def training_args(args) -> dict:
 
 # ---- 4. output and evaluation ----
 
-def save_head(args, llm: LLM, head, cfg: dict) -> None:
-    state = {k: v.detach().float().contiguous() for k, v in unpack_weights(head.state_dict(), head.config).items()
-             if not k.startswith("rotary.")}
-    if args.arch == "eagle1":   # the public EAGLE-1 files carry the target's embedding
-        state["embed_tokens.weight"] = llm.model.model.embed_tokens.weight.detach().float().contiguous()
-    else:
-        state["d2t"], state["t2d"] = head.d2t.cpu(), head.t2d.cpu()
-    save_file({k: v.cpu() for k, v in state.items()}, os.path.join(args.out, "model.safetensors"))
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+def save_head(args, head, cfg: dict) -> None:
+    """OUT: the head as vLLM (and nanospec) read it; for EAGLE-1 with --export sglang or both, also
+    SGLang's layout (in OUT itself for --export sglang, else in OUT/sglang). No embedding: every
+    engine takes the target's (vLLM would keep a saved one apart unless equal to the target's)."""
+    state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in   # d2t, t2d: ints
+             unpack_weights(head.state_dict(), head.config).items() if not k.startswith("rotary.")}
+    folders = {"vllm": args.out, "sglang": args.out, "both": args.out}
+    if args.arch == "eagle1" and args.export == "both":
+        folders["sglang"] = os.path.join(args.out, "sglang")
+    for engine in ("vllm", "sglang") if args.export == "both" else (args.export,):
+        if engine == "sglang" and args.arch == "eagle1":
+            files = {**state, "fc.bias": torch.zeros(head.config.hidden_size)}   # its fc has a bias: a zero one
+            config = {**cfg, "architectures": [ARCHITECTURES["eagle1", "sglang"]]}
+        else:
+            files, config = state, cfg
+        os.makedirs(folders[engine], exist_ok=True)
+        save_file(files, os.path.join(folders[engine], "model.safetensors"))
+        with open(os.path.join(folders[engine], "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
 
 
 def acceptance_length(target: str | None, prompts: list[dict], k: int, max_tokens: int, device: str, dtype: str,
@@ -686,6 +711,9 @@ def build_parser():
         "bfloat16, then serve with --dtype bfloat16); the head keeps float32 weights"))
     ap.add_argument("--out", required=True, help="folder for the head (and cache/, checkpoint.pt, train_report.json)")
     ap.add_argument("--arch", choices=["eagle1", "eagle3"], default=ARCH, help="the head's architecture")
+    ap.add_argument("--export", choices=["vllm", "sglang", "both"], default="both",
+                    help="the engines the files are for: an EAGLE-3 head's one file serves all; an EAGLE-1 head "
+                         "needs SGLang's own layout (in OUT/sglang with both; nanospec loads either)")
     ap.add_argument("--data", metavar="FILE.jsonl",
                     help="JSON lines with a 'prompt' field (default: the built-in generated prompts)")
     ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, metavar="N",
@@ -762,7 +790,7 @@ def run(args) -> dict:
     report = {"command": "python train_eagle.py " + " ".join(sys.argv[1:]), "args": training_args(args), "dtype": dtype,
               "sequences": len(data["tokens"]), "tokens": int(sum(len(t) for t in data["tokens"]))}
     report["training"] = train(args, llm, head, data, vocab_ids)
-    save_head(args, llm, head, cfg)
+    save_head(args, head, cfg)
     print(f"wrote the EAGLE-{args.arch[-1]} head to {args.out} (use it with --eagle {args.out})")
     report["train_wall_seconds"] = round(time.perf_counter() - wall, 1)
     if not args.no_eval:

@@ -77,18 +77,19 @@ def default_model_path() -> str:
     return path
 
 
-def resolve(target: str | None) -> str:
-    """A local folder or .gguf file for `target` (None: the offline default model)."""
+def resolve(target: str | None, files: list[str] = HUB_FILES, what: str = "checkpoint",
+            give: str = "a model folder, a .gguf file or a Hugging Face hub id like Qwen/Qwen3-0.6B") -> str:
+    """A local folder or .gguf file for `target` (None: the offline default model); a hub id is
+    fetched (only `files`) or found in the local cache."""
     if target is None:
         return default_model_path()
     if os.path.exists(target):
         return target
     if target.endswith(".gguf") or target.startswith((".", "/")) or target.count("/") != 1:
-        raise NanospecError(f"checkpoint {target!r} not found: give a model folder, a .gguf file "
-                            "or a Hugging Face hub id like Qwen/Qwen3-0.6B")
+        raise NanospecError(f"{what} {target!r} not found: give {give}")
     from huggingface_hub import snapshot_download   # honours HF_HUB_OFFLINE and the local cache
     try:
-        return snapshot_download(target, allow_patterns=HUB_FILES)
+        return snapshot_download(target, allow_patterns=files)
     except Exception as e:
         raise NanospecError(f"could not get {target!r} from the Hugging Face hub or its local cache "
                             f"({type(e).__name__}); check the id, your network, or download it first "

@@ -13,7 +13,14 @@ EAGLE-3: the feature is the concatenation of the hidden states entering three ta
   default 2, L/2 and L-3), mapped by `fc` (3H -> H) on the first step only; `midlayer` normalizes
   embedding and feature separately (`input_layernorm`, `hidden_norm`) and attends over both
   concatenated (2H); `norm` and `lm_head` give logits over a reduced draft vocabulary, whose id d is
-  the target's id d + d2t[d].
+  the target's id d + d2t[d] (no d2t: the full vocabulary, as the EAGLE authors save it). Variants,
+  as vLLM 0.32 reads their config flags (vllm/model_executor/models/llama_eagle3.py): `norm_before_fc`
+  (`input_norm` over the 3H features), `fc_norm` (SpecForge's EAGLE-3.1: one norm per layer's chunk,
+  `fc_norm.{0,1,2}`), `norm_before_residual` (the residual around attention is hidden_norm(feature),
+  not the feature), `norm_output` (the normed state, not the pre-norm one, is fed to the next step).
+
+A head may carry its own `embed_tokens` (EAGLE-1 releases save the target's, AngelSlim's may save
+one): equal to the target's it is dropped, otherwise the head drafts with it, as its reference does.
 """
 from __future__ import annotations
 
@@ -23,14 +30,16 @@ import warnings
 import torch
 from torch import nn
 
-from nanospec.checkpoint import check_loadable, check_weights, load_safetensors, read_json
+from nanospec.checkpoint import check_loadable, check_weights, load_safetensors, read_json, resolve
 from nanospec.errors import NanospecError
 from nanospec.model import (MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding, for_inference, pack_weights,
                             unpack_weights)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    return (2, num_layers // 2, num_layers - 3)
+    """(2, L//2, L-3), in layer order (the order vLLM and SGLang concatenate them in, whatever the
+    config lists; it differs only for targets of 4 layers or fewer)."""
+    return tuple(sorted((2, num_layers // 2, num_layers - 3)))
 
 
 class Eagle1Layer(nn.Module):
@@ -60,6 +69,9 @@ class Eagle1Head(nn.Module):
         x = x + layer.self_attn(x, positions, self.rotary, kv_cache, meta)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
+    def carried(self, hidden):
+        return hidden
+
     def logits(self, hidden, target) -> torch.Tensor:
         return target.logits(hidden)   # the target's LM head, on the un-normed prediction as in EAGLE-1
 
@@ -78,9 +90,15 @@ class Eagle3MidLayer(nn.Module):
 class Eagle3Head(nn.Module):
     version = 3
 
-    def __init__(self, config: ModelConfig, target_hidden: int, draft_vocab: int, target_vocab: int):
+    def __init__(self, config: ModelConfig, target_hidden: int, draft_vocab: int, target_vocab: int,
+                 variants: dict | None = None):
         super().__init__()
+        v = variants or {}
         self.config = config
+        self.norm_before_residual, self.norm_output = bool(v.get("norm_before_residual")), bool(v.get("norm_output"))
+        self.input_norm = RMSNorm(3 * target_hidden, config.rms_norm_eps) if v.get("norm_before_fc") else None
+        self.fc_norm = nn.ModuleList([RMSNorm(target_hidden, config.rms_norm_eps) for _ in range(3)]) \
+            if v.get("fc_norm") else None
         self.fc = Linear(3 * target_hidden, config.hidden_size, bias=False)
         self.midlayer = Eagle3MidLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -89,14 +107,27 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.zeros(target_vocab, dtype=torch.bool))
         self.rotary = RotaryEmbedding(config)
 
+    def combine(self, features):
+        """The target's three layers' states [T, 3H] -> the head's input feature [T, H]."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+        return self.fc(features)
+
     def forward(self, embeds, features, positions, kv_cache, meta):
         """embeds [T, H]; features [T, 3H] from the target (first step) or [T, H] from the head."""
         if features.shape[-1] != self.config.hidden_size:
-            features = self.fc(features)
+            features = self.combine(features)
         m = self.midlayer
-        both = torch.cat([m.input_layernorm(embeds), m.hidden_norm(features)], dim=-1)
-        x = features + m.self_attn(both, positions, self.rotary, kv_cache, meta)
+        normed = m.hidden_norm(features)
+        both = torch.cat([m.input_layernorm(embeds), normed], dim=-1)
+        x = (normed if self.norm_before_residual else features) + m.self_attn(both, positions, self.rotary, kv_cache, meta)
         return x + m.mlp(m.post_attention_layernorm(x))
+
+    def carried(self, hidden):
+        """What the next draft step reads as its feature."""
+        return self.norm(hidden) if self.norm_output else hidden
 
     def logits(self, hidden, target) -> torch.Tensor:
         """Logits over the target's vocabulary: -inf outside the draft vocabulary."""
@@ -106,10 +137,14 @@ class Eagle3Head(nn.Module):
         return full.index_copy(1, target_ids, draft_logits)
 
 
+HEAD_FILES = ["*.json", "*.safetensors", "pytorch_model.bin"]
+VARIANTS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+
+
 def read_eagle_weights(folder: str) -> dict[str, torch.Tensor]:
     if not os.path.isdir(folder):
         raise NanospecError(f"EAGLE head {folder!r} not found: give a folder with config.json and "
-                            "model.safetensors (or pytorch_model.bin)")
+                            "model.safetensors (or pytorch_model.bin), or a hub id")
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if files:
         return load_safetensors([os.path.join(folder, f) for f in files])
@@ -126,8 +161,11 @@ def read_eagle_weights(folder: str) -> dict[str, torch.Tensor]:
     raise NanospecError(f"no model.safetensors or pytorch_model.bin in EAGLE head folder {folder}")
 
 
-def load_eagle_head(folder: str, target, device: torch.device, dtype: torch.dtype):
-    """Read an EAGLE-1 or EAGLE-3 head, check it fits `target`, return (head, aux_layers or None)."""
+def load_eagle_head(eagle: str, target, device: torch.device, dtype: torch.dtype):
+    """Read an EAGLE-1 or EAGLE-3 head (a folder or a hub id), check it fits `target`, return
+    (head, aux_layers or None)."""
+    folder = resolve(eagle, HEAD_FILES, "EAGLE head", "a head folder or a Hugging Face hub id like "
+                     "yuhuili/EAGLE-LLaMA3.1-Instruct-8B")
     weights = {k.removeprefix("model."): v for k, v in read_eagle_weights(folder).items()}
     config_path = os.path.join(folder, "config.json")
     cfg = read_json(config_path, what="an EAGLE head folder needs config.json and model.safetensors")
@@ -147,28 +185,114 @@ def load_eagle_head(folder: str, target, device: torch.device, dtype: torch.dtyp
                                   "max_position_embeddings": target.config.max_position_embeddings},
                                  source=config_path)
     check_fits(config, cfg, weights, version, target.config)
+    check_rope(cfg, config_path, target.config.rope_theta)
     if version == 1:
+        check_no_variants(cfg, config_path)
         head = Eagle1Head(config, fc_bias="fc.bias" in weights)
         aux = None
     else:
         aux = aux_layers(cfg, target.config.num_layers, config_path)
         head = Eagle3Head(config, target.config.hidden_size, weights["lm_head.weight"].shape[0],
-                          target.config.vocab_size)
+                          target.config.vocab_size, variants(cfg, config_path))
+    own_embedding(head, weights, target)
     load_into(head, weights, folder)
     check_trained_dtype(cfg, folder, dtype)
     return for_inference(head.to(device=device, dtype=dtype)), aux
 
 
+def variants(cfg: dict, source: str) -> dict:
+    """EAGLE-3's variant flags (top level, or norm_before_fc in eagle_config as vLLM also reads it)."""
+    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    out = {name: cfg.get(name, nested.get(name, False)) for name in VARIANTS}
+    bad = [name for name, value in out.items() if not isinstance(value, bool)]
+    if bad:
+        raise NanospecError(f"{source}: {bad[0]} must be true or false, got {out[bad[0]]!r}")
+    if out["norm_output"]:
+        warnings.warn(f"{source} sets norm_output: nanospec feeds the normed state to the next draft step, as vLLM "
+                      "and SGLang read the flag; SpecForge's trainer means by it only the norm before lm_head and "
+                      "feeds the pre-norm state; if the head came from SpecForge, set norm_output to false",
+                      stacklevel=4)
+    return out
+
+
+def check_no_variants(cfg: dict, source: str) -> None:
+    named = [name for name in VARIANTS if cfg.get(name)]
+    if named:
+        raise NanospecError(f"{source}: {named[0]} is an EAGLE-3 variant, but this is an EAGLE-1 head "
+                            "(fc over [embedding, hidden], layers.0.*); remove the flag")
+
+
+def check_rope(cfg: dict, source: str, target_theta: float) -> None:
+    """A head is trained with some rotary base; the config does not always say which (the EAGLE
+    authors' EAGLE-3 configs give none and train with 10000; AngelSlim's trainer uses 10000 whatever
+    its config says). nanospec, like vLLM and SGLang, uses the config's value, else 10000."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if theta is None and target_theta != 10000:
+        warnings.warn(f"{source} gives no rope_theta: the head's rotary base is 10000, as the EAGLE authors train it; "
+                      f"if it was trained with the target's ({target_theta:g}), add \"rope_theta\": {target_theta:g} "
+                      "to its config.json", stacklevel=4)
+    elif "Eagle3LlamaForCausalLM" in (cfg.get("architectures") or []) and theta not in (None, 10000):
+        warnings.warn(f"{source} looks like an AngelSlim head (Eagle3LlamaForCausalLM), whose trainer uses rotary base "
+                      f"10000 whatever the config says; nanospec uses the config's {theta:g}, as vLLM and SGLang do; "
+                      "if few drafts are accepted, set \"rope_theta\": 10000 in its config.json", stacklevel=4)
+
+
+def own_embedding(head: nn.Module, weights: dict, target) -> None:
+    """A head's embed_tokens equal to the target's is dropped (the target's is used); a different
+    one is the head's own, as in its reference, which embeds with the checkpoint's copy."""
+    embed = weights.get("embed_tokens.weight")
+    if embed is None:
+        return
+    target_embed = target.model.embed_tokens.weight
+    if embed.shape == target_embed.shape and torch.equal(embed.to(target_embed.dtype), target_embed.detach().cpu()):
+        del weights["embed_tokens.weight"]
+    else:
+        head.embed_tokens = nn.Embedding(*embed.shape)
+
+
+# Which target layers an EAGLE-3 head reads, and what its numbers mean. nanospec's own meaning
+# (model.py's capture_layers) is "the hidden state entering layer i" (the output of layer i - 1).
+# - Top-level `eagle_aux_hidden_state_layer_ids`: vLLM's field, in that meaning (vllm 0.32
+#   v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config reads it first;
+#   models/llama.py collects hidden + residual after layer i - 1 for id i).
+# - `eagle_config.eagle_aux_hidden_state_layer_ids`: what SpecForge and SGLang write and SGLang reads
+#   (srt/model_executor/model_runner.py), meaning "the output of layer i": SGLang's llama.py
+#   set_eagle3_layers_to_capture adds 1. So id i here is layer i + 1 in nanospec's meaning.
+#   (vLLM 0.32 falls back to this field without adding 1: it reads such heads one layer early.)
+# - AngelSlim's top-level `aux_hidden_states_layer_ids`: hidden_states[i + 1], the output of layer i.
+# - None: (2, L//2, L-3), where the EAGLE authors capture (modeling_llama_kv.py), and both engines' default.
+# nanospec's train_eagle.py before this rule wrote the nested field in nanospec's meaning; such a
+# head is known by its `trained_target_dtype` and no top-level ids, and is read as it was meant.
 def aux_layers(cfg: dict, num_layers: int, source: str) -> tuple[int, int, int]:
-    """The three target layers whose inputs an EAGLE-3 head reads (its config, or the default)."""
-    eagle_config = cfg.get("eagle_config") or {}
-    aux = (eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None) \
-        or default_aux_layers(num_layers)
-    if not (isinstance(aux, (list, tuple)) and len(aux) == 3
-            and all(isinstance(i, int) and 0 <= i <= num_layers for i in aux)):
-        raise NanospecError(f"{source}: EAGLE-3 auxiliary layers {aux!r} are not three layers of the "
-                            f"{num_layers}-layer target; the head was trained for a different model")
-    return tuple(aux)
+    """The three target layers whose inputs an EAGLE-3 head reads, in nanospec's meaning."""
+    nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    top, inner = cfg.get("eagle_aux_hidden_state_layer_ids"), nested.get("eagle_aux_hidden_state_layer_ids")
+    angelslim = cfg.get("aux_hidden_states_layer_ids")
+    for ids, field in ((top, "eagle_aux_hidden_state_layer_ids"), (inner, "eagle_config.eagle_aux_hidden_state_layer_ids"),
+                       (angelslim, "aux_hidden_states_layer_ids")):
+        if ids is not None and not (isinstance(ids, (list, tuple)) and len(ids) == 3
+                                    and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise NanospecError(f"{source}: {field} must be three layer numbers, got {ids!r}")
+    if top is not None:
+        aux = tuple(top)
+        if inner is not None and [i + 1 for i in inner] != list(top):
+            warnings.warn(f"{source} names its EAGLE-3 layers twice, and the two disagree: top-level {list(top)} "
+                          f"(vLLM's field: the states entering those layers) against eagle_config's {list(inner)} "
+                          "(SGLang's and SpecForge's: the outputs of those layers); nanospec reads the top-level "
+                          "ids; if the head was trained by SpecForge or SGLang, delete the top-level field",
+                          stacklevel=4)
+    elif inner is not None:
+        legacy = "trained_target_dtype" in cfg   # an older nanospec head: see above
+        aux = tuple(inner) if legacy else tuple(i + 1 for i in inner)
+    elif angelslim is not None:
+        aux = tuple(i + 1 for i in angelslim)
+    else:
+        aux = default_aux_layers(num_layers)
+    if not all(0 <= i <= num_layers for i in aux):
+        raise NanospecError(f"{source}: EAGLE-3 auxiliary layers {list(aux)} (the states entering them) are not "
+                            f"layers of the {num_layers}-layer target; the head was trained for a different model")
+    return tuple(sorted(aux))   # both engines concatenate the states in layer order
 
 
 def check_trained_dtype(cfg: dict, folder: str, dtype: torch.dtype) -> None:
@@ -196,17 +320,22 @@ def check_fits(config: ModelConfig, cfg: dict, weights: dict, version: int, targ
 
 
 def load_into(head: nn.Module, weights: dict[str, torch.Tensor], folder: str) -> None:
-    """Check the tensors against the head's own (t2d is optional: unused here; an EAGLE-1 head may
-    ship the target's embedding) and load them."""
+    """Check the tensors against the head's own and load them. t2d is optional (unused here); so is
+    d2t when the draft vocabulary is the target's whole one (the EAGLE authors delete it then)."""
     expected = unpack_weights(dict(head.state_dict()), head.config)   # under the checkpoint's own names
     if "t2d" not in weights:
         expected.pop("t2d", None)
+    if "d2t" in expected and "d2t" not in weights:
+        if len(head.d2t) != len(head.t2d):
+            raise NanospecError(f"EAGLE-3 head in {folder} drafts over {len(head.d2t)} tokens, not the target's "
+                                f"{len(head.t2d)}, but has no d2t to map them; it is incomplete")
+        expected.pop("d2t")
     source = f"EAGLE head in {folder}"
     check_loadable(weights, source, integer_names=("d2t", "t2d"))
-    check_weights(expected, weights, source, "it is incomplete", ignored=("embed_tokens.weight",))
+    check_weights(expected, weights, source, "it is incomplete")
     if "d2t" in weights:
         target_ids = torch.arange(len(weights["d2t"])) + weights["d2t"]
         if int(target_ids.max()) >= head.t2d.shape[0] or int(target_ids.min()) < 0:
             raise NanospecError("EAGLE-3 head's d2t maps draft tokens outside the target's vocabulary; "
                                 "use a head trained for this target")
-    head.load_state_dict(pack_weights({k: v for k, v in weights.items() if k != "embed_tokens.weight"}), strict=False)
+    head.load_state_dict(pack_weights(weights), strict=False)

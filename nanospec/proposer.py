@@ -305,6 +305,7 @@ class EagleProposer(ModelProposer):
         super().__init__(KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device),
                          vocab, cfg.max_position_embeddings, device)
         self.head, self.target = head, target
+        self.embed = getattr(head, "embed_tokens", target.model.embed_tokens)   # a head's own, else the target's
         self.capture_layers = tuple(aux_layers or ())
 
     def features(self, hidden, captured):
@@ -338,14 +339,14 @@ class EagleProposer(ModelProposer):
 
     def next_step(self, meta, input_ids, hidden):
         hidden = self.forward(meta, input_ids, hidden)
-        return self.head.logits(hidden, self.target), hidden
+        return self.head.logits(hidden, self.target), self.head.carried(hidden)
 
     def finish(self, hidden, rows_t, carry) -> torch.Tensor:
-        carry[rows_t] = hidden
+        carry[rows_t] = self.head.carried(hidden)
         return self.head.logits(hidden, self.target)
 
     def forward(self, meta, token_ids, features) -> torch.Tensor:
-        embeds = self.target.model.embed_tokens(token_ids)
+        embeds = self.embed(token_ids)
         hidden = self.head(embeds, features, meta.positions, self.kv_cache, meta)
         return hidden[meta.query_start[1:] - 1]
 

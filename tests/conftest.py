@@ -166,7 +166,7 @@ def write_eagle_head(folder: str, target: str, version: int, seed: int = 0, draf
 
 @pytest.fixture(scope="session")
 def spec_models(tmp_path_factory):
-    """A 4-layer target (EAGLE-3 reads layers 2, 2 and 1), a 1-layer draft with its tokenizer,
+    """A 4-layer target (EAGLE-3 reads layers 1, 2 and 2), a 1-layer draft with its tokenizer,
     and random EAGLE-1 / EAGLE-3 heads for the target."""
     root = tmp_path_factory.mktemp("spec")
     target = write_checkpoint(str(root / "target"), "llama3", seed=3, num_layers=4)

@@ -209,9 +209,9 @@ EAGLE_CASES = [
     ("eagle3 without lm_head", eagle3(lambda t, c: t.pop("lm_head.weight")), "lacks the matrix lm_head.weight"),
     ("eagle3 without fc", eagle3(lambda t, c: t.pop("fc.weight")), "lacks the matrix fc.weight"),
     ("eagle3 with two aux layers", eagle3(lambda t, c: c.update(
-        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})), "are not three layers"),
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})), "must be three layer numbers"),
     ("eagle3 aux layer past the target", eagle3(lambda t, c: c.update(
-        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 99]})), "are not three layers"),
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 99]})), "are not layers of the 4-layer target"),
     ("eagle3 t2d of the wrong length", eagle3(lambda t, c: t.update(t2d=t["t2d"][:-1])), "tensor t2d has shape"),
     ("eagle3 d2t as floats", eagle3(lambda t, c: t.update(d2t=t["d2t"].float())), "floats where token ids belong"),
     ("eagle3 d2t out of range", eagle3(lambda t, c: t["d2t"].add_(10**6)), "d2t maps draft tokens outside"),
