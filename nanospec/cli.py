@@ -150,6 +150,6 @@ def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """--draft, --eagle and --ngram (one of them); returns the group, for the command's own K flags."""
     group = ap.add_argument_group("speculative decoding (one proposer)")
     group.add_argument("--draft", help="a smaller draft model with the target's tokenizer (folder, hub id or .gguf)")
-    group.add_argument("--eagle", help="an EAGLE-1 or EAGLE-3 head trained for the target (folder)")
+    group.add_argument("--eagle", help="an EAGLE-1 or EAGLE-3 head trained for the target (folder or hub id)")
     group.add_argument("--ngram", action="store_true", help="prompt lookup: draft by continuing a repeated n-gram")
     return group

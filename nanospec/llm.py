@@ -74,7 +74,7 @@ class SpeculativeConfig:
     """Which proposer drafts, and how many drafts a step verifies; validate() checks the whole and
     returns K (messages name Python parameters to library callers, flags on the command line)."""
     draft: str | None = None                # a draft model (folder, hub id or .gguf)
-    eagle: str | None = None                # an EAGLE-1 / EAGLE-3 head folder
+    eagle: str | None = None                # an EAGLE-1 / EAGLE-3 head: a folder or a hub id
     ngram: bool = False                     # prompt lookup
     num_speculative_tokens: int | None = None   # K (default 4; with dynamic K its largest, default 8)
     dynamic_k: bool = False
