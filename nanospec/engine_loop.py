@@ -11,7 +11,8 @@ The loop should run on the thread that built the model (`run()`; the server's ma
 CPU ops run their OpenMP teams per calling thread, and a second thread's team on cores the first
 team's threads also wait on slows every parallel op: a small matmul took 0.24 ms on a second thread
 against 0.13 ms on the main one (tools/torch_thread_teams.py), and the server's TPOT at concurrency 1
-was 67-75 ms stepping on a thread of its own against 40-47 ms on the main one. `start()` is for tests.
+was 58.8 ms stepping on a thread of its own (bench_results/serve_cpu_smollm2.json at commit 9115daa)
+against 33.5-35.0 ms on the main one (the same file now). `start()` is for tests.
 
 TextStream turns a request's tokens into text deltas as a client should see them: whole UTF-8
 characters only, and no text that could still turn out to be the start of a stop string.
