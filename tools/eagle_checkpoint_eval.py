@@ -35,7 +35,7 @@ def main() -> None:
     head = train_eagle.new_head(llm.config, cfg, draft_vocab)
     head.load_state_dict(state["head"])
     os.makedirs(cli.out, exist_ok=True)
-    train_eagle.save_head(args, llm, head, cfg)
+    train_eagle.save_head(args, head, cfg)
     result = {"checkpoint": cli.checkpoint, "step": state["step"],
               "sequences_seen": state["step"] * run_args["batch_size"], "eval": train_eagle.evaluate(args, dtype)}
     result["eval"]["gap"] = train_eagle.held_out_gap(llm, head, args, aux, result["eval"], state["history"])
