@@ -24,9 +24,9 @@
    accuracy; OUT/checkpoint.pt every --save-every steps: the same command resumes a stopped run.
 4. Output: OUT/model.safetensors + OUT/config.json, which nanospec (--eagle OUT), vLLM and SGLang
    load unchanged; an EAGLE-1 head SGLang needs in its own layout, written to OUT/sglang (--export;
-   docs/eagle_training.md says why). Then the head's mean acceptance length on held-out prompts (the shipped benchmark prompts), over
-   all and per category, measured with the real engine, next to the n-gram proposer's, in
-   OUT/train_report.json.
+   docs/eagle_training.md says why). Then the head's mean acceptance length on held-out prompts
+   (the shipped benchmark prompts), over all and per category, measured with the real engine, next
+   to the n-gram proposer's, in OUT/train_report.json.
 """
 from __future__ import annotations
 
@@ -299,14 +299,13 @@ ARCHITECTURES = {("eagle1", "vllm"): "LlamaForCausalLM", ("eagle1", "sglang"): "
                  ("eagle3", "vllm"): "LlamaForCausalLMEagle3", ("eagle3", "sglang"): "LlamaForCausalLMEagle3"}
 
 
-def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, trained_dtype: str | None = None,
-                engine: str = "vllm") -> dict:
+def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, trained_dtype: str | None = None) -> dict:
     """config.json of the head: a one-layer Llama with the target's shapes (the public layouts), and
     the dtype of the target whose features it learned (the engine warns when it serves another).
     EAGLE-3's layers are written in both engines' fields, each in its own meaning (eagle.py's
     aux_layers): top-level for vLLM (the states entering them), eagle_config for SGLang (the
     outputs of the layers before)."""
-    cfg = {"architectures": [ARCHITECTURES[arch, engine]],
+    cfg = {"architectures": [ARCHITECTURES[arch, "vllm"]],
            "model_type": "llama", "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
            "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
            "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
@@ -592,18 +591,17 @@ def save_head(args, head, cfg: dict) -> None:
     engine takes the target's (vLLM would keep a saved one apart unless equal to the target's)."""
     state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in   # d2t, t2d: ints
              unpack_weights(head.state_dict(), head.config).items() if not k.startswith("rotary.")}
-    folders = {"vllm": args.out, "sglang": args.out, "both": args.out}
-    if args.arch == "eagle1" and args.export == "both":
-        folders["sglang"] = os.path.join(args.out, "sglang")
-    for engine in ("vllm", "sglang") if args.export == "both" else (args.export,):
-        if engine == "sglang" and args.arch == "eagle1":
-            files = {**state, "fc.bias": torch.zeros(head.config.hidden_size)}   # its fc has a bias: a zero one
-            config = {**cfg, "architectures": [ARCHITECTURES["eagle1", "sglang"]]}
-        else:
-            files, config = state, cfg
-        os.makedirs(folders[engine], exist_ok=True)
-        save_file(files, os.path.join(folders[engine], "model.safetensors"))
-        with open(os.path.join(folders[engine], "config.json"), "w") as f:
+    writes = []   # (folder, tensors, config)
+    if args.arch == "eagle3" or args.export != "sglang":   # vLLM's, and for EAGLE-3 every engine's
+        writes.append((args.out, state, cfg))
+    if args.arch == "eagle1" and args.export != "vllm":
+        folder = os.path.join(args.out, "sglang") if args.export == "both" else args.out
+        writes.append((folder, {**state, "fc.bias": torch.zeros(head.config.hidden_size)},   # its fc has a bias: a zero one
+                       {**cfg, "architectures": [ARCHITECTURES["eagle1", "sglang"]]}))
+    for folder, files, config in writes:
+        os.makedirs(folder, exist_ok=True)
+        save_file(files, os.path.join(folder, "model.safetensors"))
+        with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
 
 

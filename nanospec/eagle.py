@@ -201,7 +201,7 @@ def load_eagle_head(eagle: str, target, device: torch.device, dtype: torch.dtype
 
 
 def variants(cfg: dict, source: str) -> dict:
-    """EAGLE-3's variant flags (top level, or norm_before_fc in eagle_config as vLLM also reads it)."""
+    """EAGLE-3's variant flags, at the top level or in eagle_config (where vLLM also reads norm_before_fc)."""
     nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     out = {name: cfg.get(name, nested.get(name, False)) for name in VARIANTS}
     bad = [name for name, value in out.items() if not isinstance(value, bool)]

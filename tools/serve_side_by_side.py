@@ -97,8 +97,7 @@ def measure(port: int, label: str, load: tuple, prompts: list[str], max_tokens: 
 def long_prompt_itl(port: int, label: str, prompts: list[str], rows: list) -> None:
     """ITL of 4 running streams while four ~1,900-token prompts arrive, one a second."""
     import threading
-    client = Client(f"http://127.0.0.1:{port}", None)
-    model = json.loads(client.get("/v1/models"))["data"][0]["id"]
+    client, model = Client(f"http://127.0.0.1:{port}", None), model_name(port)
     long_text = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 140)
     streams = bodies(model, prompts[:8], 128, {"ignore_eos": True})
     longs = bodies(model, [long_text] * 4, 1)
