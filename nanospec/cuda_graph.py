@@ -166,13 +166,22 @@ class StepGraphs:
         if self.inputs is None or self.inputs.numel() < size:
             self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
             self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            self.graphs.clear()
+            self.drop_graphs()
         if self.drafts is None or self.drafts.shape[1] < k:
             self.drafts = torch.zeros(bucket, k, dtype=torch.int64, device=self.device)
-            self.graphs.clear()
+            self.drop_graphs()
         if probs and (self.draft_probs is None or self.draft_probs.shape[1] < k):
             self.draft_probs = torch.zeros(bucket, k, self.vocab, device=self.device)
-            self.graphs.clear()
+            self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        """Forget every captured graph, and capture the next ones into a fresh pool. Reusing the old
+        pool id once its last graph is gone trips PyTorch's allocator (`use_count > 0` INTERNAL ASSERT
+        at the next capture, seen on an H100 with torch 2.11): a pool whose graphs are all destroyed
+        may still hold blocks (outputs alive here), and only a new id starts a new pool."""
+        self.graphs.clear()
+        if self.use_graphs:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None = None,
                plan: Round | None = None) -> SamplingBatch:
