@@ -459,7 +459,10 @@ class Engine:
         return max(0, min(own_cap(req, self.request_k.get(id(req), self.step_k)), req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:
-        """One forward pass over the scheduled batch; returns the requests that got new tokens."""
+        """One forward pass over the scheduled batch; returns the requests that got new tokens (none,
+        and no pass, when nothing is queued or running)."""
+        if not self.scheduler.has_work():
+            return []
         self.choose_ks()
         batch = self.scheduler.schedule(self.num_drafts)
         run = self.run_prefill if batch.is_prefill else self.run_verify

@@ -14,6 +14,9 @@ after it is skipped; the CUDA tests get at most what is left):
   copy_bandwidth       20 s  a 1 GiB device-to-device copy: bytes read + written per second
   decode              150 s  plain and oracle rows (K 4, then 2) at batch 1, 16, 64, 256 with CUDA
                              graphs; K = 0 rows against their roofline. Includes loading the model
+  step_anatomy         40 s  batch 1 and 16, K 0 and 4: a graph step's wall time against its
+                             replays' device time; the kernels an eager step launches, per step,
+                             per layer and per token (step_ops), and each kind's device time
   graphs_vs_eager      50 s  the same rows with enforce_eager, K 0 and 4: graphs over eager
   attention_kernel     40 s  the tiled attention kernel alone, one layer of Llama-3.1-8B's shape:
                              KV bytes read per second at contexts 1k, 4k, 16k, batch 1 and 64, K 0, 4
@@ -65,6 +68,7 @@ from nanospec.k_policy import StaticK
 from nanospec.llm import LLM
 from nanospec.measure import device_name, greedy_requests, oracle_proposer, timed
 from nanospec.prompts import shipped_prompts
+from nanospec.step_ops import count_step_ops
 from nanospec.proposer import OracleProposer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository (tests/ is there)
@@ -77,7 +81,7 @@ FULL = dict(target="random:llama3-8b", small_target="random:qwen3-0.6b", dtype="
             assisted=("random:llama3-8b", "random:llama3.2-1b"), assisted_tokens=64, copy_megabytes=1024,
             attention=dict(contexts=[1024, 4096, 16384], batches=[1, 64], ks=[0, 4]),
             prefill=[(1, 3072, 1024), (8, 0, 512)], seconds=480, cuda_tests_timeout=240,
-            budgets=dict(copy_bandwidth=20, decode=150, graphs_vs_eager=50, attention_kernel=40, draft_vs_assisted=90,
+            budgets=dict(copy_bandwidth=20, decode=150, step_anatomy=40, graphs_vs_eager=50, attention_kernel=40, draft_vs_assisted=90,
                          cuda_tests=240, small_target=60, prefill_attention=25))
 REDUCED = dict(FULL, target="random:tiny", small_target="random:tiny", dtype="float32", batches=[1, 4],
                small_batches=[1], new_tokens=15, kv_cache_gb=0.05, assisted=("random:tiny", "random:tiny"),
@@ -285,15 +289,22 @@ class GpuCheck:
 
 # ---- decode rows ----------------------------------------------------------------------------------
 
+def decoding(engine, prompts: list[list[int]], new_tokens: int) -> list:
+    """Queue greedy requests and step them past prefill and their first decode step (a proposer's
+    catch-up, graphs of sampling steps: untimed); returns the requests."""
+    requests = greedy_requests(engine, prompts, new_tokens)
+    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    return requests
+
+
 def run_once(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy decoding of the prompts at once; the decode steps' seconds (the first one untimed: a
     proposer's catch-up, graphs of sampling steps), acceptance over the run, and the outputs."""
     stats = engine.stats
     accepted, request_steps = stats.accepted_tokens, stats.request_steps
-    requests = greedy_requests(engine, prompts, new_tokens)
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
-        engine.step()
-    engine.step()
+    requests = decoding(engine, prompts, new_tokens)
     untimed = sum(len(r.output_ids) for r in requests)
     seconds, steps = 0.0, 0
     while engine.scheduler.has_work():
@@ -305,16 +316,25 @@ def run_once(engine, prompts: list[list[int]], new_tokens: int) -> dict:
             "acceptance": round(acceptance, 4), "outputs": {tuple(r.prompt_ids): r.output_ids for r in requests}}
 
 
+def row_engine(loaded: Loaded, batch: int, k: int, graphs: bool, new_tokens: int):
+    """An engine of its own for a row: `batch` of the prompts, K = k drafts by the oracle (a copy
+    of it, this row's own), CUDA graphs or not, its greedy verify graphs captured."""
+    prompts = loaded.prompts[:batch]
+    longest = max(map(len, prompts)) + new_tokens + k + 1
+    blocks = batch * loaded.llm.engine.kv_cache.allocator.blocks_for(longest)
+    oracle = OracleProposer(dict(loaded.oracle.continuations)) if k else None
+    engine = loaded.llm.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle,
+                                    use_graphs=graphs)
+    engine.step_graphs.capture_all([k])
+    return engine, prompts, oracle
+
+
 def decode_row(loaded: Loaded, batch: int, k: int, graphs: bool, plan: dict) -> dict:
     """Greedy decoding of `batch` prompts on an engine of their own (K = k drafts by the oracle, CUDA
     graphs or not). An oracle row whose acceptance is below K + 1 takes this very configuration's
     outputs as its oracle and runs again, up to plan["oracle_tries"] runs; the last is timed."""
-    llm, prompts, new_tokens = loaded.llm, loaded.prompts[:batch], plan["new_tokens"]
-    longest = max(map(len, prompts)) + new_tokens + k + 1
-    blocks = batch * llm.engine.kv_cache.allocator.blocks_for(longest)
-    oracle = OracleProposer(dict(loaded.oracle.continuations)) if k else None   # this row's own
-    engine = llm.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle, use_graphs=graphs)
-    engine.step_graphs.capture_all([k])
+    new_tokens = plan["new_tokens"]
+    engine, prompts, oracle = row_engine(loaded, batch, k, graphs, new_tokens)
     tries = []
     while True:
         run = run_once(engine, prompts, new_tokens)
@@ -417,6 +437,60 @@ def measure_small_target(check: GpuCheck, section: Section) -> None:
             if not section.more():
                 return
             compare_graphs(check, section, "small_target", batch, k, None)
+
+
+def replay_device_ms(engine, steps: int) -> tuple[float, float]:
+    """(wall ms per step, device ms per step of its graph replays): CUDA events around every replay;
+    the difference is host work the device waits for."""
+    graphs, real = engine.step_graphs, engine.step_graphs.replay
+    marks = []
+
+    def replay(key, width):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = real(key, width)
+        end.record()
+        marks.append((start, end))
+        return out
+    graphs.replay = replay
+    try:
+        seconds = sum(timed(engine.device, engine.step)[1] for _ in range(steps))
+    finally:
+        del graphs.replay
+    torch.cuda.synchronize()
+    return 1000 * seconds / steps, sum(a.elapsed_time(b) for a, b in marks) / steps
+
+
+def measure_step_anatomy(check: GpuCheck, section: Section) -> None:
+    """Where a decode step goes, at the first two batches (1 and 16), K 0 and the headline K: with graphs, the step's
+    wall time against its graph replays' device time; eagerly, the operations it launches
+    (step_ops: kernels per step, per decoder layer, per token; under a graph each is a node) and
+    the device time of each kind."""
+    loaded, plan = check.load("target"), check.plan
+    new_tokens = plan["new_tokens"]   # the oracle's length
+    for batch in plan["batches"][:2]:
+        for k in (0, plan["ks"][0]):
+            if not section.more():
+                return
+            steps = max(1, min(8, (new_tokens - 7) // (k + 1)))   # all inside the requests' tokens
+            row = {"batch": batch, "k": k}
+            if check.cuda:
+                engine, prompts, _ = row_engine(loaded, batch, k, True, new_tokens)
+                decoding(engine, prompts, new_tokens)
+                row["graphs_step_ms"], row["replay_device_ms"] = map(lambda x: round(x, 3),
+                                                                     replay_device_ms(engine, steps))
+                del engine
+                free_memory()
+            engine, prompts, _ = row_engine(loaded, batch, k, False, new_tokens)
+            decoding(engine, prompts, new_tokens)
+            row["eager"] = count_step_ops(engine, steps).as_dict()
+            del engine
+            free_memory()
+            eager = row["eager"]
+            section.add(row, f"batch {batch:>3} K {k}: " + (
+                f"graphs step {row['graphs_step_ms']:.2f} ms, replays {row['replay_device_ms']:.2f} ms on the device; "
+                if check.cuda else "") + f"{eager['per_step']:.0f} ops a step, {eager['per_layer']:.1f} a layer, "
+                f"{eager['outside_layers']:.0f} outside the layers, {eager['per_token']:.0f} a token")
 
 
 # ---- kernels alone --------------------------------------------------------------------------------
@@ -649,11 +723,11 @@ def summary_lines(summary: list[dict]) -> list[str]:
 
 # ---- the command ----------------------------------------------------------------------------------
 
-SECTIONS = {"copy_bandwidth": measure_copy_bandwidth, "decode": measure_decode,
+SECTIONS = {"copy_bandwidth": measure_copy_bandwidth, "decode": measure_decode, "step_anatomy": measure_step_anatomy,
             "graphs_vs_eager": measure_graphs_vs_eager, "attention_kernel": measure_attention,
             "draft_vs_assisted": measure_assisted, "cuda_tests": run_cuda_tests,
             "small_target": measure_small_target, "prefill_attention": measure_prefill}
-USES = {"decode": "target", "graphs_vs_eager": "target", "small_target": "small_target"}   # models kept between
+USES = {"decode": "target", "step_anatomy": "target", "graphs_vs_eager": "target", "small_target": "small_target"}   # models kept between
 
 
 def report_path(out: str | None, device: str, reduced: bool) -> str:

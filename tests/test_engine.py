@@ -63,6 +63,16 @@ def test_no_block_leaks_after_many_requests(tiny_llm):
     assert_no_leak(tiny_llm)
 
 
+def test_a_step_with_nothing_to_do_does_nothing(tiny_llm):
+    """step() on an idle engine (before any request, after all finished) returns no request and
+    runs no pass: it used to index an empty running list."""
+    engine = tiny_llm.engine
+    assert engine.step() == []
+    tiny_llm.generate(["ab"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert engine.step() == [] and not engine.scheduler.has_work()
+    assert_no_leak(tiny_llm)
+
+
 def test_eos_stops_and_is_not_in_text(tiny_llm):
     out = tiny_llm.generate([PROMPTS[0]], greedy(8))[0]
     eos = out.token_ids[3]   # pretend the 4th greedy token is an end-of-sequence token

@@ -1,0 +1,120 @@
+"""Counting the work a decode step launches, with the torch profiler: per step, per decoded token
+and per decoder layer. What counts as one operation:
+
+  - CUDA: each kernel, copy or memset the device runs (under a CUDA graph, each is one node).
+  - CPU: each aten op that does work itself: not a view or an allocation (they move no data), and
+    with no working aten op inside it (aten::linear counts once, as the addmm it calls).
+
+Per layer: every layer's forward runs inside a profiler range (LAYER), and the operations inside
+those ranges are divided by the number of layers; the rest of the step (embedding, final norm,
+lm_head, sampling, the proposer) is reported beside it. Decoded tokens are what the requests
+gained in the counted steps.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+LAYER = "nanospec::decoder_layer"
+NO_WORK = {   # aten ops that only make views or allocate: no kernel, no data read
+    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::as_strided", "aten::expand", "aten::slice",
+    "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::transpose", "aten::permute",
+    "aten::alias", "aten::detach", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::unbind",
+    "aten::narrow", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resize_", "aten::lift_fresh",
+    "aten::_reshape_alias", "aten::unflatten", "aten::flatten", "aten::view_as", "aten::expand_as",
+    "aten::contiguous", "aten::numpy_T", "aten::result_type", "aten::is_nonzero", "aten::_local_scalar_dense",
+    "aten::unfold", "aten::as_strided_", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::to", "aten::_to_copy", "aten::type_as", "aten::unsqueeze_", "aten::squeeze_"}   # .to() counts as the copy_ under it, if any
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset",
+            "cudaLaunchCooperativeKernel")   # host calls that put work on the device
+
+
+@dataclass
+class StepOps:
+    device: str
+    steps: int
+    tokens: int                # decoded in the counted steps
+    layers: int
+    per_step: float            # operations per step, all of it
+    per_layer: float           # inside one decoder layer's forward, per step
+    outside_layers: float      # per step: embedding, final norm, lm_head, sampling, proposer
+    by_name: dict = field(default_factory=dict)   # per step, the most frequent first
+    time_by_name: dict = field(default_factory=dict)   # microseconds per step (CUDA: device time), the longest first
+
+    @property
+    def per_token(self) -> float:
+        return self.per_step * self.steps / max(1, self.tokens)
+
+    def as_dict(self) -> dict:
+        return {"device": self.device, "steps": self.steps, "tokens": self.tokens, "layers": self.layers,
+                "per_step": round(self.per_step, 1), "per_layer": round(self.per_layer, 2),
+                "outside_layers": round(self.outside_layers, 1), "per_token": round(self.per_token, 1),
+                "by_name": {k: round(v, 2) for k, v in self.by_name.items()},
+                "time_by_name_us": {k: round(v, 1) for k, v in self.time_by_name.items()}}
+
+
+@contextlib.contextmanager
+def layer_ranges(model):
+    """Each decoder layer's forward inside a LAYER profiler range (an instance attribute over the
+    class's forward, removed after)."""
+    layers = list(model.model.layers)
+    for layer in layers:
+        def ranged(*args, _forward=layer.forward, **kwargs):
+            with record_function(LAYER):
+                return _forward(*args, **kwargs)
+        layer.forward = ranged
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def working_cpu_ops(event) -> list:
+    """The aten ops at and under `event` that do work themselves (the lowest working ones)."""
+    below = [op for child in event.cpu_children for op in working_cpu_ops(child)]
+    if below:
+        return below
+    works = event.name.startswith("aten::") and event.name not in NO_WORK
+    return [event] if works else []
+
+
+def launches(event) -> list:
+    """The host calls at and under `event` that launch device work."""
+    own = [event] if event.name.startswith(LAUNCHES) else []
+    return own + [op for child in event.cpu_children for op in launches(child)]
+
+
+def count_step_ops(engine, steps: int) -> StepOps:
+    """Run `steps` engine steps (requests already decoding) under the profiler and count their
+    operations. On CUDA the device's own records count (kernels, copies, memsets) per step; per
+    layer, the launches made inside the LAYER ranges."""
+    cuda = engine.device.type == "cuda"
+    requests = list(engine.scheduler.running)
+    before = sum(len(r.output_ids) for r in requests)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with layer_ranges(engine.model) as num_layers, profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    tokens = sum(len(r.output_ids) for r in requests) - before
+    events = prof.events()
+    roots = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU]
+    if cuda:
+        ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        in_layers = [op for e in events if e.name == LAYER for op in launches(e)]
+    else:
+        ops = [op for root in roots for op in working_cpu_ops(root)]
+        in_layers = [op for e in events if e.name == LAYER for op in working_cpu_ops(e)]
+    names, times = collections.Counter(), collections.Counter()
+    for op in ops:
+        names[op.name] += 1 / steps
+        times[op.name] += (op.time_range.elapsed_us() if cuda else op.self_cpu_time_total) / steps
+    return StepOps(engine.device.type, steps, tokens, num_layers, len(ops) / steps,
+                   len(in_layers) / steps / num_layers, (len(ops) - len(in_layers)) / steps,
+                   dict(names.most_common(25)), dict(times.most_common(25)))
