@@ -22,7 +22,7 @@ device and as the oracle of the tests; a fused kernel can sit beside it on CUDA.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -103,17 +103,46 @@ class AttentionMetadata:
     query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
     query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token
     extra: torch.Tensor | None = None   # [n] the rest of the step's one host-to-device copy (build_metadata)
-    mask: torch.Tensor | None = None    # attention_mask's, once built
+    # What every layer of the pass would otherwise derive again (masks, rotary tables, row indices):
+    # built by the first layer that asks, shared by the others (once per pass, not once per layer).
+    per_pass: dict = field(default_factory=dict)
 
-    def attention_mask(self, block_size: int) -> torch.Tensor:
-        """[B, 1, max_q, max_k] True where a query may see a key: keys 0 .. its own position (causal,
-        in context). Built by the first layer that asks (the reference path; the Triton kernel
-        never does), then shared by the others: once per pass, not once per layer."""
-        if self.mask is None:
+    def once(self, key, make):
+        if key not in self.per_pass:
+            self.per_pass[key] = make()
+        return self.per_pass[key]
+
+    def attention_mask(self, block_size: int, group: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[B, 1, group * max_q, max_k] True where a query may see a key: keys 0 .. its own position
+        (causal, in context), repeated for the `group` query heads stacked along the query axis.
+        With a dtype: the additive mask SDPA makes of the boolean one on every call (0 where True,
+        -inf where False), made once here. The reference path's; the Triton kernel never asks."""
+        def make():
             keys = torch.arange(self.block_tables.shape[1] * block_size, device=self.positions.device)
             query_pos = self.positions[self.query_index]                     # [B, max_q]; padding: a real position
-            self.mask = (keys[None, None, :] <= query_pos[:, :, None])[:, None]
-        return self.mask
+            visible = (keys[None, None, :] <= query_pos[:, :, None])[:, None].repeat(1, 1, group, 1)
+            return visible if dtype is None else torch.zeros(visible.shape, dtype=dtype, device=visible.device
+                                                             ).masked_fill_(~visible, float("-inf"))
+        return self.once(("mask", block_size, group, dtype), make)
+
+    def full(self) -> bool:
+        """Every sequence adds max_q tokens: the padded [B, max_q] layout is the flat one (known from
+        shapes, no sync)."""
+        return len(self.positions) == self.query_index.numel()
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] in the padded layout [B * max_q, ...] (padding rows repeat token 0)."""
+        return x if self.full() else x[self.query_index.flatten()]
+
+    def unpadded(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse: x [B * max_q, ...] back to the real tokens [T, ...] in flat order. The rows are
+        computed from the lengths (no boolean mask: that would sync with the host on CUDA)."""
+        if self.full():
+            return x
+        max_q = self.query_index.shape[1]
+        rows = self.once("rows", lambda: self.token_seq * max_q + torch.arange(
+            len(self.token_seq), device=self.token_seq.device) - self.query_start[self.token_seq])
+        return x[rows]
 
 
 @dataclass(frozen=True)
@@ -239,9 +268,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)      # [B, kv_heads, max_k, head_dim]
     values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
     batch, max_q = meta.query_index.shape
-    queries = q[meta.query_index].view(batch, max_q, kv_heads, group, head_dim)
+    queries = meta.padded(q).view(batch, max_q, kv_heads, group, head_dim)
     queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * max_q, head_dim)
-    mask = meta.attention_mask(k_cache.shape[1]).repeat(1, 1, group, 1)   # [B, 1, group * max_q, max_k]
+    mask = meta.attention_mask(k_cache.shape[1], group, q.dtype)   # [B, 1, group * max_q, max_k], additive
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [B, max_q, kv, group, hd]
-    return out.reshape(batch, max_q, kv_heads * group, head_dim)[meta.query_valid]   # [T, heads, hd], flat order
+    return meta.unpadded(out.reshape(batch * max_q, kv_heads * group, head_dim))   # [T, heads, hd], flat order

@@ -238,9 +238,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The reference: x [T, heads, head_dim] rotated at positions [T]."""
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]   # [T, 1, head_dim/2]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, head_dim] for rotate(): cos twice, and sin with its first half negated."""
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """forward() in 4 operations, with tables() made once per pass: x * cos + swap(x) * sin,
+        swap exchanging the halves. The same float operations as forward, bit for bit: the first
+        half is x1 * cos + x2 * (-sin), and a + (-b) is a - b exactly."""
+        x32 = x.float()
+        x1, x2 = x32.chunk(2, dim=-1)
+        return (x32 * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -262,7 +277,7 @@ class Linear(nn.Linear):
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
         if x.dim() == 2 and len(x) <= 2:
-            rows = x if len(x) == 2 else x.repeat(2, 1)
+            rows = x if len(x) == 2 else torch.cat([x, x])   # one op (repeat is four on torch 2.13)
             out = (self.weight @ rows.T).T[:len(x)]
             return out if self.bias is None else out + self.bias
         if not PACKED_LINEAR:
@@ -295,14 +310,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        tokens, heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, :self.q_size + self.kv_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions), rope(k, positions)
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        # q and k rotated together, with the pass's tables (the positions kept alive with them: the key
+        # holds their id)
+        cos, sin, _ = meta.once(("rope", id(rope), id(positions)), lambda: (*rope.tables(positions), positions))
+        qk = rope.rotate(qk, cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
         k_cache, v_cache = kv_cache.layer(self.layer_index)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if triton_attention.available(q, k_cache):

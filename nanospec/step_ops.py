@@ -5,9 +5,10 @@ and per decoder layer. What counts as one operation:
   - CPU: each aten op that does work itself: not a view or an allocation (they move no data), and
     with no working aten op inside it (aten::linear counts once, as the addmm it calls).
 
-Per layer: every layer's forward runs inside a profiler range (LAYER), and the operations inside
-those ranges are divided by the number of layers; the rest of the step (embedding, final norm,
-lm_head, sampling, the proposer) is reported beside it. Decoded tokens are what the requests
+Per layer: every layer's forward runs inside a profiler range (LAYER), and a layer's count is the
+fewest over those ranges: a layer's own work, without what the first layer of a pass builds for the
+others (the mask, the rotary tables; the layers are alike otherwise). Everything else in the step (that, the embedding, the final
+norm, lm_head, sampling, the proposer) is `outside_layers`. Decoded tokens are what the requests
 gained in the counted steps.
 """
 from __future__ import annotations
@@ -40,8 +41,8 @@ class StepOps:
     tokens: int                # decoded in the counted steps
     layers: int
     per_step: float            # operations per step, all of it
-    per_layer: float           # inside one decoder layer's forward, per step
-    outside_layers: float      # per step: embedding, final norm, lm_head, sampling, proposer
+    per_layer: float           # inside one decoder layer's forward (the fewest of any), per step
+    outside_layers: float      # per step: the rest (per-pass tables, embedding, lm_head, sampling, proposer)
     by_name: dict = field(default_factory=dict)   # per step, the most frequent first
     time_by_name: dict = field(default_factory=dict)   # microseconds per step (CUDA: device time), the longest first
 
@@ -107,14 +108,14 @@ def count_step_ops(engine, steps: int) -> StepOps:
     roots = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU]
     if cuda:
         ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        in_layers = [op for e in events if e.name == LAYER for op in launches(e)]
+        layers = [len(launches(e)) for e in events if e.name == LAYER]
     else:
         ops = [op for root in roots for op in working_cpu_ops(root)]
-        in_layers = [op for e in events if e.name == LAYER for op in working_cpu_ops(e)]
+        layers = [len(working_cpu_ops(e)) for e in events if e.name == LAYER]
     names, times = collections.Counter(), collections.Counter()
     for op in ops:
         names[op.name] += 1 / steps
         times[op.name] += (op.time_range.elapsed_us() if cuda else op.self_cpu_time_total) / steps
-    return StepOps(engine.device.type, steps, tokens, num_layers, len(ops) / steps,
-                   len(in_layers) / steps / num_layers, (len(ops) - len(in_layers)) / steps,
-                   dict(names.most_common(25)), dict(times.most_common(25)))
+    per_layer = min(layers, default=0)
+    return StepOps(engine.device.type, steps, tokens, num_layers, len(ops) / steps, per_layer,
+                   len(ops) / steps - per_layer * num_layers, dict(names.most_common(25)), dict(times.most_common(25)))
