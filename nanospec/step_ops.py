@@ -105,11 +105,11 @@ def count_step_ops(engine, steps: int) -> StepOps:
             torch.cuda.synchronize()
     tokens = sum(len(r.output_ids) for r in requests) - before
     events = prof.events()
-    roots = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU]
     if cuda:
         ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         layers = [len(launches(e)) for e in events if e.name == LAYER]
     else:
+        roots = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU]
         ops = [op for root in roots for op in working_cpu_ops(root)]
         layers = [len(working_cpu_ops(e)) for e in events if e.name == LAYER]
     names, times = collections.Counter(), collections.Counter()
