@@ -16,7 +16,7 @@ LAYERS = [
     {"checkpoint"},
     {"tokenizer", "eagle", "cuda_graph"},
     {"engine"},
-    {"measure"},
+    {"measure", "step_ops"},
     {"llm", "baseline", "engine_loop", "metrics"},
     {"__init__", "cli", "gpu_check"},   # the package's names (LLM, SamplingParams, ...); the command lines' shared flags
     {"generate", "bench_serve", "profiler", "serve"},
