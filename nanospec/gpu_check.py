@@ -66,10 +66,10 @@ from nanospec.baseline import time_transformers, transformers_model
 from nanospec.engine import SamplingParams
 from nanospec.k_policy import StaticK
 from nanospec.llm import LLM
-from nanospec.measure import device_name, greedy_requests, oracle_proposer, timed
+from nanospec.measure import decoding, device_name, oracle_proposer, timed
 from nanospec.prompts import shipped_prompts
-from nanospec.step_ops import count_step_ops
 from nanospec.proposer import OracleProposer
+from nanospec.step_ops import count_step_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository (tests/ is there)
 CUDA_TESTS = ["-m", "cuda", "tests/"]   # the tests marked @pytest.mark.cuda: those that need a GPU
@@ -81,8 +81,8 @@ FULL = dict(target="random:llama3-8b", small_target="random:qwen3-0.6b", dtype="
             assisted=("random:llama3-8b", "random:llama3.2-1b"), assisted_tokens=64, copy_megabytes=1024,
             attention=dict(contexts=[1024, 4096, 16384], batches=[1, 64], ks=[0, 4]),
             prefill=[(1, 3072, 1024), (8, 0, 512)], seconds=480, cuda_tests_timeout=240,
-            budgets=dict(copy_bandwidth=20, decode=150, step_anatomy=40, graphs_vs_eager=50, attention_kernel=40, draft_vs_assisted=90,
-                         cuda_tests=240, small_target=60, prefill_attention=25))
+            budgets=dict(copy_bandwidth=20, decode=150, step_anatomy=40, graphs_vs_eager=50, attention_kernel=40,
+                         draft_vs_assisted=90, cuda_tests=240, small_target=60, prefill_attention=25))
 REDUCED = dict(FULL, target="random:tiny", small_target="random:tiny", dtype="float32", batches=[1, 4],
                small_batches=[1], new_tokens=15, kv_cache_gb=0.05, assisted=("random:tiny", "random:tiny"),
                assisted_tokens=15, copy_megabytes=64, attention=dict(contexts=[256], batches=[1, 4], ks=[0, 4]),
@@ -289,16 +289,6 @@ class GpuCheck:
 
 # ---- decode rows ----------------------------------------------------------------------------------
 
-def decoding(engine, prompts: list[list[int]], new_tokens: int) -> list:
-    """Queue greedy requests and step them past prefill and their first decode step (a proposer's
-    catch-up, graphs of sampling steps: untimed); returns the requests."""
-    requests = greedy_requests(engine, prompts, new_tokens)
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
-        engine.step()
-    engine.step()
-    return requests
-
-
 def run_once(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy decoding of the prompts at once; the decode steps' seconds (the first one untimed: a
     proposer's catch-up, graphs of sampling steps), acceptance over the run, and the outputs."""
@@ -462,10 +452,10 @@ def replay_device_ms(engine, steps: int) -> tuple[float, float]:
 
 
 def measure_step_anatomy(check: GpuCheck, section: Section) -> None:
-    """Where a decode step goes, at the first two batches (1 and 16), K 0 and the headline K: with graphs, the step's
-    wall time against its graph replays' device time; eagerly, the operations it launches
-    (step_ops: kernels per step, per decoder layer, per token; under a graph each is a node) and
-    the device time of each kind."""
+    """Where a decode step goes, at the first two batches (1 and 16), K 0 and the headline K: with
+    graphs, the step's wall time against its graph replays' device time; eagerly, the operations
+    it launches (step_ops: kernels per step, per decoder layer, per token; under a graph each is a
+    node) and the device time of each kind."""
     loaded, plan = check.load("target"), check.plan
     new_tokens = plan["new_tokens"]   # the oracle's length
     for batch in plan["batches"][:2]:
@@ -474,23 +464,21 @@ def measure_step_anatomy(check: GpuCheck, section: Section) -> None:
                 return
             steps = max(1, min(8, (new_tokens - 7) // (k + 1)))   # all inside the requests' tokens
             row = {"batch": batch, "k": k}
-            if check.cuda:
-                engine, prompts, _ = row_engine(loaded, batch, k, True, new_tokens)
+            for graphs in [True, False] if check.cuda else [False]:   # an engine of its own each
+                engine, prompts, _ = row_engine(loaded, batch, k, graphs, new_tokens)
                 decoding(engine, prompts, new_tokens)
-                row["graphs_step_ms"], row["replay_device_ms"] = map(lambda x: round(x, 3),
-                                                                     replay_device_ms(engine, steps))
+                if graphs:
+                    row["graphs_step_ms"], row["replay_device_ms"] = (
+                        round(ms, 3) for ms in replay_device_ms(engine, steps))
+                else:
+                    row["eager"] = count_step_ops(engine, steps).as_dict()
                 del engine
                 free_memory()
-            engine, prompts, _ = row_engine(loaded, batch, k, False, new_tokens)
-            decoding(engine, prompts, new_tokens)
-            row["eager"] = count_step_ops(engine, steps).as_dict()
-            del engine
-            free_memory()
             eager = row["eager"]
             section.add(row, f"batch {batch:>3} K {k}: " + (
-                f"graphs step {row['graphs_step_ms']:.2f} ms, replays {row['replay_device_ms']:.2f} ms on the device; "
-                if check.cuda else "") + f"{eager['per_step']:.0f} ops a step, {eager['per_layer']:.1f} a layer, "
-                f"{eager['outside_layers']:.0f} outside the layers, {eager['per_token']:.0f} a token")
+                f"graphs step {row['graphs_step_ms']:.2f} ms, replays {row['replay_device_ms']:.2f} ms on the "
+                "device; " if check.cuda else "") + f"{eager['per_step']:.0f} ops a step, {eager['per_layer']:.1f} "
+                f"a layer, {eager['outside_layers']:.0f} outside the layers, {eager['per_token']:.0f} a token")
 
 
 # ---- kernels alone --------------------------------------------------------------------------------
@@ -723,11 +711,12 @@ def summary_lines(summary: list[dict]) -> list[str]:
 
 # ---- the command ----------------------------------------------------------------------------------
 
-SECTIONS = {"copy_bandwidth": measure_copy_bandwidth, "decode": measure_decode, "step_anatomy": measure_step_anatomy,
-            "graphs_vs_eager": measure_graphs_vs_eager, "attention_kernel": measure_attention,
-            "draft_vs_assisted": measure_assisted, "cuda_tests": run_cuda_tests,
-            "small_target": measure_small_target, "prefill_attention": measure_prefill}
-USES = {"decode": "target", "step_anatomy": "target", "graphs_vs_eager": "target", "small_target": "small_target"}   # models kept between
+SECTIONS = {"copy_bandwidth": measure_copy_bandwidth, "decode": measure_decode,
+            "step_anatomy": measure_step_anatomy, "graphs_vs_eager": measure_graphs_vs_eager,
+            "attention_kernel": measure_attention, "draft_vs_assisted": measure_assisted,
+            "cuda_tests": run_cuda_tests, "small_target": measure_small_target, "prefill_attention": measure_prefill}
+USES = {"decode": "target", "step_anatomy": "target", "graphs_vs_eager": "target",   # models kept between
+        "small_target": "small_target"}
 
 
 def report_path(out: str | None, device: str, reduced: bool) -> str:

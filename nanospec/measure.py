@@ -50,6 +50,21 @@ def greedy_requests(engine: Engine, prompt_ids: list[list[int]], max_new_tokens:
     return reqs
 
 
+def past_prefill(engine: Engine) -> None:
+    """Step until no request is waiting or still in prefill."""
+    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
+        engine.step()
+
+
+def decoding(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int) -> list:
+    """Greedy requests (greedy_requests) queued and stepped past prefill and their first decode step
+    (a proposer's catch-up, graphs of sampling steps: what a measurement leaves untimed); returns them."""
+    requests = greedy_requests(engine, prompt_ids, max_new_tokens)
+    past_prefill(engine)
+    engine.step()
+    return requests
+
+
 def oracle_proposer(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int) -> OracleProposer:
     """An OracleProposer of each prompt's plain greedy continuation, recorded on an engine of its
     own over the same weights (its KV pool just large enough)."""
@@ -130,8 +145,7 @@ def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: i
                            proposer=ExactlyK(engine.proposer.twin(blocks))) for k in ks]
     for twin in engines:
         greedy_requests(twin, prompts, budget)
-        while twin.scheduler.waiting or any(r.in_prefill for r in twin.scheduler.running):
-            twin.step()
+        past_prefill(twin)
     times = [[] for _ in ks]
     for _ in range(steps + 1):
         for twin, seconds in zip(engines, times):

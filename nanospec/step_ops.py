@@ -7,9 +7,9 @@ and per decoder layer. What counts as one operation:
 
 Per layer: every layer's forward runs inside a profiler range (LAYER), and a layer's count is the
 fewest over those ranges: a layer's own work, without what the first layer of a pass builds for the
-others (the mask, the rotary tables; the layers are alike otherwise). Everything else in the step (that, the embedding, the final
-norm, lm_head, sampling, the proposer) is `outside_layers`. Decoded tokens are what the requests
-gained in the counted steps.
+others (the mask, the rotary tables; the layers are alike otherwise). Everything else in the step
+(that, the embedding, the final norm, lm_head, sampling, the proposer) is `outside_layers`. Decoded
+tokens are what the requests gained in the counted steps.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 LAYER = "nanospec::decoder_layer"
-NO_WORK = {   # aten ops that only make views or allocate: no kernel, no data read
+NO_WORK = {   # aten ops that only make views or allocate: no kernel, no data read (.to() counts as the
+              # copy_ under it, if any)
     "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::as_strided", "aten::expand", "aten::slice",
     "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::transpose", "aten::permute",
     "aten::alias", "aten::detach", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::unbind",
@@ -29,7 +30,7 @@ NO_WORK = {   # aten ops that only make views or allocate: no kernel, no data re
     "aten::_reshape_alias", "aten::unflatten", "aten::flatten", "aten::view_as", "aten::expand_as",
     "aten::contiguous", "aten::numpy_T", "aten::result_type", "aten::is_nonzero", "aten::_local_scalar_dense",
     "aten::unfold", "aten::as_strided_", "aten::resolve_conj", "aten::resolve_neg",
-    "aten::to", "aten::_to_copy", "aten::type_as", "aten::unsqueeze_", "aten::squeeze_"}   # .to() counts as the copy_ under it, if any
+    "aten::to", "aten::_to_copy", "aten::type_as", "aten::unsqueeze_", "aten::squeeze_"}
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset",
             "cudaLaunchCooperativeKernel")   # host calls that put work on the device
 

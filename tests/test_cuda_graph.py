@@ -12,6 +12,7 @@ from nanospec import LLM, SamplingParams, checkpoint, cuda_graph
 from nanospec.dynamic_k import Profile
 from nanospec.engine import Request
 from nanospec.kv_cache import NULL_BLOCK, SINK_BLOCK, BlockTable, KVCache, build_metadata
+from nanospec.measure import past_prefill
 from nanospec.sampler import Sampler
 
 CPU = torch.device("cpu")
@@ -302,8 +303,7 @@ def test_cuda_decode_step_copies_once_each_way(spec_models, monkeypatch, name, b
                          for i, p in enumerate((PROMPTS * 4)[:batch])])
     for _ in range(3):   # prefill, the proposer's catch-up, a first decode step
         engine.step()
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
-        engine.step()
+    past_prefill(engine)
     captured = len(engine.step_graphs.graphs)
     real_tolist = torch.Tensor.tolist
 

@@ -9,14 +9,14 @@ import torch
 
 from conftest import PROMPTS, greedy, proposer_args
 from nanospec import LLM
+from nanospec.measure import past_prefill
 
 
 def count_decode_step_copies(llm, batch: int, monkeypatch) -> tuple[int, int]:
     engine = llm.engine
     engine.add_requests([engine.new_request(i, p, llm.encode_prompt(p), greedy(40))
                          for i, p in enumerate((PROMPTS * 4)[:batch])])
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
-        engine.step()
+    past_prefill(engine)
     engine.step()   # the proposer's first step catches up on the prompt
     made, read = [], []
     host = engine.step_graphs.host.untyped_storage().data_ptr()

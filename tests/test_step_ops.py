@@ -8,7 +8,7 @@ import torch
 from nanospec import LLM, model as model_module
 from nanospec.k_policy import StaticK
 from nanospec.kv_cache import build_metadata, paged_attention_reference
-from nanospec.measure import greedy_requests, oracle_proposer
+from nanospec.measure import decoding, oracle_proposer
 from nanospec.model import RotaryEmbedding
 from nanospec.step_ops import count_step_ops
 
@@ -25,10 +25,7 @@ def decoding_engine(llm: LLM, batch: int, k: int):
     prompts = PROMPTS[:batch]
     oracle = oracle_proposer(llm.engine, prompts, 40) if k else None
     engine = llm.engine.twin(64, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle)
-    greedy_requests(engine, prompts, 40)
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
-        engine.step()
-    engine.step()
+    decoding(engine, prompts, 40)
     return engine
 
 

@@ -23,6 +23,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 
 from nanospec import LLM, SamplingParams, cuda_graph, engine as engine_module, proposer as proposer_module  # noqa: E402
+from nanospec.measure import past_prefill  # noqa: E402
 
 TIMED = {"scheduler": (engine_module.Scheduler, "schedule"), "policy": (engine_module.Engine, "choose_ks"),
          "input packing": (cuda_graph.StepGraphs, "upload"), "round planning": (proposer_module.ModelProposer, "prepare")}
@@ -59,8 +60,7 @@ def measure(target: str, batch: int, steps: int, proposer: dict) -> dict:
     params = SamplingParams(temperature=0, max_tokens=steps * 8 + 8, ignore_eos=True)
     prompt = llm.encode_prompt("The quick brown fox jumps over the lazy dog. The quick brown fox")
     engine.add_requests([engine.new_request(i, "", prompt, params) for i in range(batch)])
-    while engine.scheduler.waiting or any(r.in_prefill for r in engine.scheduler.running):
-        engine.step()
+    past_prefill(engine)
     engine.step()   # a warm-up decode step
     totals, counts = collections.Counter(), collections.Counter()
     undo = instrument(totals, counts, engine.step_graphs.host)
