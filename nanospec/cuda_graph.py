@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache, decode_metadata,
-                               derive_metadata, padding_to_sink, upload)
+                               derive_metadata, padding_to_sink, ragged_metadata, upload)
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.sampler import SamplingBatch, Truncation
 
@@ -61,9 +61,10 @@ MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
 
 
-# Eager steps pad their batch to the graphs' buckets too only when this is set (the tests set it, so
-# that every CPU test runs the padded step a GPU replays): on a CPU the padding rows cost what real
-# rows cost (a batch of 9 padded to 16 decoded SmolLM2 about 25% slower; docs/performance.md).
+# Eager steps pad their batch to the graphs' buckets, and every row of a verify step to K + 1 queries,
+# only when this is set (the tests set it, so that every CPU test runs the padded step a GPU replays):
+# on a CPU the padding rows cost what real rows cost (a batch of 9 padded to 16 decoded SmolLM2 about
+# 25% slower; docs/performance.md), and so do the queries of drafts n-gram did not find.
 PAD_EAGER_BATCHES = False
 
 # An eager step runs each graph body as capture and replay would: twice, at the tables' full width
@@ -157,6 +158,12 @@ class StepGraphs:
     def graphed(self, bucket: int) -> bool:
         return self.use_graphs and bucket <= MAX_GRAPH_BATCH
 
+    def padded(self, bucket: int) -> bool:
+        """Whether a verify step gives every row K + 1 queries (a graph's shapes, or the tests'
+        PAD_EAGER_BATCHES); else each row has its own num_draft + 1, and a row that found fewer
+        drafts (n-gram, a request near its end) costs only what it verifies."""
+        return self.graphed(bucket) or PAD_EAGER_BATCHES
+
     def grow(self, k: int, probs: bool = False) -> None:
         """Make the static buffers hold a step of K = k at the largest bucket; graphs captured over
         smaller buffers are dropped (their addresses are gone)."""
@@ -223,6 +230,7 @@ class StepGraphs:
         params = [r.params for r in requests]
         probs = plan is not None and not all(p.temperature == 0 for p in params)
         self.step = (batch, bucket, k, longest, probs)
+        self.step_tokens = sum(num_draft) + bucket   # an unpadded verify's queries (a padding row has 1)
         return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
                              greedy=all(p.temperature == 0 for p in params),
                              truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
@@ -378,26 +386,42 @@ class StepGraphs:
         q_len = k + 1
         fields, sampling = self.fields(bucket, mode)
         table_row, cached, num_draft, last = fields[:4]
-        meta, real_offsets = self.padded_metadata(self.tables.tables[table_row, :width], cached, num_draft + 1, q_len,
-                                                  self.kv_cache.block_size)
+        tables = self.tables.tables[table_row, :width]
         drafts = self.drafts[:bucket, :k]
-        input_ids = torch.cat([last[:, None], drafts], dim=1).flatten()
+        input_ids = torch.cat([last[:, None], drafts], dim=1).flatten()   # [bucket * q_len], row-major
+        if self.padded(bucket):   # every row q_len queries: a graph's fixed shapes
+            meta, real_offsets = self.padded_metadata(tables, cached, num_draft + 1, q_len, self.kv_cache.block_size)
+
+            def pick(x):   # [bucket * q_len, ...] -> [bucket, q_len, ...], each query at its real offset
+                x = x.view(bucket, q_len, *x.shape[1:])
+                return x.gather(1, real_offsets.view(bucket, q_len, *[1] * (x.dim() - 2)).expand(x.shape))
+        else:   # each row its own num_draft + 1 queries (the host knows their total): no padding computed
+            meta = ragged_metadata(tables, cached, num_draft + 1, self.step_tokens, q_len, self.kv_cache.block_size)
+            input_ids = input_ids[meta.token_seq * q_len + meta.positions - cached[meta.token_seq]]
+            real_offsets = torch.minimum(torch.arange(q_len, device=self.device)[None, :], num_draft[:, None])
+            rows = meta.query_start[:-1, None] + real_offsets   # [bucket, q_len]: each query's row in the pass
+
+            def pick(x):   # [T, ...] -> [bucket, q_len, ...], past a row's last query its last
+                return x[rows]
         proposer = self.proposer
         capture = proposer.capture_layers if proposer else ()
         hidden, captured = self.model(input_ids, meta.positions, self.kv_cache, meta, capture)
         features = proposer.features(hidden, captured) if proposer and proposer.needs_features else None
-        logits = self.model.logits(hidden)[:, :self.vocab].view(bucket, q_len, -1)
+        if features is not None and not self.padded(bucket):
+            features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
+        logits = self.model.logits(hidden)[:, :self.vocab]
         if mode == "greedy":   # the argmax of each row, then the padded gather: ids, not [B, K+1, V] logits
             row_max, target_ids = logits.max(-1)
-            tokens, num_accepted = self.sampler.verify_greedy(target_ids.gather(1, real_offsets), drafts, num_draft)
+            row_max, target_ids = pick(row_max), pick(target_ids)
+            tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, num_draft)
         else:
-            logits = logits.gather(1, real_offsets[:, :, None].expand(-1, -1, logits.shape[-1]))
+            logits = pick(logits)
             row_max = logits.amax(-1)
             tokens, num_accepted = self.sampler.rejection_sample(
                 logits, drafts, self.draft_probs[:bucket, :k] if probs else None, num_draft, sampling.temperature,
                 sampling.top_k, sampling.top_p, sampling.seeds, cached + 1, mode)
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
-        broken = (~row_max.gather(1, real_offsets).isfinite().all(-1)).long() + 2 * (~self.finite[:bucket]).long()
+        broken = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:bucket]).long()
         return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features
 
     def round_body(self, key, width: int) -> None:

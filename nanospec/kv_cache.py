@@ -189,21 +189,33 @@ def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int,
                     tables: torch.Tensor | None = None) -> AttentionMetadata:
     """The metadata from a packed buffer on the device, without a sync (the shapes come from the
     host); `tables`: the block tables [B, max_blocks] where they are on the device already."""
-    batch, total, max_q, device = shape.batch, shape.total, shape.max_q, packed.device
+    batch = shape.batch
     cached, lens = packed[:batch], packed[batch:2 * batch]
     if tables is None:
         tables = packed[2 * batch:2 * batch + batch * shape.max_blocks].view(batch, shape.max_blocks)
+    start = 2 * batch + batch * shape.max_blocks
+    meta = ragged_metadata(tables, cached, lens, shape.total, shape.max_q, block_size)
+    meta.extra = packed[start:start + shape.extra]
+    return meta
+
+
+def ragged_metadata(tables: torch.Tensor, cached: torch.Tensor, lens: torch.Tensor, total: int, max_q: int,
+                    block_size: int) -> AttentionMetadata:
+    """Metadata for sequences b that each add lens[b] tokens after cached[b] cached ones, over
+    tables [B, max_blocks] on the device; total (their sum) and max_q (their max) come from the
+    host, so nothing syncs. A row on the null block (a static step's padding) writes to the sink."""
+    batch, device = len(lens), lens.device
     query_start = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     token_seq = torch.repeat_interleave(torch.arange(batch, device=device), lens, output_size=total)
     positions = cached[token_seq] + torch.arange(total, device=device) - query_start[token_seq]
+    blocks = tables[token_seq, positions // block_size]
     offsets = torch.arange(max_q, device=device)
     query_valid = offsets[None, :] < lens[:, None]
-    start = 2 * batch + batch * shape.max_blocks
     return AttentionMetadata(
-        slot_mapping=tables[token_seq, positions // block_size] * block_size + positions % block_size,
+        slot_mapping=padding_to_sink(blocks, blocks * block_size + positions % block_size, block_size),
         block_tables=tables, context_lens=cached + lens, query_start=query_start, token_seq=token_seq,
         positions=positions, query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0),
-        query_valid=query_valid, extra=packed[start:start + shape.extra])
+        query_valid=query_valid)
 
 
 def padding_to_sink(blocks: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:

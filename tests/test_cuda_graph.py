@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import PROMPTS, assert_no_leak, proposer_args
+from conftest import PROMPTS, assert_no_leak, greedy, proposer_args
 from nanospec import LLM, SamplingParams, checkpoint, cuda_graph
 from nanospec.dynamic_k import Profile
 from nanospec.engine import Request
@@ -196,6 +196,37 @@ def test_batch_padding_changes_no_token(spec_models, monkeypatch, tmp_path, name
     unpadded, no_padding = outputs()
     assert buckets == [1, 2, 4, 8, 16, 24] and no_padding == list(range(1, 20))
     assert padded == unpadded
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft", "eagle1"])
+def test_an_unpadded_verify_step_equals_the_padded_one(spec_models, plain_greedy, monkeypatch, name):
+    """A CPU engine's verify step (no PAD_EAGER_BATCHES) gives each row only its own num_draft + 1
+    queries; the padded step (a graph's) gives every row K + 1. Same tokens, greedy (plain greedy's)
+    and seeded sampled, over steps whose rows found different numbers of drafts (n-gram's misses,
+    a request near its end)."""
+    uneven = []
+    real_body = cuda_graph.StepGraphs.verify_body
+
+    def verify_body(self, key, width):
+        _, bucket, k, *_ = key
+        if not self.padded(bucket) and self.step_tokens < bucket * (k + 1):
+            uneven.append(self.step_tokens)
+        return real_body(self, key, width)
+    monkeypatch.setattr(cuda_graph.StepGraphs, "verify_body", verify_body)
+
+    def outputs(padded: bool):
+        monkeypatch.setattr(cuda_graph, "PAD_EAGER_BATCHES", padded)
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=4,
+                  **proposer_args(spec_models, name))
+        greedy_out = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
+        sampled = [o.token_ids for o in llm.generate(PROMPTS, sampled_and_greedy(len(PROMPTS)))]
+        assert_no_leak(llm)
+        return greedy_out, sampled
+
+    padded, unpadded = outputs(True), outputs(False)
+    assert len(uneven) >= (20 if name == "ngram" else 2)   # the unpadded step ran rows of different lengths
+    assert unpadded == padded
+    assert unpadded[0] == [plain_greedy[p] for p in PROMPTS]
 
 
 def sampled_and_greedy(n: int) -> list[SamplingParams]:

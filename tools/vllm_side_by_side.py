@@ -1,0 +1,190 @@
+"""Offline tokens/s of nanospec and vLLM on one model, prompts and machine, alternated: plain and
+n-gram K=4 decoding, greedy, the same prompt ids (the shipped prompts in the checkpoint's chat
+template), one request at a time (8 prompts) and 8 and 32 at once, 64 tokens each (EOS ignored).
+
+Each (engine, mode) runs in a process of its own that builds its engine once, warms it up and runs
+every batch row; the driver runs them in turn, nanospec then vLLM, `--rounds` times, so that a slow
+minute of a shared machine falls on both. Between processes it measures the machine's memory
+bandwidth the way the issue defines it (a float32 sum over 256 MB, median of 9) and reports plain
+batch-1 tokens/s as a fraction of the memory roofline: bandwidth / the bytes of weights a step
+reads. Writes one JSON with every row, the best of each and the command.
+
+example (vLLM's CPU build in a venv of its own, serving an HF folder; see DEVELOPERS.md):
+  python tools/vllm_side_by_side.py --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \\
+      --out bench_results/vllm_side_by_side_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+BATCHES = {"one at a time": (8, 1), "8 at once": (8, 8), "32 at once": (32, 32)}   # (prompts, at once)
+
+
+def run_rows(generate, prompt_ids: list[list[int]], max_tokens: int) -> list[dict]:
+    """generate(list of prompt ids) -> generated token counts; timed for every row of BATCHES."""
+    generate(prompt_ids[:1])   # warm-up (and vLLM's compiled graphs for a first shape)
+    rows = []
+    for name, (count, at_once) in BATCHES.items():
+        prompts = prompt_ids[:count]
+        start = time.perf_counter()
+        tokens = sum(sum(generate(prompts[i:i + at_once])) for i in range(0, count, at_once))
+        seconds = time.perf_counter() - start
+        rows.append({"batch": name, "tokens": tokens, "seconds": round(seconds, 3),
+                     "tokens_per_s": round(tokens / seconds, 2)})
+    return rows
+
+
+def nanospec_worker(args, prompt_ids: list[list[int]]) -> list[dict]:
+    sys.path.insert(0, ROOT)
+    from nanospec import LLM, SamplingParams
+    from nanospec.cli import set_threads
+    set_threads(args.threads)
+    proposer = {"ngram": True, "num_speculative_tokens": 4} if args.mode == "ngram" else {}
+    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=32, **proposer)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    return run_rows(lambda ps: [len(o.token_ids) for o in llm.generate(ps, params)], prompt_ids, args.max_tokens)
+
+
+def vllm_worker(args, prompt_ids: list[list[int]]) -> list[dict]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    spec = {"speculative_config": NGRAM} if args.mode == "ngram" else {}
+    llm = LLM(args.model, dtype="float32", max_model_len=2048, max_num_seqs=32, seed=0, **spec)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def generate(ps):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+    return run_rows(generate, prompt_ids, args.max_tokens)
+
+
+def memory_bandwidth() -> float:
+    """GB/s of a float32 sum over 256 MB (the median of 9, after one warm-up), torch's threads as set."""
+    import torch
+    data = torch.ones(64 * 2 ** 20)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def weight_bytes(model: str) -> int:
+    """Bytes of the weights a decode step reads: every tensor of the checkpoint once (tied
+    embeddings are stored once; the embedding's rows read per step are negligible, the LM head's
+    full read of the same matrix is counted)."""
+    from safetensors import safe_open
+    total = 0
+    for name in os.listdir(model):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model, name), "pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    count = 1
+                    for d in part.get_shape():
+                        count *= d
+                    total += count * 4   # float32 as run
+    return total
+
+
+def prompt_ids(model: str) -> list[list[int]]:
+    sys.path.insert(0, ROOT)
+    from nanospec.prompts import shipped_prompts
+    from nanospec.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(model)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}])
+            for r in shipped_prompts()[:32]]
+
+
+def best(rows: list[dict]) -> list[dict]:
+    """The best tokens/s of each (engine, mode, batch) over the rounds, and nanospec / vLLM."""
+    tops = {}
+    for r in rows:
+        key = (r["engine"], r["mode"], r["batch"])
+        tops[key] = max(tops.get(key, 0), r["tokens_per_s"])
+    out = []
+    for mode in ("plain", "ngram"):
+        for batch in BATCHES:
+            ours, theirs = tops.get(("nanospec", mode, batch)), tops.get(("vllm", mode, batch))
+            if ours and theirs:
+                out.append({"mode": mode, "batch": batch, "nanospec": ours, "vllm": theirs,
+                            "ratio": round(ours / theirs, 3)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="an HF folder both engines load (float32)")
+    ap.add_argument("--vllm-python", default="/tmp/vllm/venv/bin/python", help="the python of vLLM's venv")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="nanospec's torch threads (default: 2)")
+    ap.add_argument("--modes", default="plain,ngram")
+    ap.add_argument("--engines", default="nanospec,vllm")
+    ap.add_argument("--out", help="write the JSON here")
+    ap.add_argument("--worker", choices=["nanospec", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["plain", "ngram"], help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        with open(args.prompts) as f:
+            ids = json.load(f)
+        rows = (nanospec_worker if args.worker == "nanospec" else vllm_worker)(args, ids)
+        print("ROWS " + json.dumps(rows), flush=True)
+        return
+
+    import torch
+    torch.set_num_threads(args.threads)
+    ids = prompt_ids(args.model)
+    prompts_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump(ids, prompts_file)
+    prompts_file.close()
+    rows, bandwidths = [], []
+    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    for round_ in range(1, args.rounds + 1):
+        for mode in args.modes.split(","):
+            for engine in args.engines.split(","):
+                bandwidths.append(memory_bandwidth())
+                python = sys.executable if engine == "nanospec" else args.vllm_python
+                cmd = [python, os.path.abspath(__file__), "--model", args.model, "--worker", engine, "--mode", mode,
+                       "--prompts", prompts_file.name, "--max-tokens", str(args.max_tokens),
+                       "--threads", str(args.threads)]
+                start = time.perf_counter()
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
+                if done.returncode or not lines:
+                    sys.exit(f"{engine} {mode} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+                for row in json.loads(lines[-1][5:]):
+                    rows.append({"round": round_, "engine": engine, "mode": mode, **row})
+                    print(json.dumps(rows[-1]), flush=True)
+                print(f"# {engine} {mode}: {time.perf_counter() - start:.0f} s in all", flush=True)
+    os.unlink(prompts_file.name)
+    bandwidth = statistics.median(bandwidths)
+    roofline = bandwidth * 1e9 / weight_bytes(args.model)
+    plain_b1 = max((r["tokens_per_s"] for r in rows if r["mode"] == "plain" and r["batch"] == "one at a time"
+                    and r["engine"] == "nanospec"), default=None)
+    report = {
+        "what": __doc__.splitlines()[0], "command": " ".join(["python", *sys.argv]),
+        "torch": torch.__version__, "threads": args.threads, "memory_bandwidth_gb_s": round(bandwidth, 1),
+        "bandwidths_gb_s": [round(b, 1) for b in bandwidths], "weight_bytes": weight_bytes(args.model),
+        "roofline_tokens_per_s": round(roofline, 1),
+        "nanospec_plain_batch1_roofline_fraction": plain_b1 and round(plain_b1 / roofline, 3),
+        "best": best(rows), "rows": rows}
+    print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
