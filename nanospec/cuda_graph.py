@@ -396,7 +396,8 @@ class StepGraphs:
                 x = x.view(bucket, q_len, *x.shape[1:])
                 return x.gather(1, real_offsets.view(bucket, q_len, *[1] * (x.dim() - 2)).expand(x.shape))
         else:   # each row its own num_draft + 1 queries (the host knows their total): no padding computed
-            meta = ragged_metadata(tables, cached, num_draft + 1, self.step_tokens, q_len, self.kv_cache.block_size)
+            meta = ragged_metadata(tables, cached, num_draft + 1, self.step_tokens, q_len, self.kv_cache.block_size,
+                                   padding_rows=bucket > self.step[0])
             input_ids = input_ids[meta.token_seq * q_len + meta.positions - cached[meta.token_seq]]
             real_offsets = torch.minimum(torch.arange(q_len, device=self.device)[None, :], num_draft[:, None])
             rows = meta.query_start[:-1, None] + real_offsets   # [bucket, q_len]: each query's row in the pass

@@ -485,27 +485,28 @@ def measure_step_anatomy(check: GpuCheck, section: Section) -> None:
 
 def llama8b_layer(device: torch.device, dtype: torch.dtype, batch: int, cached: int, new: int, block_size: int = 16):
     """One attention layer of Llama-3.1-8B's shape (32 query heads, 8 KV heads, head_dim 128) over
-    random pages: batch sequences of `cached` tokens adding `new` each. Returns (q, k_cache, v_cache, meta)."""
+    random pages: batch sequences of `cached` tokens adding `new` each. Returns (q, kv, meta), kv the
+    layer's pages [2, blocks, block_size, 8, 128]."""
     per_seq = (cached + new) // block_size + 1
     cache = kv_cache.KVCache(1, batch * per_seq, block_size, 8, 128, dtype, device)
     cache.pool.normal_()
     tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
     meta = kv_cache.build_metadata(tables, [cached] * batch, [new] * batch, block_size, device)
-    return torch.randn(batch * new, 32, 128, dtype=dtype, device=device), *cache.layer(0), meta
+    return torch.randn(batch * new, 32, 128, dtype=dtype, device=device), cache.layer(0), meta
 
 
 def attention_kernels(device: torch.device, prefill: bool) -> dict:
-    """name -> attention(q, k_cache, v_cache, meta): the Triton kernels where they run (CUDA, or a
+    """name -> attention(q, kv, meta): the Triton kernels where they run (CUDA, or a
     CPU under TRITON_INTERPRET=1), the PyTorch reference (SDPA over gathered pages) always."""
     scale = 128 ** -0.5
     kernels = {}
     if triton_attention.triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        kernels["tiled"] = lambda q, k, v, meta: triton_attention.paged_attention(q, k, v, meta, scale)
+        kernels["tiled"] = lambda q, kv, meta: triton_attention.paged_attention(q, *kv, meta, scale)
         if prefill:
-            kernels["per_token"] = lambda q, k, v, meta: triton_attention.paged_attention_tokens(
-                q, k, v, meta.block_tables, meta.token_seq, meta.positions, scale)
+            kernels["per_token"] = lambda q, kv, meta: triton_attention.paged_attention_tokens(
+                q, *kv, meta.block_tables, meta.token_seq, meta.positions, scale)
     if prefill or not kernels:
-        kernels["sdpa_gathered"] = lambda q, k, v, meta: kv_cache.paged_attention_reference(q, k, v, meta, scale)
+        kernels["sdpa_gathered"] = lambda q, kv, meta: kv_cache.paged_attention_reference(q, kv, meta, scale)
     return kernels
 
 
@@ -526,13 +527,13 @@ def measure_attention(check: GpuCheck, section: Section) -> None:
             for k in plan["ks"]:
                 if not section.more():
                     return
-                q, k_cache, v_cache, meta = llama8b_layer(check.device, dtype, batch, context - k - 1, k + 1)
-                seconds, timer = kernel_seconds(check.device, lambda: attention(q, k_cache, v_cache, meta))
-                kv_gb_s = batch * context * 2 * 8 * 128 * k_cache.element_size() / seconds / 1e9
+                q, kv, meta = llama8b_layer(check.device, dtype, batch, context - k - 1, k + 1)
+                seconds, timer = kernel_seconds(check.device, lambda: attention(q, kv, meta))
+                kv_gb_s = batch * context * 2 * 8 * 128 * kv.element_size() / seconds / 1e9
                 row = {"kernel": name, "context": context, "batch": batch, "k": k, "us": round(1e6 * seconds, 1),
                        "kv_gb_s": round(kv_gb_s, 1), "timer": timer,
                        "fraction_of_copy_bandwidth": round(kv_gb_s / bandwidth, 3) if bandwidth else None}
-                del q, k_cache, v_cache, meta
+                del q, kv, meta
                 free_memory()
                 section.add(row, f"{name} context {context} batch {batch} K {k}: {row['us']} us, {row['kv_gb_s']} GB/s")
 
@@ -544,12 +545,12 @@ def measure_prefill(check: GpuCheck, section: Section) -> None:
     for batch, cached, new in check.plan["prefill"]:
         if not section.more():
             return
-        q, k_cache, v_cache, meta = llama8b_layer(check.device, dtype, batch, cached, new)
+        q, kv, meta = llama8b_layer(check.device, dtype, batch, cached, new)
         row = {"batch": batch, "cached": cached, "new": new}
         for name, attention in kernels.items():
-            seconds, row["timer"] = kernel_seconds(check.device, lambda: attention(q, k_cache, v_cache, meta), 5)
+            seconds, row["timer"] = kernel_seconds(check.device, lambda: attention(q, kv, meta), 5)
             row[f"{name}_ms"] = round(1000 * seconds, 3)
-        del q, k_cache, v_cache, meta
+        del q, kv, meta
         free_memory()
         section.add(row, f"batch {batch}, {cached} cached + {new} new: "
                     + ", ".join(f"{name} {row[f'{name}_ms']} ms" for name in kernels))

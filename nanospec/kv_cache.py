@@ -200,10 +200,11 @@ def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int,
 
 
 def ragged_metadata(tables: torch.Tensor, cached: torch.Tensor, lens: torch.Tensor, total: int, max_q: int,
-                    block_size: int) -> AttentionMetadata:
+                    block_size: int, padding_rows: bool = False) -> AttentionMetadata:
     """Metadata for sequences b that each add lens[b] tokens after cached[b] cached ones, over
     tables [B, max_blocks] on the device; total (their sum) and max_q (their max) come from the
-    host, so nothing syncs. A row on the null block (a static step's padding) writes to the sink."""
+    host, so nothing syncs. padding_rows: some rows are a static step's padding, on the null block,
+    and write to the sink instead."""
     batch, device = len(lens), lens.device
     query_start = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
     token_seq = torch.repeat_interleave(torch.arange(batch, device=device), lens, output_size=total)
@@ -211,10 +212,10 @@ def ragged_metadata(tables: torch.Tensor, cached: torch.Tensor, lens: torch.Tens
     blocks = tables[token_seq, positions // block_size]
     offsets = torch.arange(max_q, device=device)
     query_valid = offsets[None, :] < lens[:, None]
+    slots = blocks * block_size + positions % block_size
     return AttentionMetadata(
-        slot_mapping=padding_to_sink(blocks, blocks * block_size + positions % block_size, block_size),
-        block_tables=tables, context_lens=cached + lens, query_start=query_start, token_seq=token_seq,
-        positions=positions, query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0),
+        slot_mapping=padding_to_sink(blocks, slots, block_size) if padding_rows else slots, block_tables=tables,
+        context_lens=cached + lens, query_start=query_start, token_seq=token_seq, positions=positions, query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0),
         query_valid=query_valid)
 
 
@@ -256,8 +257,9 @@ class KVCache:
         """Zero every slot (see the module's invariants); the allocator is left as it is."""
         self.pool.zero_()
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool[i, 0], self.pool[i, 1]   # each [num_blocks, block_size, kv_heads, head_dim]
+    def layer(self, i: int) -> torch.Tensor:
+        """Layer i's pages [2 (k/v), num_blocks, block_size, kv_heads, head_dim]: `k, v = layer(i)`."""
+        return self.pool[i]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -267,22 +269,27 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of the new tokens q [T, heads, head_dim] over their sequences' pages.
+def paged_attention_reference(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, heads, head_dim] over their sequences' pages, kv
+    [2 (k/v), num_blocks, block_size, kv_heads, head_dim] (KVCache.layer).
 
-    Gathers each sequence's pages into a padded [B, max_k] view and runs one masked softmax
+    Gathers each sequence's pages into a padded [B, max_k] layout and runs one masked softmax
     attention per K/V head. Grouped-query attention without copying K/V per query head: the
     `group` query heads that share a K/V head are stacked along the query axis instead.
     """
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    _, _, block_size, kv_heads, head_dim = kv.shape
     group = q.shape[1] // kv_heads
-    keys = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)      # [B, kv_heads, max_k, head_dim]
-    values = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
     batch, max_q = meta.query_index.shape
+    # K and V in one gather of every sequence's slots (their index made once per pass), each head's
+    # keys laid out contiguously, as SDPA reads them (strided keys cost it a copy of its own)
+    slots = meta.once(("slots", block_size), lambda: (meta.block_tables[:, :, None] * block_size + torch.arange(
+        block_size, device=q.device)).flatten())
+    keys, values = (kv.view(2, -1, kv_heads, head_dim).transpose(1, 2).index_select(2, slots)
+                    .view(2, kv_heads, batch, -1, head_dim).transpose(1, 2))   # each [B, kv_heads, max_k, head_dim]
     queries = meta.padded(q).view(batch, max_q, kv_heads, group, head_dim)
     queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * max_q, head_dim)
-    mask = meta.attention_mask(k_cache.shape[1], group, q.dtype)   # [B, 1, group * max_q, max_k], additive
+    mask = meta.attention_mask(block_size, group, q.dtype)   # [B, 1, group * max_q, max_k], additive
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
     out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [B, max_q, kv, group, hd]
     return meta.unpadded(out.reshape(batch * max_q, kv_heads * group, head_dim))   # [T, heads, hd], flat order

@@ -321,12 +321,13 @@ class Attention(nn.Module):
         cos, sin, _ = meta.once(("rope", id(rope), id(positions)), lambda: (*rope.tables(positions), positions))
         qk = rope.rotate(qk, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
-        k_cache, v_cache = kv_cache.layer(self.layer_index)
+        pages = kv_cache.layer(self.layer_index)
+        k_cache, v_cache = pages
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if triton_attention.available(q, k_cache):
             out = triton_attention.paged_attention(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
         else:
-            out = paged_attention_reference(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
+            out = paged_attention_reference(q, pages, meta, scale=self.head_dim ** -0.5)
         return self.o_proj(out.reshape(tokens, -1))
 
 

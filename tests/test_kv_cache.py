@@ -40,7 +40,7 @@ def test_paged_attention_equals_contiguous(block_size, seqs, seed):
     write_kv(k_cache, v_cache, torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs)]),
              torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)]), meta.slot_mapping)
     q = torch.randn(sum(n for _, n in seqs), heads, dim, generator=g)
-    out = paged_attention_reference(q, k_cache, v_cache, meta, scale=dim ** -0.5)
+    out = paged_attention_reference(q, cache.layer(0), meta, scale=dim ** -0.5)
     start = 0
     for b, (cached, new) in enumerate(seqs):
         expected = contiguous_attention(q[start:start + new], full_k[b], full_v[b], cached)

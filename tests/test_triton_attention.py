@@ -36,7 +36,7 @@ def error(kernel, device, dtype, block_size, heads, kv_heads, dim, seqs, splits=
     v_cache.copy_(torch.randn(v_cache.shape, generator=g).to(dtype))
     meta = build_metadata(tables, [c for c, _ in seqs], [n for _, n in seqs], block_size, torch.device(device))
     q = torch.randn(len(meta.positions), heads, dim, generator=g).to(device=device, dtype=dtype)
-    ref = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
+    ref = paged_attention_reference(q.float(), cache.layer(0).float(), meta, dim ** -0.5)
     if kernel == "tokens":
         out = paged_attention_tokens(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.positions, dim ** -0.5)
     else:

@@ -1,21 +1,24 @@
 """Offline tokens/s of nanospec and vLLM on one model, prompts and machine, alternated: plain and
-n-gram K=4 decoding, greedy, the same prompt ids (the shipped prompts in the checkpoint's chat
-template), one request at a time (8 prompts) and 8 and 32 at once, 64 tokens each (EOS ignored).
+n-gram K=4 decoding, greedy, the same prompt ids (the shipped prompts, a category at a time in
+turn, in the checkpoint's chat template), one request at a time (8 prompts) and 8 and 32 at once,
+64 tokens each (EOS ignored).
 
 Each (engine, mode) runs in a process of its own that builds its engine once, warms it up and runs
 every batch row; the driver runs them in turn, nanospec then vLLM, `--rounds` times, so that a slow
 minute of a shared machine falls on both. Between processes it measures the machine's memory
-bandwidth the way the issue defines it (a float32 sum over 256 MB, median of 9) and reports plain
-batch-1 tokens/s as a fraction of the memory roofline: bandwidth / the bytes of weights a step
-reads. Writes one JSON with every row, the best of each and the command.
+bandwidth (a float32 sum over 256 MB, median of 9) for the roofline: bandwidth / the bytes of
+weights a step reads is the most tokens/s a batch-1 decode step can reach; nanospec's plain decode
+step at batch 1 (prefill excluded) and its end-to-end batch-1 row are given as fractions of it.
+Writes one JSON with every row, the best of each and the command.
 
-example (vLLM's CPU build in a venv of its own, serving an HF folder; see DEVELOPERS.md):
+example (vLLM's CPU build in a venv of its own serving an HF folder: README's "Measured against vLLM"):
   python tools/vllm_side_by_side.py --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \\
       --out bench_results/vllm_side_by_side_cpu.json
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -26,6 +29,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+DECODE_ROW = "decode steps at batch 1"   # nanospec's plain decode step alone (median of 60)
 BATCHES = {"one at a time": (8, 1), "8 at once": (8, 8), "32 at once": (32, 32)}   # (prompts, at once)
 
 
@@ -51,7 +55,18 @@ def nanospec_worker(args, prompt_ids: list[list[int]]) -> list[dict]:
     proposer = {"ngram": True, "num_speculative_tokens": 4} if args.mode == "ngram" else {}
     llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=32, **proposer)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    return run_rows(lambda ps: [len(o.token_ids) for o in llm.generate(ps, params)], prompt_ids, args.max_tokens)
+    rows = run_rows(lambda ps: [len(o.token_ids) for o in llm.generate(ps, params)], prompt_ids, args.max_tokens)
+    if args.mode == "plain":   # the roofline's own figure: decode steps alone, no prefill in them
+        from nanospec.measure import decoding
+        decoding(llm.engine, prompt_ids[:1], 300)
+        times = []
+        for _ in range(60):
+            start = time.perf_counter()
+            llm.engine.step()
+            times.append(time.perf_counter() - start)
+        step = statistics.median(times)
+        rows.append({"batch": DECODE_ROW, "step_ms": round(step * 1000, 2), "tokens_per_s": round(1 / step, 2)})
+    return rows
 
 
 def vllm_worker(args, prompt_ids: list[list[int]]) -> list[dict]:
@@ -98,12 +113,17 @@ def weight_bytes(model: str) -> int:
 
 
 def prompt_ids(model: str) -> list[list[int]]:
+    """The shipped prompts taken a category at a time in turn (the first 8: one of each category),
+    in the checkpoint's chat template."""
     sys.path.insert(0, ROOT)
     from nanospec.prompts import shipped_prompts
     from nanospec.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(model)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}])
-            for r in shipped_prompts()[:32]]
+    by_category = {}
+    for row in shipped_prompts():
+        by_category.setdefault(row["category"], []).append(row["prompt"])
+    mixed = [p for turn in itertools.zip_longest(*by_category.values()) for p in turn if p is not None]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in mixed[:32]]
 
 
 def best(rows: list[dict]) -> list[dict]:
@@ -171,14 +191,18 @@ def main() -> None:
     os.unlink(prompts_file.name)
     bandwidth = statistics.median(bandwidths)
     roofline = bandwidth * 1e9 / weight_bytes(args.model)
-    plain_b1 = max((r["tokens_per_s"] for r in rows if r["mode"] == "plain" and r["batch"] == "one at a time"
-                    and r["engine"] == "nanospec"), default=None)
+    def nanospec_plain(batch):
+        return max((r["tokens_per_s"] for r in rows if r["engine"] == "nanospec" and r["mode"] == "plain"
+                    and r["batch"] == batch), default=None)
+    end_to_end, decode = nanospec_plain("one at a time"), nanospec_plain(DECODE_ROW)
     report = {
         "what": __doc__.splitlines()[0], "command": " ".join(["python", *sys.argv]),
         "torch": torch.__version__, "threads": args.threads, "memory_bandwidth_gb_s": round(bandwidth, 1),
         "bandwidths_gb_s": [round(b, 1) for b in bandwidths], "weight_bytes": weight_bytes(args.model),
         "roofline_tokens_per_s": round(roofline, 1),
-        "nanospec_plain_batch1_roofline_fraction": plain_b1 and round(plain_b1 / roofline, 3),
+        "nanospec_plain_batch1_decode_tokens_per_s": decode,
+        "roofline_fraction_batch1_decode_steps": decode and round(decode / roofline, 3),
+        "roofline_fraction_batch1_end_to_end": end_to_end and round(end_to_end / roofline, 3),
         "best": best(rows), "rows": rows}
     print(json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=1))
     if args.out:
