@@ -33,7 +33,7 @@ from nanospec.gpu_check import SECTIONS as GPU_CHECK_SECTIONS, copy_bandwidth, g
 from nanospec.k_policy import StaticK
 from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS
 from nanospec.measure import device_name, greedy_requests, oracle_proposer, quick_profile, timed
-from nanospec.prompts import shipped_prompts
+from nanospec.prompts import by_category_in_turn, shipped_prompts
 
 
 def run_group(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int) -> tuple[float, Stats]:
@@ -117,7 +117,7 @@ def build_parser():
     ap.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens every request generates")
     ap.add_argument("--categories", default="", help="comma-separated prompt categories (default: all)")
-    ap.add_argument("--max-prompts", type=int, default=0, metavar="N", help="use only the first N prompts (0: all)")
+    ap.add_argument("--max-prompts", type=int, default=0, metavar="N", help="use only the first N prompts, the categories taken in turn (0: all)")
     ap.add_argument("--num-requests", type=int, default=0, metavar="N",
                     help="cycle the prompts to N requests, so that large batches run full and rows run longer "
                          "(0: each prompt once)")
@@ -239,7 +239,7 @@ def run(args) -> dict:
         raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
                             "--eagle PATH, --ngram or --oracle (or --ks 0 for plain decoding)")
     max_k = max(static_ks, default=0) or DEFAULT_DYNAMIC_MAX_K   # dynamic K chooses among 0..the largest static K
-    rows = shipped_prompts([c for c in args.categories.split(",") if c])
+    rows = by_category_in_turn(shipped_prompts([c for c in args.categories.split(",") if c]))
     rows = rows[:args.max_prompts] if args.max_prompts else rows
     if not rows:
         raise NanospecError(f"no shipped prompt is in --categories {args.categories!r}")

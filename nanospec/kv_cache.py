@@ -258,7 +258,7 @@ class KVCache:
         self.pool.zero_()
 
     def layer(self, i: int) -> torch.Tensor:
-        """Layer i's pages [2 (k/v), num_blocks, block_size, kv_heads, head_dim]: `k, v = layer(i)`."""
+        """Layer i's pages [2 (k/v), num_blocks, block_size, kv_heads, head_dim]: K at [0], V at [1]."""
         return self.pool[i]
 
 

@@ -322,7 +322,7 @@ class Attention(nn.Module):
         qk = rope.rotate(qk, cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         pages = kv_cache.layer(self.layer_index)
-        k_cache, v_cache = pages
+        k_cache, v_cache = pages[0], pages[1]   # (not unpacked: unbind's views refuse in-place writes under autograd)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if triton_attention.available(q, k_cache):
             out = triton_attention.paged_attention(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)

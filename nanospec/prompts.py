@@ -2,6 +2,7 @@
 category per line) and a user's prompts file (JSON lines with a "prompt" field)."""
 from __future__ import annotations
 
+import itertools
 import json
 from importlib import resources
 
@@ -12,6 +13,15 @@ def shipped_prompts(categories: list[str] | None = None) -> list[dict]:
     text = resources.files("nanospec").joinpath("data/prompts.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [r for r in rows if not categories or r["category"] in categories]
+
+
+def by_category_in_turn(rows: list[dict]) -> list[dict]:
+    """The rows a category at a time in turn (the first of each category, then the second of
+    each...): any first N of them mix the kinds of text as the whole set does."""
+    by_category = {}
+    for row in rows:
+        by_category.setdefault(row["category"], []).append(row)
+    return [row for turn in itertools.zip_longest(*by_category.values()) for row in turn if row is not None]
 
 
 def read_prompts_file(path: str) -> list[str]:

@@ -18,7 +18,6 @@ example (vLLM's CPU build in a venv of its own serving an HF folder: README's "M
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -116,14 +115,11 @@ def prompt_ids(model: str) -> list[list[int]]:
     """The shipped prompts taken a category at a time in turn (the first 8: one of each category),
     in the checkpoint's chat template."""
     sys.path.insert(0, ROOT)
-    from nanospec.prompts import shipped_prompts
+    from nanospec.prompts import by_category_in_turn, shipped_prompts
     from nanospec.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(model)
-    by_category = {}
-    for row in shipped_prompts():
-        by_category.setdefault(row["category"], []).append(row["prompt"])
-    mixed = [p for turn in itertools.zip_longest(*by_category.values()) for p in turn if p is not None]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in mixed[:32]]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}])
+            for row in by_category_in_turn(shipped_prompts())[:32]]
 
 
 def best(rows: list[dict]) -> list[dict]:
