@@ -12,6 +12,7 @@ one-token decode step and a K+1-token verify step are the same call.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -215,16 +216,56 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
                        torch.where(wavelen < high_wavelen, inv_freq, interpolated))
 
 
+# On CUDA the small elementwise pieces of a layer (an RMSNorm with the residual add before it, the
+# rotation of q and k, SiLU-and-mul) each run as one kernel that torch.compile makes of the function,
+# as nano-vllm compiles its small layers: in a captured graph that is one node where eager PyTorch
+# launches 4-8. On a CPU the functions run eagerly: there a compiled function's call costs more
+# (20-30 us, docs/performance.md) than the few ops it would fuse. The eager function is the
+# readable reference; tests hold the compiled one (inductor's C++ on a CPU: FUSED_DEVICES) to it.
+FUSED_DEVICES = ("cuda",)
+
+
+def fused(fn):
+    """fn, run as its torch.compile'd twin (one kernel) where its first argument is on one of
+    FUSED_DEVICES."""
+    @functools.wraps(fn)
+    def call(*args):
+        if args[0].device.type not in FUSED_DEVICES:
+            return fn(*args)
+        if call.compiled is None:   # shapes dynamic: one kernel serves every bucket
+            call.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        return call.compiled(*args)
+    call.eager, call.compiled = fn, None
+    return call
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+rms_norm = fused(rms_norm_eager)
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): a residual add and the norm after it, one kernel on CUDA."""
+    x = x + residual
+    return rms_norm_eager(x, weight, eps), x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -249,10 +290,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
     @staticmethod
+    @fused
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """forward() in 4 operations, with tables() made once per pass: x * cos + swap(x) * sin,
-        swap exchanging the halves. The same float operations as forward, bit for bit: the first
-        half is x1 * cos + x2 * (-sin), and a + (-b) is a - b exactly."""
+        """forward() in 4 operations (one kernel on CUDA), with tables() made once per pass:
+        x * cos + swap(x) * sin, swap exchanging the halves. The same float operations as forward,
+        bit for bit: the first half is x1 * cos + x2 * (-sin), and a + (-b) is a - b exactly."""
         x32 = x.float()
         x1, x2 = x32.chunk(2, dim=-1)
         return (x32 * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
@@ -331,6 +373,12 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, -1))
 
 
+@fused
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -340,8 +388,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -352,9 +399,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, kv_cache, meta):
+        """x: the last layer's output, residual: its input (None before the first layer); their sum
+        is the hidden state entering this layer, added inside the first norm (the residual stream as
+        vLLM keeps it: each add joins the norm after it). Returns the same pair for the next layer."""
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -390,14 +441,14 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T]. Returns normed hidden states [T, hidden] and, for each index i
         in capture_layers, the hidden state entering layer i (EAGLE-3's auxiliary features; i equal
         to the number of layers means the last layer's output before the final norm)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture_layers:
-                captured[i] = x
-            x = layer(x, positions, self.model.rotary, kv_cache, meta)
-        captured[len(self.model.layers)] = x
-        return self.model.norm(x), [captured[i] for i in capture_layers]
+                captured[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, positions, self.model.rotary, kv_cache, meta)
+        hidden, captured[len(self.model.layers)] = self.model.norm(x, residual)
+        return hidden, [captured[i] for i in capture_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

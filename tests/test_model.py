@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nanospec import checkpoint
+from nanospec import model as model_module
 from nanospec.errors import NanospecError
 from nanospec.kv_cache import KVCache, build_metadata
 
@@ -41,6 +42,28 @@ def test_logits_match_transformers_float64(checkpoints, family):
     # prefill in uneven chunks, then a 5-token (verify-like) step and single-token decode steps
     got = our_logits(model, ids, [37, 40, 5, 1, 1, 1, 1, 1, 1, 1, 1])
     assert (got.double() - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_the_fused_pieces_compiled_compute_what_the_eager_ones_do(checkpoints, family, monkeypatch):
+    """What CUDA runs compiled, one kernel each (model.fused: a residual add with the RMSNorm after
+    it, the rotation of q and k, SiLU-and-mul; Qwen3's q/k norms), compiled here by inductor for the
+    CPU: the logits match transformers in float64 as the eager pieces' do, and the eager pieces'
+    own within float32 rounding."""
+    folder = checkpoints[family]
+    model = checkpoint.build_model(checkpoint.read_checkpoint(folder), torch.device("cpu"), torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (50,), generator=torch.Generator().manual_seed(2)).tolist()
+    chunks = [37, 5, 1, 1, 1, 1, 1, 1, 1, 1]
+    eager = our_logits(model, ids, chunks)
+    pieces = [model_module.rms_norm, model_module.add_rms_norm, model_module.RotaryEmbedding.rotate,
+              model_module.silu_and_mul]
+    monkeypatch.setattr(model_module, "FUSED_DEVICES", ("cpu", "cuda"))
+    for piece in pieces:
+        monkeypatch.setattr(piece, "compiled", None)
+    compiled = our_logits(model, ids, chunks)
+    assert all(piece.compiled is not None for piece in pieces)   # each ran compiled
+    assert (compiled.double() - reference_logits(folder, ids)).abs().max().item() < 1e-4
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_llama3_rope_scaling_is_applied(checkpoints):
