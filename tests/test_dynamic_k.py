@@ -245,7 +245,7 @@ def run_policy(policy, steps, accept, step_ms=None, batch=8):
     rng, chosen = random.Random(0), []
     for step in range(1, steps + 1):
         k = policy.best_for(batch)
-        if not policy.probe_every or step % policy.probe_every:
+        if policy.last_probe != step:
             chosen.append(k)
         policy.observe([k] * batch, simulate_step(rng, accept, batch, k),
                        seconds=None if step_ms is None else step_ms[k] * rng.uniform(0.8, 1.2))
