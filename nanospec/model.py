@@ -250,8 +250,10 @@ rms_norm = fused(rms_norm_eager)
 
 @fused
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual): a residual add and the norm after it, one kernel on CUDA."""
-    x = x + residual
+    """(rms_norm(x + residual), x + residual): a residual add and the norm after it, one kernel on CUDA.
+    The residual first: the sum takes its memory layout, row-major from the embedding on, where x, a
+    few-row projection's output, is a transposed view (Linear), which the next products read 4x slower."""
+    x = residual + x
     return rms_norm_eager(x, weight, eps), x
 
 
@@ -318,8 +320,8 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32 or (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
-        if x.dim() == 2 and len(x) <= 2:
-            rows = x if len(x) == 2 else torch.cat([x, x])   # one op (repeat is four on torch 2.13)
+        if x.dim() == 2 and len(x) <= 2:   # (rows.T must be a transposed view: W @ a row-major [K, 2] is 4x slower)
+            rows = x.contiguous() if len(x) == 2 else torch.cat([x, x])   # one op (repeat is four on torch 2.13)
             out = (self.weight @ rows.T).T[:len(x)]
             return out if self.bias is None else out + self.bias
         if not PACKED_LINEAR:
