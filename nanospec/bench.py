@@ -117,7 +117,8 @@ def build_parser():
     ap.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
     ap.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens every request generates")
     ap.add_argument("--categories", default="", help="comma-separated prompt categories (default: all)")
-    ap.add_argument("--max-prompts", type=int, default=0, metavar="N", help="use only the first N prompts, the categories taken in turn (0: all)")
+    ap.add_argument("--max-prompts", type=int, default=0, metavar="N",
+                    help="use only the first N prompts, the categories taken in turn (0: all)")
     ap.add_argument("--num-requests", type=int, default=0, metavar="N",
                     help="cycle the prompts to N requests, so that large batches run full and rows run longer "
                          "(0: each prompt once)")

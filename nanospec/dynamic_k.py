@@ -235,7 +235,8 @@ class DynamicK(KPolicy):
         self.probe_every, self.steps, self.warmup_steps = probe_every, 0, warmup_steps
         # the probes' schedule (probed): the next probe's step, the gap after it, how many so far,
         # the K* the last one probed around, and the step of the latest probe
-        self.next_probe, self.probe_gap, self.probes, self.probed_around, self.last_probe = probe_every, probe_every, 0, None, 0
+        self.next_probe, self.probe_gap, self.probes = probe_every, probe_every, 0
+        self.probed_around, self.last_probe = None, 0
         self.records: dict[int, list[float]] = {}   # id(request) -> its record (choose_per_request)
 
     def rates(self) -> tuple[list[float], list[float]]:
@@ -305,8 +306,8 @@ class DynamicK(KPolicy):
         every probe_every decode steps at first; while K* stays where the last probe found it the gap
         doubles, up to 8 probe_every; when K* moves it is probe_every again. (A probe of a K that
         keeps losing costs each time: at batch 32, where plain decoding is best on a CPU and K = 1
-        runs at 0.89 of its tokens/s, a probe every 8 steps cost about 1.4%.) (Called once per request of a step with per_request: the schedule moves
-        on the step's first call.)"""
+        runs at 0.89 of its tokens/s, a probe every 8 steps cost about 1.4%.) With per_request it is
+        called once per request of a step; the schedule moves on the step's first call."""
         step = self.steps + 1   # the number of the decode step this choice is for
         if self.probed_around is not None and k != self.probed_around:   # K* moved: probe soon
             self.next_probe = min(self.next_probe, max(step, self.last_probe + self.probe_every))

@@ -215,8 +215,8 @@ def ragged_metadata(tables: torch.Tensor, cached: torch.Tensor, lens: torch.Tens
     slots = blocks * block_size + positions % block_size
     return AttentionMetadata(
         slot_mapping=padding_to_sink(blocks, slots, block_size) if padding_rows else slots, block_tables=tables,
-        context_lens=cached + lens, query_start=query_start, token_seq=token_seq, positions=positions, query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0),
-        query_valid=query_valid)
+        context_lens=cached + lens, query_start=query_start, token_seq=token_seq, positions=positions,
+        query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0), query_valid=query_valid)
 
 
 def padding_to_sink(blocks: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:

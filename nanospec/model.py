@@ -320,8 +320,10 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32 or (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
-        if x.dim() == 2 and len(x) <= 2:   # (rows.T must be a transposed view: W @ a row-major [K, 2] is 4x slower)
-            rows = x.contiguous() if len(x) == 2 else torch.cat([x, x])   # one op (repeat is four on torch 2.13)
+        if x.dim() == 2 and len(x) <= 2:
+            # rows row-major, so that rows.T is the transposed view MKL multiplies fast (W @ a row-major
+            # [K, 2] is 4x slower); one row padded by cat, one op (repeat is four on torch 2.13)
+            rows = x.contiguous() if len(x) == 2 else torch.cat([x, x])
             out = (self.weight @ rows.T).T[:len(x)]
             return out if self.bias is None else out + self.bias
         if not PACKED_LINEAR:
