@@ -389,7 +389,8 @@ class StepGraphs:
         tables = self.tables.tables[table_row, :width]
         drafts = self.drafts[:bucket, :k]
         input_ids = torch.cat([last[:, None], drafts], dim=1).flatten()   # [bucket * q_len], row-major
-        if self.padded(bucket):   # every row q_len queries: a graph's fixed shapes
+        padded = self.padded(bucket)
+        if padded:   # every row q_len queries: a graph's fixed shapes
             meta, real_offsets = self.padded_metadata(tables, cached, num_draft + 1, q_len, self.kv_cache.block_size)
 
             def pick(x):   # [bucket * q_len, ...] -> [bucket, q_len, ...], each query at its real offset
@@ -408,7 +409,7 @@ class StepGraphs:
         capture = proposer.capture_layers if proposer else ()
         hidden, captured = self.model(input_ids, meta.positions, self.kv_cache, meta, capture)
         features = proposer.features(hidden, captured) if proposer and proposer.needs_features else None
-        if features is not None and not self.padded(bucket):
+        if features is not None and not padded:
             features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
         logits = self.model.logits(hidden)[:, :self.vocab]
         if mode == "greedy":   # the argmax of each row, then the padded gather: ids, not [B, K+1, V] logits

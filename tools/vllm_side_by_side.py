@@ -32,7 +32,7 @@ DECODE_ROW = "decode steps at batch 1"   # nanospec's plain decode step alone (m
 BATCHES = {"one at a time": (8, 1), "8 at once": (8, 8), "32 at once": (32, 32)}   # (prompts, at once)
 
 
-def run_rows(generate, prompt_ids: list[list[int]], max_tokens: int) -> list[dict]:
+def run_rows(generate, prompt_ids: list[list[int]]) -> list[dict]:
     """generate(list of prompt ids) -> generated token counts; timed for every row of BATCHES."""
     generate(prompt_ids[:1])   # warm-up (and vLLM's compiled graphs for a first shape)
     rows = []
@@ -54,16 +54,11 @@ def nanospec_worker(args, prompt_ids: list[list[int]]) -> list[dict]:
     proposer = {"ngram": True, "num_speculative_tokens": 4} if args.mode == "ngram" else {}
     llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=32, **proposer)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    rows = run_rows(lambda ps: [len(o.token_ids) for o in llm.generate(ps, params)], prompt_ids, args.max_tokens)
+    rows = run_rows(lambda ps: [len(o.token_ids) for o in llm.generate(ps, params)], prompt_ids)
     if args.mode == "plain":   # the roofline's own figure: decode steps alone, no prefill in them
-        from nanospec.measure import decoding
+        from nanospec.measure import decoding, timed
         decoding(llm.engine, prompt_ids[:1], 300)
-        times = []
-        for _ in range(60):
-            start = time.perf_counter()
-            llm.engine.step()
-            times.append(time.perf_counter() - start)
-        step = statistics.median(times)
+        step = statistics.median(timed(llm.device, llm.engine.step)[1] for _ in range(60))
         rows.append({"batch": DECODE_ROW, "step_ms": round(step * 1000, 2), "tokens_per_s": round(1 / step, 2)})
     return rows
 
@@ -78,7 +73,7 @@ def vllm_worker(args, prompt_ids: list[list[int]]) -> list[dict]:
     def generate(ps):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]
-    return run_rows(generate, prompt_ids, args.max_tokens)
+    return run_rows(generate, prompt_ids)
 
 
 def memory_bandwidth() -> float:
@@ -185,8 +180,9 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
                 print(f"# {engine} {mode}: {time.perf_counter() - start:.0f} s in all", flush=True)
     os.unlink(prompts_file.name)
-    bandwidth = statistics.median(bandwidths)
-    roofline = bandwidth * 1e9 / weight_bytes(args.model)
+    bandwidth, weights = statistics.median(bandwidths), weight_bytes(args.model)
+    roofline = bandwidth * 1e9 / weights
+
     def nanospec_plain(batch):
         return max((r["tokens_per_s"] for r in rows if r["engine"] == "nanospec" and r["mode"] == "plain"
                     and r["batch"] == batch), default=None)
@@ -194,7 +190,7 @@ def main() -> None:
     report = {
         "what": __doc__.splitlines()[0], "command": " ".join(["python", *sys.argv]),
         "torch": torch.__version__, "threads": args.threads, "memory_bandwidth_gb_s": round(bandwidth, 1),
-        "bandwidths_gb_s": [round(b, 1) for b in bandwidths], "weight_bytes": weight_bytes(args.model),
+        "bandwidths_gb_s": [round(b, 1) for b in bandwidths], "weight_bytes": weights,
         "roofline_tokens_per_s": round(roofline, 1),
         "nanospec_plain_batch1_decode_tokens_per_s": decode,
         "roofline_fraction_batch1_decode_steps": decode and round(decode / roofline, 3),
