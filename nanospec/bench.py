@@ -141,7 +141,7 @@ def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
     pad = llm.tokenizer.eos_ids[0]
     if k == 0:
         return {"transformers_tokens_per_s": round(time_transformers(ref, prompts, bs, args.max_new_tokens, pad), 2)}
-    if bs != 1 or args.eagle or getattr(args, "oracle", False):   # transformers has no oracle
+    if bs != 1 or args.eagle or args.suffix or getattr(args, "oracle", False):   # transformers has neither
         return {}
     if args.ngram:
         spec = dict(prompt_lookup_num_tokens=k)
@@ -234,11 +234,12 @@ def check_args(args) -> tuple[list[int], list]:
 def run(args) -> dict:
     batch_sizes, ks = check_args(args)
     static_ks = [k for k in ks if k not in DYNAMIC_ROWS]
-    if args.oracle and (args.draft or args.eagle or args.ngram):
-        raise NanospecError("--oracle is a proposer of its own: drop --draft, --eagle and --ngram")
-    if any(k != 0 for k in ks) and not (args.draft or args.eagle or args.ngram or args.oracle):
+    proposer = args.draft or args.eagle or args.ngram or args.suffix
+    if args.oracle and proposer:
+        raise NanospecError("--oracle is a proposer of its own: drop --draft, --eagle, --ngram and --suffix")
+    if any(k != 0 for k in ks) and not (proposer or args.oracle):
         raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
-                            "--eagle PATH, --ngram or --oracle (or --ks 0 for plain decoding)")
+                            "--eagle PATH, --ngram, --suffix or --oracle (or --ks 0 for plain decoding)")
     max_k = max(static_ks, default=0) or DEFAULT_DYNAMIC_MAX_K   # dynamic K chooses among 0..the largest static K
     rows = by_category_in_turn(shipped_prompts([c for c in args.categories.split(",") if c]))
     rows = rows[:args.max_prompts] if args.max_prompts else rows
@@ -247,8 +248,8 @@ def run(args) -> dict:
     set_threads(args.threads)
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=max_k if max_k > 0 and (
-                  args.draft or args.eagle or args.ngram) else None, log=log, enforce_eager=args.enforce_eager)
+              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix,
+              num_speculative_tokens=max_k if max_k > 0 and proposer else None, log=log, enforce_eager=args.enforce_eager)
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up

@@ -131,13 +131,13 @@ def load_llm(args, **sizes):
     sizes (max_num_seqs, ...). Logs the loading on stderr."""
     from nanospec.llm import LLM, EngineSizes, SpeculativeConfig   # the one command-line piece that loads a model
     SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
-                      args.per_request_k, args.speculative_disable_queue_size).validate()
+                      args.per_request_k, args.speculative_disable_queue_size, suffix=args.suffix).validate()
     EngineSizes(max_model_len=args.max_model_len, **sizes).validate()
     set_threads(args.threads)
     start = time.perf_counter()
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=args.num_speculative_tokens,
+              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, num_speculative_tokens=args.num_speculative_tokens,
               dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
               speculative_disable_queue_size=args.speculative_disable_queue_size, log=log,
               enforce_eager=args.enforce_eager, **sizes)
@@ -147,9 +147,14 @@ def load_llm(args, **sizes):
 
 
 def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """--draft, --eagle and --ngram (one of them); returns the group, for the command's own K flags."""
-    group = ap.add_argument_group("speculative decoding (one proposer)")
+    """--draft, --eagle, --ngram and --suffix (one of them, or --suffix with --draft or --eagle: the
+    hybrid); returns the group, for the command's own K flags."""
+    group = ap.add_argument_group("speculative decoding (one proposer; --suffix with --eagle or --draft: hybrid)")
     group.add_argument("--draft", help="a smaller draft model with the target's tokenizer (folder, hub id or .gguf)")
     group.add_argument("--eagle", help="an EAGLE-1 or EAGLE-3 head trained for the target (folder or hub id)")
     group.add_argument("--ngram", action="store_true", help="prompt lookup: draft by continuing a repeated n-gram")
+    group.add_argument("--suffix", action="store_true",
+                       help="suffix decoding: the most frequent continuation of the longest match in the request and "
+                            "in recent requests; with --eagle or --draft, per request and step the suffix draft or "
+                            "the model's, whichever is expected to be accepted more (the hybrid)")
     return group

@@ -419,8 +419,12 @@ class StepGraphs:
         else:
             logits = pick(logits)
             row_max = logits.amax(-1)
+            q = self.draft_probs[:bucket, :k] if probs else None
+            if probs and getattr(proposer, "host_and_model", False):   # a hybrid's suffix drafts: one-hot
+                one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
+                q = torch.where((fields[9] == 0)[:, None, None], one_hot, q)   # first_position 0: not in the round
             tokens, num_accepted = self.sampler.rejection_sample(
-                logits, drafts, self.draft_probs[:bucket, :k] if probs else None, num_draft, sampling.temperature,
+                logits, drafts, q, num_draft, sampling.temperature,
                 sampling.top_k, sampling.top_p, sampling.seeds, cached + 1, mode)
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
         broken = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:bucket]).long()
@@ -442,8 +446,9 @@ class StepGraphs:
         # EAGLE: the first step's hidden states, read here and never written, so that a second run
         # of this body (a graph's replay after its warm-up) starts from the same state.
         hidden = self.carry[:bucket] if self.carry is not None else None
+        in_round = first_position > 0   # a hybrid's other rows carry host drafts the round must not overwrite
         for i in range(1, k):
-            active = num_draft > i
+            active = (num_draft > i) & in_round
             meta = decode_metadata(tables, torch.where(active, first_position + i - 1, 0), block_size)
             meta.slot_mapping = torch.where(active, meta.slot_mapping, SINK_BLOCK * block_size)
             if hidden is not None:   # an idle row starts from zeros: iterating its own output could overflow
@@ -451,7 +456,7 @@ class StepGraphs:
             logits, hidden = self.proposer.next_step(meta, self.drafts[:bucket, i - 1], hidden)
             self.finite[:bucket] &= ~active | logits.amax(-1).isfinite()
             tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, cached + 1 + i)
-            self.drafts[:bucket, i] = tokens
+            self.drafts[:bucket, i] = torch.where(in_round, tokens, self.drafts[:bucket, i])
             if probs:
                 self.draft_probs[:bucket, i] = q
 
@@ -468,7 +473,7 @@ class StepGraphs:
         logits = self.proposer.catch_up_step(meta, input_ids.flatten(), rows * 2 + real_offsets[:, 1])
         self.finite[:bucket] &= (catch_up == 0) | logits.amax(-1).isfinite()
         tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, cached + 1)
-        self.drafts[:bucket, 0] = tokens
+        self.drafts[:bucket, 0] = torch.where(catch_up > 0, tokens, self.drafts[:bucket, 0])
         if probs:
             self.draft_probs[:bucket, 0] = q
 

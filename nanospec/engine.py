@@ -26,7 +26,7 @@ from nanospec.errors import NanospecError, check_int, check_real, is_real, param
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
-from nanospec.proposer import Proposer
+from nanospec.proposer import Proposal, Proposer
 from nanospec.sampler import Sampler
 
 
@@ -90,6 +90,7 @@ class Request:
     text: str | None = None       # set when it finishes: the output before any stop
     error: str | None = None      # why it failed (finish_reason "error"): its own logits were not finite
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
+    suffix_stream: object = None   # suffix decoding's index of its tokens (beside a hybrid's model state)
     # Its own speculation: decode steps with drafts, drafts found and accepted (in all, per draft position).
     spec_steps: int = 0
     drafted: int = 0
@@ -511,7 +512,12 @@ class Engine:
             num_draft = proposal.num_draft
         else:
             num_draft = [min(k, self.proposer.max_drafts(r)) for r, k in zip(reqs, ks)] if max(ks) else [0] * len(reqs)
-            plan = self.proposer.prepare(reqs, num_draft) if max(num_draft) else None
+            model_ks, host_drafts = num_draft, None
+            if max(num_draft) and getattr(self.proposer, "host_and_model", False):   # hybrid: suffix drafts first
+                host_drafts, model_ks = self.proposer.choose(reqs, num_draft)
+                num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
+            plan = self.proposer.prepare(reqs, model_ks) if max(model_ks) else None
+            proposal = host_drafts and Proposal(num_draft, host_drafts)
         steps = self.step_graphs
         sampling = steps.upload(reqs, num_draft, proposal and proposal.host_drafts, plan)
         if plan:   # a model proposer's round, on the device
@@ -531,6 +537,8 @@ class Engine:
             if d:
                 note_speculation(req, d, a)
         self.stats.record(self.step_k, ks, num_draft, accepted)
+        if max(num_draft):
+            self.proposer.verified(num_draft, accepted)
         # timed after the one copy above, so the device's work is in it; no extra sync
         self.k_policy.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
@@ -589,6 +597,8 @@ class Engine:
 
     def finish(self, req: Request, reason: str, drop_last: bool = False) -> None:
         req.finish_reason = reason
+        if self.proposer:
+            self.proposer.finished(req)
         if req.text is None:   # a stop string already set it, to the text before the stop ("" included)
             ids = req.output_ids[:-1] if drop_last else req.output_ids
             req.text = self.tokenizer.decode(ids)

@@ -23,7 +23,9 @@ from nanospec.errors import NanospecError, check_int, check_real, param
 from nanospec.k_policy import KPolicy, QueueSwitch, StaticK
 from nanospec.measure import device_name, quick_profile, step_memory
 from nanospec.prompts import shipped_prompts
+from nanospec.hybrid import HybridProposer
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer
+from nanospec.suffix import SuffixProposer
 from nanospec.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,10 +85,14 @@ class SpeculativeConfig:
     disable_queue_size: int | None = None   # no speculation while more requests than this wait or run
     ngram_min: int = 1
     ngram_max: int = 4
+    suffix: bool = False                    # suffix decoding; with draft or eagle, the hybrid of both
 
     @property
     def proposer_name(self) -> str | None:
-        return "ngram" if self.ngram else f"draft {self.draft}" if self.draft else f"eagle {self.eagle}" if self.eagle else None
+        model = f"draft {self.draft}" if self.draft else f"eagle {self.eagle}" if self.eagle else None
+        if self.suffix:
+            return f"hybrid: suffix + {model}" if model else "suffix"
+        return "ngram" if self.ngram else model
 
     def validate(self) -> int:
         """K for the chosen proposer, or 0 without one."""
@@ -94,15 +100,18 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise NanospecError(f"{param(name)} must be a path (a string), got {value!r}")
-        for name in ("ngram", "dynamic_k", "per_request_k"):
+        for name in ("ngram", "suffix", "dynamic_k", "per_request_k"):
             if not isinstance(getattr(self, name), bool):
                 raise NanospecError(f"{param(name)} must be True or False, got {getattr(self, name)!r}")
         check_int(self.ngram_min, param("ngram_min"), low=1)
         check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min, fix=f"it is at least {param('ngram_min')}")
         chosen = [name for name in ("draft", "eagle", "ngram") if getattr(self, name)]
-        if len(chosen) > 1:
-            raise NanospecError(f"choose one proposer, got {' and '.join(map(param, chosen))}: use "
-                                f"{param('draft')}, {param('eagle')} or {param('ngram')} alone")
+        if len(chosen) > 1 or (self.suffix and self.ngram):
+            both = chosen + ["suffix"] * self.suffix
+            raise NanospecError(f"choose one proposer, got {' and '.join(map(param, both))}: use "
+                                f"{param('draft')}, {param('eagle')}, {param('ngram')} or {param('suffix')} alone "
+                                f"(or {param('suffix')} with {param('draft')} or {param('eagle')}: the hybrid)")
+        chosen += ["suffix"] * (self.suffix and not chosen)
         for name in ("profile", "per_request_k"):
             if getattr(self, name) and not self.dynamic_k:
                 raise NanospecError(f"{param(name)} is a setting of dynamic K: add {param('dynamic_k')}")
@@ -114,8 +123,8 @@ class SpeculativeConfig:
             for name, on in ((k_name, self.num_speculative_tokens is not None), (param("dynamic_k"), self.dynamic_k),
                              (queue, self.disable_queue_size is not None)):
                 if on:
-                    raise NanospecError(f"{name} needs a proposer: set {param('draft')}, {param('eagle')} "
-                                        f"or {param('ngram')}")
+                    raise NanospecError(f"{name} needs a proposer: set {param('draft')}, {param('eagle')}, "
+                                        f"{param('ngram')} or {param('suffix')}")
             return 0
         k = (DEFAULT_DYNAMIC_MAX_K if self.dynamic_k else 4) if self.num_speculative_tokens is None \
             else self.num_speculative_tokens
@@ -177,7 +186,7 @@ class LLM:
     def __init__(self, target: str | None = None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_gb: float | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, compile_sampler: bool | None = None,
-                 draft: str | None = None, eagle: str | None = None, ngram: bool = False,
+                 draft: str | None = None, eagle: str | None = None, ngram: bool = False, suffix: bool = False,
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
@@ -195,7 +204,7 @@ class LLM:
         sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
         sizes.validate()
         spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,
-                                 speculative_disable_queue_size, ngram_min, ngram_max)
+                                 speculative_disable_queue_size, ngram_min, ngram_max, suffix)
         k = spec.validate()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -223,11 +232,16 @@ class LLM:
         def make_proposer(blocks: int) -> Proposer | None:
             if ngram:
                 return NgramProposer(self.device, ngram_min, ngram_max)
+            model_drafter = None
             if draft_model is not None:
-                return DraftModelProposer(draft_model, blocks, block_size, self.vocab_size, self.device)
+                model_drafter = DraftModelProposer(draft_model, blocks, block_size, self.vocab_size, self.device)
             if head is not None:
-                return EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size, self.device)
-            return None
+                model_drafter = EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size,
+                                              self.device)
+            if suffix:
+                return HybridProposer(SuffixProposer(self.device), model_drafter) if model_drafter else \
+                    SuffixProposer(self.device)
+            return model_drafter
 
         graphs = self.device.type == "cuda" and not enforce_eager
 
@@ -252,7 +266,8 @@ class LLM:
         policy = StaticK(k)
         if dynamic_k:   # a quick profile is measured on engines of its own, built from a one-block one
             self.profile = self.dynamic_k_profile(profile, k, lambda: make_engine(1, StaticK(0)))
-            policy = DynamicK(self.profile, k, per_request=per_request_k, spans=ngram,   # n-gram drafts spans
+            spans = make_proposer(1).acceptance_in_spans   # n-gram's and suffix's drafts: spans of text
+            policy = DynamicK(self.profile, k, per_request=per_request_k, spans=spans,
                               buckets=step_buckets(max_num_seqs, graphs))
         if speculative_disable_queue_size is not None:
             policy = QueueSwitch(policy, speculative_disable_queue_size)

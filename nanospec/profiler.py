@@ -45,13 +45,14 @@ def profile_command(args, command_line: str) -> Profile:
         raise NanospecError(f"--ks must include 0 and at least one K in 1..{MAX_SPECULATIVE_TOKENS}, got {ks}")
     check_int(args.steps, "--steps", low=1)
     check_int(args.max_new_tokens, "--max-new-tokens", low=1)
-    if not (args.draft or args.eagle or args.ngram):
-        raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH or --ngram")
+    if not (args.draft or args.eagle or args.ngram or args.suffix):
+        raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH, --ngram or --suffix")
     texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]
     set_threads(args.threads)
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1], draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, num_speculative_tokens=ks[-1], enforce_eager=args.enforce_eager)
+              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, num_speculative_tokens=ks[-1],
+              enforce_eager=args.enforce_eager)
     prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]
     profile = measure_profile(llm.engine, prompts, batch_sizes, ks, args.steps, args.max_new_tokens,
                               llm.profile_meta(), log)

@@ -10,8 +10,13 @@ One interface for every kind of guesser:
   observe(request, features)   the target's features for positions it just cached for good (EAGLE)
   rollback(request)            forget what the proposer cached past the request's committed tokens
   free(request)                the request finished or was preempted: release the proposer's state
+  finished(request)            the request finished (suffix decoding learns from it)
+  verified(num_draft, accepted)  how the step it drafted for went (the hybrid learns from it)
 
 NgramProposer    prompt lookup: continue the longest recent suffix as it went on before.
+SuffixProposer   (suffix.py) suffix decoding: the most frequent continuation of the longest match,
+                 in the request's own tokens and in recent requests'.
+HybridProposer   (hybrid.py) per request and step, the suffix draft or a model drafter's.
 OracleProposer   the target's own greedy continuation, recorded beforehand (benchmarks: the ceiling).
 DraftModelProposer  a smaller model with the target's tokenizer and its own paged KV cache.
 EagleProposer    an EAGLE-1 / EAGLE-3 head (eagle.py) fed the target's hidden states.
@@ -69,6 +74,12 @@ class Proposer:
 
     def free(self, request) -> None:
         request.proposer_state = None
+
+    def verified(self, num_draft: list[int], num_accepted: list[int]) -> None:
+        """The outcome of the step it last drafted for, row by row (the hybrid learns from it)."""
+
+    def finished(self, request) -> None:
+        """The request finished (suffix decoding adds it to its global index)."""
 
     def twin(self, num_blocks: int) -> "Proposer":
         """This proposer for another engine of num_blocks KV blocks: the same weights, state of its

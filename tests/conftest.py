@@ -177,7 +177,7 @@ def spec_models(tmp_path_factory):
 
 # ---- shared by the engine and speculative tests ----
 
-PROPOSERS = ["ngram", "draft", "self_draft", "eagle1", "eagle3"]
+PROPOSERS = ["ngram", "suffix", "draft", "self_draft", "eagle1", "eagle3", "hybrid_draft", "hybrid_eagle3"]
 # Mixed lengths; repetitive ones give the n-gram proposer something to find.
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
            "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", "1234567890 numbers",
@@ -188,7 +188,10 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jum
 def proposer_args(spec_models, name: str) -> dict:
     return {"ngram": dict(ngram=True), "draft": dict(draft=spec_models["draft"]),
             "self_draft": dict(draft=spec_models["target"]), "eagle1": dict(eagle=spec_models["eagle1"]),
-            "eagle3": dict(eagle=spec_models["eagle3"])}[name]
+            "eagle3": dict(eagle=spec_models["eagle3"]), "suffix": dict(suffix=True),
+            "hybrid_draft": dict(suffix=True, draft=spec_models["draft"]),
+            "hybrid_eagle1": dict(suffix=True, eagle=spec_models["eagle1"]),
+            "hybrid_eagle3": dict(suffix=True, eagle=spec_models["eagle3"])}[name]
 
 
 def greedy(max_tokens=20):

@@ -117,7 +117,9 @@ def sampled_sequence_counts(llm, sampling: dict) -> np.ndarray:
 
 def small_vocab_llm(small_vocab, name: str, k: int | str):
     args = {"ngram": dict(ngram=True), "draft": dict(draft=small_vocab["draft"]),
-            "eagle1": dict(eagle=small_vocab["eagle1"]), "eagle3": dict(eagle=small_vocab["eagle3"])}[name]
+            "eagle1": dict(eagle=small_vocab["eagle1"]), "eagle3": dict(eagle=small_vocab["eagle3"]),
+            "suffix": dict(suffix=True), "hybrid_draft": dict(suffix=True, draft=small_vocab["draft"]),
+            "hybrid_eagle3": dict(suffix=True, eagle=small_vocab["eagle3"])}[name]
     k_args = dict(num_speculative_tokens=k) if isinstance(k, int) else dict(
         dynamic_k=True, profile=small_vocab["profile"], per_request_k=k == "dynamic-per-request")
     return LLM(small_vocab["target"], device="cpu", dtype="float32", kv_cache_gb=0.2, max_num_seqs=512,
@@ -130,12 +132,17 @@ def small_vocab_llm(small_vocab, name: str, k: int | str):
 def test_output_has_the_target_sequence_distribution(small_vocab, name, k, sampling):
     """Chi-square over all 512 sequences of 3 tokens (level 1e-4: with 32 such tests, a false alarm
     has odds of about 1 in 300; test_a_broken_sampler_is_detected_end_to_end shows the power)."""
+    check_distribution(small_vocab, name, k, sampling)
+
+
+def check_distribution(small_vocab, name: str, k, sampling: str):
     llm = small_vocab_llm(small_vocab, name, k)
     counts = sampled_sequence_counts(llm, SAMPLING[sampling])
     assert llm.stats["accepted_tokens"] > 0 and llm.stats["drafted_tokens"] > llm.stats["accepted_tokens"]
     if not isinstance(k, int):   # the policy did change K during the run
         assert len({k for per_batch in llm.stats["chosen_k"].values() for k in per_batch}) >= 2
     assert chi_square_pvalue(counts, exact_sequence_probs(small_vocab["target"], **SAMPLING[sampling])) > 1e-4
+    return llm
 
 
 def test_a_broken_sampler_is_detected_end_to_end(small_vocab, monkeypatch):
@@ -143,3 +150,16 @@ def test_a_broken_sampler_is_detected_end_to_end(small_vocab, monkeypatch):
     monkeypatch.setattr(sampler, "next_token_weights", lambda p_next, q_next, rejected: p_next)
     counts = sampled_sequence_counts(small_vocab_llm(small_vocab, "draft", 1), SAMPLING["plain"])
     assert chi_square_pvalue(counts, exact_sequence_probs(small_vocab["target"])) < 1e-6
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("name,k", [("suffix", 3), ("suffix", "dynamic"), ("hybrid_draft", 3),
+                                    ("hybrid_eagle3", "dynamic")])
+def test_suffix_and_hybrid_output_has_the_target_sequence_distribution(small_vocab, name, k, sampling):
+    """The same chi-square, the 4,000 requests one prompt: suffix decoding's global index drafts
+    each request from the earlier ones' outputs, and the hybrid mixes those one-hot drafts with
+    the model's in one step (both kinds are used here)."""
+    llm = check_distribution(small_vocab, name, k, sampling)
+    if name.startswith("hybrid"):
+        proposer = llm.engine.proposer
+        assert sum(n for _, n in proposer.bins) > 0 and sum(proposer.model_drafted) > 0

@@ -1,0 +1,256 @@
+"""Suffix decoding (Oliaro et al. 2024; Snowflake's ArcticInference, vLLM's method "suffix"): no
+model. Draft what followed the context's suffix where those tokens occurred before, in the request's
+own prompt and output and in recent requests' prompts and outputs (agents and multi-turn chats
+repeat what earlier requests produced: the same file edited again, the same JSON shape).
+
+It keeps the semantics of a suffix tree of depth MAX_DEPTH with a count per node (how many earlier
+occurrences pass through it), without building one: a node is the set of positions of a token
+stream where the L tokens before match the context's last L. A draft walks down from the node
+greedily, each next token the one that most often followed (its probability: its count over its
+parent's), stopping when the path's probability falls below MIN_TOKEN_PROB or at the length the
+match earns, MAX_SPEC_FACTOR * L tokens (and the policy's K). Its score, the sum of the path's
+probabilities, is the draft's expected number of accepted tokens if the past predicts the future:
+every match length is tried and the best score wins (vLLM's defaults: depth 24, factor 1, 0.1).
+
+Two kinds of stream, one walk:
+  RequestStream  a request's own tokens; its candidates are every earlier position of its last token.
+  GlobalIndex    finished requests' prompts and outputs, at most max_requests of them and
+                 max_tokens tokens (oldest dropped first, a segment at a time); its candidates are
+                 the positions after an occurrence of the context's last two tokens, looked up in
+                 each segment's sorted bigram index. 16 bytes a token once sealed (tokens, keys,
+                 positions); the open segment is a dict of position lists.
+
+Drafts are one-hot (q(d) = 1), so the verification is the n-gram one: greedy output equals plain
+decoding, and seeded sampled output equals plain sampling token for token (sampler.verify_one_hot),
+whatever the index holds: other requests can change how fast a request decodes, never what it says.
+"""
+from __future__ import annotations
+
+import sys
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanospec.proposer import Proposal, Proposer
+
+MAX_DEPTH = 24            # the longest suffix of the context matched
+MIN_TOKEN_PROB = 0.1      # a draft stops where its path's probability falls below this
+MAX_SPEC_FACTOR = 1.0     # a match of L tokens drafts at most L * factor (+ offset) tokens
+MAX_SPEC_OFFSET = 0.0
+MAX_CANDIDATES = 4096     # the most recent occurrences of a key a lookup walks (bounds its host time)
+SEPARATOR = -1            # between requests in the global stream: no match or draft crosses it
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    score: float = 0.0       # expected accepted tokens: the sum of the path's probabilities
+    match_len: int = 0
+
+
+NO_DRAFT = Draft([])
+OFF_THE_END = -2             # a window's entry past its stream's ends
+
+
+def windows(stream: np.ndarray, positions: np.ndarray, depth: int, ahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each position p (where a continuation starts): the `depth` tokens before it, nearest
+    first, and the `ahead` tokens from it: [m, depth] and [m, ahead], OFF_THE_END outside stream."""
+    index = positions[:, None] + np.arange(-1, -depth - 1, -1)[None, :]
+    before = np.where(index >= 0, stream[index.clip(0)], OFF_THE_END)
+    index = positions[:, None] + np.arange(ahead)[None, :]
+    after = np.where(index < len(stream), stream[index.clip(max=len(stream) - 1)], OFF_THE_END)
+    return before, after
+
+
+def walk(after: np.ndarray, limit: int, min_prob: float) -> Draft:
+    """Down the tree from a node whose occurrences continue as the rows of after [m, >= limit]: at
+    each step the most frequent next token, the path's probability times its count over the
+    node's (occurrences that end there count in the node, in no child); stop below min_prob."""
+    tokens, score, prob = [], 0.0, 1.0
+    for i in range(limit):
+        column = after[:, i]
+        if (column == column[0]).all():
+            token, count = int(column[0]), len(column)
+        else:
+            values, counts = np.unique(column[column >= 0], return_counts=True)
+            if not len(values):
+                break
+            best = counts.argmax()
+            token, count = int(values[best]), int(counts[best])
+        prob *= count / len(column)
+        if token < 0 or prob < min_prob:
+            break
+        tokens.append(token)
+        score += prob
+        after = after[column == token]
+    return Draft(tokens, score)
+
+
+def best_draft(before: np.ndarray, after: np.ndarray, context: list[int], k: int, min_match: int,
+               min_prob: float = MIN_TOKEN_PROB, factor: float = MAX_SPEC_FACTOR,
+               offset: float = MAX_SPEC_OFFSET) -> Draft:
+    """The best-scoring draft over every match length L >= min_match: the occurrences (rows of
+    windows) whose L tokens before match the context's last L are the node of that suffix."""
+    if not len(before):
+        return NO_DRAFT
+    suffix = np.array(context[::-1][:before.shape[1]])
+    matched = np.cumprod(before[:, :len(suffix)] == suffix[None, :], axis=1).sum(1)   # [m]: each one's L
+    best, size = NO_DRAFT, None
+    for length in np.unique(matched[matched >= min_match])[::-1].tolist():   # deepest first: the longest draft
+        node = matched >= length   # the same rows for every L down to the next distinct length
+        draft = walk(after[node], min(k, int(length * factor + offset)), min_prob)
+        if draft.score > best.score:
+            best = Draft(draft.tokens, draft.score, length)
+    return best
+
+
+class RequestStream:
+    """A request's tokens (prompt and output) as a growing array: the per-request index."""
+
+    def __init__(self):
+        self.tokens = np.zeros(256, dtype=np.int32)
+        self.size = 0
+
+    def sync(self, tokens: list[int]) -> None:
+        """Catch up on the request's new tokens (only ever appended)."""
+        if len(tokens) > len(self.tokens):
+            self.tokens = np.resize(self.tokens, 2 * len(tokens))
+        self.tokens[self.size:len(tokens)] = tokens[self.size:]
+        self.size = len(tokens)
+
+    def draft(self, k: int, **walk_args) -> Draft:
+        stream = self.tokens[:self.size]
+        if self.size < 2:
+            return NO_DRAFT
+        positions = np.flatnonzero(stream[:-1] == stream[-1])[-MAX_CANDIDATES:] + 1   # after each earlier last token
+        return best_draft(*windows(stream, positions, MAX_DEPTH, k), stream[-MAX_DEPTH:].tolist(), k, 1, **walk_args)
+
+
+def bigram_keys(tokens: np.ndarray) -> np.ndarray:
+    """Key of the bigram ending at each position i >= 1 (tokens[i - 1], tokens[i]), as one int64."""
+    return (tokens[:-1].astype(np.int64) << 32) | (tokens[1:].astype(np.int64) & 0xFFFFFFFF)
+
+
+class Segment:
+    """Sealed requests' tokens with every bigram's positions, sorted by key (then by position):
+    a lookup is two binary searches."""
+
+    def __init__(self, tokens: np.ndarray, num_requests: int):
+        self.tokens, self.num_requests = tokens, num_requests
+        keys = bigram_keys(tokens)
+        order = np.argsort(keys, kind="stable")
+        self.keys = keys[order]
+        self.follows = (order + 2).astype(np.int32)   # the position after the bigram
+
+    def lookup(self, key: int) -> np.ndarray:
+        lo, hi = np.searchsorted(self.keys, key, "left"), np.searchsorted(self.keys, key, "right")
+        return self.follows[max(lo, hi - MAX_CANDIDATES):hi]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.keys.nbytes + self.follows.nbytes
+
+
+class GlobalIndex:
+    """Recent finished requests' prompts and outputs: at most max_requests requests and max_tokens
+    tokens, in segments of at most segment_tokens tokens (and 1/16 of max_requests), the oldest
+    segment dropped first. A request is added whole when it finishes."""
+
+    def __init__(self, max_requests: int = 10_000, max_tokens: int = 1 << 23, segment_tokens: int = 1 << 17):
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.segment_tokens = min(segment_tokens, max_tokens)
+        self.segment_requests = max(1, max_requests // 16)
+        self.sealed: deque[Segment] = deque()
+        self.open_tokens, self.open_size = np.zeros(1024, dtype=np.int32), 0   # the open segment's stream
+        self.open_follows: dict[int, list[int]] = {}   # bigram key -> positions after it in the open stream
+        self.open_requests = 0
+        self.num_requests = self.num_tokens = 0
+
+    def add(self, tokens: list[int]) -> None:
+        tokens = tokens[-self.segment_tokens + 1:]   # a request longer than a segment keeps its end
+        start, end = self.open_size, self.open_size + len(tokens) + 1
+        if end > len(self.open_tokens):
+            self.open_tokens = np.resize(self.open_tokens, 2 * end)
+        self.open_tokens[start:end] = tokens + [SEPARATOR]
+        self.open_size = end
+        for i, key in enumerate(bigram_keys(self.open_tokens[max(start - 1, 0):end]).tolist(), max(start, 1)):
+            self.open_follows.setdefault(key, []).append(i + 1)   # the bigram ending at i
+        self.open_requests += 1
+        self.num_requests += 1
+        self.num_tokens += len(tokens) + 1
+        if self.open_size >= self.segment_tokens or self.open_requests >= self.segment_requests:
+            self.seal()
+        while self.sealed and (self.num_requests > self.max_requests or self.num_tokens > self.max_tokens):
+            old = self.sealed.popleft()
+            self.num_requests -= old.num_requests
+            self.num_tokens -= len(old.tokens)
+
+    def seal(self) -> None:
+        self.sealed.append(Segment(self.open_tokens[:self.open_size].copy(), self.open_requests))
+        self.open_tokens, self.open_size = np.zeros(1024, dtype=np.int32), 0
+        self.open_follows, self.open_requests = {}, 0
+
+    def draft(self, context: list[int], k: int, **walk_args) -> Draft:
+        """The best draft over every occurrence of the context's last two tokens, in all segments
+        (each occurrence's windows read from its own segment; counts add up over all of them)."""
+        if len(context) < 2 or not self.num_requests:
+            return NO_DRAFT
+        key = (context[-2] << 32) | (context[-1] & 0xFFFFFFFF)
+        found = [windows(segment.tokens, positions, MAX_DEPTH, k) for segment in self.sealed
+                 if len(positions := segment.lookup(key))]
+        if key in self.open_follows:
+            positions = np.array(self.open_follows[key][-MAX_CANDIDATES:])
+            found.append(windows(self.open_tokens[:self.open_size], positions, MAX_DEPTH, k))
+        if not found:
+            return NO_DRAFT
+        before, after = (np.concatenate(parts) for parts in zip(*found))
+        return best_draft(before, after, context[-MAX_DEPTH:], k, 2, **walk_args)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the sealed arrays exactly, the open segment's lists and dict at CPython's sizes."""
+        lists = sum(sys.getsizeof(v) + 28 * len(v) for v in self.open_follows.values())
+        return sum(s.nbytes for s in self.sealed) + self.open_tokens.nbytes + sys.getsizeof(self.open_follows) + lists
+
+
+class SuffixProposer(Proposer):
+    """Drafts the better of the request's own suffix match and the global index's; on the host like
+    n-gram, its drafts riding in the step's one copy."""
+
+    acceptance_in_spans = True   # its drafts are the text after a match, as n-gram's
+    drafts_on_host = True
+
+    def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
+                 min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR):
+        self.device = device
+        self.settings = dict(max_requests=max_requests, max_tokens=max_tokens, min_token_prob=min_token_prob,
+                             max_spec_factor=max_spec_factor)
+        self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor)
+        self.global_index = GlobalIndex(max_requests, max_tokens)
+        self.last: list[Draft] = []   # the last propose's drafts (the hybrid reads their scores)
+
+    def draft(self, request, k: int) -> Draft:
+        if request.suffix_stream is None:
+            request.suffix_stream = RequestStream()
+        own = request.suffix_stream
+        own.sync(request.tokens)
+        mine = own.draft(k, **self.walk_args)
+        theirs = self.global_index.draft(own.tokens[max(0, own.size - MAX_DEPTH):own.size].tolist(), k,
+                                         **self.walk_args)
+        return theirs if theirs.score > mine.score else mine
+
+    def propose(self, requests, ks) -> Proposal:
+        self.last = [self.draft(r, k) if k else NO_DRAFT for r, k in zip(requests, ks)]
+        return Proposal([len(d.tokens) for d in self.last], [d.tokens for d in self.last])
+
+    def finished(self, request) -> None:
+        self.global_index.add(request.tokens)
+
+    def free(self, request) -> None:
+        pass   # the stream only depends on tokens, which preemption keeps
+
+    def twin(self, num_blocks: int) -> "SuffixProposer":
+        """The same settings and an empty global index: an engine of its own learns from its own requests."""
+        return SuffixProposer(self.device, **self.settings)

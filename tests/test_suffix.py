@@ -1,0 +1,142 @@
+"""Suffix decoding's index against the structure it stands for: a suffix tree of the token streams
+with a count per node, built here the plain way (a dict per node), and walked by the rule the
+proposer states (the most frequent child, the path's probability at least MIN_TOKEN_PROB, at most
+L * MAX_SPEC_FACTOR tokens after a match of L, the best score over every L). Then the global
+index's bound (oldest dropped first) and the hybrid's measured threshold. Losslessness over both
+proposers is in test_speculative and test_exact_sampling_end_to_end (PROPOSERS)."""
+import random
+
+import numpy as np
+import pytest
+
+from nanospec import LLM, SamplingParams
+from nanospec.suffix import MAX_DEPTH, MIN_TOKEN_PROB, GlobalIndex, RequestStream
+
+from conftest import PROMPTS, greedy, proposer_args
+
+
+def trie(streams: list[list[int]], depth: int) -> dict:
+    """Every suffix of every stream, cut at `depth` tokens, in a trie; node: {"n": count, token: child}.
+    A stream's last token has no continuation: occurrences count where a continuation starts."""
+    root = {"n": 0}
+    for stream in streams:
+        for start in range(len(stream)):
+            node = root
+            for token in stream[start:start + depth]:
+                node = node.setdefault(token, {"n": 0})
+                node["n"] += 1
+    return root
+
+
+def oracle_draft(streams, context, k, min_match, context_in_streams=False):
+    """The best (score, tokens) over match lengths L >= min_match, by the stated rule, on a trie.
+    context_in_streams: the context is the end of streams[0] (a request's own stream), and its own
+    occurrence, which ends at the matched node, is no earlier occurrence: it leaves the count."""
+    best = (0.0, [])
+    tree = trie(streams, MAX_DEPTH + k)
+    for length in range(min_match, min(MAX_DEPTH, len(context)) + 1):
+        node = tree
+        for token in context[-length:]:
+            node = node.get(token)
+            if node is None:
+                return best
+        tokens, score, prob = [], 0.0, 1.0
+        count = node["n"] - context_in_streams
+        for _ in range(min(k, length)):
+            children = {t: c["n"] for t, c in node.items() if t != "n"}
+            if not children:
+                break
+            token = min(children, key=lambda t: (-children[t], t))   # most frequent, then the smallest id
+            prob *= children[token] / count
+            if prob < MIN_TOKEN_PROB:
+                break
+            tokens.append(token)
+            score += prob
+            node = node[token]
+            count = node["n"]
+        if score > best[0] or (score == best[0] and score > 0):   # ties: the longer match
+            best = (score, tokens)
+    return best
+
+
+def random_stream(rng, n, vocab):
+    """Text-like: runs copied from earlier in the stream, with fresh tokens between."""
+    out = [rng.randrange(vocab) for _ in range(4)]
+    while len(out) < n:
+        if rng.random() < 0.5:
+            start = rng.randrange(len(out))
+            out += out[start:start + rng.randrange(1, 12)]
+        else:
+            out.append(rng.randrange(vocab))
+    return out[:n]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_requests_draft_is_its_suffix_trees_best_path(seed):
+    rng = random.Random(seed)
+    tokens = random_stream(rng, rng.randrange(2, 300), rng.choice([3, 8, 50]))
+    k = rng.randrange(1, 9)
+    stream = RequestStream()
+    stream.sync(tokens)
+    draft = stream.draft(k)
+    score, expected = oracle_draft([tokens], tokens, k, 1, context_in_streams=True)
+    assert draft.tokens == expected and draft.score == pytest.approx(score)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_global_draft_is_the_best_path_over_every_earlier_request(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([4, 20, 100])
+    requests = [random_stream(rng, rng.randrange(1, 60), vocab) for _ in range(rng.randrange(1, 40))]
+    index = GlobalIndex(max_requests=16)   # segments of one request: counts add up across segments
+    for r in requests:
+        index.add(r)
+    kept = requests[-index.num_requests:]
+    context, k = random_stream(rng, rng.randrange(2, 30), vocab), rng.randrange(1, 9)
+    draft = index.draft(context, k)
+    score, expected = oracle_draft(kept, context, k, 2)
+    assert draft.tokens == expected and draft.score == pytest.approx(score)
+
+
+def test_the_global_index_drops_the_oldest_requests_first():
+    index = GlobalIndex(max_requests=64)
+    marked = lambda i: [1000 + i, 2000 + i, 3000 + i, 4000 + i, 5000 + i]   # found only in request i
+    for i in range(1000):
+        index.add(marked(i))
+        assert index.num_requests <= 64
+    assert index.num_requests > 64 - 64 // 16 - 1   # it drops a segment (1/16 of the bound) at a time
+    assert index.draft(marked(999)[:2], 3).tokens == marked(999)[2:4]   # a match of 2 earns 2 drafts
+    assert index.draft(marked(999 - index.num_requests + 1)[:2], 3).tokens
+    assert index.draft(marked(999 - index.num_requests)[:2], 3).tokens == []
+    assert index.nbytes < 64 * 16 * 7 + 50_000   # 16 bytes a token sealed, the open segment's dict
+
+
+def test_suffix_sampled_output_is_plain_sampling_output_whatever_the_index_holds(spec_models):
+    """Other requests fill the global index first (the same prompts: long drafts); seeded sampled
+    output is still plain sampling's token for token, and greedy output plain greedy's."""
+    plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=6,
+              suffix=True)
+    llm.generate(PROMPTS, greedy(30))
+    assert llm.engine.proposer.global_index.num_requests == len(PROMPTS)
+    params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=30, ignore_eos=True)
+              for s, (t, p) in enumerate([(1.0, 1.0), (0.7, 0.9), (1.3, 1.0), (0.5, 0.5)] * 2)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == \
+        [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(30))] == \
+        [o.token_ids for o in plain.generate(PROMPTS, greedy(30))]
+    assert llm.stats["mean_acceptance_length"] > 3   # the second greedy pass redrafts the first's outputs
+
+
+def test_the_hybrid_threshold_follows_measured_acceptance(spec_models):
+    """With the target as its own draft (every draft accepted) the model's drafts win unless the
+    suffix draft is nearly certain; with a random draft (almost none accepted) a weak suffix match
+    wins. Neither threshold is set by hand: both come from what the run accepted."""
+    thresholds = {}
+    for name, draft in (("self", spec_models["target"]), ("random", spec_models["draft"])):
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=4,
+                  suffix=True, draft=draft)
+        llm.generate(PROMPTS * 2, greedy(30))
+        thresholds[name] = llm.engine.proposer.threshold(4)
+    assert thresholds["self"] is None or thresholds["self"] >= 3.5
+    assert thresholds["random"] is not None and thresholds["random"] <= 1.0
