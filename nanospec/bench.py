@@ -126,6 +126,12 @@ def build_parser():
                     help="queue every request at once and keep batch-size running (continuous batching), "
                          "instead of groups of batch-size run to completion one after another")
     ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
+    ap.add_argument("--proposers", metavar="ROWS",
+                    help="proposers side by side instead of K rows (bench_proposers.py): comma-separated plain, "
+                         "ngram, suffix, eagle, draft, hybrid, each with :K (default 4); answers end at EOS")
+    ap.add_argument("--workload", choices=["shipped", "multiturn"], default="shipped",
+                    help="with --proposers: the shipped prompts once, or multi-turn sessions over them (workload.py)")
+    ap.add_argument("--turns", type=int, default=3, metavar="N", help="turns a multi-turn session has, 1..3")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--out", metavar="FILE.json", help="write the results as JSON there (default: no file)")
     return ap
@@ -215,6 +221,8 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
 
 def check_args(args) -> tuple[list[int], list]:
     """The flags, before any model loads: (batch sizes, rows of K)."""
+    if args.workload != "shipped":
+        raise NanospecError("--workload multiturn compares proposers: add --proposers, e.g. --proposers ngram,suffix")
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
     if not batch_sizes or min(batch_sizes) < 1:
         raise NanospecError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
@@ -342,6 +350,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.gpu_check:
         return run_command(lambda: gpu_check(args.device, args.out, log, *gpu_check_args(args)))
+    if args.proposers:
+        from nanospec import bench_proposers
+        return run_command(lambda: report(args, bench_proposers.run(args), bench_proposers.print_table))
     return run_command(lambda: report(args, run(args)))
 
 
@@ -358,8 +369,8 @@ def gpu_check_args(args) -> tuple[list[str] | None, float | None]:
     return names, args.gpu_check_seconds
 
 
-def report(args, measured: dict) -> None:
-    print_table(measured)
+def report(args, measured: dict, table=None) -> None:
+    (table or print_table)(measured)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -113,8 +113,8 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
     """The proposer flags and K's: how many drafts a step verifies, fixed or chosen by dynamic K."""
     spec = add_proposer_args(ap)
     spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                      help="draft tokens per step, 1..16 (default: 4 with a proposer; with --dynamic-k the "
-                           "largest K it may choose, 8)")
+                      help="draft tokens per step, 1..16 (default: 4 with a proposer, 16 with --suffix, which "
+                           "drafts as far as its match is strong; with --dynamic-k the largest K it may choose, 8)")
     spec.add_argument("--dynamic-k", action="store_true",
                       help="choose K per step by goodput (acceptance length / step time for the batch size)")
     spec.add_argument("--per-request-k", action="store_true",

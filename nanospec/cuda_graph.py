@@ -262,9 +262,10 @@ class StepGraphs:
     def run_round(self, plan: Round, sampling: SamplingBatch) -> None:
         """A model proposer's round: the catch-up step eagerly, then steps 2..K (a graph); or, where
         every row's catch-up is short (a draft model's steady state), the whole round as one graph."""
-        batch, bucket, k, longest, probs = self.step
+        batch, bucket, step_k, longest, probs = self.step
         if probs:
-            self.grow(k, probs=True)
+            self.grow(step_k, probs=True)
+        k = plan.k   # its own rows' most drafts (<= the step's K)
         if plan.shape.max_q <= self.proposer.graphed_catch_up:
             self.replay(("round", bucket, k, self.mode(sampling, bucket), probs, True), plan.width)
             return

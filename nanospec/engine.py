@@ -92,6 +92,7 @@ class Request:
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
     suffix_stream: object = None   # suffix decoding's index of its tokens (beside a hybrid's model state)
     # Its own speculation: decode steps with drafts, drafts found and accepted (in all, per draft position).
+    decode_steps: int = 0         # decode steps it took part in (its acceptance length: output tokens / these)
     spec_steps: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -534,6 +535,7 @@ class Engine:
         accepted = [row[-2] for row in host_out]
         for req, d, a in zip(reqs, num_draft, accepted):
             req.num_cached += d + 1
+            req.decode_steps += 1
             if d:
                 note_speculation(req, d, a)
         self.stats.record(self.step_k, ks, num_draft, accepted)

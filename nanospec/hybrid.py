@@ -33,12 +33,13 @@ class HybridProposer:
     acceptance_in_spans = False   # model drafts: dynamic K counts acceptance per step
     host_and_model = True         # the engine asks choose() first, then runs a round for the rest
 
-    def __init__(self, suffix: SuffixProposer, model: ModelProposer):
-        self.suffix, self.model = suffix, model
+    def __init__(self, suffix: SuffixProposer, model: ModelProposer, model_k: int = 4):
+        self.suffix, self.model, self.model_k = suffix, model, model_k   # the model drafts at most model_k
         self.bins = [[0.0, 0] for _ in range(NUM_BINS)]   # per score bin: accepted tokens, drafts
         self.model_drafted: list[int] = []                # per position: the model's drafts there
         self.model_accepted: list[int] = []               # and how many were accepted
         self.chosen: list[int | None] = []                # per row of the last step: the suffix draft's bin, or None
+        self.model_steps = 0                              # request-steps the model drafted for
 
     def __getattr__(self, name):   # only for what HybridProposer itself does not define
         return getattr(self.model, name)
@@ -71,6 +72,7 @@ class HybridProposer:
         drafts, model_ks, self.chosen = [], [], []
         for req, k in zip(requests, ks):
             draft = self.suffix.draft(req, k) if k else NO_DRAFT
+            k = min(k, self.model_k)
             if draft.tokens and self.worth_of_suffix(draft.score) >= self.worth_of_model(k):
                 drafts.append(draft.tokens)
                 model_ks.append(0)
@@ -88,6 +90,7 @@ class HybridProposer:
                 self.bins[chosen][0] += a
                 self.bins[chosen][1] += 1
             elif d:
+                self.model_steps += 1
                 self.model_drafted.extend([0] * (d - len(self.model_drafted)))
                 self.model_accepted.extend([0] * (d - len(self.model_accepted)))
                 for i in range(d):   # position i was offered given i - 1 accepted: its conditional rate
@@ -102,4 +105,4 @@ class HybridProposer:
         self.model.free(request)   # its suffix stream (Request.suffix_stream) only depends on tokens
 
     def twin(self, num_blocks: int) -> "HybridProposer":
-        return HybridProposer(self.suffix.twin(num_blocks), self.model.twin(num_blocks))
+        return HybridProposer(self.suffix.twin(num_blocks), self.model.twin(num_blocks), self.model_k)

@@ -126,8 +126,9 @@ class SpeculativeConfig:
                     raise NanospecError(f"{name} needs a proposer: set {param('draft')}, {param('eagle')}, "
                                         f"{param('ngram')} or {param('suffix')}")
             return 0
-        k = (DEFAULT_DYNAMIC_MAX_K if self.dynamic_k else 4) if self.num_speculative_tokens is None \
-            else self.num_speculative_tokens
+        # Suffix decoding drafts as far as its match is strong, K its ceiling (vLLM's default too: the tree depth)
+        default = DEFAULT_DYNAMIC_MAX_K if self.dynamic_k else MAX_SPECULATIVE_TOKENS if self.suffix else 4
+        k = default if self.num_speculative_tokens is None else self.num_speculative_tokens
         return check_int(k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
 
 

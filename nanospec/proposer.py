@@ -168,6 +168,8 @@ class Round:
     width: int                            # blocks of the longest table by the end of the round
     features: torch.Tensor | None = None  # EAGLE: the target features the first step feeds
     device: torch.Tensor | None = None    # `host` on the device, once sent
+    k: int = 0                            # draft steps: the most drafts a row asks of it (a hybrid's
+                                          # suffix rows may verify more)
 
 
 @dataclass(slots=True)
@@ -241,7 +243,7 @@ class ModelProposer(Proposer):
             st.num_cached += n
             first_position[b], catch_up[b] = st.num_cached, n
             st.num_cached += ks[b] - 1
-        return Round(host + rows, rows, shape, first_position, catch_up, first_width, width, features)
+        return Round(host + rows, rows, shape, first_position, catch_up, first_width, width, features, k=max(ks))
 
     def carry(self, batch: int) -> torch.Tensor | None:
         """What a draft step hands the next besides its token (EAGLE: its hidden states), for

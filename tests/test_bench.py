@@ -53,7 +53,30 @@ def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoint
     assert "--continuous has no transformers baseline" in capsys.readouterr().err
     for ks in ("0,2", "0,dynamic"):   # without a proposer these rows would silently decode plainly
         assert bench_main([a if a != "0" else ks for a in common]) != 0
-        assert "need a proposer: add --draft PATH, --eagle PATH, --ngram or --oracle" in capsys.readouterr().err
+        assert "need a proposer: add --draft PATH, --eagle PATH, --ngram, --suffix or --oracle" in capsys.readouterr().err
+
+
+def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models, tmp_path, capsys):
+    """Two sessions of three turns, each later turn the conversation so far: every row decodes the
+    same tokens (the bench checks it), and the hybrid reports how it chose."""
+    out = tmp_path / "proposers.json"
+    args = ["--target", spec_models["target"], "--eagle", spec_models["eagle1"], "--batch-sizes", "1,2",
+            "--max-new-tokens", "12", "--max-prompts", "2", "--device", "cpu", "--out", str(out)]
+    assert bench_main(args + ["--proposers", "plain,ngram,suffix:6,eagle,hybrid:6", "--workload", "multiturn"]) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] == 6 and report["outputs_identical_across_rows"]
+    rows = {(r["batch_size"], r["row"]): r for r in report["results"]}
+    assert len(rows) == 10 and all(r["generated_tokens"] == rows[(1, "plain")]["generated_tokens"] for r in rows.values())
+    assert rows[(1, "plain")]["mean_acceptance_length"] == 1.0
+    assert rows[(1, "suffix:6")]["global_index_requests"] == 6
+    assert 0 <= rows[(2, "hybrid:6")]["hybrid_suffix_share"] <= 1
+    assert set(rows[(1, "ngram")]["acceptance_length_per_category"]) == {"chat", "code"}
+    assert bench_main(args[:2] + ["--proposers", "hybrid"]) != 0
+    assert "--proposers hybrid needs a model drafter: add --eagle HEAD" in capsys.readouterr().err
+    assert bench_main(args[:2] + ["--proposers", "ngram,nope"]) != 0
+    assert "unknown proposer 'nope'" in capsys.readouterr().err
+    assert bench_main(args[:2] + ["--workload", "multiturn"]) != 0
+    assert "--workload multiturn compares proposers: add --proposers" in capsys.readouterr().err
 
 
 def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):

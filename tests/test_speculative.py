@@ -38,6 +38,8 @@ def test_preemption_changes_nothing(spec_models, plain_greedy, name):
     ample = LLM(spec_models["target"], kv_cache_gb=0.05, **args)
     assert [o.token_ids for o in tiny.generate(PROMPTS, greedy())] == [plain_greedy[p] for p in PROMPTS]
     assert tiny.stats["preemptions"] > 0
+    if name.startswith("hybrid"):   # its choice of drafts follows the run's history, so sampled tokens
+        return                      # (not their distribution) do: see test_exact_sampling_end_to_end
     params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=i, ignore_eos=True) for i in range(8)]
     assert [o.token_ids for o in tiny.generate(PROMPTS, params)] == [o.token_ids for o in ample.generate(PROMPTS, params)]
     assert tiny.stats["preemptions"] > 0

@@ -1,0 +1,170 @@
+"""Proposers side by side on one workload (`python -m nanospec.bench --proposers ...`): each row a
+proposer at its K, an engine of its own over the same target weights, the rows taking turns a step
+at a time (a shared machine's drift hits them alike; a row counts its own steps' time only).
+
+  --workload shipped     each shipped prompt once, in the chat template
+  --workload multiturn   workload.py: sessions whose later turns revisit earlier answers
+
+Greedy, each answer ending at EOS or --max-new-tokens; every row must produce the same tokens (it
+is checked: speculation is lossless), so every row does the same work. Per row: tokens/s, mean
+acceptance length (tokens a request gains per decode step) overall and per category, and for the
+hybrid the share of steps it took the suffix draft and the threshold it measured. A fresh engine
+per repeat and batch size: suffix decoding's global index starts empty each time, learning only
+from the requests of that run.
+
+  python -m nanospec.bench --proposers ngram,suffix,eagle,hybrid --eagle HEAD --workload multiturn --batch-sizes 1,8
+"""
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+from nanospec.cli import Progress, log, log_loading, set_threads
+from nanospec.engine import SamplingParams
+from nanospec.errors import NanospecError, check_int
+from nanospec.k_policy import StaticK
+from nanospec.llm import LLM
+from nanospec.measure import timed
+from nanospec.prompts import by_category_in_turn, shipped_prompts
+from nanospec.workload import multiturn_sessions
+
+KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suffix": lambda args: dict(suffix=True),
+         "eagle": lambda args: dict(eagle=args.eagle), "draft": lambda args: dict(draft=args.draft),
+         "hybrid": lambda args: dict(suffix=True, **(dict(eagle=args.eagle) if args.eagle else dict(draft=args.draft)))}
+
+
+def parse_rows(text: str, args) -> list[tuple[str, int]]:
+    """'ngram,suffix:8,...' -> [(name, K)], K 4 unless given (plain: 0)."""
+    rows = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, _, k = item.partition(":")
+        if name not in KINDS:
+            raise NanospecError(f"--proposers: unknown proposer {name!r}; use {', '.join(KINDS)} (with :K)")
+        try:
+            k = 0 if name == "plain" else int(k or 4)
+        except ValueError:
+            raise NanospecError(f"--proposers: {item!r} is not NAME or NAME:K") from None
+        check_int(k, f"--proposers {name}'s K", low=0 if name == "plain" else 1, high=16)
+        if name in ("eagle", "hybrid") and not (args.eagle or name == "hybrid" and args.draft):
+            raise NanospecError(f"--proposers {name} needs a model drafter: add --eagle HEAD"
+                                + (" (or --draft PATH)" if name == "hybrid" else ""))
+        if name == "draft" and not args.draft:
+            raise NanospecError("--proposers draft needs --draft PATH")
+        rows.append((item, k))
+    if not rows:
+        raise NanospecError("--proposers names no row; e.g. --proposers ngram,suffix")
+    return rows
+
+
+def new_row(llm: LLM, k: int, batch_size: int, longest: int):
+    """A fresh engine (cache, scheduler, statistics, proposer state: an empty global index)."""
+    allocator = llm.engine.kv_cache.allocator
+    blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
+    return llm.engine.twin(blocks, max_num_seqs=batch_size, k_policy=StaticK(k))
+
+
+def run_rows(llms: dict, rows, sessions_of, batch_size: int, max_new_tokens: int, longest: int) -> dict:
+    """Every row's sessions, at most batch_size at a time, a session's next turn queued as soon as
+    its last answer is in; rows take turns a step at a time."""
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
+    state = {}
+    for name, k in rows:
+        llm = llms[name]
+        state[name] = dict(llm=llm, engine=new_row(llm, k, batch_size, longest), pending=sessions_of(),
+                           active={}, done=[], seconds=0.0)
+    while True:
+        busy = 0
+        for name, row in state.items():
+            engine, llm = row["engine"], row["llm"]
+            while len(row["active"]) < batch_size and row["pending"]:
+                session = row["pending"].pop(0)
+                ids = llm.encode_chat(session.messages())
+                if len(ids) + max_new_tokens > longest:
+                    raise NanospecError(f"a session's turn is {len(ids)} tokens, past the {longest} sized for")
+                req = engine.new_request(len(row["done"]), session.turns[len(session.answers)], ids, params)
+                engine.add_requests([req])
+                row["active"][id(req)] = (req, session)
+            if not engine.scheduler.has_work():
+                continue
+            busy += 1
+            row["seconds"] += timed(llm.device, engine.step)[1]
+            for key, (req, session) in list(row["active"].items()):
+                if req.finish_reason is not None:
+                    del row["active"][key]
+                    session.answers.append(req.text)
+                    row["done"].append((session.category, req))
+                    if not session.done:
+                        row["pending"].insert(0, session)   # its next turn goes first
+        if not busy:
+            return state
+
+
+def summarize(name: str, row: dict) -> dict:
+    tokens = sum(len(r.output_ids) for _, r in row["done"])
+    steps = sum(r.decode_steps for _, r in row["done"])
+    per_category = defaultdict(lambda: [0, 0])
+    for category, req in row["done"]:
+        per_category[category][0] += len(req.output_ids)
+        per_category[category][1] += req.decode_steps
+    stats = row["engine"].stats
+    out = {"row": name, "tokens_per_s": round(tokens / row["seconds"], 2), "generated_tokens": tokens,
+           "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps, "decode_steps": stats.steps,
+           "drafted_per_decode_step": round(stats.drafted_tokens / max(1, stats.steps), 3),
+           "accepted_per_drafted": round(stats.accepted_tokens / max(1, stats.drafted_tokens), 3),
+           "mean_acceptance_length": round(tokens / steps, 3),
+           "acceptance_length_per_category": {c: round(t / s, 3) for c, (t, s) in sorted(per_category.items())}}
+    proposer = row["engine"].proposer
+    if hasattr(proposer, "threshold"):   # the hybrid
+        suffix_steps = sum(n for _, n in proposer.bins)
+        out["hybrid_suffix_share"] = round(suffix_steps / max(1, suffix_steps + proposer.model_steps), 3)
+        out["hybrid_threshold_at_k"] = proposer.threshold(row["engine"].k_policy.k)
+    if hasattr(proposer, "global_index"):
+        out["global_index_requests"] = proposer.global_index.num_requests
+    return out
+
+
+def run(args) -> dict:
+    rows = parse_rows(args.proposers, args)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    check_int(args.turns, "--turns", low=1, high=3)
+    prompt_rows = by_category_in_turn(shipped_prompts([c for c in args.categories.split(",") if c]))
+    prompt_rows = prompt_rows[:args.max_prompts] if args.max_prompts else prompt_rows
+    if not prompt_rows:
+        raise NanospecError(f"no shipped prompt is in --categories {args.categories!r}")
+    turns = args.turns if args.workload == "multiturn" else 1
+    set_threads(args.threads)
+    log_loading(args.target)
+    llms = {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
+                      num_speculative_tokens=k or None, log=log,
+                      enforce_eager=args.enforce_eager, **KINDS[name.partition(":")[0]](args)) for name, k in rows}
+    first = next(iter(llms.values()))
+    longest = min(first.max_model_len, 4096)
+    results, progress = [], Progress("bench", len(batch_sizes) * args.repeats)
+    for bs in batch_sizes:
+        for repeat in range(args.repeats):
+            order = rows[repeat % len(rows):] + rows[:repeat % len(rows)]
+            state = run_rows(llms, order, lambda: multiturn_sessions(prompt_rows, turns), bs, args.max_new_tokens,
+                             longest)
+            outputs = {name: [r.output_ids for _, r in sorted(row["done"], key=lambda cr: cr[1].prompt_ids)]
+                       for name, row in state.items()}
+            if any(out != next(iter(outputs.values())) for out in outputs.values()):
+                raise NanospecError("the rows decoded different tokens: a proposer is not lossless")
+            measured = [{"batch_size": bs, "repeat": repeat + 1, **summarize(name, row)} for name, row in state.items()]
+            progress.step(f"batch {bs}, repeat {repeat + 1}: " + ", ".join(
+                f"{m['row']} {m['tokens_per_s']:.1f} tok/s AL {m['mean_acceptance_length']:.2f}" for m in measured))
+            results += measured
+    return {"benchmark": f"proposers side by side, greedy, answers to EOS or {args.max_new_tokens} tokens, "
+                         f"{args.workload} workload" + (f" ({turns} turns a session)" if turns > 1 else ""),
+            "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]), "target": first.target_name,
+            "workload": args.workload, "sessions": len(prompt_rows), "turns": turns,
+            "max_new_tokens": args.max_new_tokens, "eagle": args.eagle, "draft": args.draft,
+            "requests": len(prompt_rows) * turns, "outputs_identical_across_rows": True, "results": results}
+
+
+def print_table(report: dict) -> None:
+    categories = sorted({c for r in report["results"] for c in r["acceptance_length_per_category"]})
+    print(f"{'batch':>5} {'row':>12} {'tok/s':>8} {'AL':>6} " + " ".join(f"{c[:9]:>9}" for c in categories))
+    for r in report["results"]:
+        per = r["acceptance_length_per_category"]
+        print(f"{r['batch_size']:>5} {r['row']:>12} {r['tokens_per_s']:>8.1f} {r['mean_acceptance_length']:>6.2f} "
+              + " ".join(f"{per.get(c, 0):>9.2f}" for c in categories))

@@ -1,0 +1,110 @@
+"""Suffix decoding's costs on the host: the global index's memory at 10,000 requests, and the time
+its drafts take per step at batch 1, 64 and 256 next to a plain decode step of the target there.
+
+Requests are 400-token windows of real token ids (the shipped prompts' own, in the chat template,
+end to end), cut at random offsets with one token in 8 replaced at random, so that no two are
+alike; each step drafts K = 16 for every request of the batch from a 512-token context of the same
+kind, with the index full (10,000 requests). Memory: tracemalloc's count of what the index holds
+(numpy reports its buffers to it), beside the index's own nbytes.
+
+  python tools/suffix_costs.py --out bench_results/suffix_costs_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from types import SimpleNamespace
+
+from nanospec.cli import set_threads
+from nanospec.engine import SamplingParams
+from nanospec.llm import LLM
+from nanospec.measure import device_name, timed
+from nanospec.prompts import shipped_prompts
+from nanospec.suffix import GlobalIndex, SuffixProposer
+
+
+def windows_of(corpus: list[int], length: int, rng: random.Random) -> list[int]:
+    start = rng.randrange(len(corpus) - length)
+    out = corpus[start:start + length]
+    for i in range(0, length - 7, 8):
+        out[i + rng.randrange(8)] = rng.randrange(49152)
+    return out
+
+
+def index_memory(corpus, num_requests: int, rng) -> dict:
+    tracemalloc.start()
+    index = GlobalIndex()
+    start = time.perf_counter()
+    for _ in range(num_requests):
+        index.add(windows_of(corpus, 400, rng))
+    seconds = time.perf_counter() - start
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"requests": num_requests, "tokens": index.num_tokens, "segments": len(index.sealed),
+            "tracemalloc_mb": round(held / 2**20, 1), "nbytes_mb": round(index.nbytes / 2**20, 1),
+            "bytes_per_token": round(held / index.num_tokens, 1), "add_seconds_each": seconds / num_requests,
+            "index": index}
+
+
+def draft_time(index: GlobalIndex, corpus, batch: int, rng, repeats: int = 5) -> float:
+    """Median seconds of one step's drafts (K = 16) for `batch` requests of 512-token contexts."""
+    proposer = SuffixProposer(None)
+    proposer.global_index = index
+    requests = [SimpleNamespace(tokens=windows_of(corpus, 512, rng), suffix_stream=None) for _ in range(batch)]
+    proposer.propose(requests, [16] * batch)   # the streams' first sync is a prefill's work, not a step's
+    times = []
+    for _ in range(repeats):
+        for r in requests:   # a step later: each request has one token more
+            r.tokens.append(rng.choice(corpus))
+        start = time.perf_counter()
+        proposer.propose(requests, [16] * batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_time(llm: LLM, batch: int, repeats: int = 3) -> float:
+    """Median seconds of a plain decode step of `batch` requests (32-token prompts)."""
+    engine = llm.engine.twin(max_num_seqs=batch)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompt = llm.encode_prompt("Write a long story about the sea.", chat=True)[:32]
+    engine.add_requests([engine.new_request(i, "", prompt, params) for i in range(batch)])
+    while any(r.in_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    return statistics.median(timed(llm.device, engine.step)[1] for _ in range(repeats))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--batch-sizes", default="1,64,256")
+    ap.add_argument("--out", metavar="FILE.json")
+    args = ap.parse_args()
+    set_threads(None)
+    rng = random.Random(0)
+    llm = LLM()
+    corpus = [t for row in shipped_prompts() for t in llm.encode_prompt(row["prompt"], chat=True)]
+    memory = index_memory(corpus, args.requests, rng)
+    index = memory.pop("index")
+    print(f"global index at {args.requests} requests: {memory}", file=sys.stderr)
+    rows = []
+    for batch in map(int, args.batch_sizes.split(",")):
+        drafts, step = draft_time(index, corpus, batch, rng), step_time(llm, batch)
+        rows.append({"batch_size": batch, "suffix_drafts_ms": round(drafts * 1e3, 2),
+                     "plain_decode_step_ms": round(step * 1e3, 1), "drafts_over_step": round(drafts / step, 4)})
+        print(rows[-1], file=sys.stderr)
+    report = {"command": "python tools/suffix_costs.py " + " ".join(sys.argv[1:]), "device": device_name(llm.device),
+              "target": llm.target_name, "global_index": memory, "host_time_per_step": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
