@@ -33,18 +33,20 @@ KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suff
          "hybrid": lambda args: dict(suffix=True, **(dict(eagle=args.eagle) if args.eagle else dict(draft=args.draft)))}
 
 
-def parse_rows(text: str, args) -> list[tuple[str, int]]:
-    """'ngram,suffix:8,...' -> [(name, K)], K 4 unless given (plain: 0)."""
+def parse_rows(text: str, args) -> list[tuple[str, int | None]]:
+    """'ngram,suffix:8,...' -> [(name, K)], K None unless given: the LLM's default (4; suffix and
+    the hybrid 16, their ceiling; plain 0)."""
     rows = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         name, _, k = item.partition(":")
         if name not in KINDS:
             raise NanospecError(f"--proposers: unknown proposer {name!r}; use {', '.join(KINDS)} (with :K)")
         try:
-            k = 0 if name == "plain" else int(k or 4)
+            k = 0 if name == "plain" else int(k) if k else None
         except ValueError:
             raise NanospecError(f"--proposers: {item!r} is not NAME or NAME:K") from None
-        check_int(k, f"--proposers {name}'s K", low=0 if name == "plain" else 1, high=16)
+        if k is not None:
+            check_int(k, f"--proposers {name}'s K", low=0 if name == "plain" else 1, high=16)
         if name in ("eagle", "hybrid") and not (args.eagle or name == "hybrid" and args.draft):
             raise NanospecError(f"--proposers {name} needs a model drafter: add --eagle HEAD"
                                 + (" (or --draft PATH)" if name == "hybrid" else ""))
@@ -56,21 +58,22 @@ def parse_rows(text: str, args) -> list[tuple[str, int]]:
     return rows
 
 
-def new_row(llm: LLM, k: int, batch_size: int, longest: int):
-    """A fresh engine (cache, scheduler, statistics, proposer state: an empty global index)."""
+def new_row(llm: LLM, batch_size: int, longest: int):
+    """A fresh engine (cache, scheduler, statistics, proposer state: an empty global index) at the
+    LLM's K."""
     allocator = llm.engine.kv_cache.allocator
     blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
-    return llm.engine.twin(blocks, max_num_seqs=batch_size, k_policy=StaticK(k))
+    return llm.engine.twin(blocks, max_num_seqs=batch_size, k_policy=StaticK(llm.engine.max_k))
 
 
-def run_rows(llms: dict, rows, sessions_of, batch_size: int, max_new_tokens: int, longest: int) -> dict:
+def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_tokens: int, longest: int) -> dict:
     """Every row's sessions, at most batch_size at a time, a session's next turn queued as soon as
     its last answer is in; rows take turns a step at a time."""
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
     state = {}
-    for name, k in rows:
+    for name in rows:
         llm = llms[name]
-        state[name] = dict(llm=llm, engine=new_row(llm, k, batch_size, longest), pending=sessions_of(),
+        state[name] = dict(llm=llm, engine=new_row(llm, batch_size, longest), pending=sessions_of(),
                            active={}, done=[], seconds=0.0)
     while True:
         busy = 0
@@ -107,7 +110,7 @@ def summarize(name: str, row: dict) -> dict:
         per_category[category][0] += len(req.output_ids)
         per_category[category][1] += req.decode_steps
     stats = row["engine"].stats
-    out = {"row": name, "tokens_per_s": round(tokens / row["seconds"], 2), "generated_tokens": tokens,
+    out = {"row": name, "k": row["engine"].k_policy.k, "tokens_per_s": round(tokens / row["seconds"], 2), "generated_tokens": tokens,
            "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps, "decode_steps": stats.steps,
            "drafted_per_decode_step": round(stats.drafted_tokens / max(1, stats.steps), 3),
            "accepted_per_drafted": round(stats.accepted_tokens / max(1, stats.drafted_tokens), 3),
@@ -142,7 +145,8 @@ def run(args) -> dict:
     results, progress = [], Progress("bench", len(batch_sizes) * args.repeats)
     for bs in batch_sizes:
         for repeat in range(args.repeats):
-            order = rows[repeat % len(rows):] + rows[:repeat % len(rows)]
+            names = list(llms)
+            order = names[repeat % len(names):] + names[:repeat % len(names)]
             state = run_rows(llms, order, lambda: multiturn_sessions(prompt_rows, turns), bs, args.max_new_tokens,
                              longest)
             outputs = {name: [r.output_ids for _, r in sorted(row["done"], key=lambda cr: cr[1].prompt_ids)]

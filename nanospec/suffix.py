@@ -16,8 +16,8 @@ Two kinds of stream, one walk:
   RequestStream  a request's own tokens; its candidates are every earlier position of its last token.
   GlobalIndex    finished requests' prompts and outputs, at most max_requests of them and
                  max_tokens tokens (oldest dropped first, a segment at a time); its candidates are
-                 the positions after an occurrence of the context's last two tokens, looked up in
-                 each segment's sorted bigram index. 16 bytes a token once sealed (tokens, keys,
+                 the positions after the most recent MAX_CANDIDATES occurrences of the context's
+                 last two tokens, looked up in each segment's sorted bigram index. 16 bytes a token once sealed (tokens, keys,
                  positions); the open segment is a dict of position lists.
 
 Drafts are one-hot (q(d) = 1), so the verification is the n-gram one: greedy output equals plain
@@ -39,7 +39,7 @@ MAX_DEPTH = 24            # the longest suffix of the context matched
 MIN_TOKEN_PROB = 0.1      # a draft stops where its path's probability falls below this
 MAX_SPEC_FACTOR = 1.0     # a match of L tokens drafts at most L * factor (+ offset) tokens
 MAX_SPEC_OFFSET = 0.0
-MAX_CANDIDATES = 4096     # the most recent occurrences of a key a lookup walks (bounds its host time)
+MAX_CANDIDATES = 256      # the most recent occurrences of a key a draft reads (bounds its host time)
 SEPARATOR = -1            # between requests in the global stream: no match or draft crosses it
 
 
@@ -145,6 +145,7 @@ class Segment:
         self.follows = (order + 2).astype(np.int32)   # the position after the bigram
 
     def lookup(self, key: int) -> np.ndarray:
+        """Where the bigram `key` is followed, oldest first."""
         lo, hi = np.searchsorted(self.keys, key, "left"), np.searchsorted(self.keys, key, "right")
         return self.follows[max(lo, hi - MAX_CANDIDATES):hi]
 
@@ -198,11 +199,18 @@ class GlobalIndex:
         if len(context) < 2 or not self.num_requests:
             return NO_DRAFT
         key = (context[-2] << 32) | (context[-1] & 0xFFFFFFFF)
-        found = [windows(segment.tokens, positions, MAX_DEPTH, k) for segment in self.sealed
-                 if len(positions := segment.lookup(key))]
+        found, wanted = [], MAX_CANDIDATES
         if key in self.open_follows:
-            positions = np.array(self.open_follows[key][-MAX_CANDIDATES:])
+            positions = np.array(self.open_follows[key][-wanted:])
             found.append(windows(self.open_tokens[:self.open_size], positions, MAX_DEPTH, k))
+            wanted -= len(positions)
+        for segment in reversed(self.sealed):   # newest first, until MAX_CANDIDATES occurrences
+            if wanted <= 0:
+                break
+            positions = segment.lookup(key)[-wanted:]
+            if len(positions):
+                found.append(windows(segment.tokens, positions, MAX_DEPTH, k))
+                wanted -= len(positions)
         if not found:
             return NO_DRAFT
         before, after = (np.concatenate(parts) for parts in zip(*found))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -20,6 +21,7 @@ import time
 import tracemalloc
 from types import SimpleNamespace
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanospec.cli import set_threads
 from nanospec.engine import SamplingParams
 from nanospec.llm import LLM
