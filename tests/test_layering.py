@@ -11,15 +11,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "nanospec"
 # Layer by layer, lowest first: a module may import the modules of the layers before its own.
 LAYERS = [
     {"errors"},
-    {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy", "chat_template"},
+    {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy", "chat_template",
+     "workload"},
     {"model", "dynamic_k", "proposer"},
-    {"checkpoint"},
-    {"tokenizer", "eagle", "cuda_graph"},
+    {"checkpoint", "suffix"},
+    {"tokenizer", "eagle", "cuda_graph", "hybrid"},
     {"engine"},
     {"measure", "step_ops"},
     {"llm", "baseline", "engine_loop", "metrics"},
     {"__init__", "cli", "gpu_check"},   # the package's names (LLM, SamplingParams, ...); the command lines' shared flags
-    {"generate", "bench_serve", "profiler", "serve"},
+    {"generate", "bench_serve", "profiler", "serve", "bench_proposers"},
     {"bench"},   # `bench serve` is bench_serve's
 ]
 LAYER = {name: i for i, layer in enumerate(LAYERS) for name in layer}
