@@ -110,7 +110,8 @@ def summarize(name: str, row: dict) -> dict:
         per_category[category][0] += len(req.output_ids)
         per_category[category][1] += req.decode_steps
     stats = row["engine"].stats
-    out = {"row": name, "k": row["engine"].k_policy.k, "tokens_per_s": round(tokens / row["seconds"], 2), "generated_tokens": tokens,
+    out = {"row": name, "k": row["engine"].k_policy.k, "tokens_per_s": round(tokens / row["seconds"], 2),
+           "generated_tokens": tokens,
            "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps, "decode_steps": stats.steps,
            "drafted_per_decode_step": round(stats.drafted_tokens / max(1, stats.steps), 3),
            "accepted_per_drafted": round(stats.accepted_tokens / max(1, stats.drafted_tokens), 3),

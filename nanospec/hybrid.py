@@ -59,7 +59,7 @@ class HybridProposer:
 
     def threshold(self, k: int) -> float | None:
         """The lowest score whose suffix draft wins at K = k now (None: none does)."""
-        model = self.worth_of_model(k)
+        model = self.worth_of_model(min(k, self.model_k))
         wins = [b * BIN_WIDTH for b in range(NUM_BINS) if self.worth_of_suffix(b * BIN_WIDTH) >= model]
         return wins[0] if wins else None
 

@@ -13,12 +13,13 @@ probabilities, is the draft's expected number of accepted tokens if the past pre
 every match length is tried and the best score wins (vLLM's defaults: depth 24, factor 1, 0.1).
 
 Two kinds of stream, one walk:
-  RequestStream  a request's own tokens; its candidates are every earlier position of its last token.
+  RequestStream  a request's own tokens; its candidates are the positions after the most recent
+                 MAX_CANDIDATES earlier occurrences of its last token.
   GlobalIndex    finished requests' prompts and outputs, at most max_requests of them and
                  max_tokens tokens (oldest dropped first, a segment at a time); its candidates are
                  the positions after the most recent MAX_CANDIDATES occurrences of the context's
-                 last two tokens, looked up in each segment's sorted bigram index. 16 bytes a token once sealed (tokens, keys,
-                 positions); the open segment is a dict of position lists.
+                 last two tokens, looked up in each segment's sorted bigram index. 16 bytes a token
+                 once sealed (tokens, keys, positions); the open segment is a dict of position lists.
 
 Drafts are one-hot (q(d) = 1), so the verification is the n-gram one: greedy output equals plain
 decoding, and seeded sampled output equals plain sampling token for token (sampler.verify_one_hot),
