@@ -26,7 +26,7 @@ from nanospec.errors import NanospecError, check_int, check_real, is_real, param
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
-from nanospec.proposer import Proposal, Proposer
+from nanospec.proposer import Proposer
 from nanospec.sampler import Sampler
 
 
@@ -507,20 +507,19 @@ class Engine:
         start = time.perf_counter()
         reqs = batch.requests
         ks = [n - 1 for n in batch.query_lens]
-        proposal = plan = None
-        if max(ks) and self.proposer.drafts_on_host:   # n-gram: drafts made on the host ride in the upload
+        host_drafts = plan = None
+        if max(ks) and self.proposer.drafts_on_host:   # n-gram, suffix: drafts made on the host ride in the upload
             proposal = self.proposer.propose(reqs, ks)
-            num_draft = proposal.num_draft
+            num_draft, host_drafts = proposal.num_draft, proposal.host_drafts
         else:
             num_draft = [min(k, self.proposer.max_drafts(r)) for r, k in zip(reqs, ks)] if max(ks) else [0] * len(reqs)
-            model_ks, host_drafts = num_draft, None
+            model_ks = num_draft
             if max(num_draft) and getattr(self.proposer, "host_and_model", False):   # hybrid: suffix drafts first
                 host_drafts, model_ks = self.proposer.choose(reqs, num_draft)
                 num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
             plan = self.proposer.prepare(reqs, model_ks) if max(model_ks) else None
-            proposal = host_drafts and Proposal(num_draft, host_drafts)
         steps = self.step_graphs
-        sampling = steps.upload(reqs, num_draft, proposal and proposal.host_drafts, plan)
+        sampling = steps.upload(reqs, num_draft, host_drafts, plan)
         if plan:   # a model proposer's round, on the device
             steps.run_round(plan, sampling)
         out, features = steps.run(sampling)

@@ -70,10 +70,11 @@ class HybridProposer:
     def choose(self, requests, ks: list[int]) -> tuple[list[list[int]], list[int]]:
         """(the suffix drafts, [] where the model drafts; the model's K per request, 0 where not)."""
         drafts, model_ks, self.chosen = [], [], []
+        model_worth = {k: self.worth_of_model(k) for k in {min(k, self.model_k) for k in ks}}   # once per K
         for req, k in zip(requests, ks):
             draft = self.suffix.draft(req, k) if k else NO_DRAFT
             k = min(k, self.model_k)
-            if draft.tokens and self.worth_of_suffix(draft.score) >= self.worth_of_model(k):
+            if draft.tokens and self.worth_of_suffix(draft.score) >= model_worth[k]:
                 drafts.append(draft.tokens)
                 model_ks.append(0)
                 self.chosen.append(self.bin(draft.score))

@@ -48,7 +48,6 @@ SEPARATOR = -1            # between requests in the global stream: no match or d
 class Draft:
     tokens: list[int]
     score: float = 0.0       # expected accepted tokens: the sum of the path's probabilities
-    match_len: int = 0
 
 
 NO_DRAFT = Draft([])
@@ -98,12 +97,12 @@ def best_draft(before: np.ndarray, after: np.ndarray, context: list[int], k: int
         return NO_DRAFT
     suffix = np.array(context[::-1][:before.shape[1]])
     matched = np.cumprod(before[:, :len(suffix)] == suffix[None, :], axis=1).sum(1)   # [m]: each one's L
-    best, size = NO_DRAFT, None
+    best = NO_DRAFT
     for length in np.unique(matched[matched >= min_match])[::-1].tolist():   # deepest first: the longest draft
         node = matched >= length   # the same rows for every L down to the next distinct length
         draft = walk(after[node], min(k, int(length * factor + offset)), min_prob)
         if draft.score > best.score:
-            best = Draft(draft.tokens, draft.score, length)
+            best = draft
     return best
 
 
@@ -199,7 +198,7 @@ class GlobalIndex:
         (each occurrence's windows read from its own segment; counts add up over all of them)."""
         if len(context) < 2 or not self.num_requests:
             return NO_DRAFT
-        key = (context[-2] << 32) | (context[-1] & 0xFFFFFFFF)
+        key = int(bigram_keys(np.array(context[-2:]))[0])
         found, wanted = [], MAX_CANDIDATES
         if key in self.open_follows:
             positions = np.array(self.open_follows[key][-wanted:])
@@ -238,7 +237,6 @@ class SuffixProposer(Proposer):
                              max_spec_factor=max_spec_factor)
         self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor)
         self.global_index = GlobalIndex(max_requests, max_tokens)
-        self.last: list[Draft] = []   # the last propose's drafts (the hybrid reads their scores)
 
     def draft(self, request, k: int) -> Draft:
         if request.suffix_stream is None:
@@ -251,8 +249,8 @@ class SuffixProposer(Proposer):
         return theirs if theirs.score > mine.score else mine
 
     def propose(self, requests, ks) -> Proposal:
-        self.last = [self.draft(r, k) if k else NO_DRAFT for r, k in zip(requests, ks)]
-        return Proposal([len(d.tokens) for d in self.last], [d.tokens for d in self.last])
+        drafts = [self.draft(r, k).tokens if k else [] for r, k in zip(requests, ks)]
+        return Proposal([len(d) for d in drafts], drafts)
 
     def finished(self, request) -> None:
         self.global_index.add(request.tokens)

@@ -30,20 +30,20 @@ from nanospec.prompts import shipped_prompts
 from nanospec.suffix import GlobalIndex, SuffixProposer
 
 
-def windows_of(corpus: list[int], length: int, rng: random.Random) -> list[int]:
+def windows_of(corpus: list[int], length: int, rng: random.Random, vocab: int) -> list[int]:
     start = rng.randrange(len(corpus) - length)
     out = corpus[start:start + length]
     for i in range(0, length - 7, 8):
-        out[i + rng.randrange(8)] = rng.randrange(49152)
+        out[i + rng.randrange(8)] = rng.randrange(vocab)
     return out
 
 
-def index_memory(corpus, num_requests: int, rng) -> dict:
+def index_memory(corpus, num_requests: int, rng, vocab: int) -> dict:
     tracemalloc.start()
     index = GlobalIndex()
     start = time.perf_counter()
     for _ in range(num_requests):
-        index.add(windows_of(corpus, 400, rng))
+        index.add(windows_of(corpus, 400, rng, vocab))
     seconds = time.perf_counter() - start
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
@@ -53,11 +53,11 @@ def index_memory(corpus, num_requests: int, rng) -> dict:
             "index": index}
 
 
-def draft_time(index: GlobalIndex, corpus, batch: int, rng, repeats: int = 5) -> float:
+def draft_time(index: GlobalIndex, corpus, batch: int, rng, vocab: int, repeats: int = 5) -> float:
     """Median seconds of one step's drafts (K = 16) for `batch` requests of 512-token contexts."""
     proposer = SuffixProposer(None)
     proposer.global_index = index
-    requests = [SimpleNamespace(tokens=windows_of(corpus, 512, rng), suffix_stream=None) for _ in range(batch)]
+    requests = [SimpleNamespace(tokens=windows_of(corpus, 512, rng, vocab), suffix_stream=None) for _ in range(batch)]
     proposer.propose(requests, [16] * batch)   # the streams' first sync is a prefill's work, not a step's
     times = []
     for _ in range(repeats):
@@ -90,12 +90,12 @@ def main() -> int:
     rng = random.Random(0)
     llm = LLM()
     corpus = [t for row in shipped_prompts() for t in llm.encode_prompt(row["prompt"], chat=True)]
-    memory = index_memory(corpus, args.requests, rng)
+    memory = index_memory(corpus, args.requests, rng, llm.vocab_size)
     index = memory.pop("index")
     print(f"global index at {args.requests} requests: {memory}", file=sys.stderr)
     rows = []
     for batch in map(int, args.batch_sizes.split(",")):
-        drafts, step = draft_time(index, corpus, batch, rng), step_time(llm, batch)
+        drafts, step = draft_time(index, corpus, batch, rng, llm.vocab_size), step_time(llm, batch)
         rows.append({"batch_size": batch, "suffix_drafts_ms": round(drafts * 1e3, 2),
                      "plain_decode_step_ms": round(step * 1e3, 1), "drafts_over_step": round(drafts / step, 4)})
         print(rows[-1], file=sys.stderr)
