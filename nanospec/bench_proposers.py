@@ -128,6 +128,9 @@ def summarize(name: str, row: dict) -> dict:
 
 
 def run(args) -> dict:
+    if args.ks != "0" or args.profile or args.oracle:
+        raise NanospecError("--ks, --profile and --oracle are for K rows of one proposer; with --proposers give "
+                            "each row its own K (NAME:K)")
     rows = parse_rows(args.proposers, args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     check_int(args.turns, "--turns", low=1, high=3)

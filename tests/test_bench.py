@@ -73,6 +73,8 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert set(rows[(1, "ngram")]["acceptance_length_per_category"]) == {"chat", "code"}
     assert bench_main(args[:2] + ["--proposers", "hybrid"]) != 0
     assert "--proposers hybrid needs a model drafter: add --eagle HEAD" in capsys.readouterr().err
+    assert bench_main(args[:2] + ["--proposers", "ngram", "--ks", "0,4"]) != 0
+    assert "with --proposers give each row its own K (NAME:K)" in capsys.readouterr().err
     assert bench_main(args[:2] + ["--proposers", "ngram,nope"]) != 0
     assert "unknown proposer 'nope'" in capsys.readouterr().err
     assert bench_main(args[:2] + ["--workload", "multiturn"]) != 0
