@@ -17,12 +17,12 @@ from the requests of that run.
 from __future__ import annotations
 
 import sys
+import copy
 from collections import defaultdict
 
 from nanospec.cli import Progress, log, log_loading, set_threads
 from nanospec.engine import SamplingParams
 from nanospec.errors import NanospecError, check_int
-from nanospec.k_policy import StaticK
 from nanospec.llm import LLM
 from nanospec.measure import timed
 from nanospec.prompts import by_category_in_turn, shipped_prompts
@@ -33,19 +33,20 @@ KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suff
          "hybrid": lambda args: dict(suffix=True, **(dict(eagle=args.eagle) if args.eagle else dict(draft=args.draft)))}
 
 
-def parse_rows(text: str, args) -> list[tuple[str, int | None]]:
-    """'ngram,suffix:8,...' -> [(name, K)], K None unless given: the LLM's default (4; suffix and
-    the hybrid 16, their ceiling; plain 0)."""
+def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
+    """'ngram,suffix:8,hybrid:dynamic,...' -> [(name, K)], K None unless given: the LLM's default (4;
+    suffix and the hybrid 16, their ceiling; plain 0); "dynamic": dynamic K up to that default, its
+    quick profile measured at start-up."""
     rows = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         name, _, k = item.partition(":")
         if name not in KINDS:
             raise NanospecError(f"--proposers: unknown proposer {name!r}; use {', '.join(KINDS)} (with :K)")
         try:
-            k = 0 if name == "plain" else int(k) if k else None
+            k = 0 if name == "plain" else int(k) if k and k != "dynamic" else k or None
         except ValueError:
-            raise NanospecError(f"--proposers: {item!r} is not NAME or NAME:K") from None
-        if k is not None:
+            raise NanospecError(f"--proposers: {item!r} is not NAME, NAME:K or NAME:dynamic") from None
+        if isinstance(k, int):
             check_int(k, f"--proposers {name}'s K", low=0 if name == "plain" else 1, high=16)
         if name in ("eagle", "hybrid") and not (args.eagle or name == "hybrid" and args.draft):
             raise NanospecError(f"--proposers {name} needs a model drafter: add --eagle HEAD"
@@ -59,11 +60,11 @@ def parse_rows(text: str, args) -> list[tuple[str, int | None]]:
 
 
 def new_row(llm: LLM, batch_size: int, longest: int):
-    """A fresh engine (cache, scheduler, statistics, proposer state: an empty global index) at the
-    LLM's K."""
+    """A fresh engine (cache, scheduler, statistics, proposer state: an empty global index) with a
+    fresh copy of the LLM's K policy (a dynamic one starts from its profile again)."""
     allocator = llm.engine.kv_cache.allocator
     blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
-    return llm.engine.twin(blocks, max_num_seqs=batch_size, k_policy=StaticK(llm.engine.max_k))
+    return llm.engine.twin(blocks, max_num_seqs=batch_size, k_policy=copy.deepcopy(llm.engine.k_policy))
 
 
 def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_tokens: int, longest: int) -> dict:
@@ -110,18 +111,23 @@ def summarize(name: str, row: dict) -> dict:
         per_category[category][0] += len(req.output_ids)
         per_category[category][1] += req.decode_steps
     stats = row["engine"].stats
-    out = {"row": name, "k": row["engine"].k_policy.k, "tokens_per_s": round(tokens / row["seconds"], 2),
+    policy, max_k, proposer = row["engine"].k_policy, row["llm"].engine.max_k, row["engine"].proposer
+    dynamic = not hasattr(policy, "k") or getattr(proposer, "plans", None)   # dynamic K, or a priced hybrid
+    out = {"row": name, "k": "dynamic" if dynamic else policy.k, "tokens_per_s": round(tokens / row["seconds"], 2),
            "generated_tokens": tokens,
            "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps, "decode_steps": stats.steps,
            "drafted_per_decode_step": round(stats.drafted_tokens / max(1, stats.steps), 3),
            "accepted_per_drafted": round(stats.accepted_tokens / max(1, stats.drafted_tokens), 3),
            "mean_acceptance_length": round(tokens / steps, 3),
            "acceptance_length_per_category": {c: round(t / s, 3) for c, (t, s) in sorted(per_category.items())}}
-    proposer = row["engine"].proposer
     if hasattr(proposer, "threshold"):   # the hybrid
         suffix_steps = sum(n for _, n in proposer.bins)
         out["hybrid_suffix_share"] = round(suffix_steps / max(1, suffix_steps + proposer.model_steps), 3)
-        out["hybrid_threshold_at_k"] = proposer.threshold(row["engine"].k_policy.k)
+        out["hybrid_threshold_at_k"] = proposer.threshold(max_k)
+        if proposer.plans:   # priced (dynamic K): the decode steps that ran each plan
+            out["hybrid_plans"] = dict(proposer.plans.chosen)
+    if not hasattr(policy, "k"):
+        out["chosen_k"] = stats.as_dict()["chosen_k"]   # batch size -> K -> decode steps
     if hasattr(proposer, "global_index"):
         out["global_index_requests"] = proposer.global_index.num_requests
     return out
@@ -142,7 +148,7 @@ def run(args) -> dict:
     set_threads(args.threads)
     log_loading(args.target)
     llms = {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
-                      num_speculative_tokens=k or None, log=log,
+                      num_speculative_tokens=k if isinstance(k, int) and k else None, dynamic_k=k == "dynamic", log=log,
                       enforce_eager=args.enforce_eager, **KINDS[name.partition(":")[0]](args)) for name, k in rows}
     first = next(iter(llms.values()))
     longest = min(first.max_model_len, 4096)

@@ -116,7 +116,9 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
                       help="draft tokens per step, 1..16 (default: 4 with a proposer, 16 with --suffix, which "
                            "drafts as far as its match is strong; with --dynamic-k the largest K it may choose, 8)")
     spec.add_argument("--dynamic-k", action="store_true",
-                      help="choose K per step by goodput (acceptance length / step time for the batch size)")
+                      help="choose K per step by goodput (acceptance length / step time for the batch size); "
+                           "the hybrid (--suffix with --eagle or --draft) chooses per step whether to draft with "
+                           "the model, with suffix drafts only or not at all, by the step times it measures")
     spec.add_argument("--per-request-k", action="store_true",
                       help="with --dynamic-k, a K per request: drafts go to the requests that accept them")
     spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "

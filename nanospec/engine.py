@@ -538,10 +538,10 @@ class Engine:
             if d:
                 note_speculation(req, d, a)
         self.stats.record(self.step_k, ks, num_draft, accepted)
-        if max(num_draft):
-            self.proposer.verified(num_draft, accepted)
-        # timed after the one copy above, so the device's work is in it; no extra sync
-        self.k_policy.observe(ks, accepted, num_draft, seconds=time.perf_counter() - start, requests=reqs)
+        seconds = time.perf_counter() - start   # timed after the one copy above, so the device's work is in it
+        if max(ks):
+            self.proposer.verified(num_draft, accepted, seconds)
+        self.k_policy.observe(ks, accepted, num_draft, seconds=seconds, requests=reqs)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, host_out[b][:a + 1], None if features is None else features[b * q_len:b * q_len + a + 1])
                 for b, (r, a) in enumerate(zip(reqs, accepted))]

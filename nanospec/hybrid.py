@@ -10,6 +10,13 @@ The threshold is not set by hand; both sides of the comparison are measured on t
 A request takes the suffix draft where its worth is at least the model's at its K (ties: suffix,
 which costs no device work). The threshold in force, the lowest score that wins, is `threshold(k)`.
 
+Priced (under dynamic K, `priced=True`), a step also weighs the round's cost: a suffix draft is
+made on the host for free, a model draft costs its share of a round of K model steps. Each step
+chooses between the plan above and the suffix drafts alone, no round, by goodput: tokens expected
+(each row's 1 + its drafts' worth) per second of a step, those seconds measured on the run per batch
+size with a round and without (StepPlans). Every PROBE_EVERY-th step at a batch size runs the plan
+not chosen, so both times stay measured. Static K does not price: it drafts as the acceptance says.
+
 A step runs the model's round only for the requests that take its drafts (none: no round); the
 others' drafts ride in the step's one copy as n-gram's do (cuda_graph.StepGraphs masks the round's
 writes to its own rows). Sampled, a suffix draft is one-hot (q(d) = 1) in the same rejection
@@ -19,6 +26,7 @@ Everything else (the round's steps, the caches, EAGLE's features) is the model d
 """
 from __future__ import annotations
 
+from nanospec.estimators import StepTimes
 from nanospec.proposer import ModelProposer
 from nanospec.suffix import NO_DRAFT, SuffixProposer
 
@@ -26,6 +34,45 @@ BIN_WIDTH = 0.5
 NUM_BINS = 33          # scores 0 .. 16 (the largest K) and above
 PRIOR_WEIGHT = 8.0     # drafts a bin must see before its measurement outweighs the score
 PRIOR_RATE = 0.5       # the model's acceptance rate per position before it has drafted
+PROBE_EVERY = 16       # priced: every this many steps at a batch size, a plan not chosen runs once
+
+
+PLANS = ("plain", "suffix", "mixed")   # a priced step's plans: no drafts; suffix drafts only; the acceptance's
+
+
+class StepPlans:
+    """A priced hybrid's choice of plan for a step, by goodput: the tokens a plan is expected to gain
+    over the seconds its steps take. Each plan's seconds are fitted on its own steps, per batch size
+    as a line in the drafts a request verifies (estimators.StepTimes, fed the seconds over the first
+    step's: a profile of one step that takes the first step's time), so that a short suffix draft
+    is priced as one. A plan no step has run yet
+    runs first (the acceptance's plan before the others); every PROBE_EVERY-th step at a batch size
+    runs one of the plans not chosen, in turn, so all of their times stay measured."""
+
+    def __init__(self):
+        self.seconds = {plan: StepTimes() for plan in PLANS}
+        self.steps: dict[int, int] = {}             # batch size -> priced steps there so far
+        self.chosen = {plan: 0 for plan in PLANS}   # steps that ran each plan
+        self.unit = None                            # the first step's seconds
+
+    def observe(self, batch: int, plan: str, drafts: float, seconds: float) -> None:
+        self.unit = self.unit or seconds
+        self.seconds[plan].observe(batch, drafts, seconds / self.unit)
+
+    def choose(self, batch: int, expected: dict[str, tuple[float, float]]) -> str:
+        """The plan a step of `batch` requests runs; expected: each plan's (tokens it would gain,
+        drafts a request would verify)."""
+        unmeasured = [p for p in reversed(PLANS) if p in expected and not self.seconds[p].now]
+        if unmeasured:
+            plan = unmeasured[0]
+        else:
+            ranked = sorted(expected, key=lambda p: expected[p][0] / self.seconds[p].ratio(batch, expected[p][1]),
+                            reverse=True)
+            self.steps[batch] = self.steps.get(batch, 0) + 1
+            probe, turn = divmod(self.steps[batch], PROBE_EVERY)
+            plan = ranked[1 + probe % (len(ranked) - 1)] if turn == 0 and len(ranked) > 1 else ranked[0]
+        self.chosen[plan] += 1
+        return plan
 
 
 class HybridProposer:
@@ -33,8 +80,10 @@ class HybridProposer:
     acceptance_in_spans = False   # model drafts: dynamic K counts acceptance per step
     host_and_model = True         # the engine asks choose() first, then runs a round for the rest
 
-    def __init__(self, suffix: SuffixProposer, model: ModelProposer, model_k: int = 4):
+    def __init__(self, suffix: SuffixProposer, model: ModelProposer, model_k: int = 4, priced: bool = False):
         self.suffix, self.model, self.model_k = suffix, model, model_k   # the model drafts at most model_k
+        self.plans = StepPlans() if priced else None                      # priced: the plans' costs weighed
+        self.plan = "plain"                                               # the plan of the last step
         self.bins = [[0.0, 0] for _ in range(NUM_BINS)]   # per score bin: accepted tokens, drafts
         self.model_drafted: list[int] = []                # per position: the model's drafts there
         self.model_accepted: list[int] = []               # and how many were accepted
@@ -68,26 +117,53 @@ class HybridProposer:
         return min(int(score / BIN_WIDTH), NUM_BINS - 1)
 
     def choose(self, requests, ks: list[int]) -> tuple[list[list[int]], list[int]]:
-        """(the suffix drafts, [] where the model drafts; the model's K per request, 0 where not)."""
+        """(the suffix drafts, [] where the model drafts; the model's K per request, 0 where not).
+        Priced: the drafts of the plan that pays (StepPlans)."""
         drafts, model_ks, self.chosen = [], [], []
+        suffix_drafts = []   # each row's suffix draft, if any: the plan without a round
         model_worth = {k: self.worth_of_model(k) for k in {min(k, self.model_k) for k in ks}}   # once per K
+        expected = dict(plain=0.0, suffix=0.0, mixed=0.0)   # the drafts' worth under each plan, summed
         for req, k in zip(requests, ks):
             draft = self.suffix.draft(req, k) if k else NO_DRAFT
+            suffix_worth = self.worth_of_suffix(draft.score) if draft.tokens else 0.0
+            suffix_drafts.append(draft)
+            expected["suffix"] += suffix_worth
             k = min(k, self.model_k)
-            if draft.tokens and self.worth_of_suffix(draft.score) >= model_worth[k]:
+            if draft.tokens and suffix_worth >= model_worth[k]:
                 drafts.append(draft.tokens)
                 model_ks.append(0)
                 self.chosen.append(self.bin(draft.score))
+                expected["mixed"] += suffix_worth
             else:
                 drafts.append([])
                 model_ks.append(k)
                 self.chosen.append(None)
+                expected["mixed"] += model_worth[k]
+        if self.plans:
+            batch = len(requests)
+            suffix_tokens = sum(len(d.tokens) for d in suffix_drafts)
+            plans = dict(plain=(batch, 0.0), suffix=(batch + expected["suffix"], suffix_tokens / batch),
+                         mixed=(batch + expected["mixed"], sum(len(d) or k for d, k in zip(drafts, model_ks)) / batch))
+            if not any(model_ks):   # the acceptance's plan is the suffix drafts' own
+                del plans["mixed"]
+            if not suffix_tokens:
+                del plans["suffix"]
+            plan = self.plans.choose(batch, plans)
+            if plan != "mixed":
+                drafts = [d.tokens if plan == "suffix" else [] for d in suffix_drafts]
+                model_ks = [0] * batch
+                self.chosen = [self.bin(d.score) if d.tokens and plan == "suffix" else None for d in suffix_drafts]
+        self.plan = "mixed" if any(model_ks) else "suffix" if any(drafts) else "plain"
         return drafts, model_ks
 
-    def verified(self, num_draft: list[int], num_accepted: list[int]) -> None:
-        """The last step's outcome, row by row as choose() made it: the measurements above."""
+    def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float | None = None) -> None:
+        """The last step's outcome, row by row as choose() made it, and its time: the measurements above."""
+        # (asked for drafts, a step may find none and not ask choose(): a plain step, no row counts)
+        if self.plans and seconds is not None:
+            plan = self.plan if any(num_draft) else "plain"
+            self.plans.observe(len(num_draft), plan, sum(num_draft) / len(num_draft), seconds)
         for chosen, d, a in zip(self.chosen, num_draft, num_accepted):
-            if chosen is not None:
+            if chosen is not None and d:
                 self.bins[chosen][0] += a
                 self.bins[chosen][1] += 1
             elif d:
@@ -106,4 +182,5 @@ class HybridProposer:
         self.model.free(request)   # its suffix stream (Request.suffix_stream) only depends on tokens
 
     def twin(self, num_blocks: int) -> "HybridProposer":
-        return HybridProposer(self.suffix.twin(num_blocks), self.model.twin(num_blocks), self.model_k)
+        return HybridProposer(self.suffix.twin(num_blocks), self.model.twin(num_blocks), self.model_k,
+                              priced=self.plans is not None)

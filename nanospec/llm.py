@@ -88,6 +88,10 @@ class SpeculativeConfig:
     suffix: bool = False                    # suffix decoding; with draft or eagle, the hybrid of both
 
     @property
+    def hybrid(self) -> bool:
+        return self.suffix and bool(self.draft or self.eagle)
+
+    @property
     def proposer_name(self) -> str | None:
         model = f"draft {self.draft}" if self.draft else f"eagle {self.eagle}" if self.eagle else None
         if self.suffix:
@@ -115,6 +119,9 @@ class SpeculativeConfig:
         for name in ("profile", "per_request_k"):
             if getattr(self, name) and not self.dynamic_k:
                 raise NanospecError(f"{param(name)} is a setting of dynamic K: add {param('dynamic_k')}")
+            if getattr(self, name) and self.hybrid:
+                raise NanospecError(f"{param(name)} is not for the hybrid: under {param('dynamic_k')} it prices its "
+                                    "plans per step and request by the step times it measures (hybrid.py)")
         queue = param("disable_queue_size", "--speculative-disable-queue-size")
         if self.disable_queue_size is not None:
             check_int(self.disable_queue_size, queue, low=0)
@@ -127,7 +134,8 @@ class SpeculativeConfig:
                                         f"{param('ngram')} or {param('suffix')}")
             return 0
         # Suffix decoding drafts as far as its match is strong, K its ceiling (vLLM's default too: the tree depth)
-        default = DEFAULT_DYNAMIC_MAX_K if self.dynamic_k else MAX_SPECULATIVE_TOKENS if self.suffix else 4
+        default = DEFAULT_DYNAMIC_MAX_K if self.dynamic_k and not self.suffix else MAX_SPECULATIVE_TOKENS \
+            if self.suffix else 4
         k = default if self.num_speculative_tokens is None else self.num_speculative_tokens
         return check_int(k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
 
@@ -230,7 +238,7 @@ class LLM:
         draft_model = self.load_draft(draft, reachable) if draft else None
         head, aux_layers = load_eagle_head(eagle, self.model, self.device, self.dtype) if eagle else (None, None)
 
-        def make_proposer(blocks: int) -> Proposer | None:
+        def make_proposer(blocks: int, priced: bool = False) -> Proposer | None:
             if ngram:
                 return NgramProposer(self.device, ngram_min, ngram_max)
             model_drafter = None
@@ -240,16 +248,16 @@ class LLM:
                 model_drafter = EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size,
                                               self.device)
             if suffix:
-                return HybridProposer(SuffixProposer(self.device), model_drafter) if model_drafter else \
+                return HybridProposer(SuffixProposer(self.device), model_drafter, priced=priced) if model_drafter else \
                     SuffixProposer(self.device)
             return model_drafter
 
         graphs = self.device.type == "cuda" and not enforce_eager
 
-        def make_engine(blocks: int, policy: KPolicy) -> Engine:
+        def make_engine(blocks: int, policy: KPolicy, priced: bool = False) -> Engine:
+            proposer = make_proposer(blocks, priced)
             return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, block_size,
-                          max_num_seqs, max_num_batched_tokens, compile_sampler, make_proposer(blocks), policy,
-                          use_graphs=graphs)
+                          max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, policy, use_graphs=graphs)
 
         if kv_cache_gb is None and num_kv_blocks is None:   # on a GPU: a share of what the weights and the graphs leave free
             kv_cache_gb = self.default_kv_cache_gb(step_memory(make_engine(1, StaticK(0)), k) if graphs else 0)
@@ -265,14 +273,15 @@ class LLM:
         self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up
         policy = StaticK(k)
-        if dynamic_k:   # a quick profile is measured on engines of its own, built from a one-block one
+        if dynamic_k and not spec.hybrid:   # a quick profile is measured on engines of its own, from a one-block one
             self.profile = self.dynamic_k_profile(profile, k, lambda: make_engine(1, StaticK(0)))
             spans = make_proposer(1).acceptance_in_spans   # n-gram's and suffix's drafts: spans of text
             policy = DynamicK(self.profile, k, per_request=per_request_k, spans=spans,
                               buckets=step_buckets(max_num_seqs, graphs))
         if speculative_disable_queue_size is not None:
             policy = QueueSwitch(policy, speculative_disable_queue_size)
-        self.engine = make_engine(num_blocks, policy)
+        # the hybrid under dynamic K: K its ceiling, and each step's plan priced by the hybrid itself
+        self.engine = make_engine(num_blocks, policy, priced=dynamic_k)
         self.engine.max_k = k   # a request may ask for less (SamplingParams.num_speculative_tokens), never more
         self.engine.step_graphs.capture_all(range(k + 1))   # CUDA graphs of every K the policy can choose
 

@@ -11,7 +11,7 @@ One interface for every kind of guesser:
   rollback(request)            forget what the proposer cached past the request's committed tokens
   free(request)                the request finished or was preempted: release the proposer's state
   finished(request)            the request finished (suffix decoding learns from it)
-  verified(num_draft, accepted)  how the step it drafted for went (the hybrid learns from it)
+  verified(num_draft, accepted, seconds)  how the step it drafted for went (the hybrid learns from it)
 
 NgramProposer    prompt lookup: continue the longest recent suffix as it went on before.
 SuffixProposer   (suffix.py) suffix decoding: the most frequent continuation of the longest match,
@@ -75,8 +75,9 @@ class Proposer:
     def free(self, request) -> None:
         request.proposer_state = None
 
-    def verified(self, num_draft: list[int], num_accepted: list[int]) -> None:
-        """The outcome of the step it last drafted for, row by row (the hybrid learns from it)."""
+    def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
+        """The outcome of the step it was last asked to draft for, row by row, and the step's seconds
+        (the hybrid learns from them)."""
 
     def finished(self, request) -> None:
         """The request finished (suffix decoding adds it to its global index)."""

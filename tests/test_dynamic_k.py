@@ -340,12 +340,21 @@ def varying_profile(tmp_path):
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, varying_profile, name, per_request):
     """The batch shrinks from 8 to 1 as requests finish, and online rates replace the profile's:
-    K changes from step to step (and from request to request), output does not."""
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True,
-              profile=varying_profile, per_request_k=per_request, **proposer_args(spec_models, name))
+    K changes from step to step (and from request to request), output does not. The hybrid takes
+    no profile and no K per request: it prices its plans (hybrid.StepPlans), which change instead."""
+    args = dict(device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True, **proposer_args(spec_models, name))
+    hybrid = name.startswith("hybrid")
+    if hybrid and per_request:
+        with pytest.raises(NanospecError, match="per_request_k is not for the hybrid"):
+            LLM(spec_models["target"], per_request_k=True, **args)
+        return
+    llm = LLM(spec_models["target"], **args) if hybrid else \
+        LLM(spec_models["target"], profile=varying_profile, per_request_k=per_request, **args)
     outs = llm.generate(PROMPTS, [greedy(max_tokens=6 + 2 * i) for i in range(len(PROMPTS))])
     assert [o.token_ids for o in outs] == [plain_greedy[p][:6 + 2 * i] for i, p in enumerate(PROMPTS)]
     chosen = {k for per_batch in llm.stats["chosen_k"].values() for k in per_batch}
+    if hybrid:
+        chosen = {plan for plan, steps in llm.engine.proposer.plans.chosen.items() if steps}
     assert len(chosen) >= 2, llm.stats["chosen_k"]
     assert_no_leak(llm)
 

@@ -4,12 +4,15 @@ proposer states (the most frequent child, the path's probability at least MIN_TO
 L * MAX_SPEC_FACTOR tokens after a match of L, the best score over every L). Then the global
 index's bound (oldest dropped first) and the hybrid's measured threshold. Losslessness over both
 proposers is in test_speculative and test_exact_sampling_end_to_end (PROPOSERS)."""
+import functools
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from nanospec import LLM, SamplingParams
+from nanospec.hybrid import PROBE_EVERY, StepPlans
 from nanospec.suffix import MAX_DEPTH, MIN_TOKEN_PROB, GlobalIndex, RequestStream
 
 from conftest import PROMPTS, greedy, proposer_args
@@ -140,3 +143,32 @@ def test_the_hybrid_threshold_follows_measured_acceptance(spec_models):
         thresholds[name] = llm.engine.proposer.threshold(4)
     assert thresholds["self"] is None or thresholds["self"] >= 3.5
     assert thresholds["random"] is not None and thresholds["random"] <= 1.0
+
+
+def test_step_plans_choose_by_goodput_and_probe_the_others():
+    """Seconds per plan fitted per batch size as a line in the drafts a request verifies: the plan
+    of most tokens per second wins, a short suffix draft priced as short; every PROBE_EVERY-th step
+    runs another plan, in turn."""
+    plans = StepPlans()
+    for _ in range(20):   # at batch 2: plain 1.0 s, suffix 1.0 + 0.5 s a draft, the round's plan 4.0 s
+        for drafts in (1.0, 5.0):
+            plans.observe(2, "suffix", drafts, 1.0 + 0.5 * drafts)
+        plans.observe(2, "plain", 0.0, 1.0)
+        plans.observe(2, "mixed", 4.0, 4.0)
+    pick = functools.partial(plans.choose, 2)
+    assert pick(dict(plain=(2, 0), suffix=(3.5, 1.0), mixed=(6, 4))) == "suffix"   # 3.5 / 1.5; 2 / 1, 6 / 4
+    assert pick(dict(plain=(2, 0), suffix=(3.5, 5.0), mixed=(6, 4))) == "plain"    # 3.5 / 3.5: a long draft costs
+    assert pick(dict(plain=(2, 0), suffix=(3.5, 5.0), mixed=(10, 4))) == "mixed"   # 10 / 4
+    runs = [pick(dict(plain=(2, 0), suffix=(3.5, 1.0), mixed=(6, 4))) for _ in range(2 * PROBE_EVERY)]
+    assert Counter(runs) == {"suffix": 2 * PROBE_EVERY - 2, "plain": 1, "mixed": 1}
+
+
+def test_the_priced_hybrid_skips_a_round_that_does_not_pay(spec_models):
+    """A random draft model (its drafts almost never accepted) under dynamic K: after the first
+    steps, which measure every plan, the round runs only when a probe asks for it."""
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
+              draft=spec_models["draft"], dynamic_k=True)
+    llm.generate(PROMPTS * 2, greedy(30))
+    plans = llm.engine.proposer.plans
+    assert plans.chosen["mixed"] <= 1 + sum(plans.steps.values()) // PROBE_EVERY + 2, plans.chosen
+    assert plans.chosen["suffix"] + plans.chosen["plain"] > 4 * plans.chosen["mixed"], plans.chosen
