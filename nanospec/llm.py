@@ -134,7 +134,8 @@ class SpeculativeConfig:
                                         f"{param('ngram')} or {param('suffix')}")
             return 0
         # Suffix decoding drafts as far as its match is strong, K its ceiling (vLLM's default too: the tree depth)
-        default = DEFAULT_DYNAMIC_MAX_K if self.dynamic_k and not self.suffix else MAX_SPECULATIVE_TOKENS \
+        # (the hybrid under dynamic K prices its own plans: K stays its ceiling)
+        default = DEFAULT_DYNAMIC_MAX_K if self.dynamic_k and not self.hybrid else MAX_SPECULATIVE_TOKENS \
             if self.suffix else 4
         k = default if self.num_speculative_tokens is None else self.num_speculative_tokens
         return check_int(k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)

@@ -172,3 +172,9 @@ def test_the_priced_hybrid_skips_a_round_that_does_not_pay(spec_models):
     plans = llm.engine.proposer.plans
     assert plans.chosen["mixed"] <= 1 + sum(plans.steps.values()) // PROBE_EVERY + 2, plans.chosen
     assert plans.chosen["suffix"] + plans.chosen["plain"] > 4 * plans.chosen["mixed"], plans.chosen
+
+
+def test_k_under_dynamic_k_is_the_hybrids_ceiling_and_suffix_alones_largest_choice():
+    from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+    assert SpeculativeConfig(suffix=True, draft="d", dynamic_k=True).validate() == MAX_SPECULATIVE_TOKENS
+    assert SpeculativeConfig(suffix=True, dynamic_k=True).validate() == DEFAULT_DYNAMIC_MAX_K
