@@ -16,8 +16,8 @@ from the requests of that run.
 """
 from __future__ import annotations
 
-import sys
 import copy
+import sys
 from collections import defaultdict
 
 from nanospec.cli import Progress, log, log_loading, set_threads
@@ -35,8 +35,8 @@ KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suff
 
 def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     """'ngram,suffix:8,hybrid:dynamic,...' -> [(name, K)], K None unless given: the LLM's default (4;
-    suffix and the hybrid 16, their ceiling; plain 0); "dynamic": dynamic K up to that default, its
-    quick profile measured at start-up."""
+    suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a quick profile
+    measured at start-up; the hybrid prices its own plans instead)."""
     rows = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         name, _, k = item.partition(":")

@@ -10,12 +10,12 @@ The threshold is not set by hand; both sides of the comparison are measured on t
 A request takes the suffix draft where its worth is at least the model's at its K (ties: suffix,
 which costs no device work). The threshold in force, the lowest score that wins, is `threshold(k)`.
 
-Priced (under dynamic K, `priced=True`), a step also weighs the round's cost: a suffix draft is
-made on the host for free, a model draft costs its share of a round of K model steps. Each step
-chooses between the plan above and the suffix drafts alone, no round, by goodput: tokens expected
-(each row's 1 + its drafts' worth) per second of a step, those seconds measured on the run per batch
-size with a round and without (StepPlans). Every PROBE_EVERY-th step at a batch size runs the plan
-not chosen, so both times stay measured. Static K does not price: it drafts as the acceptance says.
+Priced (under dynamic K, `priced=True`), a step also weighs what its drafts cost: a suffix draft
+is made on the host for free and costs only its verification, a model draft costs its share of a
+round of K model steps too. Each step runs one of three plans (StepPlans): "mixed", the choice
+above with its round; "suffix", every request's suffix draft and no round; "plain", no drafts. It
+takes the plan of most tokens expected (each row's 1 + its drafts' worth) per second of a step,
+those seconds fitted on the run. Static K does not price: it drafts as the acceptance says.
 
 A step runs the model's round only for the requests that take its drafts (none: no round); the
 others' drafts ride in the step's one copy as n-gram's do (cuda_graph.StepGraphs masks the round's
@@ -45,9 +45,9 @@ class StepPlans:
     over the seconds its steps take. Each plan's seconds are fitted on its own steps, per batch size
     as a line in the drafts a request verifies (estimators.StepTimes, fed the seconds over the first
     step's: a profile of one step that takes the first step's time), so that a short suffix draft
-    is priced as one. A plan no step has run yet
-    runs first (the acceptance's plan before the others); every PROBE_EVERY-th step at a batch size
-    runs one of the plans not chosen, in turn, so all of their times stay measured."""
+    is priced as one. A plan no step has run yet runs first (the acceptance's plan before the
+    others); every PROBE_EVERY-th step at a batch size runs one of the plans not chosen, in turn, so
+    all of their times stay measured."""
 
     def __init__(self):
         self.seconds = {plan: StepTimes() for plan in PLANS}

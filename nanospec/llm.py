@@ -249,8 +249,8 @@ class LLM:
                 model_drafter = EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size,
                                               self.device)
             if suffix:
-                return HybridProposer(SuffixProposer(self.device), model_drafter, priced=priced) if model_drafter else \
-                    SuffixProposer(self.device)
+                return HybridProposer(SuffixProposer(self.device), model_drafter, priced=priced) \
+                    if model_drafter else SuffixProposer(self.device)
             return model_drafter
 
         graphs = self.device.type == "cuda" and not enforce_eager
