@@ -421,7 +421,7 @@ class StepGraphs:
             logits = pick(logits)
             row_max = logits.amax(-1)
             q = self.draft_probs[:bucket, :k] if probs else None
-            if probs and getattr(proposer, "host_and_model", False):   # a hybrid's suffix drafts: one-hot
+            if probs and proposer.host_and_model:   # a hybrid's suffix drafts: one-hot
                 one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
                 q = torch.where((fields[9] == 0)[:, None, None], one_hot, q)   # first_position 0: not in the round
             tokens, num_accepted = self.sampler.rejection_sample(

@@ -514,7 +514,7 @@ class Engine:
         else:
             num_draft = [min(k, self.proposer.max_drafts(r)) for r, k in zip(reqs, ks)] if max(ks) else [0] * len(reqs)
             model_ks = num_draft
-            if max(num_draft) and getattr(self.proposer, "host_and_model", False):   # hybrid: suffix drafts first
+            if max(num_draft) and self.proposer.host_and_model:   # hybrid: suffix drafts first
                 host_drafts, model_ks = self.proposer.choose(reqs, num_draft)
                 num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
             plan = self.proposer.prepare(reqs, model_ks) if max(model_ks) else None

@@ -156,10 +156,10 @@ class HybridProposer:
         self.plan = "mixed" if any(model_ks) else "suffix" if any(drafts) else "plain"
         return drafts, model_ks
 
-    def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float | None = None) -> None:
+    def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
         """The last step's outcome, row by row as choose() made it, and its time: the measurements above."""
         # (asked for drafts, a step may find none and not ask choose(): a plain step, no row counts)
-        if self.plans and seconds is not None:
+        if self.plans:
             plan = self.plan if any(num_draft) else "plain"
             self.plans.observe(len(num_draft), plan, sum(num_draft) / len(num_draft), seconds)
         for chosen, d, a in zip(self.chosen, num_draft, num_accepted):

@@ -51,6 +51,7 @@ class Proposer:
     needs_features = False
     drafts_on_host = False                  # propose returns host_drafts, before the step's upload
     acceptance_in_spans = False             # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
+    host_and_model = False                  # choose() splits a step's drafts between the host and a round (the hybrid)
 
     def max_drafts(self, request) -> int:
         return request.max_len

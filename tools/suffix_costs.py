@@ -23,9 +23,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanospec.cli import set_threads
-from nanospec.engine import SamplingParams
 from nanospec.llm import LLM
-from nanospec.measure import device_name, timed
+from nanospec.measure import decoding, device_name, timed
 from nanospec.prompts import shipped_prompts
 from nanospec.suffix import GlobalIndex, SuffixProposer
 
@@ -72,11 +71,7 @@ def draft_time(index: GlobalIndex, corpus, batch: int, rng, vocab: int, repeats:
 def step_time(llm: LLM, batch: int, repeats: int = 3) -> float:
     """Median seconds of a plain decode step of `batch` requests (32-token prompts)."""
     engine = llm.engine.twin(max_num_seqs=batch)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    prompt = llm.encode_prompt("Write a long story about the sea.", chat=True)[:32]
-    engine.add_requests([engine.new_request(i, "", prompt, params) for i in range(batch)])
-    while any(r.in_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    decoding(engine, [llm.encode_prompt("Write a long story about the sea.", chat=True)[:32]] * batch, 64)
     return statistics.median(timed(llm.device, engine.step)[1] for _ in range(repeats))
 
 
