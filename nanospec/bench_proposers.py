@@ -28,9 +28,10 @@ from nanospec.measure import timed
 from nanospec.prompts import by_category_in_turn, shipped_prompts
 from nanospec.workload import multiturn_sessions
 
-KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suffix": lambda args: dict(suffix=True),
+SUFFIX = lambda args: dict(suffix=True, suffix_max_spec_offset=args.suffix_max_spec_offset)   # its rows' settings
+KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suffix": SUFFIX,
          "eagle": lambda args: dict(eagle=args.eagle), "draft": lambda args: dict(draft=args.draft),
-         "hybrid": lambda args: dict(suffix=True, **(dict(eagle=args.eagle) if args.eagle else dict(draft=args.draft)))}
+         "hybrid": lambda args: dict(**SUFFIX(args), **(dict(eagle=args.eagle) if args.eagle else dict(draft=args.draft)))}
 
 
 def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
@@ -56,6 +57,8 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
         rows.append((item, k))
     if not rows:
         raise NanospecError("--proposers names no row; e.g. --proposers ngram,suffix")
+    if args.suffix_max_spec_offset and not any(name.partition(":")[0] in ("suffix", "hybrid") for name, _ in rows):
+        raise NanospecError("--suffix-max-spec-offset is for suffix and hybrid rows: add one to --proposers")
     return rows
 
 
@@ -172,6 +175,7 @@ def run(args) -> dict:
             "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]), "target": first.target_name,
             "workload": args.workload, "sessions": len(prompt_rows), "turns": turns,
             "max_new_tokens": args.max_new_tokens, "eagle": args.eagle, "draft": args.draft,
+            "suffix_max_spec_offset": args.suffix_max_spec_offset,
             "requests": len(prompt_rows) * turns, "outputs_identical_across_rows": True, "results": results}
 
 

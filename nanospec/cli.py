@@ -133,7 +133,8 @@ def load_llm(args, **sizes):
     sizes (max_num_seqs, ...). Logs the loading on stderr."""
     from nanospec.llm import LLM, EngineSizes, SpeculativeConfig   # the one command-line piece that loads a model
     SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
-                      args.per_request_k, args.speculative_disable_queue_size, suffix=args.suffix).validate()
+                      args.per_request_k, args.speculative_disable_queue_size, suffix=args.suffix,
+                      suffix_max_spec_offset=args.suffix_max_spec_offset).validate()
     EngineSizes(max_model_len=args.max_model_len, **sizes).validate()
     set_threads(args.threads)
     start = time.perf_counter()
@@ -141,7 +142,8 @@ def load_llm(args, **sizes):
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, num_speculative_tokens=args.num_speculative_tokens,
               dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
-              speculative_disable_queue_size=args.speculative_disable_queue_size, log=log,
+              speculative_disable_queue_size=args.speculative_disable_queue_size,
+              suffix_max_spec_offset=args.suffix_max_spec_offset, log=log,
               enforce_eager=args.enforce_eager, **sizes)
     log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} CPU threads)")
@@ -159,4 +161,7 @@ def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="suffix decoding: the most frequent continuation of the longest match in the request and "
                             "in recent requests; with --eagle or --draft, per request and step the suffix draft or "
                             "the model's, whichever is expected to be accepted more (the hybrid)")
+    group.add_argument("--suffix-max-spec-offset", type=int, default=0, metavar="N",
+                       help="with --suffix, a match of L tokens drafts at most L + N (default: 0, as vLLM; 3 drafts "
+                            "as far as prompt lookup after a short match: more accepted a step, more verified in vain)")
     return group

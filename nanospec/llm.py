@@ -86,6 +86,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     suffix: bool = False                    # suffix decoding; with draft or eagle, the hybrid of both
+    suffix_max_spec_offset: int = 0         # suffix drafts: at most L * 1 + this many tokens after a match of L
 
     @property
     def hybrid(self) -> bool:
@@ -109,6 +110,10 @@ class SpeculativeConfig:
                 raise NanospecError(f"{param(name)} must be True or False, got {getattr(self, name)!r}")
         check_int(self.ngram_min, param("ngram_min"), low=1)
         check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min, fix=f"it is at least {param('ngram_min')}")
+        offset = param("suffix_max_spec_offset")
+        check_int(self.suffix_max_spec_offset, offset, low=0, high=MAX_SPECULATIVE_TOKENS)
+        if self.suffix_max_spec_offset and not self.suffix:
+            raise NanospecError(f"{offset} is a setting of suffix decoding: add {param('suffix')}")
         chosen = [name for name in ("draft", "eagle", "ngram") if getattr(self, name)]
         if len(chosen) > 1 or (self.suffix and self.ngram):
             both = chosen + ["suffix"] * self.suffix
@@ -200,7 +205,7 @@ class LLM:
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
-                 enforce_eager: bool = False, log=None):
+                 suffix_max_spec_offset: int = 0, enforce_eager: bool = False, log=None):
         """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
         same step, on the same buffers). log: a callable given a line about long work (the quick
         dynamic-K profile), or None."""
@@ -214,7 +219,7 @@ class LLM:
         sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
         sizes.validate()
         spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,
-                                 speculative_disable_queue_size, ngram_min, ngram_max, suffix)
+                                 speculative_disable_queue_size, ngram_min, ngram_max, suffix, suffix_max_spec_offset)
         k = spec.validate()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -249,8 +254,8 @@ class LLM:
                 model_drafter = EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size,
                                               self.device)
             if suffix:
-                return HybridProposer(SuffixProposer(self.device), model_drafter, priced=priced) \
-                    if model_drafter else SuffixProposer(self.device)
+                suffix_proposer = SuffixProposer(self.device, max_spec_offset=suffix_max_spec_offset)
+                return HybridProposer(suffix_proposer, model_drafter, priced=priced) if model_drafter else suffix_proposer
             return model_drafter
 
         graphs = self.device.type == "cuda" and not enforce_eager

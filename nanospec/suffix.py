@@ -8,9 +8,13 @@ occurrences pass through it), without building one: a node is the set of positio
 stream where the L tokens before match the context's last L. A draft walks down from the node
 greedily, each next token the one that most often followed (its probability: its count over its
 parent's), stopping when the path's probability falls below MIN_TOKEN_PROB or at the length the
-match earns, MAX_SPEC_FACTOR * L tokens (and the policy's K). Its score, the sum of the path's
-probabilities, is the draft's expected number of accepted tokens if the past predicts the future:
-every match length is tried and the best score wins (vLLM's defaults: depth 24, factor 1, 0.1).
+match earns, MAX_SPEC_FACTOR * L + MAX_SPEC_OFFSET tokens (and the policy's K). Its score, the sum
+of the path's probabilities, is the draft's expected number of accepted tokens if the past predicts
+the future: every match length is tried and the best score wins. The defaults are vLLM's: depth 24,
+factor 1, probability 0.1 and offset 0 (ArcticInference's max_spec_offset, which vLLM does not
+expose). An offset of 3 (`--suffix-max-spec-offset 3`) lets a short match draft as far as prompt
+lookup does after one matching token: more tokens accepted a step, at the price of verifying more
+that are not (docs/suffix_decoding.md: worth it where verifying is cheap, not at batch 8 on a CPU).
 
 Two kinds of stream, one walk:
   RequestStream  a request's own tokens; its candidates are the positions after the most recent
@@ -38,7 +42,7 @@ from nanospec.proposer import Proposal, Proposer
 
 MAX_DEPTH = 24            # the longest suffix of the context matched
 MIN_TOKEN_PROB = 0.1      # a draft stops where its path's probability falls below this
-MAX_SPEC_FACTOR = 1.0     # a match of L tokens drafts at most L * factor (+ offset) tokens
+MAX_SPEC_FACTOR = 1.0     # a match of L tokens drafts at most L * factor + offset tokens
 MAX_SPEC_OFFSET = 0.0
 MAX_CANDIDATES = 256      # the most recent occurrences of a key a draft reads (bounds its host time)
 SEPARATOR = -1            # between requests in the global stream: no match or draft crosses it
@@ -231,11 +235,12 @@ class SuffixProposer(Proposer):
     drafts_on_host = True
 
     def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
-                 min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR):
+                 min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR,
+                 max_spec_offset: float = MAX_SPEC_OFFSET):
         self.device = device
         self.settings = dict(max_requests=max_requests, max_tokens=max_tokens, min_token_prob=min_token_prob,
-                             max_spec_factor=max_spec_factor)
-        self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor)
+                             max_spec_factor=max_spec_factor, max_spec_offset=max_spec_offset)
+        self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor, offset=max_spec_offset)
         self.global_index = GlobalIndex(max_requests, max_tokens)
 
     def draft(self, request, k: int) -> Draft:

@@ -95,6 +95,7 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
     (["--ngram", "--draft", "x"], "choose one proposer"),
     (["--ngram", "--per-request-k"], "--per-request-k is a setting of dynamic K: add --dynamic-k"),
     (["--suffix", "--draft", "x", "--dynamic-k", "--profile", "p.json"], "--profile is not for the hybrid"),
+    (["--ngram", "--suffix-max-spec-offset", "3"], "--suffix-max-spec-offset is a setting of suffix decoding: add --suffix"),
     (["--eagle", "/no/such/head"], "EAGLE head '/no/such/head' not found"),
     (["--max-model-len", "0"], "--max-model-len must be an integer >= 2"),
     (["--stop", ""], "--stop holds an empty string"),

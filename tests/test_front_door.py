@@ -303,6 +303,8 @@ LLM_PARAM_CASES = [
     (dict(max_model_len=400, num_kv_blocks=4, block_size=16), "does not fit in the KV cache, which holds 64"),
     (dict(ngram=True, ngram_min=0), "ngram_min must be an integer >= 1"),
     (dict(ngram=True, ngram_min=3, ngram_max=2), "ngram_max must be an integer >= 3"),
+    (dict(suffix=True, suffix_max_spec_offset=-1), "suffix_max_spec_offset must be an integer in 0..16"),
+    (dict(ngram=True, suffix_max_spec_offset=3), "suffix_max_spec_offset is a setting of suffix decoding: add suffix"),
     (dict(compile_sampler="yes"), "compile_sampler must be True or False"),
     (dict(ngram="yes"), "ngram must be True or False"),
     (dict(device="tpu"), "unknown device 'tpu'"),

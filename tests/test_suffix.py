@@ -1,7 +1,7 @@
 """Suffix decoding's index against the structure it stands for: a suffix tree of the token streams
 with a count per node, built here the plain way (a dict per node), and walked by the rule the
 proposer states (the most frequent child, the path's probability at least MIN_TOKEN_PROB, at most
-L * MAX_SPEC_FACTOR tokens after a match of L, the best score over every L). Then the global
+L * MAX_SPEC_FACTOR + MAX_SPEC_OFFSET tokens after a match of L, the best score over every L). Then the global
 index's bound (oldest dropped first) and the hybrid's measured threshold. Losslessness over both
 proposers is in test_speculative and test_exact_sampling_end_to_end (PROPOSERS)."""
 import functools
@@ -13,7 +13,7 @@ import pytest
 
 from nanospec import LLM, SamplingParams
 from nanospec.hybrid import PROBE_EVERY, StepPlans
-from nanospec.suffix import MAX_DEPTH, MIN_TOKEN_PROB, GlobalIndex, RequestStream
+from nanospec.suffix import MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, GlobalIndex, RequestStream
 
 from conftest import PROMPTS, greedy, proposer_args
 
@@ -31,7 +31,7 @@ def trie(streams: list[list[int]], depth: int) -> dict:
     return root
 
 
-def oracle_draft(streams, context, k, min_match, context_in_streams=False):
+def oracle_draft(streams, context, k, min_match, context_in_streams=False, offset=0):
     """The best (score, tokens) over match lengths L >= min_match, by the stated rule, on a trie.
     context_in_streams: the context is the end of streams[0] (a request's own stream), and its own
     occurrence, which ends at the matched node, is no earlier occurrence: it leaves the count."""
@@ -45,7 +45,7 @@ def oracle_draft(streams, context, k, min_match, context_in_streams=False):
                 return best
         tokens, score, prob = [], 0.0, 1.0
         count = node["n"] - context_in_streams
-        for _ in range(min(k, length)):
+        for _ in range(min(k, int(length * MAX_SPEC_FACTOR + offset))):
             children = {t: c["n"] for t, c in node.items() if t != "n"}
             if not children:
                 break
@@ -74,20 +74,22 @@ def random_stream(rng, n, vocab):
     return out[:n]
 
 
+@pytest.mark.parametrize("offset", [0, 3])   # vLLM's default; prompt lookup's reach after a short match
 @pytest.mark.parametrize("seed", range(40))
-def test_a_requests_draft_is_its_suffix_trees_best_path(seed):
+def test_a_requests_draft_is_its_suffix_trees_best_path(seed, offset):
     rng = random.Random(seed)
     tokens = random_stream(rng, rng.randrange(2, 300), rng.choice([3, 8, 50]))
     k = rng.randrange(1, 9)
     stream = RequestStream()
     stream.sync(tokens)
-    draft = stream.draft(k)
-    score, expected = oracle_draft([tokens], tokens, k, 1, context_in_streams=True)
+    draft = stream.draft(k, offset=offset)
+    score, expected = oracle_draft([tokens], tokens, k, 1, context_in_streams=True, offset=offset)
     assert draft.tokens == expected and draft.score == pytest.approx(score)
 
 
+@pytest.mark.parametrize("offset", [0, 3])
 @pytest.mark.parametrize("seed", range(40))
-def test_the_global_draft_is_the_best_path_over_every_earlier_request(seed):
+def test_the_global_draft_is_the_best_path_over_every_earlier_request(seed, offset):
     rng = random.Random(seed)
     vocab = rng.choice([4, 20, 100])
     requests = [random_stream(rng, rng.randrange(1, 60), vocab) for _ in range(rng.randrange(1, 40))]
@@ -96,8 +98,8 @@ def test_the_global_draft_is_the_best_path_over_every_earlier_request(seed):
         index.add(r)
     kept = requests[-index.num_requests:]
     context, k = random_stream(rng, rng.randrange(2, 30), vocab), rng.randrange(1, 9)
-    draft = index.draft(context, k)
-    score, expected = oracle_draft(kept, context, k, 2)
+    draft = index.draft(context, k, offset=offset)
+    score, expected = oracle_draft(kept, context, k, 2, offset=offset)
     assert draft.tokens == expected and draft.score == pytest.approx(score)
 
 
@@ -114,12 +116,15 @@ def test_the_global_index_drops_the_oldest_requests_first():
     assert index.nbytes < 64 * 16 * 7 + 50_000   # 16 bytes a token sealed, the open segment's dict
 
 
-def test_suffix_sampled_output_is_plain_sampling_output_whatever_the_index_holds(spec_models):
+@pytest.mark.parametrize("offset", [0, 3])
+def test_suffix_sampled_output_is_plain_sampling_output_whatever_the_index_holds(spec_models, offset):
     """Other requests fill the global index first (the same prompts: long drafts); seeded sampled
-    output is still plain sampling's token for token, and greedy output plain greedy's."""
+    output is still plain sampling's token for token, and greedy output plain greedy's, whatever
+    the drafts' length rule (the offset: more drafts after a short match)."""
     plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=6,
-              suffix=True)
+              suffix=True, suffix_max_spec_offset=offset)
+    assert llm.engine.proposer.walk_args["offset"] == offset
     llm.generate(PROMPTS, greedy(30))
     assert llm.engine.proposer.global_index.num_requests == len(PROMPTS)
     params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=30, ignore_eos=True)
