@@ -26,6 +26,7 @@ from nanospec.errors import NanospecError, check_int
 from nanospec.llm import LLM
 from nanospec.measure import timed
 from nanospec.prompts import by_category_in_turn, shipped_prompts
+from nanospec.suffix import EXTRA_TOKENS
 from nanospec.workload import multiturn_sessions
 
 SUFFIX = lambda args: dict(suffix=True, suffix_max_spec_offset=args.suffix_max_spec_offset)   # its rows' settings
@@ -57,7 +58,8 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
         rows.append((item, k))
     if not rows:
         raise NanospecError("--proposers names no row; e.g. --proposers ngram,suffix")
-    if args.suffix_max_spec_offset and not any(name.partition(":")[0] in ("suffix", "hybrid") for name, _ in rows):
+    suffix_rows = [name for name, _ in rows if name.partition(":")[0] in ("suffix", "hybrid")]
+    if args.suffix_max_spec_offset is not None and not suffix_rows:
         raise NanospecError("--suffix-max-spec-offset is for suffix and hybrid rows: add one to --proposers")
     return rows
 
@@ -175,7 +177,7 @@ def run(args) -> dict:
             "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]), "target": first.target_name,
             "workload": args.workload, "sessions": len(prompt_rows), "turns": turns,
             "max_new_tokens": args.max_new_tokens, "eagle": args.eagle, "draft": args.draft,
-            "suffix_max_spec_offset": args.suffix_max_spec_offset,
+            "suffix_max_spec_offset": EXTRA_TOKENS if args.suffix_max_spec_offset is None else args.suffix_max_spec_offset,
             "requests": len(prompt_rows) * turns, "outputs_identical_across_rows": True, "results": results}
 
 

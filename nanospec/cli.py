@@ -161,7 +161,7 @@ def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="suffix decoding: the most frequent continuation of the longest match in the request and "
                             "in recent requests; with --eagle or --draft, per request and step the suffix draft or "
                             "the model's, whichever is expected to be accepted more (the hybrid)")
-    group.add_argument("--suffix-max-spec-offset", type=int, default=0, metavar="N",
-                       help="with --suffix, a match of L tokens drafts at most L + N (default: 0, as vLLM; 3 drafts "
-                            "as far as prompt lookup after a short match: more accepted a step, more verified in vain)")
+    group.add_argument("--suffix-max-spec-offset", type=int, default=None, metavar="N",
+                       help="with --suffix, a match of L tokens drafts at most L + N, each of the N drafted where "
+                            "its measured acceptance pays for verifying it (default: 3; 0 is vLLM's rule)")
     return group

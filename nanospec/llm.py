@@ -25,7 +25,7 @@ from nanospec.measure import device_name, quick_profile, step_memory
 from nanospec.prompts import shipped_prompts
 from nanospec.hybrid import HybridProposer
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer
-from nanospec.suffix import SuffixProposer
+from nanospec.suffix import EXTRA_TOKENS, SuffixProposer
 from nanospec.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,7 +86,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     suffix: bool = False                    # suffix decoding; with draft or eagle, the hybrid of both
-    suffix_max_spec_offset: int = 0         # suffix drafts: at most L * 1 + this many tokens after a match of L
+    suffix_max_spec_offset: int | None = None   # suffix drafts: at most L + this many after a match of L (default 3)
 
     @property
     def hybrid(self) -> bool:
@@ -110,10 +110,11 @@ class SpeculativeConfig:
                 raise NanospecError(f"{param(name)} must be True or False, got {getattr(self, name)!r}")
         check_int(self.ngram_min, param("ngram_min"), low=1)
         check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min, fix=f"it is at least {param('ngram_min')}")
-        offset = param("suffix_max_spec_offset")
-        check_int(self.suffix_max_spec_offset, offset, low=0, high=MAX_SPECULATIVE_TOKENS)
-        if self.suffix_max_spec_offset and not self.suffix:
-            raise NanospecError(f"{offset} is a setting of suffix decoding: add {param('suffix')}")
+        if self.suffix_max_spec_offset is not None:
+            offset = param("suffix_max_spec_offset")
+            check_int(self.suffix_max_spec_offset, offset, low=0, high=MAX_SPECULATIVE_TOKENS)
+            if not self.suffix:
+                raise NanospecError(f"{offset} is a setting of suffix decoding: add {param('suffix')}")
         chosen = [name for name in ("draft", "eagle", "ngram") if getattr(self, name)]
         if len(chosen) > 1 or (self.suffix and self.ngram):
             both = chosen + ["suffix"] * self.suffix
@@ -205,7 +206,7 @@ class LLM:
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
-                 suffix_max_spec_offset: int = 0, enforce_eager: bool = False, log=None):
+                 suffix_max_spec_offset: int | None = None, enforce_eager: bool = False, log=None):
         """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
         same step, on the same buffers). log: a callable given a line about long work (the quick
         dynamic-K profile), or None."""
@@ -254,7 +255,8 @@ class LLM:
                 model_drafter = EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size,
                                               self.device)
             if suffix:
-                suffix_proposer = SuffixProposer(self.device, max_spec_offset=suffix_max_spec_offset)
+                offset = EXTRA_TOKENS if suffix_max_spec_offset is None else suffix_max_spec_offset
+                suffix_proposer = SuffixProposer(self.device, max_spec_offset=offset)
                 return HybridProposer(suffix_proposer, model_drafter, priced=priced) if model_drafter else suffix_proposer
             return model_drafter
 

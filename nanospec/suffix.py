@@ -10,11 +10,13 @@ greedily, each next token the one that most often followed (its probability: its
 parent's), stopping when the path's probability falls below MIN_TOKEN_PROB or at the length the
 match earns, MAX_SPEC_FACTOR * L + MAX_SPEC_OFFSET tokens (and the policy's K). Its score, the sum
 of the path's probabilities, is the draft's expected number of accepted tokens if the past predicts
-the future: every match length is tried and the best score wins. The defaults are vLLM's: depth 24,
-factor 1, probability 0.1 and offset 0 (ArcticInference's max_spec_offset, which vLLM does not
-expose). An offset of 3 (`--suffix-max-spec-offset 3`) lets a short match draft as far as prompt
-lookup does after one matching token: more tokens accepted a step, at the price of verifying more
-that are not (docs/suffix_decoding.md: worth it where verifying is cheap, not at batch 8 on a CPU).
+the future: every match length is tried and the best score wins. The walk's defaults are vLLM's:
+depth 24, factor 1, probability 0.1 and offset 0 (ArcticInference's max_spec_offset, which vLLM
+does not expose). The proposer's offset is EXTRA_TOKENS, 3: a short match may draft as far as prompt
+lookup does after one matching token, and these extra tokens are priced step by step (ExtraTokens):
+drafted where their measured acceptance pays for their verification (a CPU at batch 1, a GPU below
+its compute bound), not where it does not (a CPU at batch 8). `--suffix-max-spec-offset 0` is vLLM's
+rule exactly.
 
 Two kinds of stream, one walk:
   RequestStream  a request's own tokens; its candidates are the positions after the most recent
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanospec.estimators import StepTimes
 from nanospec.proposer import Proposal, Proposer
 
 MAX_DEPTH = 24            # the longest suffix of the context matched
@@ -46,12 +49,18 @@ MAX_SPEC_FACTOR = 1.0     # a match of L tokens drafts at most L * factor + offs
 MAX_SPEC_OFFSET = 0.0
 MAX_CANDIDATES = 256      # the most recent occurrences of a key a draft reads (bounds its host time)
 SEPARATOR = -1            # between requests in the global stream: no match or draft crosses it
+EXTRA_TOKENS = 3          # the proposer's max_spec_offset: at most this many extra tokens, each priced (ExtraTokens)
+EXTRA_PRIOR = 0.5         # an extra token's chance to be accepted before any has been verified
+EXTRA_PRIOR_WEIGHT = 8.0  # the drafts its measurement must see to outweigh the prior
+EXTRA_PROBE_EVERY = 64    # every this many steps the extra tokens are drafted whatever their price (kept measured)
+DECAY = 0.97              # per step, of the tokens a request gains a step (AL) and its drafts
 
 
 @dataclass
 class Draft:
     tokens: list[int]
     score: float = 0.0       # expected accepted tokens: the sum of the path's probabilities
+    extra: int = 0           # its last tokens that are past the length its match earns (L * factor): the offset's
 
 
 NO_DRAFT = Draft([])
@@ -107,6 +116,7 @@ def best_draft(before: np.ndarray, after: np.ndarray, context: list[int], k: int
         draft = walk(after[node], min(k, int(length * factor + offset)), min_prob)
         if draft.score > best.score:
             best = draft
+            best.extra = max(0, len(draft.tokens) - int(length * factor))
     return best
 
 
@@ -227,35 +237,95 @@ class GlobalIndex:
         return sum(s.nbytes for s in self.sealed) + self.open_tokens.nbytes + sys.getsizeof(self.open_follows) + lists
 
 
+class ExtraTokens:
+    """Prices the offset: a draft's tokens past the length its match earns (L * factor). Behind a
+    short match they are accepted less often than the tokens before them, and verifying a token that
+    is rejected costs a step time, so each is drafted only where it pays. The i-th extra token's worth
+    w_i is the measured chance that it is accepted (it and every token before it); verifying one more
+    token costs s * AL / r tokens: s the step's seconds per draft per request and r its seconds (a
+    line per batch size in the drafts a request verifies, fitted on the run's own steps: StepTimes,
+    whose slope the drafts' natural spread of lengths measures), AL the tokens a request gains a step
+    (adding w tokens at that cost pays iff the tokens per second grow). Where verifying is nearly free
+    (a GPU below its compute bound, a CPU at batch 1) the extra tokens are drafted; on a CPU at batch
+    8, where a verified token costs a tenth of a step, they are not (docs/suffix_decoding.md)."""
+
+    def __init__(self, most: int):
+        self.most = most
+        self.drafted = [0] * most      # per extra position i: steps whose draft had an i-th extra token
+        self.accepted = [0] * most     # ... and how many had it accepted
+        self.times = StepTimes()
+        self.unit = None               # the first step's seconds (StepTimes keeps ratios to it)
+        self.gained = self.rows = self.drafts = 0.0   # decayed: tokens gained, request-steps, drafts
+        self.steps = 0
+
+    def worth(self, i: int) -> float:
+        return (self.accepted[i] + EXTRA_PRIOR * EXTRA_PRIOR_WEIGHT) / (self.drafted[i] + EXTRA_PRIOR_WEIGHT)
+
+    def allowed(self, batch: int) -> int:
+        """How many extra tokens a draft may have in this step of `batch` requests."""
+        self.steps += 1
+        if not self.times.now or self.steps % EXTRA_PROBE_EVERY == 0:
+            return self.most
+        x = self.drafts / self.rows   # drafts a request verifies, lately
+        cost = (self.times.ratio(batch, x + 1) - self.times.ratio(batch, x)) * (self.gained / self.rows) \
+            / self.times.ratio(batch, x)
+        n = 0
+        while n < self.most and self.worth(n) >= cost:
+            n += 1
+        return n
+
+    def observe(self, drafts: list[Draft], num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
+        """The step the drafts were made for: what was accepted, and its seconds."""
+        self.unit = self.unit or seconds
+        self.times.observe(len(num_draft), sum(num_draft) / len(num_draft), seconds / self.unit)
+        self.gained = DECAY * self.gained + sum(num_accepted) + len(num_accepted)
+        self.rows = DECAY * self.rows + len(num_accepted)
+        self.drafts = DECAY * self.drafts + sum(num_draft)
+        for draft, d, a in zip(drafts, num_draft, num_accepted):
+            base = d - draft.extra   # the extra tokens are the draft's last
+            for i in range(draft.extra):
+                self.drafted[i] += 1
+                self.accepted[i] += a > base + i
+
+
 class SuffixProposer(Proposer):
     """Drafts the better of the request's own suffix match and the global index's; on the host like
-    n-gram, its drafts riding in the step's one copy."""
+    n-gram, its drafts riding in the step's one copy. Its extra tokens (max_spec_offset) are priced
+    step by step (ExtraTokens); a hybrid that drafts with it (draft(), not propose()) takes them all."""
 
     acceptance_in_spans = True   # its drafts are the text after a match, as n-gram's
     drafts_on_host = True
 
     def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
                  min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR,
-                 max_spec_offset: float = MAX_SPEC_OFFSET):
+                 max_spec_offset: int = EXTRA_TOKENS):
         self.device = device
         self.settings = dict(max_requests=max_requests, max_tokens=max_tokens, min_token_prob=min_token_prob,
                              max_spec_factor=max_spec_factor, max_spec_offset=max_spec_offset)
         self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor, offset=max_spec_offset)
         self.global_index = GlobalIndex(max_requests, max_tokens)
+        self.extras = ExtraTokens(int(max_spec_offset)) if max_spec_offset else None
+        self.drafts: list[Draft] = []   # the last step's, row by row (propose)
 
-    def draft(self, request, k: int) -> Draft:
+    def draft(self, request, k: int, offset: float | None = None) -> Draft:
+        """The request's draft, with at most `offset` extra tokens (default: max_spec_offset)."""
         if request.suffix_stream is None:
             request.suffix_stream = RequestStream()
         own = request.suffix_stream
         own.sync(request.tokens)
-        mine = own.draft(k, **self.walk_args)
-        theirs = self.global_index.draft(own.tokens[max(0, own.size - MAX_DEPTH):own.size].tolist(), k,
-                                         **self.walk_args)
+        walk_args = self.walk_args if offset is None else {**self.walk_args, "offset": offset}
+        mine = own.draft(k, **walk_args)
+        theirs = self.global_index.draft(own.tokens[max(0, own.size - MAX_DEPTH):own.size].tolist(), k, **walk_args)
         return theirs if theirs.score > mine.score else mine
 
     def propose(self, requests, ks) -> Proposal:
-        drafts = [self.draft(r, k).tokens if k else [] for r, k in zip(requests, ks)]
-        return Proposal([len(d) for d in drafts], drafts)
+        offset = self.extras.allowed(len(requests)) if self.extras else None
+        self.drafts = [self.draft(r, k, offset) if k else NO_DRAFT for r, k in zip(requests, ks)]
+        return Proposal([len(d.tokens) for d in self.drafts], [d.tokens for d in self.drafts])
+
+    def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
+        if self.extras:
+            self.extras.observe(self.drafts, num_draft, num_accepted, seconds)
 
     def finished(self, request) -> None:
         self.global_index.add(request.tokens)

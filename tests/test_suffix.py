@@ -13,7 +13,8 @@ import pytest
 
 from nanospec import LLM, SamplingParams
 from nanospec.hybrid import PROBE_EVERY, StepPlans
-from nanospec.suffix import MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, GlobalIndex, RequestStream
+from nanospec.suffix import (EXTRA_PROBE_EVERY, MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, Draft, ExtraTokens,
+                             GlobalIndex, RequestStream)
 
 from conftest import PROMPTS, greedy, proposer_args
 
@@ -183,3 +184,28 @@ def test_k_under_dynamic_k_is_the_hybrids_ceiling_and_suffix_alones_largest_choi
     from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, MAX_SPECULATIVE_TOKENS, SpeculativeConfig
     assert SpeculativeConfig(suffix=True, draft="d", dynamic_k=True).validate() == MAX_SPECULATIVE_TOKENS
     assert SpeculativeConfig(suffix=True, dynamic_k=True).validate() == DEFAULT_DYNAMIC_MAX_K
+
+
+def priced_extra_tokens(step_cost: float, accept: float, steps: int = 400) -> list[int]:
+    """ExtraTokens(3) over synthetic steps of one request: a draft of 0-3 tokens its match earns (all
+    accepted), then the extra tokens allowed, each accepted with probability `accept` if the ones before
+    were; the step takes 1 + step_cost * drafts. Returns how many extras each step allowed."""
+    extras, rng, allowed = ExtraTokens(3), random.Random(0), []
+    for _ in range(steps):
+        n = extras.allowed(1)
+        allowed.append(n)
+        base = rng.randrange(4)
+        accepted = base + next((i for i in range(n) if rng.random() >= accept), n)
+        extras.observe([Draft([0] * (base + n), extra=n)], [base + n], [accepted], 1 + step_cost * (base + n))
+    return allowed
+
+
+def test_extra_tokens_are_drafted_where_their_acceptance_pays_for_their_verification():
+    """Verifying a token at 1% of a step, extras accepted half the time: all 3 are drafted. At 30% of
+    a step, accepted 30% of the time (a token worth 0.3 against ~0.45 tokens of step time): none,
+    but on the probe steps that keep them measured. Never accepted, at 5% of a step: none."""
+    probe = lambda i: (i + 1) % EXTRA_PROBE_EVERY == 0
+    cheap, costly, useless = (priced_extra_tokens(*args) for args in ((0.01, 0.5), (0.3, 0.3), (0.05, 0.0)))
+    assert all(n == 3 for n in cheap[50:])
+    assert all(n == (3 if probe(i) else 0) for i, n in enumerate(costly) if i >= 50)
+    assert all(n == (3 if probe(i) else 0) for i, n in enumerate(useless) if i >= 100)
