@@ -1,0 +1,27 @@
+"""The suffix replay (tools/suffix_replay.py): faithful to the engine, so that the draft-length
+rules it compares are judged on what the engine would do."""
+import pytest
+
+from nanospec import LLM, SamplingParams
+from tools.suffix_replay import replay
+from conftest import PROMPTS
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_the_replay_steps_the_workload_as_the_engine_does(spec_models, offset):
+    """Requests one at a time through the engine (suffix decoding, its extra tokens always drafted
+    where the replay does not price them: K = 16 at most L + offset) and the replay of their greedy
+    outputs take the same decode steps, so give the same acceptance length."""
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
+              suffix_max_spec_offset=offset, num_speculative_tokens=16, max_num_seqs=1)
+    llm.engine.proposer.extras = None   # every extra token drafted, as the replay's unpriced row
+    params = SamplingParams(temperature=0, max_tokens=24)
+    trace, steps = [], 0
+    for p in PROMPTS * 2:   # twice: the second round drafts from the global index too
+        prompt = llm.encode_prompt(p)
+        out = llm.generate([prompt], params)[0]
+        steps += llm.stats["steps"]   # this call's decode steps
+        trace.append(dict(category="any", prompt=prompt, output=out.token_ids))
+    row = replay(trace, f"suffix+{offset}", cost=0.0)
+    generated = sum(len(t["output"]) for t in trace)
+    assert row["mean_acceptance_length"] == round(generated / steps, 3)

@@ -1,0 +1,113 @@
+"""Replay: suffix decoding's draft-length rules against n-gram on a recorded greedy workload, exactly
+and in seconds, without a machine's noise.
+
+Greedy decoding is deterministic and host drafts depend only on the tokens so far (and, for suffix
+decoding, on the requests finished before), so one greedy run of a workload fixes every request's
+tokens; any drafting rule can then be stepped through as the engine steps a batch of one: draft
+from the context, accept the draft's longest prefix that the recorded output continues with, move
+past it and the bonus token. The acceptance lengths are the engine's own (the replay of the
+benchmark's rows gives its figures to the third decimal). Only the clock is a model: a step that
+verifies d drafts takes 1 + c * d, c the cost of verifying a draft in steps of plain decoding
+(on this CPU about 0.03 at batch 1 and 0.27 at batch 8: fitted on the proposers benchmark's rows,
+docs/suffix_decoding.md). Rows:
+
+  ngram           prompt lookup at K = 4
+  suffix+N        suffix decoding (K 16) with N extra tokens always drafted (N = 0: vLLM's rule)
+  suffix+N priced the same with the extra tokens priced (suffix.ExtraTokens), fed the model's step times
+
+    python tools/suffix_replay.py --workload multiturn --costs 0.03,0.27 [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:   # run as a script: python tools/suffix_replay.py
+    sys.path.insert(0, ROOT)
+
+from nanospec.bench_proposers import run_rows  # noqa: E402
+from nanospec.cli import set_threads  # noqa: E402
+from nanospec.llm import LLM  # noqa: E402
+from nanospec.prompts import by_category_in_turn, shipped_prompts  # noqa: E402
+from nanospec.proposer import NgramIndex  # noqa: E402
+from nanospec.suffix import SuffixProposer  # noqa: E402
+from nanospec.workload import multiturn_sessions  # noqa: E402
+
+
+def record(workload: str, max_prompts: int, max_new_tokens: int) -> list[dict]:
+    """The workload's requests, greedy, in the order they finish at batch 1 (n-gram's engine: the
+    same tokens as plain decoding, sooner)."""
+    rows = by_category_in_turn(shipped_prompts())
+    rows = rows[:max_prompts] if max_prompts else rows
+    turns = 3 if workload == "multiturn" else 1
+    llm = LLM(device="cpu", dtype="float32", ngram=True, max_num_seqs=1)
+    state = run_rows({"ngram": llm}, ["ngram"], lambda: multiturn_sessions(rows, turns), 1, max_new_tokens,
+                     min(llm.max_model_len, 4096))
+    return [dict(category=c, prompt=r.prompt_ids, output=r.output_ids) for c, r in state["ngram"]["done"]]
+
+
+def replay(trace: list[dict], rule: str, cost: float) -> dict:
+    """One row: the rule stepped through every request in order (finished ones feed suffix's index)."""
+    name, _, offset = rule.partition("+")
+    priced = offset.endswith(" priced")
+    suffix = SuffixProposer("cpu", max_spec_offset=int(offset.split()[0] or 0)) if name == "suffix" else None
+    per_category = defaultdict(lambda: [0, 0])
+    steps = drafted = 0
+    clock = 0.0
+    for t in trace:
+        tokens, pos = t["prompt"] + t["output"], len(t["prompt"])
+        request, ngram = SimpleNamespace(tokens=[], suffix_stream=None), NgramIndex(1, 4)
+        while pos < len(tokens):
+            request.tokens = tokens[:pos]
+            if suffix is None:
+                draft = ngram.lookup(request.tokens, 4)
+            else:
+                draft = suffix.propose([request], [16]).host_drafts[0] if priced else suffix.draft(request, 16).tokens
+            accepted = 0
+            while accepted < len(draft) and pos + accepted < len(tokens) and draft[accepted] == tokens[pos + accepted]:
+                accepted += 1
+            if priced:
+                suffix.verified([len(draft)], [accepted], 1 + cost * len(draft))
+            per_category[t["category"]][1] += 1
+            steps, drafted, clock, pos = steps + 1, drafted + len(draft), clock + 1 + cost * len(draft), pos + accepted + 1
+        per_category[t["category"]][0] += len(t["output"])
+        if suffix is not None:
+            request.tokens = tokens
+            suffix.finished(request)
+    generated = sum(n for n, _ in per_category.values())
+    return {"row": rule, "cost": cost, "mean_acceptance_length": round(generated / steps, 3),
+            "drafted_per_step": round(drafted / steps, 3), "tokens_per_plain_step": round(generated / clock, 4),
+            "acceptance_length_per_category": {c: round(n / s, 3) for c, (n, s) in sorted(per_category.items())}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["shipped", "multiturn"], default="multiturn")
+    ap.add_argument("--max-prompts", type=int, default=None, help="first N shipped prompts, in turn by category "
+                    "(default: all for shipped, 16 sessions for multiturn, as the benchmark's runs)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--costs", default="0.03,0.27", help="verifying a draft, in steps of plain decoding")
+    ap.add_argument("--rows", default="ngram,suffix+0,suffix+3,suffix+3 priced")
+    ap.add_argument("--out", help="write the rows as JSON there")
+    args = ap.parse_args()
+    set_threads(None)
+    max_prompts = args.max_prompts or (16 if args.workload == "multiturn" else None)
+    trace = record(args.workload, max_prompts, args.max_new_tokens)
+    rows = [replay(trace, rule, float(c)) for c in args.costs.split(",") for rule in args.rows.split(",")]
+    for r in rows:
+        per = " ".join(f"{c[:9]} {v:.2f}" for c, v in r["acceptance_length_per_category"].items())
+        print(f"c {r['cost']:<5} {r['row']:>16}  AL {r['mean_acceptance_length']:.3f}  drafted {r['drafted_per_step']:.2f}"
+              f"  tokens/step {r['tokens_per_plain_step']:.3f}  {per}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python tools/suffix_replay.py " + " ".join(sys.argv[1:]), "workload": args.workload,
+                       "requests": len(trace), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
