@@ -129,7 +129,8 @@ def build_parser():
     ap.add_argument("--proposers", metavar="ROWS",
                     help="proposers side by side instead of K rows (bench_proposers.py): comma-separated plain, "
                          "ngram, suffix, eagle, draft, hybrid, each with :K (default: the proposer's own, 4, or 16 "
-                         "for suffix and hybrid); answers end at EOS")
+                         "for suffix and hybrid); suffix+N, hybrid+N: that row's --suffix-max-spec-offset; answers "
+                         "end at EOS")
     ap.add_argument("--workload", choices=["shipped", "multiturn"], default="shipped",
                     help="with --proposers: the shipped prompts once, or multi-turn sessions over them (workload.py)")
     ap.add_argument("--turns", type=int, default=3, metavar="N", help="turns a multi-turn session has, 1..3")

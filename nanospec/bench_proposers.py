@@ -36,14 +36,18 @@ KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suff
 
 
 def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
-    """'ngram,suffix:8,hybrid:dynamic,...' -> [(name, K)], K None unless given: the LLM's default (4;
-    suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a quick profile
-    measured at start-up; the hybrid prices its own plans instead)."""
+    """'ngram,suffix:8,hybrid:dynamic,suffix+0,...' -> [(name, K)], K None unless given: the LLM's
+    default (4; suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a quick
+    profile measured at start-up; the hybrid prices its own plans instead). A suffix or hybrid row's
+    +N is its suffix_max_spec_offset (row_settings)."""
     rows = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         name, _, k = item.partition(":")
+        name, plus, offset = name.partition("+")
         if name not in KINDS:
             raise NanospecError(f"--proposers: unknown proposer {name!r}; use {', '.join(KINDS)} (with :K)")
+        if plus and (name not in ("suffix", "hybrid") or not offset.isdigit() or int(offset) > 16):
+            raise NanospecError(f"--proposers: {item!r}: +N is a suffix or hybrid row's max_spec_offset, 0..16")
         try:
             k = 0 if name == "plain" else int(k) if k and k != "dynamic" else k or None
         except ValueError:
@@ -58,10 +62,16 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
         rows.append((item, k))
     if not rows:
         raise NanospecError("--proposers names no row; e.g. --proposers ngram,suffix")
-    suffix_rows = [name for name, _ in rows if name.partition(":")[0] in ("suffix", "hybrid")]
+    suffix_rows = [name for name, _ in rows if name.partition(":")[0].partition("+")[0] in ("suffix", "hybrid")]
     if args.suffix_max_spec_offset is not None and not suffix_rows:
         raise NanospecError("--suffix-max-spec-offset is for suffix and hybrid rows: add one to --proposers")
     return rows
+
+
+def row_settings(item: str, args) -> dict:
+    """A row's LLM settings: its kind's, and a suffix or hybrid row's +N as its suffix_max_spec_offset."""
+    kind, plus, offset = item.partition(":")[0].partition("+")
+    return {**KINDS[kind](args), **(dict(suffix_max_spec_offset=int(offset)) if plus else {})}
 
 
 def new_row(llm: LLM, batch_size: int, longest: int):
@@ -154,7 +164,7 @@ def run(args) -> dict:
     log_loading(args.target)
     llms = {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
                       num_speculative_tokens=k if isinstance(k, int) and k else None, dynamic_k=k == "dynamic", log=log,
-                      enforce_eager=args.enforce_eager, **KINDS[name.partition(":")[0]](args)) for name, k in rows}
+                      enforce_eager=args.enforce_eager, **row_settings(name, args)) for name, k in rows}
     first = next(iter(llms.values()))
     longest = min(first.max_model_len, 4096)
     results, progress = [], Progress("bench", len(batch_sizes) * args.repeats)

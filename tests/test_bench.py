@@ -62,7 +62,7 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     out = tmp_path / "proposers.json"
     args = ["--target", spec_models["target"], "--eagle", spec_models["eagle1"], "--batch-sizes", "1,2",
             "--max-new-tokens", "12", "--max-prompts", "2", "--device", "cpu", "--out", str(out)]
-    assert bench_main(args + ["--proposers", "plain,ngram,suffix:6,eagle,hybrid:6,hybrid:dynamic",
+    assert bench_main(args + ["--proposers", "plain,ngram,suffix+0:6,eagle,hybrid:6,hybrid:dynamic",
                               "--workload", "multiturn"]) == 0
     report = json.loads(out.read_text())
     assert report["requests"] == 6 and report["outputs_identical_across_rows"]
@@ -71,7 +71,7 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     priced = rows[(2, "hybrid:dynamic")]
     assert priced["k"] == "dynamic" and sum(priced["hybrid_plans"].values()) > 0
     assert rows[(1, "plain")]["mean_acceptance_length"] == 1.0
-    assert rows[(1, "suffix:6")]["global_index_requests"] == 6
+    assert rows[(1, "suffix+0:6")]["global_index_requests"] == 6
     assert 0 <= rows[(2, "hybrid:6")]["hybrid_suffix_share"] <= 1
     assert set(rows[(1, "ngram")]["acceptance_length_per_category"]) == {"chat", "code"}
     assert bench_main(args[:2] + ["--proposers", "hybrid"]) != 0
@@ -82,6 +82,10 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert "unknown proposer 'nope'" in capsys.readouterr().err
     assert bench_main(args[:2] + ["--proposers", "ngram:fast"]) != 0
     assert "'ngram:fast' is not NAME, NAME:K or NAME:dynamic" in capsys.readouterr().err
+    assert bench_main(args[:2] + ["--proposers", "ngram+3"]) != 0
+    assert "'ngram+3': +N is a suffix or hybrid row's max_spec_offset" in capsys.readouterr().err
+    assert bench_main(args[:2] + ["--proposers", "ngram", "--suffix-max-spec-offset", "3"]) != 0
+    assert "--suffix-max-spec-offset is for suffix and hybrid rows" in capsys.readouterr().err
     assert bench_main(args[:2] + ["--workload", "multiturn"]) != 0
     assert "--workload multiturn compares proposers: add --proposers" in capsys.readouterr().err
 
