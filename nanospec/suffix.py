@@ -46,7 +46,7 @@ from nanospec.proposer import Proposal, Proposer
 MAX_DEPTH = 24            # the longest suffix of the context matched
 MIN_TOKEN_PROB = 0.1      # a draft stops where its path's probability falls below this
 MAX_SPEC_FACTOR = 1.0     # a match of L tokens drafts at most L * factor + offset tokens
-MAX_SPEC_OFFSET = 0.0
+MAX_SPEC_OFFSET = 0.0     # the walk's (vLLM's); the proposer's is EXTRA_TOKENS
 MAX_CANDIDATES = 256      # the most recent occurrences of a key a draft reads (bounds its host time)
 SEPARATOR = -1            # between requests in the global stream: no match or draft crosses it
 EXTRA_TOKENS = 3          # the proposer's max_spec_offset: at most this many extra tokens, each priced (ExtraTokens)
@@ -247,7 +247,8 @@ class ExtraTokens:
     whose slope the drafts' natural spread of lengths measures), AL the tokens a request gains a step
     (adding w tokens at that cost pays iff the tokens per second grow). Where verifying is nearly free
     (a GPU below its compute bound, a CPU at batch 1) the extra tokens are drafted; on a CPU at batch
-    8, where a verified token costs a tenth of a step, they are not (docs/suffix_decoding.md)."""
+    8, where verifying a draft costs about a quarter of a request's share of the step, they are not
+    (docs/suffix_decoding.md)."""
 
     def __init__(self, most: int):
         self.most = most
