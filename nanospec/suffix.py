@@ -267,9 +267,10 @@ class ExtraTokens:
         self.steps += 1
         if not self.times.now or self.steps % EXTRA_PROBE_EVERY == 0:
             return self.most
-        x = self.drafts / self.rows   # drafts a request verifies, lately
-        cost = (self.times.ratio(batch, x + 1) - self.times.ratio(batch, x)) * (self.gained / self.rows) \
-            / self.times.ratio(batch, x)
+        x = self.drafts / self.rows                    # drafts a request verifies, lately
+        r = self.times.ratio(batch, x)                 # a step's seconds (in the first step's)
+        s = self.times.ratio(batch, x + 1) - r         # ... and what one more draft a request adds
+        cost = s * (self.gained / self.rows) / r       # one more draft's seconds, in tokens: s * AL / r
         n = 0
         while n < self.most and self.worth(n) >= cost:
             n += 1
