@@ -1,9 +1,10 @@
 """Suffix decoding's index against the structure it stands for: a suffix tree of the token streams
 with a count per node, built here the plain way (a dict per node), and walked by the rule the
 proposer states (the most frequent child, the path's probability at least MIN_TOKEN_PROB, at most
-L * MAX_SPEC_FACTOR + MAX_SPEC_OFFSET tokens after a match of L, the best score over every L). Then the global
-index's bound (oldest dropped first) and the hybrid's measured threshold. Losslessness over both
-proposers is in test_speculative and test_exact_sampling_end_to_end (PROPOSERS)."""
+L * MAX_SPEC_FACTOR + offset tokens after a match of L, the best score over every L). Then the
+global index's bound (oldest dropped first), the hybrid's measured threshold and the extra tokens'
+price. Losslessness over both proposers is in test_speculative and test_exact_sampling_end_to_end
+(PROPOSERS)."""
 import functools
 import random
 from collections import Counter
