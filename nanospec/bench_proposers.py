@@ -40,7 +40,7 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     default (4; suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a quick
     profile measured at start-up; the hybrid prices its own plans instead). A suffix or hybrid row's
     +N is its suffix_max_spec_offset (row_settings)."""
-    rows = []
+    rows, kinds = [], set()
     for item in (x.strip() for x in text.split(",") if x.strip()):
         name, _, k = item.partition(":")
         name, plus, offset = name.partition("+")
@@ -60,10 +60,10 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
         if name == "draft" and not args.draft:
             raise NanospecError("--proposers draft needs --draft PATH")
         rows.append((item, k))
+        kinds.add(name)
     if not rows:
         raise NanospecError("--proposers names no row; e.g. --proposers ngram,suffix")
-    suffix_rows = [name for name, _ in rows if name.partition(":")[0].partition("+")[0] in ("suffix", "hybrid")]
-    if args.suffix_max_spec_offset is not None and not suffix_rows:
+    if args.suffix_max_spec_offset is not None and not kinds & {"suffix", "hybrid"}:
         raise NanospecError("--suffix-max-spec-offset is for suffix and hybrid rows: add one to --proposers")
     return rows
 
