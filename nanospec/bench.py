@@ -259,7 +259,8 @@ def run(args) -> dict:
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, suffix_max_spec_offset=args.suffix_max_spec_offset,
-              num_speculative_tokens=max_k if max_k > 0 and proposer else None, log=log, enforce_eager=args.enforce_eager)
+              num_speculative_tokens=max_k if max_k > 0 and proposer else None, log=log, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=args.enable_prefix_caching)
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     time_nanospec(llm, prompts[:2], 2, 4)   # warm-up

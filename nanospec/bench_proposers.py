@@ -164,7 +164,8 @@ def run(args) -> dict:
     log_loading(args.target)
     llms = {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
                       num_speculative_tokens=k if isinstance(k, int) and k else None, dynamic_k=k == "dynamic", log=log,
-                      enforce_eager=args.enforce_eager, **row_settings(name, args)) for name, k in rows}
+                      enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                      **row_settings(name, args)) for name, k in rows}
     first = next(iter(llms.values()))
     longest = min(first.max_model_len, 4096)
     results, progress = [], Progress("bench", len(batch_sizes) * args.repeats)

@@ -80,6 +80,9 @@ def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str
                     help="CPU threads (default: one per core that other work leaves free)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="reuse the K/V of a prompt's leading blocks that an earlier request computed (default: on, "
+                         "except with --draft or --eagle)")
 
 
 def set_threads(threads: int | None) -> None:
@@ -144,7 +147,7 @@ def load_llm(args, **sizes):
               dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
               speculative_disable_queue_size=args.speculative_disable_queue_size,
               suffix_max_spec_offset=args.suffix_max_spec_offset, log=log,
-              enforce_eager=args.enforce_eager, **sizes)
+              enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, **sizes)
     log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} CPU threads)")
     return llm

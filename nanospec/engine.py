@@ -144,6 +144,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_queries = self.prefix_hits = 0   # tokens admitted requests looked up, and found cached
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -170,14 +171,21 @@ class Scheduler:
                 break
             if is_waiting and len(self.running) >= self.max_num_seqs:
                 break
+            if is_waiting:   # with prefix caching its cache may begin with published blocks
+                req.num_cached = self.allocator.cached_prefix(req.block_table, req.tokens[:-1])
             # Prefill caches every token but the last; the last is the input of the first decode step.
             chunk = min(len(req.tokens) - 1 - req.num_cached, budget)
             if not self.allocator.can_grow(req.block_table, req.num_cached + chunk):
+                if is_waiting:   # it waits on, holding nothing
+                    self.allocator.release(req.block_table)
+                    req.num_cached = 0
                 break
             self.allocator.grow(req.block_table, req.num_cached + chunk)
             if is_waiting:
                 self.waiting.popleft()
                 self.running.append(req)
+                self.prefix_queries += len(req.tokens) - 1
+                self.prefix_hits += req.num_cached
             if chunk == 0:   # a one-token prompt has nothing to prefill
                 continue
             chosen.append(req)
@@ -242,6 +250,8 @@ class Stats:
     elapsed_s: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache (every token but the last)
+    prefix_cache_hits: int = 0      # of those, the tokens found cached
     # Per draft position i, counted over request-steps: K asked of the proposer > i (offered), a draft
     # found there (drafted; an n-gram miss drafts less than offered), that draft accepted.
     offered_per_position: list[int] = field(default_factory=list)
@@ -271,7 +281,7 @@ class Stats:
     def add(self, other: Stats) -> None:
         """Count another run's steps and tokens in this one (stats over several generate calls)."""
         for name in ("generated_tokens", "steps", "request_steps", "prefill_steps", "preemptions", "elapsed_s",
-                     "drafted_tokens", "accepted_tokens"):
+                     "drafted_tokens", "accepted_tokens", "prefix_cache_queries", "prefix_cache_hits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("offered_per_position", "drafted_per_position", "accepted_per_position"):
             pairs = itertools.zip_longest(getattr(self, name), getattr(other, name), fillvalue=0)
@@ -290,6 +300,7 @@ class Stats:
         rates = [round(a / d, 4) for a, d in zip(accepted, drafted)]
         return {"generated_tokens": self.generated_tokens, "steps": self.steps,
                 "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
+                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
                 "mean_acceptance_length": round(mean_al, 4), "acceptance_rate_per_position": rates,
                 "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
                 "chosen_k": histogram(self.chosen_k), "request_k": histogram(self.request_k),
@@ -365,13 +376,16 @@ class Engine:
     def __init__(self, model, tokenizer, device: torch.device, max_model_len: int, num_kv_blocks: int,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  compile_sampler: bool | None = None, proposer: Proposer | None = None,
-                 k_policy: KPolicy | None = None, use_graphs: bool = False):
+                 k_policy: KPolicy | None = None, use_graphs: bool = False, prefix_caching: bool = False):
         cfg = model.config
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len = max_model_len
         self.proposer, self.k_policy = proposer, k_policy or StaticK(0)
+        if prefix_caching and proposer is not None and hasattr(proposer, "kv_cache"):
+            raise NanospecError(f"prefix caching is not for a proposer with a cache of its own ({type(proposer).__name__}): "
+                                f"its cache would need the target's hits; set {param('enable_prefix_caching')} False")
         self.kv_cache = KVCache(cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                next(model.parameters()).dtype, device)
+                                next(model.parameters()).dtype, device, prefix_caching)
         self.use_graphs = use_graphs
         self.sampler = Sampler(compile=device.type == "cuda" if compile_sampler is None else compile_sampler)
         self.eos_ids = set(cfg.eos_token_ids) | set(tokenizer.eos_ids)
@@ -404,7 +418,8 @@ class Engine:
             proposer = self.proposer.twin(num_blocks)
         twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
                       max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
-                      proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs)
+                      proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs,
+                      cache.allocator.prefix_caching)
         twin.sampler = twin.step_graphs.sampler = self.sampler   # compiled once (on CUDA), shared
         return twin
 
@@ -476,6 +491,8 @@ class Engine:
             self.commit(req, tokens)
             if req.finish_reason is None:
                 self.settle(req, features)
+                if not batch.is_prefill:
+                    self.publish(req)
         return [req for req, tokens, _ in results if tokens]
 
     @torch.inference_mode()
@@ -587,6 +604,12 @@ class Engine:
                 self.proposer.observe(req, features)
             self.proposer.rollback(req)
 
+    def publish(self, req: Request) -> None:
+        """With prefix caching: publish the request's full blocks of committed tokens, after a decode
+        step that read them all and gave finite logits (kv_cache.py's invariants): its cached
+        positions, up to the last committed token, which is never cached."""
+        self.kv_cache.allocator.publish(req.block_table, req.tokens, min(req.num_cached, len(req.tokens) - 1))
+
     def hit_stop_string(self, req: Request) -> bool:
         longest = max(len(s.encode()) for s in req.params.stop)
         tail = self.tokenizer.decode(req.output_ids[-(longest + 2):])   # a stop string spans at most this
@@ -603,15 +626,19 @@ class Engine:
         if req.text is None:   # a stop string already set it, to the text before the stop ("" included)
             ids = req.output_ids[:-1] if drop_last else req.output_ids
             req.text = self.tokenizer.decode(ids)
+        self.publish(req)   # every finish follows a decode step (prefill emits no token)
         self.scheduler.finish(req)
         self.k_policy.forget(req)
 
     def run_to_completion(self, on_step=None) -> None:
         start = time.perf_counter()
         preempted_before = self.scheduler.num_preemptions
+        queried_before, hits_before = self.scheduler.prefix_queries, self.scheduler.prefix_hits
         while self.scheduler.has_work():
             updated = self.step()
             if on_step:
                 on_step(updated)
         self.stats.elapsed_s += time.perf_counter() - start
         self.stats.preemptions += self.scheduler.num_preemptions - preempted_before
+        self.stats.prefix_cache_queries += self.scheduler.prefix_queries - queried_before
+        self.stats.prefix_cache_hits += self.scheduler.prefix_hits - hits_before

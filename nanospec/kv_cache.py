@@ -5,8 +5,16 @@ Invariants:
   token position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size;
 - a slot is written once per position; rolling a sequence back only moves its length back and
   frees the blocks wholly past it, so the kept slots stay valid;
-- a block belongs to at most one sequence, and every block returns to the free list when its
-  sequence finishes or is preempted (tests check that no block leaks);
+- a sequence writes only its own blocks: a block belongs to one sequence, except that with prefix
+  caching a full block of committed tokens may be shared, read-only (a sequence writes positions
+  from its num_cached on, past every shared block), by the sequences whose tokens begin the same;
+  a block returns to the free list when the last sequence holding it finishes or is preempted
+  (tests check that no block leaks);
+- prefix caching: a full block whose tokens, and all tokens before them, equal another sequence's
+  holds the K/V that sequence would compute there. A block is published (found by its tokens) only
+  after a decode step of its sequence read it and gave finite logits, so a published block is
+  finite. A freed published block stays findable until it is handed out again, least recently
+  freed first;
 - two blocks of a KVCache are never handed out: the null block 0, which the padding of block
   tables points to and nothing writes (it stays zero), and the sink block 1, where the padding of
   a static step (cuda_graph.py) writes its K/V and which no table holds;
@@ -15,13 +23,16 @@ Invariants:
   weighs them by 0, and 0 * inf or 0 * NaN is NaN. A table reaches only its own blocks and the null
   block (cuda_graph.DeviceBlockTables keeps no stale ids), so one request's NaN cannot reach
   another's attention; the pool starts zeroed and is zeroed again (`clear`) after a step that
-  computed non-finite values, before its blocks go to other sequences.
+  computed non-finite values, before its blocks go to other sequences (and forgets every
+  published block).
 
 Attention over pages has one readable PyTorch path (`paged_attention_reference`), used on every
 device and as the oracle of the tests; a fused kernel can sit beside it on CUDA.
 """
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -39,25 +50,42 @@ class OutOfBlocks(Exception):
 class BlockTable(list):
     """A sequence's block ids, in position order. `synced`: how many leading ids the device's copy
     of the table holds (cuda_graph.DeviceBlockTables), lowered when the table is truncated; `row`:
-    its row there (None: none yet)."""
-    __slots__ = ("synced", "row")
+    its row there (None: none yet); `hashes`: with prefix caching, the keys of its leading blocks
+    that are published (BlockAllocator.publish)."""
+    __slots__ = ("synced", "row", "hashes")
 
     def __init__(self, ids=()):
         super().__init__(ids)
-        self.synced, self.row = 0, None
+        self.synced, self.row, self.hashes = 0, None, []
+
+
+def block_key(parent: bytes, tokens) -> bytes:
+    """A full block's key: its tokens and (through the parent's key) every token before them. A
+    SHA-256, as vLLM keys its prefix cache: two different prefixes never meet in practice."""
+    return hashlib.sha256(parent + b"".join(t.to_bytes(8, "little") for t in tokens)).digest()
 
 
 class BlockAllocator:
-    """Hands out block ids first_id .. first_id + num_blocks - 1 from a free list. A block table
-    is a list of ids (a BlockTable where the device keeps a copy), owned by its sequence."""
+    """Hands out block ids first_id .. first_id + num_blocks - 1 from a free queue. A block table
+    is a list of ids (a BlockTable where the device keeps a copy), owned by its sequence.
 
-    def __init__(self, num_blocks: int, block_size: int, first_id: int = 0):
+    prefix_caching: full blocks of committed tokens are published under their key (block_key) and
+    shared by reference count; `cached_prefix` finds the longest published prefix of a new
+    sequence's tokens. A freed block goes to the back of the queue and keeps its key until it is
+    handed out again from the front: the least recently freed is evicted first."""
+
+    def __init__(self, num_blocks: int, block_size: int, first_id: int = 0, prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks = list(range(first_id + num_blocks - 1, first_id - 1, -1))  # pop() takes the lowest id first
+        self.prefix_caching = prefix_caching
+        self.free_blocks = OrderedDict.fromkeys(range(first_id, first_id + num_blocks))   # the lowest id first
+        self.refs: dict[int, int] = {}        # block id -> sequences holding it (held blocks only)
+        self.published: dict[bytes, int] = {}   # key -> block id
+        self.key_of: dict[int, bytes] = {}      # block id -> its key, while published
 
     @property
     def num_free(self) -> int:
+        """Blocks no sequence holds (published ones among them: evicted when handed out)."""
         return len(self.free_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -72,18 +100,68 @@ class BlockAllocator:
         if needed > self.num_free:
             raise OutOfBlocks(f"need {needed} blocks, {self.num_free} free")
         for _ in range(needed):
-            block_table.append(self.free_blocks.pop())
+            block, _ = self.free_blocks.popitem(last=False)
+            self.unpublish(block)   # evicted: its K/V is about to be overwritten
+            self.refs[block] = 1
+            block_table.append(block)
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
-        """Roll back to `num_tokens` positions: free the blocks wholly past them."""
+        """Roll back to `num_tokens` positions: free the blocks wholly past them (last first, so a
+        prefix's deepest blocks are evicted before its first)."""
         keep = self.blocks_for(num_tokens)
         while len(block_table) > keep:
-            self.free_blocks.append(block_table.pop())
+            block = block_table.pop()
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                del self.refs[block]
+                self.free_blocks[block] = None
         if isinstance(block_table, BlockTable):   # a later grow may put another id where a freed one was
             block_table.synced = min(block_table.synced, len(block_table))
+            del block_table.hashes[keep:]
 
     def release(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)
+
+    def cached_prefix(self, block_table: BlockTable, tokens: list[int]) -> int:
+        """Give an empty table the published blocks of the longest prefix of `tokens` (whole blocks
+        only); returns how many tokens they hold (0 without prefix caching)."""
+        if not self.prefix_caching:
+            return 0
+        key = b""
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            key = block_key(key, tokens[start:start + self.block_size])
+            block = self.published.get(key)
+            if block is None:
+                break
+            if block in self.free_blocks:
+                del self.free_blocks[block]
+            self.refs[block] = self.refs.get(block, 0) + 1
+            block_table.append(block)
+            block_table.hashes.append(key)
+        return len(block_table) * self.block_size
+
+    def publish(self, block_table: BlockTable, tokens: list[int], num_tokens: int) -> None:
+        """Publish the table's full blocks among its first `num_tokens` positions, whose K/V are
+        those of `tokens` (committed, and read by a decode step with finite logits: see the top). A
+        block whose key is published already under another id stays the table's own."""
+        if not self.prefix_caching:
+            return
+        for i in range(len(block_table.hashes), num_tokens // self.block_size):
+            parent = block_table.hashes[-1] if block_table.hashes else b""
+            key = block_key(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            block_table.hashes.append(key)
+            if key not in self.published and block_table[i] not in self.key_of:
+                self.published[key], self.key_of[block_table[i]] = block_table[i], key
+
+    def unpublish(self, block: int) -> None:
+        key = self.key_of.pop(block, None)
+        if key is not None:
+            del self.published[key]
+
+    def forget_published(self) -> None:
+        """Unpublish every block (the pool was zeroed: KVCache.clear)."""
+        self.published.clear()
+        self.key_of.clear()
 
 
 @dataclass(slots=True)
@@ -242,20 +320,23 @@ class KVCache:
     2 .. num_blocks + 1, after the null block 0 and the sink block 1."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = False):
         self.block_size = block_size
         self.pool = torch.zeros(num_layers, 2, RESERVED_BLOCKS + num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
-        self.allocator = BlockAllocator(num_blocks, block_size, first_id=RESERVED_BLOCKS)
+        self.allocator = BlockAllocator(num_blocks, block_size, first_id=RESERVED_BLOCKS, prefix_caching=prefix_caching)
 
     def empty_like(self, num_blocks: int) -> "KVCache":
-        """An empty pool of num_blocks for the same model (another engine over it)."""
+        """An empty pool of num_blocks for the same model (another engine over it), prefix caching as this one."""
         num_layers, _, _, block_size, num_kv_heads, head_dim = self.pool.shape
-        return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.pool.dtype, self.pool.device)
+        return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.pool.dtype, self.pool.device,
+                       self.allocator.prefix_caching)
 
     def clear(self) -> None:
-        """Zero every slot (see the module's invariants); the allocator is left as it is."""
+        """Zero every slot and unpublish every block (see the module's invariants); which blocks
+        each sequence holds is left as it is."""
         self.pool.zero_()
+        self.allocator.forget_published()
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's pages [2 (k/v), num_blocks, block_size, kv_heads, head_dim]: K at [0], V at [1]."""

@@ -170,6 +170,18 @@ class EngineSizes:
         check_int(self.max_num_batched_tokens, param("max_num_batched_tokens"), low=1)
 
 
+def check_prefix_caching(enable: bool | None, model_drafter) -> bool:
+    """Whether the target caches prefixes: as asked, by default unless a model drafts (its own
+    cache, and EAGLE's features, would have to share the target's hits: not built)."""
+    name = param("enable_prefix_caching")
+    if enable is not None and not isinstance(enable, bool):
+        raise NanospecError(f"{name} must be True, False or None (the default), got {enable!r}")
+    if enable and model_drafter:
+        raise NanospecError(f"{name} is not available with a draft model or an EAGLE head (their own caches do not "
+                            "share the target's cached prefixes); leave it unset")
+    return not model_drafter if enable is None else enable
+
+
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft: str) -> None:
     if (target_tokenizer.id_to_bytes != draft_tokenizer.id_to_bytes
             or target_tokenizer.special_tokens != draft_tokenizer.special_tokens):
@@ -206,10 +218,13 @@ class LLM:
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
-                 suffix_max_spec_offset: int | None = None, enforce_eager: bool = False, log=None):
+                 suffix_max_spec_offset: int | None = None, enforce_eager: bool = False,
+                 enable_prefix_caching: bool | None = None, log=None):
         """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
-        same step, on the same buffers). log: a callable given a line about long work (the quick
-        dynamic-K profile), or None."""
+        same step, on the same buffers). enable_prefix_caching: reuse the target's K/V of a prompt's
+        leading blocks that an earlier request computed (kv_cache.py; default: on, as in vLLM, except
+        with a draft model or an EAGLE head, whose own caches do not share the target's). log: a
+        callable given a line about long work (the quick dynamic-K profile), or None."""
         self.log = log or (lambda line: None)
         if target is not None and not isinstance(target, (str, os.PathLike)):
             raise NanospecError(f"{param('target')} must be a path or a hub id (a string), got {target!r}")
@@ -217,6 +232,7 @@ class LLM:
             raise NanospecError(f"compile_sampler must be True or False, got {compile_sampler!r}")
         if not isinstance(enforce_eager, bool):
             raise NanospecError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        prefix_caching = check_prefix_caching(enable_prefix_caching, draft or eagle)
         sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
         sizes.validate()
         spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,
@@ -265,7 +281,8 @@ class LLM:
         def make_engine(blocks: int, policy: KPolicy, priced: bool = False) -> Engine:
             proposer = make_proposer(blocks, priced)
             return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, block_size,
-                          max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, policy, use_graphs=graphs)
+                          max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, policy, use_graphs=graphs,
+                          prefix_caching=prefix_caching)
 
         if kv_cache_gb is None and num_kv_blocks is None:   # on a GPU: a share of what the weights and the graphs leave free
             kv_cache_gb = self.default_kv_cache_gb(step_memory(make_engine(1, StaticK(0)), k) if graphs else 0)

@@ -2,7 +2,8 @@
 prefix, so that a dashboard built for vLLM reads them with the prefix changed: the request queues,
 tokens, TTFT / TPOT / inter-token-latency histograms and speculative decoding's counters (drafts,
 draft tokens, accepted tokens in all and per draft position). What vLLM has no name for is ours:
-the K chosen per decode step and each KV pool's free blocks (a leaked block shows there).
+the K chosen per decode step and each KV pool's free blocks (a leaked block shows there). The
+prefix cache's queries and hits count tokens, as vLLM's do.
 
 Everything is updated on the engine loop's thread, after each step (prometheus_client is thread-safe)."""
 from __future__ import annotations
@@ -40,6 +41,9 @@ class Metrics:
         self.prompt_tokens = make(prom.Counter, "prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = make(prom.Counter, "generation_tokens", "Tokens generated.")
         self.preemptions = make(prom.Counter, "num_preemptions", "Requests preempted (their cache recomputed).")
+        self.prefix_queries = make(prom.Counter, "prefix_cache_queries",
+                                   "Prompt tokens looked up in the prefix cache, as requests were scheduled.")
+        self.prefix_hits = make(prom.Counter, "prefix_cache_hits", "Of those, the tokens found cached.")
         self.ttft = make(prom.Histogram, "time_to_first_token_seconds", "Time to the first token.",
                          buckets=TTFT_BUCKETS)
         self.itl = make(prom.Histogram, "inter_token_latency_seconds",
@@ -90,9 +94,13 @@ class Metrics:
         for i, n in enumerate(stats.accepted_per_position):
             before = seen.accepted_per_position[i] if i < len(seen.accepted_per_position) else 0
             self.accepted_per_pos.labels(position=str(i), **self.label).inc(n - before)
-        self.preemptions.inc(self.engine.scheduler.num_preemptions - seen.preemptions)
+        scheduler = self.engine.scheduler
+        self.preemptions.inc(scheduler.num_preemptions - seen.preemptions)
+        self.prefix_queries.inc(scheduler.prefix_queries - seen.prefix_cache_queries)
+        self.prefix_hits.inc(scheduler.prefix_hits - seen.prefix_cache_hits)
         self.seen = Stats(generated_tokens=stats.generated_tokens, drafted_tokens=stats.drafted_tokens,
-                          accepted_tokens=stats.accepted_tokens, preemptions=self.engine.scheduler.num_preemptions,
+                          accepted_tokens=stats.accepted_tokens, preemptions=scheduler.num_preemptions,
+                          prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits,
                           drafted_per_position=stats.drafted_per_position[:1],
                           accepted_per_position=list(stats.accepted_per_position))
         self.update_queues()

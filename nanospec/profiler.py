@@ -52,7 +52,8 @@ def profile_command(args, command_line: str) -> Profile:
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1], draft=args.draft,
               eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, suffix_max_spec_offset=args.suffix_max_spec_offset,
-              num_speculative_tokens=ks[-1], enforce_eager=args.enforce_eager)
+              num_speculative_tokens=ks[-1], enforce_eager=args.enforce_eager,
+              enable_prefix_caching=args.enable_prefix_caching)
     prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]
     profile = measure_profile(llm.engine, prompts, batch_sizes, ks, args.steps, args.max_new_tokens,
                               llm.profile_meta(), log)

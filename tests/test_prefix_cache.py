@@ -1,0 +1,149 @@
+"""Prefix caching (kv_cache.BlockAllocator, engine.Scheduler): a request whose prompt begins as an
+earlier request's tokens did reuses their K/V, and decodes exactly what it would from a cold cache."""
+import pytest
+import torch
+
+from conftest import assert_no_leak
+from nanospec import LLM, NanospecError, SamplingParams
+from nanospec import kv_cache
+from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache
+
+
+def published(tokens, alloc, num_tokens=None):
+    """A table grown for `tokens` and its full blocks published."""
+    table = BlockTable()
+    alloc.grow(table, len(tokens))
+    alloc.publish(table, tokens, len(tokens) if num_tokens is None else num_tokens)
+    return table
+
+
+def test_published_blocks_are_shared_until_their_last_holder_frees_them():
+    alloc = BlockAllocator(num_blocks=6, block_size=4, prefix_caching=True)
+    tokens = list(range(10))
+    a = published(tokens, alloc)                     # 3 blocks, the 2 full ones published
+    b = BlockTable()
+    assert alloc.cached_prefix(b, tokens[:9] + [99]) == 8 and b == a[:2]
+    assert alloc.num_free == 3                       # shared blocks are held once
+    alloc.release(a)
+    assert alloc.num_free == 4                       # b still holds the two shared blocks
+    alloc.release(b)
+    assert sorted(alloc.free_blocks) == list(range(6)) and not alloc.refs
+    c = BlockTable()
+    assert alloc.cached_prefix(c, tokens) == 8       # freed, still findable
+    alloc.release(c)
+    alloc.grow(BlockTable(), 6 * 4)                  # every block handed out again: evicted
+    assert alloc.cached_prefix(BlockTable(), tokens) == 0 and not alloc.published
+
+
+def test_a_block_is_found_only_after_the_same_tokens_before_it():
+    alloc = BlockAllocator(num_blocks=8, block_size=2, prefix_caching=True)
+    published([1, 2, 3, 4, 5], alloc)
+    assert alloc.cached_prefix(BlockTable(), [9, 9, 3, 4, 5]) == 0     # the second block's tokens, another first
+    assert alloc.cached_prefix(BlockTable(), [1, 2, 3, 5, 5]) == 2     # the first block only
+    published([7, 7, 7, 7], alloc, num_tokens=3)                      # only whole blocks of the cached positions
+    assert alloc.cached_prefix(BlockTable(), [7, 7, 7, 7, 1]) == 2
+
+
+def test_the_least_recently_freed_block_is_evicted_first():
+    alloc = BlockAllocator(num_blocks=4, block_size=2, prefix_caching=True)
+    a, b = published([1, 1, 2, 2], alloc), published([3, 3, 4, 4], alloc)
+    alloc.release(a)       # a's deepest block first, then its first
+    alloc.release(b)
+    alloc.grow(BlockTable(), 2)   # takes a's deepest block
+    assert alloc.cached_prefix(BlockTable(), [1, 1, 2, 2]) == 2
+    assert alloc.cached_prefix(BlockTable(), [3, 3, 4, 4]) == 4
+
+
+def test_clearing_the_pool_unpublishes_every_block():
+    cache = KVCache(1, 4, 2, 1, 4, torch.float32, torch.device("cpu"), prefix_caching=True)
+    published([1, 2, 3, 4], cache.allocator)
+    cache.clear()
+    assert cache.allocator.cached_prefix(BlockTable(), [1, 2, 3, 4]) == 0
+
+
+def conversations(llm, num=4, turns=3, max_tokens=24):
+    """Each turn's prompt is the last turn's prompt, its answer and a few more tokens; returns the
+    first turn's prompts, those of every later turn, and the prefix cache's hits over them."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(f"User: question {i} about{' the fox' * i} and dogs?\nAssistant:")
+               for i in range(num)]   # of several lengths: every block boundary is met somewhere
+    first, later, hits = prompts, [], 0
+    for _ in range(turns - 1):
+        outs = llm.generate(prompts, params)
+        prompts = [p + o.token_ids + llm.tokenizer.encode("\nUser: and then?\nAssistant:") for p, o in zip(prompts, outs)]
+        later.append(prompts)
+        hits += llm.stats["prefix_cache_hits"]
+    llm.generate(prompts, params)
+    return first, later, hits + llm.stats["prefix_cache_hits"]
+
+
+def assert_published_blocks_hold_their_tokens_kv(warm, cold, prompts):
+    """Every published block on the path of each prompt holds the K/V that one prefill of the
+    prompt in an empty cache computes there (to float32 rounding); returns the most blocks found on
+    one prompt's path."""
+    alloc, engine, size = warm.engine.kv_cache.allocator, cold.engine, warm.engine.kv_cache.block_size
+    most = 0
+    for tokens in prompts:
+        req = engine.new_request(0, "", tokens, SamplingParams(max_tokens=1))
+        engine.add_requests([req])
+        engine.step()   # the prefill: every token but the last cached
+        key = b""
+        for i in range((len(tokens) - 1) // size):
+            key = kv_cache.block_key(key, tokens[i * size:(i + 1) * size])
+            if key not in alloc.published:
+                break
+            mine = warm.engine.kv_cache.pool[:, :, alloc.published[key]]
+            theirs = engine.kv_cache.pool[:, :, req.block_table[i]]
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+            most = max(most, i + 1)
+        engine.abort([req])
+    return most
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("proposer", [{}, dict(ngram=True), dict(suffix=True)])
+@pytest.mark.parametrize("temperature", [0, 0.9])
+@pytest.mark.parametrize("num_blocks", [40, 160])
+def test_cached_prefixes_decode_what_a_cold_cache_decodes(checkpoints, family, proposer, temperature, num_blocks):
+    """Later turns hit the cache (in a pool of 40 blocks of 4, after preemptions and evictions), their
+    published blocks hold the K/V a cold prefill computes, and they give the tokens an engine without
+    prefix caching gives, greedy and seeded sampling alike."""
+    sizes = dict(device="cpu", dtype="float32", num_kv_blocks=num_blocks, block_size=4, **proposer)
+    warm = LLM(checkpoints[family], **sizes)
+    cold = LLM(checkpoints[family], enable_prefix_caching=False, **sizes)
+    first, later, hits = conversations(warm)
+    assert hits > 0
+    # blocks past the first turn's prompt were published too: its answer's, written by decode steps
+    found = assert_published_blocks_hold_their_tokens_kv(warm, cold, later[-1])
+    assert found * warm.engine.kv_cache.block_size > max(map(len, first)) + 4
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=7)
+    for prompts in later:
+        assert ([o.token_ids for o in warm.generate(prompts, params)]
+                == [o.token_ids for o in cold.generate(prompts, params)])
+        assert warm.stats["prefix_cache_hits"] > 0 and cold.stats["prefix_cache_hits"] == 0
+    assert_no_leak(warm)
+
+
+def test_a_key_without_the_tokens_before_it_changes_what_is_decoded(checkpoints, monkeypatch):
+    """The test above fails on a broken cache: keyed by a block's own tokens only, blocks computed
+    at other positions after other tokens are reused, and the output changes."""
+    sizes = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    shared = list(range(40, 72))
+    prompts = [[5, 6, 7, 8] + shared, shared + [1, 2]]
+    cold = [LLM(checkpoints["llama3"], enable_prefix_caching=False, **sizes).generate(p, params)[0].token_ids
+            for p in prompts]
+    monkeypatch.setattr(kv_cache, "block_key", lambda parent, tokens: bytes(str(list(tokens)), "ascii"))
+    broken = LLM(checkpoints["llama3"], **sizes)
+    outs = [broken.generate(p, params)[0].token_ids for p in prompts]
+    assert broken.stats["prefix_cache_hits"] == len(shared) and outs[0] == cold[0] and outs[1] != cold[1]
+
+
+def test_prefix_caching_is_refused_where_a_model_drafts(spec_models):
+    with pytest.raises(NanospecError, match="enable_prefix_caching is not available with a draft model"):
+        LLM(spec_models["target"], device="cpu", dtype="float32", draft=spec_models["draft"],
+            enable_prefix_caching=True)
+    with pytest.raises(NanospecError, match="enable_prefix_caching must be True, False or None"):
+        LLM(spec_models["target"], device="cpu", enable_prefix_caching="yes")
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", draft=spec_models["draft"], kv_cache_gb=0.05)
+    assert not llm.engine.kv_cache.allocator.prefix_caching   # by default off with a model drafter
