@@ -10,7 +10,8 @@ is checked: speculation is lossless), so every row does the same work. Per row: 
 acceptance length (tokens a request gains per decode step) overall and per category, and for the
 hybrid the share of steps it took the suffix draft and the threshold it measured. A fresh engine
 per repeat and batch size: suffix decoding's global index starts empty each time, learning only
-from the requests of that run.
+from the requests of that run, and so does its prefix cache (on by default, except where a model
+drafts; a row NAME@cold runs without it, beside the same row with it).
 
   python -m nanospec.bench --proposers ngram,suffix,eagle,hybrid --eagle HEAD --workload multiturn --batch-sizes 1,8
 """
@@ -36,13 +37,16 @@ KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suff
 
 
 def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
-    """'ngram,suffix:8,hybrid:dynamic,suffix+0,...' -> [(name, K)], K None unless given: the LLM's
-    default (4; suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a quick
-    profile measured at start-up; the hybrid prices its own plans instead). A suffix or hybrid row's
-    +N is its suffix_max_spec_offset (row_settings)."""
+    """'ngram,suffix:8,hybrid:dynamic,suffix+0,ngram@cold,...' -> [(name, K)], K None unless given:
+    the LLM's default (4; suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a
+    quick profile measured at start-up; the hybrid prices its own plans instead). A suffix or hybrid
+    row's +N is its suffix_max_spec_offset, and @cold turns its prefix caching off (row_settings)."""
     rows, kinds = [], set()
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        name, _, k = item.partition(":")
+        spec, at, where = item.partition("@")
+        if at and where != "cold":
+            raise NanospecError(f"--proposers: {item!r}: the one row option after @ is cold (no prefix caching)")
+        name, _, k = spec.partition(":")
         name, plus, offset = name.partition("+")
         if name not in KINDS:
             raise NanospecError(f"--proposers: unknown proposer {name!r}; use {', '.join(KINDS)} (with :K)")
@@ -69,9 +73,13 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
 
 
 def row_settings(item: str, args) -> dict:
-    """A row's LLM settings: its kind's, and a suffix or hybrid row's +N as its suffix_max_spec_offset."""
-    kind, plus, offset = item.partition(":")[0].partition("+")
-    return {**KINDS[kind](args), **(dict(suffix_max_spec_offset=int(offset)) if plus else {})}
+    """A row's LLM settings: its kind's, a suffix or hybrid row's +N as its suffix_max_spec_offset,
+    and @cold as enable_prefix_caching=False (else --[no-]enable-prefix-caching: by default on, except
+    where a model drafts)."""
+    spec, cold, _ = item.partition("@")
+    kind, plus, offset = spec.partition(":")[0].partition("+")
+    return {**KINDS[kind](args), **(dict(suffix_max_spec_offset=int(offset)) if plus else {}),
+            "enable_prefix_caching": False if cold else args.enable_prefix_caching}
 
 
 def new_row(llm: LLM, batch_size: int, longest: int):
@@ -131,6 +139,9 @@ def summarize(name: str, row: dict) -> dict:
     out = {"row": name, "k": "dynamic" if dynamic else policy.k, "tokens_per_s": round(tokens / row["seconds"], 2),
            "generated_tokens": tokens,
            "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps, "decode_steps": stats.steps,
+           "prefix_caching": row["engine"].kv_cache.allocator.prefix_caching,
+           "prefix_cache_queries": row["engine"].scheduler.prefix_queries,   # prompt tokens, and those found cached
+           "prefix_cache_hits": row["engine"].scheduler.prefix_hits,
            "drafted_per_decode_step": round(stats.drafted_tokens / max(1, stats.steps), 3),
            "accepted_per_drafted": round(stats.accepted_tokens / max(1, stats.drafted_tokens), 3),
            "mean_acceptance_length": round(tokens / steps, 3),
@@ -164,8 +175,7 @@ def run(args) -> dict:
     log_loading(args.target)
     llms = {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
                       num_speculative_tokens=k if isinstance(k, int) and k else None, dynamic_k=k == "dynamic", log=log,
-                      enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-                      **row_settings(name, args)) for name, k in rows}
+                      enforce_eager=args.enforce_eager, **row_settings(name, args)) for name, k in rows}
     first = next(iter(llms.values()))
     longest = min(first.max_model_len, 4096)
     results, progress = [], Progress("bench", len(batch_sizes) * args.repeats)

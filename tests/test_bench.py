@@ -62,18 +62,26 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     out = tmp_path / "proposers.json"
     args = ["--target", spec_models["target"], "--eagle", spec_models["eagle1"], "--batch-sizes", "1,2",
             "--max-new-tokens", "12", "--max-prompts", "2", "--device", "cpu", "--out", str(out)]
-    assert bench_main(args + ["--proposers", "plain,ngram,suffix+0:6,eagle,hybrid:6,hybrid:dynamic",
+    assert bench_main(args + ["--proposers", "plain,ngram,ngram@cold,suffix+0:6,eagle,hybrid:6,hybrid:dynamic",
                               "--workload", "multiturn"]) == 0
     report = json.loads(out.read_text())
     assert report["requests"] == 6 and report["outputs_identical_across_rows"]
     rows = {(r["batch_size"], r["row"]): r for r in report["results"]}
-    assert len(rows) == 12 and all(r["generated_tokens"] == rows[(1, "plain")]["generated_tokens"] for r in rows.values())
+    assert len(rows) == 14 and all(r["generated_tokens"] == rows[(1, "plain")]["generated_tokens"] for r in rows.values())
     priced = rows[(2, "hybrid:dynamic")]
     assert priced["k"] == "dynamic" and sum(priced["hybrid_plans"].values()) > 0
     assert rows[(1, "plain")]["mean_acceptance_length"] == 1.0
     assert rows[(1, "suffix+0:6")]["global_index_requests"] == 6
     assert 0 <= rows[(2, "hybrid:6")]["hybrid_suffix_share"] <= 1
     assert set(rows[(1, "ngram")]["acceptance_length_per_category"]) == {"chat", "code"}
+    # later turns find the earlier ones cached, except where prefix caching is off
+    assert rows[(1, "ngram")]["prefix_cache_hits"] > 0 and rows[(1, "ngram")]["prefix_caching"]
+    assert rows[(1, "ngram@cold")]["prefix_cache_hits"] == 0 and not rows[(1, "ngram@cold")]["prefix_caching"]
+    assert not rows[(1, "eagle")]["prefix_caching"]   # a model drafter: off
+    assert bench_main(args[:2] + ["--proposers", "ngram@warm"]) != 0
+    assert "'ngram@warm': the one row option after @ is cold" in capsys.readouterr().err
+    assert bench_main(args[:4] + ["--proposers", "eagle", "--enable-prefix-caching"]) != 0
+    assert "--enable-prefix-caching is not available with a draft model or an EAGLE head" in capsys.readouterr().err
     assert bench_main(args[:2] + ["--proposers", "hybrid"]) != 0
     assert "--proposers hybrid needs a model drafter: add --eagle HEAD" in capsys.readouterr().err
     assert bench_main(args[:2] + ["--proposers", "ngram", "--ks", "0,4"]) != 0
