@@ -508,6 +508,7 @@ class Engine:
         hidden, captured = self.model(meta.extra, meta.positions, self.kv_cache, meta, capture)
         for req, n in zip(reqs, lens):
             req.num_cached += n
+        self.publish_prefilled(reqs)
         features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None
         self.stats.prefill_steps += 1
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
@@ -609,6 +610,19 @@ class Engine:
         step that read them all and gave finite logits (kv_cache.py's invariants): its cached
         positions, up to the last committed token, which is never cached."""
         self.kv_cache.allocator.publish(req.block_table, req.tokens, min(req.num_cached, len(req.tokens) - 1))
+
+    def publish_prefilled(self, reqs: list[Request]) -> None:
+        """With prefix caching: publish the full blocks a prefill chunk completed, so that requests
+        admitted after it find them, once one check finds their K/V finite (a prefill has no logits to
+        tell; one read of those blocks and one sync). Where any is not, none is published now: their
+        requests publish after their decode steps, which a non-finite one fails."""
+        if not self.kv_cache.allocator.prefix_caching:
+            return
+        size = self.kv_cache.block_size
+        done = [b for r in reqs for b in r.block_table[len(r.block_table.hashes):r.num_cached // size]]
+        if done and bool(torch.isfinite(self.kv_cache.pool[:, :, done]).all()):
+            for req in reqs:
+                self.publish(req)
 
     def hit_stop_string(self, req: Request) -> bool:
         longest = max(len(s.encode()) for s in req.params.stop)

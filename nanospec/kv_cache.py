@@ -12,9 +12,9 @@ Invariants:
   (tests check that no block leaks);
 - prefix caching: a full block whose tokens, and all tokens before them, equal another sequence's
   holds the K/V that sequence would compute there. A block is published (found by its tokens) only
-  after a decode step of its sequence read it and gave finite logits, so a published block is
-  finite. A freed published block stays findable until it is handed out again, least recently
-  freed first;
+  once it is known finite: after a prefill chunk that wrote it, by a check of its K/V, or after a
+  decode step of its sequence, which read it and gave finite logits. A freed published block stays
+  findable until it is handed out again, least recently freed first;
 - two blocks of a KVCache are never handed out: the null block 0, which the padding of block
   tables points to and nothing writes (it stays zero), and the sink block 1, where the padding of
   a static step (cuda_graph.py) writes its K/V and which no table holds;
@@ -142,8 +142,8 @@ class BlockAllocator:
 
     def publish(self, block_table: BlockTable, tokens: list[int], num_tokens: int) -> None:
         """Publish the table's full blocks among its first `num_tokens` positions, whose K/V are
-        those of `tokens` (committed, and read by a decode step with finite logits: see the top). A
-        block whose key is published already under another id stays the table's own."""
+        those of `tokens` (committed, and known finite: see the top). A block whose key is published
+        already under another id stays the table's own."""
         if not self.prefix_caching:
             return
         for i in range(len(block_table.hashes), num_tokens // self.block_size):

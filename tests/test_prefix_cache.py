@@ -147,3 +147,39 @@ def test_prefix_caching_is_refused_where_a_model_drafts(spec_models):
         LLM(spec_models["target"], device="cpu", enable_prefix_caching="yes")
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", draft=spec_models["draft"], kv_cache_gb=0.05)
     assert not llm.engine.kv_cache.allocator.prefix_caching   # by default off with a model drafter
+
+
+def test_requests_prefilled_after_others_find_their_prompt_blocks(checkpoints):
+    """In one call: prefill chunks of 24 tokens, so the later requests are admitted after the first
+    one's shared blocks were written, and find them (the second the first chunk's 24 tokens, the
+    others all 40); the tokens are a cold cache's."""
+    sizes = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=24)
+    shared = list(range(40, 80))
+    prompts = [shared + [5 + i] * (i + 1) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    warm = LLM(checkpoints["qwen2"], **sizes)
+    outs = [o.token_ids for o in warm.generate(prompts, params)]
+    assert warm.stats["prefix_cache_hits"] == 24 + 2 * len(shared)
+    cold = LLM(checkpoints["qwen2"], enable_prefix_caching=False, **sizes)
+    assert outs == [o.token_ids for o in cold.generate(prompts, params)]
+
+
+def test_a_prefill_that_wrote_non_finite_kv_publishes_nothing(checkpoints):
+    llm = LLM(checkpoints["llama3"], device="cpu", dtype="float32", block_size=4, num_kv_blocks=16)
+    engine, model = llm.engine, llm.engine.model
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for poison in (False, True):
+        engine.kv_cache.clear()
+        req = engine.new_request(0, "", list(range(40, 50)), params)
+
+        def forward(*args, **kwargs):   # the prefill, then (poison) a NaN in the first block's K
+            out = model.__class__.__call__(model, *args, **kwargs)
+            if poison:
+                engine.kv_cache.pool[1, 0, req.block_table[0], 2, 0, 3] = float("nan")
+            return out
+        engine.model = forward
+        engine.add_requests([req])
+        engine.step()
+        engine.model = model
+        assert bool(engine.kv_cache.allocator.published) != poison   # 2 full blocks, or none
+        engine.abort([req])
