@@ -183,6 +183,8 @@ def test_32_concurrent_clients_a_quarter_of_them_leaving(ngram_llm):
         assert m['nanospec:request_success_total{finished_reason="abort"}'] == len(leaving)
         assert m['nanospec:request_success_total{finished_reason="length"}'] == n - len(leaving)
         assert m["nanospec:spec_decode_num_draft_tokens_total"] >= m["nanospec:spec_decode_num_accepted_tokens_total"]
+        # the prompts repeat, and the offline run cached them: answers as above with prefixes found cached
+        assert m["nanospec:prefix_cache_queries_total"] >= m["nanospec:prefix_cache_hits_total"] > 0
         assert client(url).completions.create(model=NAME, prompt="The", max_tokens=4).choices[0].text is not None
     assert_no_leak(llm)
 
