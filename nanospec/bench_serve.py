@@ -7,9 +7,16 @@ server's own count (usage, asked for with stream_options.include_usage). Where t
 /metrics has speculative-decoding counters (vllm:spec_decode_* or nanospec:spec_decode_*), their
 change over the run gives the acceptance length. Prints a table; --out writes JSON with the command.
 
+--dataset multiturn: sessions of --turns turns (nanospec/workload.py, from the shipped prompts),
+each later turn the conversation so far with the server's own answers and a follow-up, sent when the
+answer before it has come; --num-prompts sessions, --max-concurrency of them in flight (default:
+all). TTFT is also reported per turn: a later turn's prompt begins with the turn before it, which a
+server with prefix caching has cached.
+
 example:
   python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --num-prompts 16 --max-concurrency 4
   python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --num-prompts 32 --request-rate 2 --out rate2.json
+  python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --dataset multiturn --num-prompts 8 --max-concurrency 4
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ from dataclasses import dataclass, field
 
 from nanospec.cli import log, parser
 from nanospec.errors import NanospecError, run_command
-from nanospec.prompts import read_prompts_file, shipped_prompts
+from nanospec.prompts import by_category_in_turn, read_prompts_file, shipped_prompts
+from nanospec.workload import multiturn_sessions
 
 
 @dataclass
@@ -39,6 +47,8 @@ class Result:
     chunk_times: list[float] = field(default_factory=list)   # when each chunk with text came
     output_tokens: int = 0
     prompt_tokens: int = 0
+    text: str = ""                # the answer
+    turn: int = 1                 # multiturn: which turn of its session
 
 
 def build_parser():
@@ -46,8 +56,11 @@ def build_parser():
     ap.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     ap.add_argument("--model", help="the model name to send (default: the first of GET /v1/models)")
     ap.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    ap.add_argument("--dataset", default="shipped", help="shipped (nanospec's prompts) or a FILE.jsonl of 'prompt's")
-    ap.add_argument("--num-prompts", type=int, default=16, metavar="N", help="requests to send (prompts cycle)")
+    ap.add_argument("--dataset", default="shipped",
+                    help="shipped (nanospec's prompts), multiturn (sessions of --turns turns) or a FILE.jsonl of 'prompt's")
+    ap.add_argument("--num-prompts", type=int, default=16, metavar="N",
+                    help="requests to send (prompts cycle); with --dataset multiturn, sessions")
+    ap.add_argument("--turns", type=int, default=3, metavar="T", help="turns a session, 1..3 (--dataset multiturn)")
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
                       help="requests per second, Poisson arrivals (default: all at once)")
@@ -134,6 +147,7 @@ class Client:
         for choice in chunk.get("choices") or []:
             text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
             if text:
+                result.text += text
                 result.chunk_times.append(now)
                 if result.ttft is None:
                     result.ttft = now - result.start
@@ -185,6 +199,37 @@ def run_load(client: Client, endpoint: str, bodies: list[dict], rate: float, con
     return results, time.perf_counter() - start
 
 
+def run_sessions(client: Client, body: dict, sessions: list, concurrency: int | None) -> tuple[list[Result], float]:
+    """Each session's turns one after another (the conversation so far, with the answers the server
+    gave), `concurrency` sessions in flight; returns every turn's result and the run's duration."""
+    results: list[Result] = []
+    slots = threading.Semaphore(concurrency or len(sessions))
+    lock = threading.Lock()
+
+    def one(session):
+        try:
+            while not session.done:
+                result = client.stream("chat", {**body, "messages": session.messages()})
+                result.turn = len(session.answers) + 1
+                with lock:
+                    results.append(result)
+                if not result.ok:
+                    return
+                session.answers.append(result.text)
+        finally:
+            slots.release()
+
+    start, threads = time.perf_counter(), []
+    for session in sessions:
+        slots.acquire()
+        thread = threading.Thread(target=one, args=(session,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - start
+
+
 def percentiles(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
@@ -207,6 +252,9 @@ def summarize(results: list[Result], duration: float, before: dict, after: dict)
                "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_tokens for r in ok),
                "ttft_s": percentiles([r.ttft for r in ok]), "tpot_s": percentiles(tpots), "itl_s": percentiles(itls),
                "e2el_s": percentiles([r.latency for r in ok])}
+    turns = sorted({r.turn for r in ok})
+    if turns != [1]:
+        summary["ttft_s_by_turn"] = {str(t): percentiles([r.ttft for r in ok if r.turn == t]) for t in turns}
     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
     if drafts > 0:
         summary["acceptance_length"] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
@@ -241,27 +289,40 @@ def run(args) -> dict:
         raise NanospecError(f"--extra-body is not JSON ({e.msg}); give an object like '{{\"ignore_eos\": true}}'") from None
     if not isinstance(extra, dict):
         raise NanospecError("--extra-body must be a JSON object")
+    multiturn = args.dataset == "multiturn"
+    if multiturn and (args.endpoint != "chat" or math.isfinite(args.request_rate)):
+        raise NanospecError("--dataset multiturn sends each session's turns one after another as chat: use the chat "
+                            "endpoint and --max-concurrency (sessions in flight), not --request-rate")
+    if multiturn and not 1 <= args.turns <= 3:
+        raise NanospecError(f"--turns must be 1..3, got {args.turns}")
     client = Client(args.base_url, args.api_key)
     model = args.model or json.loads(client.get("/v1/models"))["data"][0]["id"]
-    prompts = load_prompts(args.dataset, args.num_prompts)
-    bodies = []
-    for prompt in prompts:
-        body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
-                "stream_options": {"include_usage": True}, **extra}
-        body.update({"messages": [{"role": "user", "content": prompt}]} if args.endpoint == "chat" else {"prompt": prompt})
-        bodies.append(body)
+    common = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+              "stream_options": {"include_usage": True}, **extra}
     load = f"concurrency {args.max_concurrency}" if args.max_concurrency else f"rate {args.request_rate:g}/s"
-    log(f"bench serve: {len(bodies)} requests to {args.base_url} ({model}), {load} ...")
     before = spec_counters(client)
-    results, duration = run_load(client, args.endpoint, bodies, args.request_rate, args.max_concurrency, args.seed)
+    if multiturn:
+        rows = by_category_in_turn(shipped_prompts())
+        sessions = multiturn_sessions([rows[i % len(rows)] for i in range(args.num_prompts)], args.turns)
+        log(f"bench serve: {len(sessions)} sessions of {args.turns} turns to {args.base_url} ({model}), {load} ...")
+        results, duration = run_sessions(client, common, sessions, args.max_concurrency)
+    else:
+        bodies = []
+        for prompt in load_prompts(args.dataset, args.num_prompts):
+            key, value = ("messages", [{"role": "user", "content": prompt}]) if args.endpoint == "chat" else ("prompt", prompt)
+            bodies.append({**common, key: value})
+        log(f"bench serve: {len(bodies)} requests to {args.base_url} ({model}), {load} ...")
+        results, duration = run_load(client, args.endpoint, bodies, args.request_rate, args.max_concurrency, args.seed)
     summary = summarize(results, duration, before, spec_counters(client))
     label = args.label or load
     print(HEADER)
     print(format_row(label, summary))
+    for turn, ttft in summary.get("ttft_s_by_turn", {}).items():
+        print(f"  turn {turn}: TTFT p50 {1000 * ttft['p50']:.1f} ms, p99 {1000 * ttft['p99']:.1f} ms")
     report = {"label": label, "base_url": args.base_url, "model": model, "endpoint": args.endpoint,
               "num_prompts": args.num_prompts, "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
               "max_concurrency": args.max_concurrency, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "extra_body": extra, "dataset": args.dataset, **summary,
+              "extra_body": extra, "dataset": args.dataset, **({"turns": args.turns} if multiturn else {}), **summary,
               "command": "python -m nanospec.bench serve " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["serve"]
                                                                        else sys.argv[1:])}
     if args.out:

@@ -25,7 +25,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from conftest import PROMPTS, ROOT, assert_no_leak, proposer_args
-from nanospec import LLM, SamplingParams
+from nanospec import LLM, NanospecError, SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update, held_back
 from nanospec.serve import Server, uvicorn_server
 
@@ -391,3 +391,21 @@ def test_bench_serve_measures_a_live_server(tiny_llm, capsys, tmp_path):
     assert 0 < report["ttft_s"]["p50"] <= report["e2el_s"]["p50"]
     assert report["itl_s"]["p50"] <= report["itl_s"]["max"] and report["request_throughput"] > 0
     assert "concurrency 3" in capsys.readouterr().out
+
+
+def test_bench_serve_runs_multiturn_sessions(tiny_llm, capsys):
+    """--dataset multiturn: each later turn carries the server's earlier answers (found in its prefix
+    cache), and TTFT is reported per turn."""
+    from nanospec import bench_serve
+    with serving(tiny_llm) as (server, url):
+        before = metrics(url)["nanospec:prefix_cache_hits_total"]
+        args = bench_serve.build_parser().parse_args(["--base-url", url, "--dataset", "multiturn", "--num-prompts", "2",
+                                                      "--max-concurrency", "2", "--max-tokens", "8"])
+        report = bench_serve.run(args)
+        hits = metrics(url)["nanospec:prefix_cache_hits_total"] - before
+        rate = bench_serve.build_parser().parse_args(["--base-url", url, "--dataset", "multiturn", "--request-rate", "2"])
+        with pytest.raises(NanospecError, match="--dataset multiturn sends each session's turns one after another"):
+            bench_serve.run(rate)
+    assert report["completed"] == 6 and report["failed"] == 0 and report["turns"] == 3
+    assert set(report["ttft_s_by_turn"]) == {"1", "2", "3"} and hits > 0
+    assert "turn 3: TTFT p50" in capsys.readouterr().out
