@@ -10,8 +10,8 @@ is checked: speculation is lossless), so every row does the same work. Per row: 
 acceptance length (tokens a request gains per decode step) overall and per category, and for the
 hybrid the share of steps it took the suffix draft and the threshold it measured. A fresh engine
 per repeat and batch size: suffix decoding's global index starts empty each time, learning only
-from the requests of that run, and so does its prefix cache (on by default, except where a model
-drafts; a row NAME@cold runs without it, beside the same row with it).
+from the requests of that run, and so does its prefix cache (on by default; a row NAME@cold runs
+without it, beside the same row with it).
 
   python -m nanospec.bench --proposers ngram,suffix,eagle,hybrid --eagle HEAD --workload multiturn --batch-sizes 1,8
 """
@@ -74,8 +74,7 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
 
 def row_settings(item: str, args) -> dict:
     """A row's LLM settings: its kind's, a suffix or hybrid row's +N as its suffix_max_spec_offset,
-    and @cold as enable_prefix_caching=False (else --[no-]enable-prefix-caching: by default on, except
-    where a model drafts)."""
+    and @cold as enable_prefix_caching=False (else --[no-]enable-prefix-caching: by default on)."""
     spec, cold, _ = item.partition("@")
     kind, plus, offset = spec.partition(":")[0].partition("+")
     return {**KINDS[kind](args), **(dict(suffix_max_spec_offset=int(offset)) if plus else {}),

@@ -81,8 +81,7 @@ def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str
     ap.add_argument("--enforce-eager", action="store_true",
                     help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                    help="reuse the K/V of a prompt's leading blocks that an earlier request computed (default: on, "
-                         "except with --draft or --eagle)")
+                    help="reuse the K/V of a prompt's leading blocks that an earlier request computed (default: on)")
 
 
 def set_threads(threads: int | None) -> None:

@@ -134,9 +134,11 @@ class Scheduler:
     for all its chunks; offline, every prefill goes first (the largest decode batches)."""
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, on_free=None,
-                 decode_between_prefills: bool = False):
+                 decode_between_prefills: bool = False, cached_prefix=None):
         self.allocator = allocator
         self.on_free = on_free or (lambda request: None)   # the proposer releases its state too
+        # a waiting request's cached positions: the prefix cache's (engine.cached_prefix: the proposer's too)
+        self.cached_prefix = cached_prefix or (lambda req: allocator.cached_prefix(req.block_table, req.tokens[:-1]))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_between_prefills = decode_between_prefills
@@ -172,12 +174,13 @@ class Scheduler:
             if is_waiting and len(self.running) >= self.max_num_seqs:
                 break
             if is_waiting:   # with prefix caching its cache may begin with published blocks
-                req.num_cached = self.allocator.cached_prefix(req.block_table, req.tokens[:-1])
+                req.num_cached = self.cached_prefix(req)
             # Prefill caches every token but the last; the last is the input of the first decode step.
             chunk = min(len(req.tokens) - 1 - req.num_cached, budget)
             if not self.allocator.can_grow(req.block_table, req.num_cached + chunk):
                 if is_waiting:   # it waits on, holding nothing
                     self.allocator.release(req.block_table)
+                    self.on_free(req)
                     req.num_cached = 0
                 break
             self.allocator.grow(req.block_table, req.num_cached + chunk)
@@ -356,6 +359,17 @@ def emittable_vocab(config, tokenizer) -> int:
     return min(config.vocab_size, tokenizer.vocab_size)
 
 
+def cached_prefix(allocator: BlockAllocator, proposer: Proposer | None, req: Request) -> int:
+    """A new request's positions found in the prefix cache: the target's, cut to what a model
+    proposer's own cache holds too (it could not compute the rest: EAGLE needs the target's features
+    there); the target gives back the blocks past them."""
+    found = allocator.cached_prefix(req.block_table, req.tokens[:-1])
+    if found and hasattr(proposer, "cached_prefix"):
+        found = proposer.cached_prefix(req, found)
+        allocator.truncate(req.block_table, found)
+    return found
+
+
 def release(step_graphs: StepGraphs, proposer: Proposer | None, req: Request) -> None:
     """A request left the running batch (finished, preempted, removed): release its device table
     rows and its proposer state."""
@@ -381,9 +395,8 @@ class Engine:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len = max_model_len
         self.proposer, self.k_policy = proposer, k_policy or StaticK(0)
-        if prefix_caching and proposer is not None and hasattr(proposer, "kv_cache"):
-            raise NanospecError(f"prefix caching is not for a proposer with a cache of its own ({type(proposer).__name__}): "
-                                f"its cache would need the target's hits; set {param('enable_prefix_caching')} False")
+        if hasattr(proposer, "kv_cache"):   # a model proposer's own cache caches prefixes with the target's
+            proposer.kv_cache.allocator.prefix_caching = prefix_caching
         self.kv_cache = KVCache(cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 next(model.parameters()).dtype, device, prefix_caching)
         self.use_graphs = use_graphs
@@ -398,7 +411,8 @@ class Engine:
         # on_free is not a bound method of the engine: a scheduler holding the engine would make a
         # reference cycle, and a dead engine's graphs and KV cache would wait for the garbage collector.
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
-                                   on_free=functools.partial(release, self.step_graphs, proposer))
+                                   on_free=functools.partial(release, self.step_graphs, proposer),
+                                   cached_prefix=functools.partial(cached_prefix, self.kv_cache.allocator, proposer))
         self.stats = Stats()
         self.max_k = 0           # the largest K a request may ask for (the LLM sets it: its graphs' K)
         self.step_k = 0          # the current decode step's K (the largest of its requests')
@@ -536,6 +550,9 @@ class Engine:
                 host_drafts, model_ks = self.proposer.choose(reqs, num_draft)
                 num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
             plan = self.proposer.prepare(reqs, model_ks) if max(model_ks) else None
+            if max(model_ks):   # a row its pool had no room for drafts nothing (ModelProposer.with_room)
+                kept = set(plan.rows) if plan else set()
+                num_draft = [d if not model_ks[b] or b in kept else 0 for b, d in enumerate(num_draft)]
         steps = self.step_graphs
         sampling = steps.upload(reqs, num_draft, host_drafts, plan)
         if plan:   # a model proposer's round, on the device

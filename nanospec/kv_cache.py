@@ -122,13 +122,15 @@ class BlockAllocator:
     def release(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)
 
-    def cached_prefix(self, block_table: BlockTable, tokens: list[int]) -> int:
+    def cached_prefix(self, block_table: BlockTable, tokens: list[int], shift: int = 0) -> int:
         """Give an empty table the published blocks of the longest prefix of `tokens` (whole blocks
-        only); returns how many tokens they hold (0 without prefix caching)."""
+        only); returns how many positions they hold (0 without prefix caching). shift: position i
+        holds what tokens[:i + 1 + shift] make (an EAGLE head's element i reads t_{i+1}): block j is
+        keyed by tokens[shift + j * size:shift + (j + 1) * size], its chain seeded by tokens[:shift]."""
         if not self.prefix_caching:
             return 0
-        key = b""
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+        key = block_key(b"", tokens[:shift]) if shift else b""
+        for start in range(shift, len(tokens) - self.block_size + 1, self.block_size):
             key = block_key(key, tokens[start:start + self.block_size])
             block = self.published.get(key)
             if block is None:
@@ -140,15 +142,16 @@ class BlockAllocator:
             block_table.hashes.append(key)
         return len(block_table) * self.block_size
 
-    def publish(self, block_table: BlockTable, tokens: list[int], num_tokens: int) -> None:
+    def publish(self, block_table: BlockTable, tokens: list[int], num_tokens: int, shift: int = 0) -> None:
         """Publish the table's full blocks among its first `num_tokens` positions, whose K/V are
-        those of `tokens` (committed, and known finite: see the top). A block whose key is published
-        already under another id stays the table's own."""
+        those of `tokens` (committed, and known finite: see the top; shift as in cached_prefix). A
+        block whose key is published already under another id stays the table's own."""
         if not self.prefix_caching:
             return
-        for i in range(len(block_table.hashes), num_tokens // self.block_size):
-            parent = block_table.hashes[-1] if block_table.hashes else b""
-            key = block_key(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+        size = self.block_size
+        for i in range(len(block_table.hashes), num_tokens // size):   # shift: as in cached_prefix
+            parent = block_table.hashes[-1] if block_table.hashes else block_key(b"", tokens[:shift]) if shift else b""
+            key = block_key(parent, tokens[shift + i * size:shift + (i + 1) * size])
             block_table.hashes.append(key)
             if key not in self.published and block_table[i] not in self.key_of:
                 self.published[key], self.key_of[block_table[i]] = block_table[i], key

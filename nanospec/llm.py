@@ -170,16 +170,12 @@ class EngineSizes:
         check_int(self.max_num_batched_tokens, param("max_num_batched_tokens"), low=1)
 
 
-def check_prefix_caching(enable: bool | None, model_drafter) -> bool:
-    """Whether the target caches prefixes: as asked, by default unless a model drafts (its own
-    cache, and EAGLE's features, would have to share the target's hits: not built)."""
-    name = param("enable_prefix_caching")
+def check_prefix_caching(enable: bool | None) -> bool:
+    """Whether the engine caches prefixes (the target's cache and a model proposer's): as asked, by default on."""
     if enable is not None and not isinstance(enable, bool):
-        raise NanospecError(f"{name} must be True, False or None (the default), got {enable!r}")
-    if enable and model_drafter:
-        raise NanospecError(f"{name} is not available with a draft model or an EAGLE head (their own caches do not "
-                            "share the target's cached prefixes); leave it unset")
-    return not model_drafter if enable is None else enable
+        raise NanospecError(f"{param('enable_prefix_caching')} must be True, False or None (the default: on), "
+                            f"got {enable!r}")
+    return enable is not False
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft: str) -> None:
@@ -221,9 +217,9 @@ class LLM:
                  suffix_max_spec_offset: int | None = None, enforce_eager: bool = False,
                  enable_prefix_caching: bool | None = None, log=None):
         """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
-        same step, on the same buffers). enable_prefix_caching: reuse the target's K/V of a prompt's
-        leading blocks that an earlier request computed (kv_cache.py; default: on, as in vLLM, except
-        with a draft model or an EAGLE head, whose own caches do not share the target's). log: a
+        same step, on the same buffers). enable_prefix_caching: reuse the K/V of a prompt's leading
+        blocks that an earlier request computed, the target's and a model proposer's (kv_cache.py;
+        default: on, as in vLLM). log: a
         callable given a line about long work (the quick dynamic-K profile), or None."""
         self.log = log or (lambda line: None)
         if target is not None and not isinstance(target, (str, os.PathLike)):
@@ -232,7 +228,7 @@ class LLM:
             raise NanospecError(f"compile_sampler must be True or False, got {compile_sampler!r}")
         if not isinstance(enforce_eager, bool):
             raise NanospecError(f"enforce_eager must be True or False, got {enforce_eager!r}")
-        prefix_caching = check_prefix_caching(enable_prefix_caching, draft or eagle)
+        prefix_caching = check_prefix_caching(enable_prefix_caching)
         sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
         sizes.validate()
         spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,

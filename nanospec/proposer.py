@@ -24,8 +24,15 @@ EagleProposer    an EAGLE-1 / EAGLE-3 head (eagle.py) fed the target's hidden st
 Invariant of the model-based proposers: after rollback their cache holds only positions whose
 inputs are committed tokens (and, for EAGLE, real target features), so it is always a prefix of the
 request; the next round first catches up on what it has not seen, then drafts. Both size their
-pool like the target's: a request never holds more proposer positions than target positions, so the
-proposer never runs out of blocks before the target's scheduler preempts.
+pool like the target's: a request never holds more proposer positions than target positions. With
+prefix caching a request may still hold more blocks of the proposer's pool than of the target's
+(the two pools' hits and evictions differ), so a round takes only the rows whose blocks fit; a row
+that does not fit drafts nothing that step (ModelProposer.with_room).
+
+Prefix caching (kv_cache.BlockAllocator): the proposer's cache publishes its blocks of committed
+inputs after each rollback, keyed by the tokens that made them (`shift`: EAGLE's element i reads
+t_{i+1}), and a new request skips the positions that both the target's cache and its own hold
+(ModelProposer.cached_prefix).
 """
 from __future__ import annotations
 
@@ -213,6 +220,7 @@ class ModelProposer(Proposer):
     # A round whose first step feeds at most this many positions per row (a draft model's steady
     # state: 1 after a rejection, 2 when all K were accepted) runs as one graph, catch-up included.
     graphed_catch_up = 0
+    shift = 0   # its position i holds what tokens[:i + 1 + shift] make (EAGLE's element i reads t_{i+1})
 
     def __init__(self, kv_cache: KVCache, vocab: int, max_positions: int, device: torch.device):
         # vocab: the ids the engine emits (its drafts are over those); max_positions: its context
@@ -228,11 +236,46 @@ class ModelProposer(Proposer):
         len(tokens) + K - 2 are fed, and its position table ends at max_positions."""
         return max(0, self.max_positions + 1 - len(request.tokens))
 
-    def prepare(self, requests, ks) -> Round:
-        """Plan a round of max(ks) draft steps (request b drafts ks[b]) and grow every block it will
-        write, before it runs. Its host data rides in the decode step's one copy; the later steps
-        need none (cuda_graph.StepGraphs.round_body)."""
-        rows = [b for b, k in enumerate(ks) if k]
+    def cached_prefix(self, request, n: int) -> int:
+        """A new request's target cache holds its first n positions: take this cache's published
+        blocks of the longest prefix of them (leaving the first round an element to feed: EAGLE
+        needs the target's feature of one position it prefills); returns how many positions both
+        hold from now on (the target gives back what it found past them)."""
+        st, size = self.state(request), self.kv_cache.block_size
+        n = min(n, (len(request.tokens) - 1 - self.shift) // size * size)
+        st.num_cached = st.num_real = self.kv_cache.allocator.cached_prefix(
+            st.block_table, request.tokens[:n + self.shift], self.shift)
+        return st.num_cached
+
+    def publish(self, request) -> None:
+        """After rollback: its cached positions hold committed inputs, read by the round just run,
+        whose logits were finite (a step with non-finite ones fails before this)."""
+        st = self.state(request)
+        self.kv_cache.allocator.publish(st.block_table, request.tokens, st.num_cached, self.shift)
+
+    def with_room(self, requests, ks) -> list[int]:
+        """The rows that draft (K > 0) and whose round's blocks fit in the pool, in order (see the
+        top); a row that does not fit drafts nothing this step."""
+        allocator, rows = self.kv_cache.allocator, []
+        free = allocator.num_free
+        for b, k in enumerate(ks):
+            if k:
+                st = self.state(requests[b])
+                need = allocator.blocks_for(st.num_cached + self.catch_up_len(requests[b], st) + k - 1) \
+                    - len(st.block_table)
+                if need <= free:
+                    rows.append(b)
+                    free -= need
+        return rows
+
+    def prepare(self, requests, ks) -> Round | None:
+        """Plan a round of draft steps (request b drafts ks[b]) and grow every block it will write,
+        before it runs; None when no row fits in the pool (with_room: the rows left out draft
+        nothing). Its host data rides in the decode step's one copy; the later steps need none
+        (cuda_graph.StepGraphs.round_body)."""
+        rows = self.with_room(requests, ks)
+        if not rows:
+            return None
         states = [self.state(requests[b]) for b in rows]
         inputs, lens, features = self.catch_up([requests[b] for b in rows], states)
         host, shape = pack_metadata(None, [s.num_cached for s in states], lens, inputs)
@@ -245,7 +288,8 @@ class ModelProposer(Proposer):
             st.num_cached += n
             first_position[b], catch_up[b] = st.num_cached, n
             st.num_cached += ks[b] - 1
-        return Round(host + rows, rows, shape, first_position, catch_up, first_width, width, features, k=max(ks))
+        return Round(host + rows, rows, shape, first_position, catch_up, first_width, width, features,
+                     k=max(ks[b] for b in rows))
 
     def carry(self, batch: int) -> torch.Tensor | None:
         """What a draft step hands the next besides its token (EAGLE: its hidden states), for
@@ -280,6 +324,9 @@ class DraftModelProposer(ModelProposer):
                                  dtype, device), vocab, cfg.max_position_embeddings, device)
         self.model = model
 
+    def catch_up_len(self, request, state) -> int:
+        return len(request.tokens) - state.num_cached
+
     def catch_up(self, requests, states):
         """The first step feeds every token the draft has not cached."""
         inputs = [t for r, s in zip(requests, states) for t in r.tokens[s.num_cached:]]
@@ -301,6 +348,7 @@ class DraftModelProposer(ModelProposer):
         st = self.state(request)
         st.num_cached = min(st.num_cached, len(request.tokens) - 1)
         self.kv_cache.allocator.truncate(st.block_table, st.num_cached)
+        self.publish(request)
 
 
 class EagleProposer(ModelProposer):
@@ -313,6 +361,7 @@ class EagleProposer(ModelProposer):
     features of the newly accepted positions arrive through observe()."""
 
     needs_features = True
+    shift = 1
 
     def __init__(self, head, target, aux_layers, num_blocks: int, block_size: int, vocab: int, device: torch.device):
         cfg = head.config
@@ -334,6 +383,9 @@ class EagleProposer(ModelProposer):
         first step (the target caches all but the last token, so has computed no feature yet)."""
         st = self.state(request)
         return super().max_drafts(request) if st.num_real or any(len(f) for f in st.pending) else 0
+
+    def catch_up_len(self, request, state) -> int:
+        return sum(len(f) for f in state.pending)
 
     def catch_up(self, requests, states):
         """The first step feeds the elements with real features the head has not seen."""
@@ -369,3 +421,4 @@ class EagleProposer(ModelProposer):
         st = self.state(request)
         st.num_cached = st.num_real
         self.kv_cache.allocator.truncate(st.block_table, st.num_cached)
+        self.publish(request)

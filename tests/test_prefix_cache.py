@@ -3,7 +3,7 @@ earlier request's tokens did reuses their K/V, and decodes exactly what it would
 import pytest
 import torch
 
-from conftest import assert_no_leak
+from conftest import PROMPTS, assert_no_leak, proposer_args
 from nanospec import LLM, NanospecError, SamplingParams
 from nanospec import kv_cache
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache
@@ -139,14 +139,69 @@ def test_a_key_without_the_tokens_before_it_changes_what_is_decoded(checkpoints,
     assert broken.stats["prefix_cache_hits"] == len(shared) and outs[0] == cold[0] and outs[1] != cold[1]
 
 
-def test_prefix_caching_is_refused_where_a_model_drafts(spec_models):
-    with pytest.raises(NanospecError, match="enable_prefix_caching is not available with a draft model"):
-        LLM(spec_models["target"], device="cpu", dtype="float32", draft=spec_models["draft"],
-            enable_prefix_caching=True)
+def proposer_blocks_hold_their_kv(warm, cold, prompts):
+    """Every block of the warm model proposer's cache published on each prompt's path holds the K/V
+    that the cold engine's proposer (no prefix caching) computes there by its first round; returns the
+    most blocks found on one prompt's path."""
+    proposer, engine = warm.engine.proposer, cold.engine
+    alloc, size, shift = proposer.kv_cache.allocator, proposer.kv_cache.block_size, proposer.shift
+    most = 0
+    for tokens in prompts:
+        req = engine.new_request(0, "", tokens, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.add_requests([req])
+        while not req.decode_steps:   # the prefill, then a decode step whose round fed every prompt position
+            engine.step()
+        state, key = req.proposer_state, kv_cache.block_key(b"", tokens[:shift]) if shift else b""
+        for i in range(state.num_cached // size):
+            key = kv_cache.block_key(key, tokens[shift + i * size:shift + (i + 1) * size])
+            if key not in alloc.published:
+                break
+            torch.testing.assert_close(proposer.kv_cache.pool[:, :, alloc.published[key]],
+                                       engine.proposer.kv_cache.pool[:, :, state.block_table[i]], atol=1e-4, rtol=1e-4)
+            most = max(most, i + 1)
+        engine.abort([req])
+    return most
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle1", "eagle3", "hybrid_draft", "hybrid_eagle3"])
+def test_model_proposers_cache_prefixes_beside_the_target(spec_models, name):
+    """A draft model's and an EAGLE head's own caches: later turns skip the positions both caches
+    hold, the proposer's published blocks hold what a cold proposer computes there (its drafts, so
+    the acceptance, depend on them; the output does not), and the tokens are a cold engine's."""
+    sizes = dict(device="cpu", dtype="float32", num_kv_blocks=160, block_size=4, **proposer_args(spec_models, name))
+    warm = LLM(spec_models["target"], **sizes)
+    cold = LLM(spec_models["target"], enable_prefix_caching=False, **sizes)
+    first, later, hits = conversations(warm)
+    assert hits > 0 and warm.engine.proposer.kv_cache.allocator.published
+    if not name.startswith("hybrid"):   # a hybrid's first round may be the suffix draft's: nothing fed yet
+        assert proposer_blocks_hold_their_kv(warm, cold, later[-1]) * 4 > max(map(len, first)) + 4
+    # sampled, the hybrid's tokens depend on its choices, which learn from every request (docs/suffix_decoding.md)
+    params = SamplingParams(temperature=0 if name.startswith("hybrid") else 0.9, max_tokens=24, ignore_eos=True, seed=7)
+    for prompts in later:
+        assert ([o.token_ids for o in warm.generate(prompts, params)]
+                == [o.token_ids for o in cold.generate(prompts, params)])
+    assert_no_leak(warm)
+
+
+def test_a_proposer_pool_without_room_drafts_nothing_for_that_request(spec_models):
+    """A round takes only the rows whose proposer blocks fit (ModelProposer.with_room): with the
+    draft's pool full, a step drafts for no one and decodes plainly, the same tokens."""
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", draft=spec_models["draft"], num_kv_blocks=64,
+              block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate(PROMPTS[:2], params)
+    allocator = llm.engine.proposer.kv_cache.allocator
+    squatter = BlockTable()
+    allocator.grow(squatter, allocator.num_free * 4)   # every free block of the draft's pool taken
+    outs = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected] and llm.stats["drafted_tokens"] == 0
+    allocator.release(squatter)
+    assert_no_leak(llm)
+
+
+def test_enable_prefix_caching_takes_a_bool(spec_models):
     with pytest.raises(NanospecError, match="enable_prefix_caching must be True, False or None"):
         LLM(spec_models["target"], device="cpu", enable_prefix_caching="yes")
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", draft=spec_models["draft"], kv_cache_gb=0.05)
-    assert not llm.engine.kv_cache.allocator.prefix_caching   # by default off with a model drafter
 
 
 def test_requests_prefilled_after_others_find_their_prompt_blocks(checkpoints):
