@@ -20,6 +20,7 @@ example:
 """
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import math
@@ -171,63 +172,65 @@ def spec_counters(client: Client) -> dict:
     return out
 
 
+def run_threads(jobs: list, concurrency: int | None, arrive=None) -> float:
+    """Run each job (a callable) on a thread of its own, at most `concurrency` at once (default:
+    all), arrive(i, start) called before job i starts (Poisson arrivals wait there); returns the
+    seconds they all took."""
+    slots = threading.Semaphore(concurrency or len(jobs))
+
+    def one(job):
+        try:
+            job()
+        finally:
+            slots.release()
+
+    start, threads = time.perf_counter(), []
+    for i, job in enumerate(jobs):
+        if arrive:
+            arrive(i, start)
+        slots.acquire()
+        thread = threading.Thread(target=one, args=(job,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
 def run_load(client: Client, endpoint: str, bodies: list[dict], rate: float, concurrency: int | None,
              seed: int) -> tuple[list[Result], float]:
     """Send every body (at Poisson arrival times of `rate`, or keeping `concurrency` in flight);
     returns the results in order and the run's duration."""
     results: list[Result | None] = [None] * len(bodies)
-    slots = threading.Semaphore(concurrency or len(bodies))
-    rng = random.Random(seed)
+    rng, arrival = random.Random(seed), [0.0]
 
-    def one(i):
-        try:
-            results[i] = client.stream(endpoint, bodies[i])
-        finally:
-            slots.release()
-
-    start, threads, arrival = time.perf_counter(), [], 0.0
-    for i in range(len(bodies)):
+    def arrive(i, start):
         if math.isfinite(rate):
-            arrival += rng.expovariate(rate)
-            time.sleep(max(0.0, start + arrival - time.perf_counter()))
-        slots.acquire()
-        thread = threading.Thread(target=one, args=(i,), daemon=True)
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join()
-    return results, time.perf_counter() - start
+            arrival[0] += rng.expovariate(rate)
+            time.sleep(max(0.0, start + arrival[0] - time.perf_counter()))
+
+    def send(i):
+        results[i] = client.stream(endpoint, bodies[i])
+    return results, run_threads([functools.partial(send, i) for i in range(len(bodies))], concurrency, arrive)
 
 
 def run_sessions(client: Client, body: dict, sessions: list, concurrency: int | None) -> tuple[list[Result], float]:
     """Each session's turns one after another (the conversation so far, with the answers the server
     gave), `concurrency` sessions in flight; returns every turn's result and the run's duration."""
     results: list[Result] = []
-    slots = threading.Semaphore(concurrency or len(sessions))
     lock = threading.Lock()
 
-    def one(session):
-        try:
-            while not session.done:
-                result = client.stream("chat", {**body, "messages": session.messages()})
-                result.turn = len(session.answers) + 1
-                with lock:
-                    results.append(result)
-                if not result.ok:
-                    return
-                session.answers.append(result.text)
-        finally:
-            slots.release()
-
-    start, threads = time.perf_counter(), []
-    for session in sessions:
-        slots.acquire()
-        thread = threading.Thread(target=one, args=(session,), daemon=True)
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join()
-    return results, time.perf_counter() - start
+    def converse(session):
+        while not session.done:
+            result = client.stream("chat", {**body, "messages": session.messages()})
+            result.turn = len(session.answers) + 1
+            with lock:
+                results.append(result)
+            if not result.ok:
+                return
+            session.answers.append(result.text)
+    duration = run_threads([functools.partial(converse, s) for s in sessions], concurrency)
+    return results, duration
 
 
 def percentiles(values: list[float]) -> dict:
