@@ -50,8 +50,9 @@ class OutOfBlocks(Exception):
 class BlockTable(list):
     """A sequence's block ids, in position order. `synced`: how many leading ids the device's copy
     of the table holds (cuda_graph.DeviceBlockTables), lowered when the table is truncated; `row`:
-    its row there (None: none yet); `hashes`: with prefix caching, the keys of its leading blocks
-    that are published (BlockAllocator.publish)."""
+    its row there (None: none yet); `hashes`: with prefix caching, the keys of its leading full
+    blocks of committed tokens (BlockAllocator.publish; a block whose key another block was
+    published under first stays the sequence's own)."""
     __slots__ = ("synced", "row", "hashes")
 
     def __init__(self, ids=()):
