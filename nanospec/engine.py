@@ -360,9 +360,9 @@ def emittable_vocab(config, tokenizer) -> int:
 
 
 def cached_prefix(allocator: BlockAllocator, proposer: Proposer | None, req: Request) -> int:
-    """A new request's positions found in the prefix cache: the target's, cut to what a model
-    proposer's own cache holds too (it could not compute the rest: EAGLE needs the target's features
-    there); the target gives back the blocks past them."""
+    """A new request's positions found in the prefix cache: the target's, cut where a model
+    proposer needs the target to compute more (EAGLE: the features past what its own cache holds);
+    the target gives back the blocks past them."""
     found = allocator.cached_prefix(req.block_table, req.tokens[:-1])
     if found and hasattr(proposer, "cached_prefix"):
         found = proposer.cached_prefix(req, found)

@@ -31,8 +31,8 @@ that does not fit drafts nothing that step (ModelProposer.with_room).
 
 Prefix caching (kv_cache.BlockAllocator): the proposer's cache publishes its blocks of committed
 inputs after each rollback, keyed by the tokens that made them (`shift`: EAGLE's element i reads
-t_{i+1}), and a new request skips the positions that both the target's cache and its own hold
-(ModelProposer.cached_prefix).
+t_{i+1}); a new request's proposer skips what its own cache holds, and with EAGLE, which needs the
+target's features, the target skips only that much too (ModelProposer.cached_prefix).
 """
 from __future__ import annotations
 
@@ -238,14 +238,16 @@ class ModelProposer(Proposer):
 
     def cached_prefix(self, request, n: int) -> int:
         """A new request's target cache holds its first n positions: take this cache's published
-        blocks of the longest prefix of them (leaving the first round an element to feed: EAGLE
-        needs the target's feature of one position it prefills); returns how many positions both
-        hold from now on (the target gives back what it found past them)."""
+        blocks of the longest prefix of them; returns how many the target may skip (it gives back
+        what it found past them). A draft model catches up on the rest from the tokens alone, so
+        the target keeps its n; EAGLE feeds the target's features from its own length on, so the
+        target skips only what EAGLE holds, and EAGLE leaves its first round one position whose
+        feature the target prefills."""
         st, size = self.state(request), self.kv_cache.block_size
-        n = min(n, (len(request.tokens) - 1 - self.shift) // size * size)
+        own = min(n, (len(request.tokens) - 1 - self.shift) // size * size)
         st.num_cached = st.num_real = self.kv_cache.allocator.cached_prefix(
-            st.block_table, request.tokens[:n + self.shift], self.shift)
-        return st.num_cached
+            st.block_table, request.tokens[:own + self.shift], self.shift)
+        return st.num_cached if self.needs_features else n
 
     def publish(self, request) -> None:
         """After rollback: its cached positions hold committed inputs, read by the round just run,
