@@ -219,8 +219,8 @@ class LLM:
         """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
         same step, on the same buffers). enable_prefix_caching: reuse the K/V of a prompt's leading
         blocks that an earlier request computed, the target's and a model proposer's (kv_cache.py;
-        default: on, as in vLLM). log: a
-        callable given a line about long work (the quick dynamic-K profile), or None."""
+        default: on, as in vLLM). log: a callable given a line about long work (the quick dynamic-K
+        profile), or None."""
         self.log = log or (lambda line: None)
         if target is not None and not isinstance(target, (str, os.PathLike)):
             raise NanospecError(f"{param('target')} must be a path or a hub id (a string), got {target!r}")
