@@ -60,6 +60,11 @@ class BlockTable(list):
         self.synced, self.row, self.hashes = 0, None, []
 
 
+def chain_seed(tokens: list[int], shift: int) -> bytes:
+    """The parent key of a chain's first block: the first `shift` tokens (BlockAllocator.cached_prefix)."""
+    return block_key(b"", tokens[:shift]) if shift else b""
+
+
 def block_key(parent: bytes, tokens) -> bytes:
     """A full block's key: its tokens and (through the parent's key) every token before them. A
     SHA-256, as vLLM keys its prefix cache: two different prefixes never meet in practice."""
@@ -130,7 +135,7 @@ class BlockAllocator:
         keyed by tokens[shift + j * size:shift + (j + 1) * size], its chain seeded by tokens[:shift]."""
         if not self.prefix_caching:
             return 0
-        key = block_key(b"", tokens[:shift]) if shift else b""
+        key = chain_seed(tokens, shift)
         for start in range(shift, len(tokens) - self.block_size + 1, self.block_size):
             key = block_key(key, tokens[start:start + self.block_size])
             block = self.published.get(key)
@@ -151,7 +156,7 @@ class BlockAllocator:
             return
         size = self.block_size
         for i in range(len(block_table.hashes), num_tokens // size):   # shift: as in cached_prefix
-            parent = block_table.hashes[-1] if block_table.hashes else block_key(b"", tokens[:shift]) if shift else b""
+            parent = block_table.hashes[-1] if block_table.hashes else chain_seed(tokens, shift)
             key = block_key(parent, tokens[shift + i * size:shift + (i + 1) * size])
             block_table.hashes.append(key)
             if key not in self.published and block_table[i] not in self.key_of:

@@ -327,12 +327,13 @@ class DraftModelProposer(ModelProposer):
         self.model = model
 
     def catch_up_len(self, request, state) -> int:
+        """How many positions its next first step feeds: every token the draft has not cached."""
         return len(request.tokens) - state.num_cached
 
     def catch_up(self, requests, states):
         """The first step feeds every token the draft has not cached."""
         inputs = [t for r, s in zip(requests, states) for t in r.tokens[s.num_cached:]]
-        return inputs, [len(r.tokens) - s.num_cached for r, s in zip(requests, states)], None
+        return inputs, [self.catch_up_len(r, s) for r, s in zip(requests, states)], None
 
     def first_step(self, meta, plan, rows_t, carry) -> torch.Tensor:
         """The logits after each request's catch-up."""
@@ -387,13 +388,14 @@ class EagleProposer(ModelProposer):
         return super().max_drafts(request) if st.num_real or any(len(f) for f in st.pending) else 0
 
     def catch_up_len(self, request, state) -> int:
+        """How many elements its next first step feeds: those with real features not fed yet."""
         return sum(len(f) for f in state.pending)
 
     def catch_up(self, requests, states):
         """The first step feeds the elements with real features the head has not seen."""
         token_ids = [t for r, s in zip(requests, states) for t in r.tokens[s.num_real + 1:]]
         features = torch.cat([f for s in states for f in s.pending])
-        lens = [sum(len(f) for f in s.pending) for s in states]
+        lens = [self.catch_up_len(r, s) for r, s in zip(requests, states)]
         for s, n in zip(states, lens):
             s.pending, s.num_real = [], s.num_real + n
         return token_ids, lens, features
