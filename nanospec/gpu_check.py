@@ -45,10 +45,12 @@ the CUDA tests are skipped with a reason.
 """
 from __future__ import annotations
 
+import cProfile
 import gc
 import importlib.util
 import json
 import os
+import pstats
 import re
 import shutil
 import signal
@@ -66,7 +68,7 @@ from nanospec.baseline import time_transformers, transformers_model
 from nanospec.engine import SamplingParams
 from nanospec.k_policy import StaticK
 from nanospec.llm import LLM
-from nanospec.measure import decoding, device_name, oracle_proposer, timed
+from nanospec.measure import decoding, device_name, oracle_proposer, sync, timed
 from nanospec.prompts import shipped_prompts
 from nanospec.proposer import OracleProposer
 from nanospec.step_ops import count_step_ops
@@ -451,6 +453,23 @@ def replay_device_ms(engine, steps: int) -> tuple[float, float]:
     return 1000 * seconds / steps, sum(a.elapsed_time(b) for a, b in marks) / steps
 
 
+def host_profile(engine, steps: int, top: int = 12) -> dict:
+    """Where a step's host time goes: cProfile over `steps` steps, the functions of most own time
+    (microseconds per step; cProfile's own cost inflates them alike). On CUDA the wait for the
+    device shows up in whatever reads the results back."""
+    profiler = cProfile.Profile()
+    sync(engine.device)
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats   # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return {f"{os.path.basename(file)}:{line}({name})": round(1e6 * own / steps, 1)
+            for (file, line, name), (_, _, own, _, _) in rows}
+
+
 def measure_step_anatomy(check: GpuCheck, section: Section) -> None:
     """Where a decode step goes, at the first two batches (1 and 16), K 0 and the headline K: with
     graphs, the step's wall time against its graph replays' device time; eagerly, the operations
@@ -462,11 +481,14 @@ def measure_step_anatomy(check: GpuCheck, section: Section) -> None:
         for k in (0, plan["ks"][0]):
             if not section.more():
                 return
-            steps = max(1, min(8, (new_tokens - 7) // (k + 1)))   # all inside the requests' tokens
+            # all inside the requests' tokens, twice over (the host profile, then the timed replays)
+            steps = max(1, min(8, (new_tokens - 7) // (2 * (k + 1))))
             row = {"batch": batch, "k": k}
             for graphs in [True, False] if check.cuda else [False]:   # an engine of its own each
                 engine, prompts, _ = row_engine(loaded, batch, k, graphs, new_tokens)
                 decoding(engine, prompts, new_tokens)
+                if graphs or not check.cuda:
+                    row["host_us_per_step"] = host_profile(engine, steps)
                 if graphs:
                     row["graphs_step_ms"], row["replay_device_ms"] = (
                         round(ms, 3) for ms in replay_device_ms(engine, steps))

@@ -13,6 +13,7 @@ tokens are what the requests gained in the counted steps.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 from dataclasses import dataclass, field
@@ -31,9 +32,6 @@ NO_WORK = {   # aten ops that only make views or allocate: no kernel, no data re
     "aten::contiguous", "aten::numpy_T", "aten::result_type", "aten::is_nonzero", "aten::_local_scalar_dense",
     "aten::unfold", "aten::as_strided_", "aten::resolve_conj", "aten::resolve_neg",
     "aten::to", "aten::_to_copy", "aten::type_as", "aten::unsqueeze_", "aten::squeeze_"}
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset",
-            "cudaLaunchCooperativeKernel")   # host calls that put work on the device
-
 
 @dataclass
 class StepOps:
@@ -85,16 +83,23 @@ def working_cpu_ops(event) -> list:
     return [event] if works else []
 
 
-def launches(event) -> list:
-    """The host calls at and under `event` that launch device work."""
-    own = [event] if event.name.startswith(LAUNCHES) else []
-    return own + [op for child in event.cpu_children for op in launches(child)]
+def device_ops(events) -> tuple[list, list[int]]:
+    """CUDA: (the device's own records: kernels, copies, memsets; each layer's count). A profiler
+    range shows up twice, as a host event and as a device-side annotation spanning the kernels
+    launched inside it; the annotation is not work (it was once counted as one operation a layer).
+    A layer's kernels are those that ran inside its device-side span."""
+    cuda = torch.autograd.DeviceType.CUDA
+    spans = [e.time_range for e in events if e.device_type == cuda and e.name == LAYER]
+    ops = [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False) and e.name != LAYER]
+    starts = sorted(op.time_range.start for op in ops)
+    layers = [bisect.bisect_right(starts, span.end) - bisect.bisect_left(starts, span.start) for span in spans]
+    return ops, layers
 
 
 def count_step_ops(engine, steps: int) -> StepOps:
     """Run `steps` engine steps (requests already decoding) under the profiler and count their
     operations. On CUDA the device's own records count (kernels, copies, memsets) per step; per
-    layer, the launches made inside the LAYER ranges."""
+    layer, those inside a LAYER range's device-side span (device_ops)."""
     cuda = engine.device.type == "cuda"
     requests = list(engine.scheduler.running)
     before = sum(len(r.output_ids) for r in requests)
@@ -107,8 +112,7 @@ def count_step_ops(engine, steps: int) -> StepOps:
     tokens = sum(len(r.output_ids) for r in requests) - before
     events = prof.events()
     if cuda:
-        ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        layers = [len(launches(e)) for e in events if e.name == LAYER]
+        ops, layers = device_ops(events)
     else:
         roots = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU]
         ops = [op for root in roots for op in working_cpu_ops(root)]

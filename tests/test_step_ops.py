@@ -10,7 +10,7 @@ from nanospec.k_policy import StaticK
 from nanospec.kv_cache import build_metadata, paged_attention_reference
 from nanospec.measure import decoding, oracle_proposer
 from nanospec.model import RotaryEmbedding
-from nanospec.step_ops import count_step_ops
+from nanospec.step_ops import LAYER, count_step_ops
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [3, 3, 8, 120, 64], [77, 12, 1, 9, 9, 30, 2, 5, 6], [15, 250, 4]]
 # The pinned counts (CPU, float32, torch 2.13, a 2-layer Llama-3 checkpoint): operations inside one
@@ -54,6 +54,22 @@ def test_the_count_sees_one_more_operation_in_each_layer(llama, monkeypatch):
     monkeypatch.setattr(model_module.MLP, "forward", lambda self, x: real(self, x) * 1.0)
     after = count_step_ops(decoding_engine(llama, 1, 0), steps=3)
     assert after.per_layer == before.per_layer + 1 and after.outside_layers == before.outside_layers
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_count_sees_each_layers_kernels_and_one_more(checkpoints, monkeypatch):
+    """On CUDA the device's records are counted: each layer's kernels (inside its range's
+    device-side span), not the range itself; one added elementwise op per layer is one more kernel
+    per layer and none outside."""
+    llm = LLM(checkpoints["llama3"], device="cuda", dtype="bfloat16", kv_cache_gb=0.05, enforce_eager=True)
+    before = count_step_ops(decoding_engine(llm, 1, 0), steps=3)
+    assert before.per_layer >= 5 and LAYER not in before.by_name, before.as_dict()
+    real = model_module.MLP.forward
+    monkeypatch.setattr(model_module.MLP, "forward", lambda self, x: real(self, x) * 1.0)
+    after = count_step_ops(decoding_engine(llm, 1, 0), steps=3)
+    assert after.per_layer == before.per_layer + 1 and after.outside_layers == before.outside_layers, (
+        before.as_dict(), after.as_dict())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
