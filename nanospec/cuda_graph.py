@@ -220,7 +220,8 @@ class StepGraphs:
         self.inputs[:n + fits * len(extra)].copy_(self.host[:n + fits * len(extra)], non_blocking=True)  # the copy
         if plan is not None:   # a round too long for the buffer (a draft's first, over whole prompts): its own copy
             plan.device = self.inputs[n:n + len(extra)] if fits else upload(list(extra), self.device)
-        self.apply_updates(self.inputs[end:n])
+        if n > end:   # most steps change no table: no launch
+            self.apply_updates(self.inputs[end:n])
         fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
         temperature, top_p = fields[6:8, :batch].view(torch.float64).float()
         self.finite.fill_(True)

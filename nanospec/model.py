@@ -365,14 +365,15 @@ class Attention(nn.Module):
         # q and k rotated together, with the pass's tables (the positions kept alive with them: the key
         # holds their id)
         cos, sin, _ = meta.once(("rope", id(rope), id(positions)), lambda: (*rope.tables(positions), positions))
-        qk = rope.rotate(qk, cos, sin)
-        q, k = qk[:, :heads], qk[:, heads:]
         pages = kv_cache.layer(self.layer_index)
         k_cache, v_cache = pages[0], pages[1]   # (not unpacked: unbind's views refuse in-place writes under autograd)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        if triton_attention.available(q, k_cache):
+        if triton_attention.available(qk, k_cache):   # the rotation and both writes in one kernel
+            q = triton_attention.rotate_and_store(qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             out = triton_attention.paged_attention(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
         else:
+            qk = rope.rotate(qk, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = paged_attention_reference(q, pages, meta, scale=self.head_dim ** -0.5)
         return self.o_proj(out.reshape(tokens, -1))
 

@@ -247,6 +247,36 @@ if triton is not None:
             top = new_top
         _store_rows(out_ptr, start, token, head, num_kv_heads * group, row_ok, acc / total[:, None], HEAD_DIM)
 
+    @triton.jit
+    def _rotate_store_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                             qk_token_stride, v_token_stride, table_stride, cache_slot_stride, heads, kv_heads,
+                             HEAD_DIM: tl.constexpr):
+        """One head of one new token: a query head rotated into q_out [T, heads, HEAD_DIM], a key
+        head rotated into its cache slot, or a value head copied into its slot (program_id(1): the
+        query heads, then the key heads, then the value heads). The rotation is the model's
+        rotate() (x * cos + swap(x) * sin in float32, swap exchanging the halves), launched with
+        fused multiply-adds off so that it rounds as the eager ops do: bit for bit."""
+        token, head = tl.program_id(0), tl.program_id(1)
+        dims = tl.arange(0, HEAD_DIM)
+        if head < heads + kv_heads:
+            row = qk_ptr + token * qk_token_stride + head * HEAD_DIM
+            x = tl.load(row + dims).to(tl.float32)
+            swapped = tl.load(row + (dims + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32)
+            cos = tl.load(cos_ptr + token * table_stride + dims)
+            sin = tl.load(sin_ptr + token * table_stride + dims)
+            rotated = x * cos + swapped * sin
+            if head < heads:
+                tl.store(q_out_ptr + (token * heads + head) * HEAD_DIM + dims, rotated.to(q_out_ptr.dtype.element_ty))
+            else:
+                slot = tl.load(slots_ptr + token)
+                tl.store(k_cache_ptr + slot * cache_slot_stride + (head - heads) * HEAD_DIM + dims,
+                         rotated.to(k_cache_ptr.dtype.element_ty))
+        else:
+            slot = tl.load(slots_ptr + token)
+            v_head = head - heads - kv_heads
+            value = tl.load(v_ptr + token * v_token_stride + v_head * HEAD_DIM + dims)
+            tl.store(v_cache_ptr + slot * cache_slot_stride + v_head * HEAD_DIM + dims, value)
+
 
 MAX_SPLITS = 16   # most context splits of one (sequence, KV head, query block)
 
@@ -339,6 +369,28 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             out, part_acc, part_stats, query_start, positions, kv_heads, group, tile.tokens, splits,
             **merge_constexprs(tile, head_dim), num_warps=tile.num_warps)
     return out
+
+
+ROTATE_STORE_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}   # a head is 16-128 elements; see the kernel
+
+
+def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """What Attention does before attending, in one launch (on a GPU three kernels were one rotation
+    and two index writes): qk [T, heads + kv_heads, head_dim] rotated with the pass's tables cos,
+    sin [T, 1, head_dim] (RotaryEmbedding.tables, float32), its key heads and v [T, kv_heads,
+    head_dim] stored in their slots of the caches [num_blocks, block_size, kv_heads, head_dim].
+    Returns the rotated queries [T, heads, head_dim], contiguous as the attention kernel reads them.
+    qk and v may be row views of the qkv product (their heads contiguous); the reference is
+    RotaryEmbedding.rotate then kv_cache.write_kv."""
+    tokens, both, head_dim = qk.shape
+    kv_heads = v.shape[1]
+    heads = both - kv_heads
+    q = torch.empty(tokens, heads, head_dim, dtype=qk.dtype, device=qk.device)
+    _rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
+        qk, v, cos, sin, slot_mapping, q, k_cache, v_cache, qk.stride(0), v.stride(0), cos.stride(0),
+        k_cache.stride(1), heads, kv_heads, HEAD_DIM=head_dim, **ROTATE_STORE_OPTIONS)
+    return q
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:

@@ -74,6 +74,46 @@ def check(device, dtype, tol):
 """
 
 
+# rotate_and_store against the model's rotation and write_kv, bit for bit: the rotated queries and
+# the whole pages (so a wrong slot or head shows), qk as the qkv product's row view (Llama) or
+# contiguous (Qwen3's normed heads), padding rows' slots in the sink block as in a padded step.
+ROTATE_CHECK = r"""
+import torch
+from nanospec.kv_cache import write_kv
+from nanospec.model import RotaryEmbedding
+from nanospec.triton_attention import rotate_and_store
+
+g = torch.Generator().manual_seed(1)
+
+def mismatches(device, dtype, heads, kv_heads, dim, tokens, row_view):
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width, generator=g).to(device=device, dtype=dtype)
+    qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    if not row_view:
+        qk = qk.contiguous()
+    angles = torch.randn(tokens, dim // 2, generator=g, dtype=torch.float64) * 100
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].float().to(device)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)[:, None].float().to(device)
+    pages = torch.randn(2, 9, 4, kv_heads, dim, generator=g).to(device=device, dtype=dtype)
+    expected = pages.clone()
+    slots = torch.randperm(32, generator=g)[:tokens].to(device)
+    q = rotate_and_store(qk, v, cos, sin, pages[0], pages[1], slots)
+    rotated = RotaryEmbedding.rotate.eager(qk, cos, sin)
+    write_kv(expected[0], expected[1], rotated[:, heads:], v, slots)
+    assert q.shape == (tokens, heads, dim) and q.is_contiguous()
+    return (q != rotated[:, :heads]).sum().item() + (pages != expected).sum().item()
+
+CASES = [(4, 2, 32, 5, True), (8, 2, 64, 3, False), (32, 8, 128, 7, True), (16, 16, 64, 1, True)]
+
+def check_rotate(device, dtypes):
+    for dtype in dtypes:
+        for case in CASES:
+            assert mismatches(device, dtype, *case) == 0, (dtype, case)
+    print("ok")
+"""
+
+
 def run_check(code: str) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter with TRITON_INTERPRET=1 (set before triton is imported)."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
@@ -93,8 +133,9 @@ def test_kernels_equal_the_reference_in_the_interpreter_float16():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
-def broken_error(tmp_path, old: str, new: str, case: str) -> float:
-    """The check's error on `case` with the module's source changed from `old` to `new`."""
+def broken_error(tmp_path, old: str, new: str, case: str, check: str = CHECK, call: str = "error") -> float:
+    """call(case) of a check (the attention error by default) with the module's source changed
+    from `old` to `new`."""
     src = open(os.path.join(os.path.dirname(__file__), "..", "nanospec", "triton_attention.py")).read()
     broken = src.replace(old, new)
     assert broken != src
@@ -107,7 +148,7 @@ def broken_error(tmp_path, old: str, new: str, case: str) -> float:
             f"module.__file__ = {path!r}\n"
             "exec(compile(open(module.__file__).read(), module.__file__, 'exec'), module.__dict__)\n"
             "sys.modules['nanospec.triton_attention'] = module\n"
-            + CHECK + f"\nprint(error({case}))\n")
+            + check + f"\nprint({call}({case}))\n")
     proc = run_check(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return float(proc.stdout.strip().splitlines()[-1])
@@ -127,6 +168,30 @@ def test_a_wrong_merge_fails_the_check(tmp_path):
                          "tl.exp(top - top), tl.exp(part_max - part_max)",
                          "'tiled', 'cpu', torch.float32, 16, 4, 2, 64, [(300, 3), (40, 1)], 8")
     assert error > 1e-2
+
+
+def test_rotate_and_store_is_the_rotation_and_writes_bit_for_bit_in_the_interpreter():
+    """float32 and float16 (the interpreter rounds float32 to bfloat16 by truncation, where a GPU
+    rounds to nearest even: bfloat16 is checked on CUDA)."""
+    proc = run_check(ROTATE_CHECK + "\ncheck_rotate('cpu', [torch.float32, torch.float16])\n")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_a_wrong_rotate_and_store_fails_the_check(tmp_path):
+    """The check's power: the rotation without its half swap, and a key head stored one head over."""
+    assert broken_error(tmp_path, "(dims + HEAD_DIM // 2) % HEAD_DIM", "dims",
+                        "'cpu', torch.float32, 4, 2, 32, 5, True", ROTATE_CHECK, "mismatches") > 0
+    assert broken_error(tmp_path, "(head - heads) * HEAD_DIM + dims", "(head - heads + 1) % kv_heads * HEAD_DIM + dims",
+                        "'cpu', torch.float32, 4, 2, 32, 5, True", ROTATE_CHECK, "mismatches") > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rotate_and_store_is_the_rotation_and_writes_bit_for_bit_on_cuda():
+    """Compiled, with fused multiply-adds off, it rounds as the eager ops do, bfloat16 included."""
+    namespace = {}
+    exec(ROTATE_CHECK, namespace)
+    namespace["check_rotate"]("cuda", [torch.float32, torch.bfloat16, torch.float16])
 
 
 @pytest.mark.cuda

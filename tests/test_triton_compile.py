@@ -44,6 +44,8 @@ def engine_variants() -> set[tuple]:
     for dtype, name in DTYPES.items():
         for head_dim in HEAD_DIMS:
             variants.add(("_paged_attention_kernel", (("BLOCK_SIZE", BLOCK_SIZE), ("HEAD_DIM", head_dim)), 4, name))
+            variants.add(("_rotate_store_kernel", (("HEAD_DIM", head_dim),),
+                          triton_attention.ROTATE_STORE_OPTIONS["num_warps"], name))
             for group in GROUPS:
                 for max_q in MAX_Q:
                     tile = triton_attention.tile_config(max_q, group, head_dim, dtype)
@@ -57,8 +59,10 @@ def engine_variants() -> set[tuple]:
 
 def arg_type(arg: str, dtype: str) -> str:
     """A kernel argument's Triton type, as the launchers pass it."""
-    if arg in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"):
+    if arg in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "qk_ptr", "v_ptr", "q_out_ptr"):
         return "*" + dtype
+    if arg in ("cos_ptr", "sin_ptr"):
+        return "*fp32"            # the rotary tables
     if arg.startswith("part_"):
         return "*fp32"            # the splits' partial results
     if arg.endswith("_ptr"):
@@ -84,7 +88,9 @@ def build(job: tuple) -> dict:
     start = time.perf_counter()
     try:
         source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        binary = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+        options = {"num_warps": num_warps}   # and the launcher's own options, as it launches the kernel
+        options.update(triton_attention.ROTATE_STORE_OPTIONS if kernel_name == "_rotate_store_kernel" else {})
+        binary = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
         ptx, shared = binary.asm["ptx"], binary.metadata.shared
         arch = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)   # sm_80, sm_90a
         with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +144,7 @@ def test_the_variants_cover_what_the_engine_launches():
     head_dim 128 (a verify step of K = 16 at GQA 8), which spilled before it got 8 warps."""
     variants = engine_variants()
     kernels = {(kernel, dtype) for kernel, _, _, dtype in variants}
-    assert kernels == {(k, d) for k in ("_tiled_kernel", "_merge_kernel", "_paged_attention_kernel")
+    assert kernels == {(k, d) for k in ("_tiled_kernel", "_merge_kernel", "_paged_attention_kernel", "_rotate_store_kernel")
                        for d in DTYPES.values()}
     tiles = {(dict(c)["BLOCK_M"], dict(c)["HEAD_DIM"], dict(c)["DIRECT"]) for k, c, _, d in variants
              if k == "_tiled_kernel" and d == "bf16"}
