@@ -110,7 +110,8 @@ def test_the_cuda_tests_run_alone_and_a_timeout_is_recorded_not_fatal(tmp_path, 
         rows += report["sections"]["cuda_tests"]["rows"]
     finished, killed = rows
     assert finished["returncode"] == 0 and not finished["timed_out"]
-    assert finished["skipped"] == 1 and finished["deselected"] >= 2, finished   # the CPU tests left out
+    marked = (TESTS / "test_triton_attention.py").read_text().count("@pytest.mark.cuda")
+    assert finished["skipped"] == marked >= 2 and finished["deselected"] >= 2, finished   # the CPU tests left out
     assert killed["timed_out"] and killed["summary"] == "timed out after 1 s" and "tail" in killed
 
 
