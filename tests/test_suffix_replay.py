@@ -25,3 +25,16 @@ def test_the_replay_steps_the_workload_as_the_engine_does(spec_models, offset):
     row = replay(trace, f"suffix+{offset}", cost=0.0)
     generated = sum(len(t["output"]) for t in trace)
     assert row["mean_acceptance_length"] == round(generated / steps, 3)
+
+
+def test_the_gating_options_gate():
+    """suffix+N@pP and @mM rows: a path probability no draft reaches, or a match longer than the
+    deepest suffix matched, drafts nothing; @m1 is the default rule."""
+    repeated = [5, 9, 2, 7, 3, 8, 1, 6]
+    trace = [dict(category="any", prompt=repeated * 3, output=repeated * 2)] * 2
+    default = replay(trace, "suffix+0", cost=0.1)
+    assert default["drafted_per_step"] > 1 and default["mean_acceptance_length"] > 2
+    assert replay(trace, "suffix+0@m1", cost=0.1) == {**default, "row": "suffix+0@m1"}
+    for gated in ("suffix+0@p1.01", "suffix+0@m25", "suffix+3 priced@p1.01"):
+        row = replay(trace, gated, cost=0.1)
+        assert row["drafted_per_step"] == 0 and row["mean_acceptance_length"] == 1, row

@@ -14,6 +14,10 @@ docs/suffix_decoding.md). Rows:
   ngram           prompt lookup at K = 4
   suffix+N        suffix decoding (K 16) with N extra tokens always drafted (N = 0: vLLM's rule)
   suffix+N priced the same with the extra tokens priced (suffix.ExtraTokens), fed the model's step times
+  suffix+N@pP     with min_token_prob P (a draft stops where its path's probability falls below P)
+  suffix+N@mM     drafting only from matches of M tokens or more (the request's own stream: 1, the
+                  global index: 2, by default); @pP@mM both. Whether gating weak drafts pays where
+                  verifying is dear: docs/suffix_decoding.md, "Gating weak drafts"
 
     python tools/suffix_replay.py --workload multiturn --costs 0.03,0.27 [--out FILE.json]
 """
@@ -24,6 +28,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+import unittest.mock
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +40,8 @@ from nanospec.cli import set_threads  # noqa: E402
 from nanospec.llm import LLM  # noqa: E402
 from nanospec.prompts import by_category_in_turn, shipped_prompts  # noqa: E402
 from nanospec.proposer import NgramIndex  # noqa: E402
-from nanospec.suffix import SuffixProposer  # noqa: E402
+from nanospec import suffix as suffix_module  # noqa: E402
+from nanospec.suffix import MIN_TOKEN_PROB, SuffixProposer  # noqa: E402
 from nanospec.workload import multiturn_sessions  # noqa: E402
 
 
@@ -51,11 +57,26 @@ def record(workload: str, max_prompts: int, max_new_tokens: int) -> list[dict]:
     return [dict(category=c, prompt=r.prompt_ids, output=r.output_ids) for c, r in state["ngram"]["done"]]
 
 
+def min_match_at_least(m: int):
+    """A context in which every suffix match shorter than m tokens drafts nothing."""
+    real = suffix_module.best_draft
+    return unittest.mock.patch.object(suffix_module, "best_draft", lambda before, after, context, k, min_match, **kw:
+                                      real(before, after, context, k, max(min_match, m), **kw))
+
+
 def replay(trace: list[dict], rule: str, cost: float) -> dict:
     """One row: the rule stepped through every request in order (finished ones feed suffix's index)."""
-    name, _, offset = rule.partition("+")
+    rule_name, *options = rule.split("@")
+    options = {o[0]: float(o[1:]) for o in options}   # p: min_token_prob, m: min match
+    with min_match_at_least(int(options.get("m", 1))):
+        return replay_rule(trace, rule, rule_name, cost, options.get("p", MIN_TOKEN_PROB))
+
+
+def replay_rule(trace: list[dict], rule: str, rule_name: str, cost: float, min_token_prob: float) -> dict:
+    name, _, offset = rule_name.partition("+")
     priced = offset.endswith(" priced")
-    suffix = SuffixProposer("cpu", max_spec_offset=int(offset.split()[0] or 0)) if name == "suffix" else None
+    suffix = SuffixProposer("cpu", max_spec_offset=int(offset.split()[0] or 0),
+                            min_token_prob=min_token_prob) if name == "suffix" else None
     per_category = defaultdict(lambda: [0, 0])
     steps = drafted = 0
     clock = 0.0
