@@ -249,8 +249,8 @@ if triton is not None:
 
     @triton.jit
     def _rotate_store_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                             qk_token_stride, v_token_stride, table_stride, cache_slot_stride, heads, kv_heads,
-                             HEAD_DIM: tl.constexpr):
+                             qk_token_stride, qk_head_stride, qk_dim_stride, v_token_stride, v_head_stride,
+                             v_dim_stride, table_stride, cache_slot_stride, heads, kv_heads, HEAD_DIM: tl.constexpr):
         """One head of one new token: a query head rotated into q_out [T, heads, HEAD_DIM], a key
         head rotated into its cache slot, or a value head copied into its slot (program_id(1): the
         query heads, then the key heads, then the value heads). The rotation is the model's
@@ -259,9 +259,9 @@ if triton is not None:
         token, head = tl.program_id(0), tl.program_id(1)
         dims = tl.arange(0, HEAD_DIM)
         if head < heads + kv_heads:
-            row = qk_ptr + token * qk_token_stride + head * HEAD_DIM
-            x = tl.load(row + dims).to(tl.float32)
-            swapped = tl.load(row + (dims + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32)
+            row = qk_ptr + token * qk_token_stride + head * qk_head_stride
+            x = tl.load(row + dims * qk_dim_stride).to(tl.float32)
+            swapped = tl.load(row + (dims + HEAD_DIM // 2) % HEAD_DIM * qk_dim_stride).to(tl.float32)
             cos = tl.load(cos_ptr + token * table_stride + dims)
             sin = tl.load(sin_ptr + token * table_stride + dims)
             rotated = x * cos + swapped * sin
@@ -274,7 +274,7 @@ if triton is not None:
         else:
             slot = tl.load(slots_ptr + token)
             v_head = head - heads - kv_heads
-            value = tl.load(v_ptr + token * v_token_stride + v_head * HEAD_DIM + dims)
+            value = tl.load(v_ptr + token * v_token_stride + v_head * v_head_stride + dims * v_dim_stride)
             tl.store(v_cache_ptr + slot * cache_slot_stride + v_head * HEAD_DIM + dims, value)
 
 
@@ -381,14 +381,15 @@ def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: 
     sin [T, 1, head_dim] (RotaryEmbedding.tables, float32), its key heads and v [T, kv_heads,
     head_dim] stored in their slots of the caches [num_blocks, block_size, kv_heads, head_dim].
     Returns the rotated queries [T, heads, head_dim], contiguous as the attention kernel reads them.
-    qk and v may be row views of the qkv product (their heads contiguous); the reference is
+    qk and v may be any strided views of the qkv product (row views of it on a GPU; on a CPU, under
+    the interpreter, model.Linear's few-row product is a transposed view); the reference is
     RotaryEmbedding.rotate then kv_cache.write_kv."""
     tokens, both, head_dim = qk.shape
     kv_heads = v.shape[1]
     heads = both - kv_heads
     q = torch.empty(tokens, heads, head_dim, dtype=qk.dtype, device=qk.device)
     _rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
-        qk, v, cos, sin, slot_mapping, q, k_cache, v_cache, qk.stride(0), v.stride(0), cos.stride(0),
+        qk, v, cos, sin, slot_mapping, q, k_cache, v_cache, *qk.stride(), *v.stride(), cos.stride(0),
         k_cache.stride(1), heads, kv_heads, HEAD_DIM=head_dim, **ROTATE_STORE_OPTIONS)
     return q
 

@@ -75,8 +75,8 @@ def check(device, dtype, tol):
 
 
 # rotate_and_store against the model's rotation and write_kv, bit for bit: the rotated queries and
-# the whole pages (so a wrong slot or head shows), qk as the qkv product's row view (Llama) or
-# contiguous (Qwen3's normed heads), padding rows' slots in the sink block as in a padded step.
+# the whole pages (so a wrong slot or head shows), qk as the qkv product's row view (Llama on a
+# GPU), contiguous (Qwen3's normed heads) or a column-major view (model.Linear's few rows on a CPU).
 ROTATE_CHECK = r"""
 import torch
 from nanospec.kv_cache import write_kv
@@ -85,12 +85,14 @@ from nanospec.triton_attention import rotate_and_store
 
 g = torch.Generator().manual_seed(1)
 
-def mismatches(device, dtype, heads, kv_heads, dim, tokens, row_view):
+def mismatches(device, dtype, heads, kv_heads, dim, tokens, layout):
     width = (heads + 2 * kv_heads) * dim
     qkv = torch.randn(tokens, width, generator=g).to(device=device, dtype=dtype)
-    qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
-    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
-    if not row_view:
+    if layout == "transposed":   # model.Linear's few-row product on a CPU: a column-major view
+        qkv = qkv.T.contiguous().T
+    qk = qkv[:, :(heads + kv_heads) * dim].unflatten(1, (heads + kv_heads, dim))
+    v = qkv[:, (heads + kv_heads) * dim:].unflatten(1, (kv_heads, dim))
+    if layout == "contiguous":
         qk = qk.contiguous()
     angles = torch.randn(tokens, dim // 2, generator=g, dtype=torch.float64) * 100
     cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].float().to(device)
@@ -104,7 +106,8 @@ def mismatches(device, dtype, heads, kv_heads, dim, tokens, row_view):
     assert q.shape == (tokens, heads, dim) and q.is_contiguous()
     return (q != rotated[:, :heads]).sum().item() + (pages != expected).sum().item()
 
-CASES = [(4, 2, 32, 5, True), (8, 2, 64, 3, False), (32, 8, 128, 7, True), (16, 16, 64, 1, True)]
+CASES = [(4, 2, 32, 5, "rows"), (8, 2, 64, 3, "contiguous"), (32, 8, 128, 7, "rows"), (16, 16, 64, 1, "rows"),
+         (4, 2, 32, 2, "transposed"), (8, 2, 16, 6, "transposed")]
 
 def check_rotate(device, dtypes):
     for dtype in dtypes:
@@ -177,12 +180,55 @@ def test_rotate_and_store_is_the_rotation_and_writes_bit_for_bit_in_the_interpre
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+# The model's forward through the CUDA path (rotate_and_store, then the tiled kernel), run in the
+# interpreter on CPU, against its reference path: a prefill of two sequences and two decode steps.
+MODEL_CHECK = r"""
+import sys, torch
+from nanospec import LLM, triton_attention
+from nanospec.kv_cache import KVCache, build_metadata
+
+model = LLM(sys.argv[1], device="cpu", dtype="float32", kv_cache_gb=0.01).engine.model
+cfg, cpu = model.config, torch.device("cpu")
+
+def run(kernels):
+    triton_attention.available = (lambda q, k_cache=None: True) if kernels else (lambda q, k_cache=None: False)
+    cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu)
+    tables, cached, out = [[], []], [0, 0], []
+    g = torch.Generator().manual_seed(0)
+    for lens in ([7, 5], [1, 1], [1, 1]):
+        for table, c, n in zip(tables, cached, lens):
+            cache.allocator.grow(table, c + n)
+        meta = build_metadata(tables, cached, lens, 4, cpu)
+        ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=g)
+        hidden, _ = model(ids, meta.positions, cache, meta)
+        out.append(hidden)
+        cached = [c + n for c, n in zip(cached, lens)]
+    return torch.cat(out), cache.pool
+
+with torch.inference_mode():
+    (h_kernels, pool_kernels), (h_ref, pool_ref) = run(True), run(False)
+error = max(((a - b).norm() / b.norm()).item() for a, b in ((h_kernels, h_ref), (pool_kernels, pool_ref)))
+print(error)
+"""
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+def test_the_models_cuda_path_equals_its_reference_in_the_interpreter(checkpoints, family):
+    """What a GPU runs of the model (one kernel rotating q and k and storing K/V, the tiled attention
+    kernel over the pages) gives the reference path's hidden states and pages, float32, on the test
+    checkpoints of each family (Qwen2's qkv bias, Qwen3's q/k norms)."""
+    proc = subprocess.run([sys.executable, "-c", MODEL_CHECK, checkpoints[family]], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5
+
+
 def test_a_wrong_rotate_and_store_fails_the_check(tmp_path):
     """The check's power: the rotation without its half swap, and a key head stored one head over."""
     assert broken_error(tmp_path, "(dims + HEAD_DIM // 2) % HEAD_DIM", "dims",
-                        "'cpu', torch.float32, 4, 2, 32, 5, True", ROTATE_CHECK, "mismatches") > 0
+                        "'cpu', torch.float32, 4, 2, 32, 5, 'rows'", ROTATE_CHECK, "mismatches") > 0
     assert broken_error(tmp_path, "(head - heads) * HEAD_DIM + dims", "(head - heads + 1) % kv_heads * HEAD_DIM + dims",
-                        "'cpu', torch.float32, 4, 2, 32, 5, True", ROTATE_CHECK, "mismatches") > 0
+                        "'cpu', torch.float32, 4, 2, 32, 5, 'rows'", ROTATE_CHECK, "mismatches") > 0
 
 
 @pytest.mark.cuda
