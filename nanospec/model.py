@@ -360,17 +360,20 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk = qkv[:, :self.q_size + self.kv_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        norms = hasattr(self, "q_norm")   # Qwen3's
         # q and k rotated together, with the pass's tables (the positions kept alive with them: the key
         # holds their id)
         cos, sin, _ = meta.once(("rope", id(rope), id(positions)), lambda: (*rope.tables(positions), positions))
         pages = kv_cache.layer(self.layer_index)
         k_cache, v_cache = pages[0], pages[1]   # (not unpacked: unbind's views refuse in-place writes under autograd)
-        if triton_attention.available(qk, k_cache):   # the rotation and both writes in one kernel
-            q = triton_attention.rotate_and_store(qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        if triton_attention.available(qk, k_cache):   # the norms, the rotation and both writes in one kernel
+            q = triton_attention.rotate_and_store(
+                qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                *((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if norms else ()))
             out = triton_attention.paged_attention(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
         else:
+            if norms:
+                qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
             qk = rope.rotate(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)

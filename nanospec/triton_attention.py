@@ -248,20 +248,37 @@ if triton is not None:
         _store_rows(out_ptr, start, token, head, num_kv_heads * group, row_ok, acc / total[:, None], HEAD_DIM)
 
     @triton.jit
+    def _norm_times(weight, normed, dtype):
+        """rms_norm's last step, rounded as it is: weight * normed.to(dtype), in dtype; as float32."""
+        return (weight.to(tl.float32) * normed.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+    @triton.jit
     def _rotate_store_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                             qk_token_stride, qk_head_stride, qk_dim_stride, v_token_stride, v_head_stride,
-                             v_dim_stride, table_stride, cache_slot_stride, heads, kv_heads, HEAD_DIM: tl.constexpr):
+                             q_norm_ptr, k_norm_ptr, eps, qk_token_stride, qk_head_stride, qk_dim_stride,
+                             v_token_stride, v_head_stride, v_dim_stride, table_stride, cache_slot_stride, heads,
+                             kv_heads, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
         """One head of one new token: a query head rotated into q_out [T, heads, HEAD_DIM], a key
         head rotated into its cache slot, or a value head copied into its slot (program_id(1): the
         query heads, then the key heads, then the value heads). The rotation is the model's
         rotate() (x * cos + swap(x) * sin in float32, swap exchanging the halves), launched with
-        fused multiply-adds off so that it rounds as the eager ops do: bit for bit."""
+        fused multiply-adds off so that it rounds as the eager ops do: bit for bit. NORM: first each
+        query and key head's RMSNorm (Qwen3's q_norm, k_norm), as model.rms_norm rounds it (its mean
+        summed in another order: not bit for bit)."""
         token, head = tl.program_id(0), tl.program_id(1)
         dims = tl.arange(0, HEAD_DIM)
         if head < heads + kv_heads:
             row = qk_ptr + token * qk_token_stride + head * qk_head_stride
+            partner = (dims + HEAD_DIM // 2) % HEAD_DIM   # swap's source: the other half
             x = tl.load(row + dims * qk_dim_stride).to(tl.float32)
-            swapped = tl.load(row + (dims + HEAD_DIM // 2) % HEAD_DIM * qk_dim_stride).to(tl.float32)
+            swapped = tl.load(row + partner * qk_dim_stride).to(tl.float32)
+            if NORM:
+                if head < heads:
+                    weight, weight_swapped = tl.load(q_norm_ptr + dims), tl.load(q_norm_ptr + partner)
+                else:
+                    weight, weight_swapped = tl.load(k_norm_ptr + dims), tl.load(k_norm_ptr + partner)
+                inverse = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+                x = _norm_times(weight, x * inverse, q_out_ptr.dtype.element_ty)
+                swapped = _norm_times(weight_swapped, swapped * inverse, q_out_ptr.dtype.element_ty)
             cos = tl.load(cos_ptr + token * table_stride + dims)
             sin = tl.load(sin_ptr + token * table_stride + dims)
             rotated = x * cos + swapped * sin
@@ -375,7 +392,8 @@ ROTATE_STORE_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}   # a head is
 
 
 def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
+                     k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """What Attention does before attending, in one launch (on a GPU three kernels were one rotation
     and two index writes): qk [T, heads + kv_heads, head_dim] rotated with the pass's tables cos,
     sin [T, 1, head_dim] (RotaryEmbedding.tables, float32), its key heads and v [T, kv_heads,
@@ -383,14 +401,16 @@ def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: 
     Returns the rotated queries [T, heads, head_dim], contiguous as the attention kernel reads them.
     qk and v may be any strided views of the qkv product (row views of it on a GPU; on a CPU, under
     the interpreter, model.Linear's few-row product is a transposed view); the reference is
-    RotaryEmbedding.rotate then kv_cache.write_kv."""
+    RotaryEmbedding.rotate then kv_cache.write_kv. q_norm, k_norm [head_dim] (with eps): each query
+    and key head RMSNorm'd first, as Qwen3 does (model.rms_norm)."""
     tokens, both, head_dim = qk.shape
     kv_heads = v.shape[1]
     heads = both - kv_heads
     q = torch.empty(tokens, heads, head_dim, dtype=qk.dtype, device=qk.device)
     _rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
-        qk, v, cos, sin, slot_mapping, q, k_cache, v_cache, *qk.stride(), *v.stride(), cos.stride(0),
-        k_cache.stride(1), heads, kv_heads, HEAD_DIM=head_dim, **ROTATE_STORE_OPTIONS)
+        qk, v, cos, sin, slot_mapping, q, k_cache, v_cache, q_norm if q_norm is not None else q,
+        k_norm if k_norm is not None else q, eps, *qk.stride(), *v.stride(), cos.stride(0), k_cache.stride(1), heads,
+        kv_heads, HEAD_DIM=head_dim, NORM=q_norm is not None, **ROTATE_STORE_OPTIONS)
     return q
 
 

@@ -80,7 +80,7 @@ def check(device, dtype, tol):
 ROTATE_CHECK = r"""
 import torch
 from nanospec.kv_cache import write_kv
-from nanospec.model import RotaryEmbedding
+from nanospec.model import RotaryEmbedding, rms_norm_eager
 from nanospec.triton_attention import rotate_and_store
 
 g = torch.Generator().manual_seed(1)
@@ -106,6 +106,28 @@ def mismatches(device, dtype, heads, kv_heads, dim, tokens, layout):
     assert q.shape == (tokens, heads, dim) and q.is_contiguous()
     return (q != rotated[:, :heads]).sum().item() + (pages != expected).sum().item()
 
+def norm_error(device, dtype, heads, kv_heads, dim, tokens, layout):
+    # with Qwen3's q/k norms: the largest relative error of q and the pages against rms_norm, then
+    # rotate and write_kv (the norm's mean is summed in another order: close, not bit for bit)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(device=device, dtype=dtype) * 3
+    if layout == "transposed":
+        qkv = qkv.T.contiguous().T
+    qk = qkv[:, :(heads + kv_heads) * dim].unflatten(1, (heads + kv_heads, dim))
+    v = qkv[:, (heads + kv_heads) * dim:].unflatten(1, (kv_heads, dim))
+    angles = torch.randn(tokens, dim // 2, generator=g, dtype=torch.float64) * 100
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].float().to(device)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)[:, None].float().to(device)
+    q_norm, k_norm = (1 + 0.3 * torch.randn(2, dim, generator=g)).to(device=device, dtype=dtype)
+    pages = torch.randn(2, 9, 4, kv_heads, dim, generator=g).to(device=device, dtype=dtype)
+    expected = pages.clone()
+    slots = torch.randperm(32, generator=g)[:tokens].to(device)
+    q = rotate_and_store(qk, v, cos, sin, pages[0], pages[1], slots, q_norm, k_norm, 1e-6)
+    normed = torch.cat([rms_norm_eager(qk[:, :heads], q_norm, 1e-6), rms_norm_eager(qk[:, heads:], k_norm, 1e-6)], 1)
+    rotated = RotaryEmbedding.rotate.eager(normed, cos, sin)
+    write_kv(expected[0], expected[1], rotated[:, heads:], v, slots)
+    return max(((a.double() - b.double()).norm() / b.double().norm()).item()
+               for a, b in ((q, rotated[:, :heads]), (pages, expected)))
+
 CASES = [(4, 2, 32, 5, "rows"), (8, 2, 64, 3, "contiguous"), (32, 8, 128, 7, "rows"), (16, 16, 64, 1, "rows"),
          (4, 2, 32, 2, "transposed"), (8, 2, 16, 6, "transposed")]
 
@@ -113,6 +135,8 @@ def check_rotate(device, dtypes):
     for dtype in dtypes:
         for case in CASES:
             assert mismatches(device, dtype, *case) == 0, (dtype, case)
+            error = norm_error(device, dtype, *case)
+            assert error < {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], (dtype, case, error)
     print("ok")
 """
 
@@ -224,11 +248,15 @@ def test_the_models_cuda_path_equals_its_reference_in_the_interpreter(checkpoint
 
 
 def test_a_wrong_rotate_and_store_fails_the_check(tmp_path):
-    """The check's power: the rotation without its half swap, and a key head stored one head over."""
+    """The check's power: the rotation without its half swap, a key head stored one head over, and
+    the key heads normed with the query heads' weight."""
     assert broken_error(tmp_path, "(dims + HEAD_DIM // 2) % HEAD_DIM", "dims",
                         "'cpu', torch.float32, 4, 2, 32, 5, 'rows'", ROTATE_CHECK, "mismatches") > 0
     assert broken_error(tmp_path, "(head - heads) * HEAD_DIM + dims", "(head - heads + 1) % kv_heads * HEAD_DIM + dims",
                         "'cpu', torch.float32, 4, 2, 32, 5, 'rows'", ROTATE_CHECK, "mismatches") > 0
+    assert broken_error(tmp_path, "tl.load(k_norm_ptr + dims), tl.load(k_norm_ptr + partner)",
+                        "tl.load(q_norm_ptr + dims), tl.load(q_norm_ptr + partner)",
+                        "'cpu', torch.float32, 4, 2, 32, 5, 'rows'", ROTATE_CHECK, "norm_error") > 1e-3
 
 
 @pytest.mark.cuda

@@ -44,8 +44,9 @@ def engine_variants() -> set[tuple]:
     for dtype, name in DTYPES.items():
         for head_dim in HEAD_DIMS:
             variants.add(("_paged_attention_kernel", (("BLOCK_SIZE", BLOCK_SIZE), ("HEAD_DIM", head_dim)), 4, name))
-            variants.add(("_rotate_store_kernel", (("HEAD_DIM", head_dim),),
-                          triton_attention.ROTATE_STORE_OPTIONS["num_warps"], name))
+            for norm in (False, True):   # Qwen3's q/k norms or none
+                variants.add(("_rotate_store_kernel", (("HEAD_DIM", head_dim), ("NORM", norm)),
+                              triton_attention.ROTATE_STORE_OPTIONS["num_warps"], name))
             for group in GROUPS:
                 for max_q in MAX_Q:
                     tile = triton_attention.tile_config(max_q, group, head_dim, dtype)
@@ -59,7 +60,8 @@ def engine_variants() -> set[tuple]:
 
 def arg_type(arg: str, dtype: str) -> str:
     """A kernel argument's Triton type, as the launchers pass it."""
-    if arg in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "qk_ptr", "v_ptr", "q_out_ptr"):
+    if arg in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "qk_ptr", "v_ptr", "q_out_ptr", "q_norm_ptr",
+               "k_norm_ptr"):
         return "*" + dtype
     if arg in ("cos_ptr", "sin_ptr"):
         return "*fp32"            # the rotary tables
@@ -67,7 +69,7 @@ def arg_type(arg: str, dtype: str) -> str:
         return "*fp32"            # the splits' partial results
     if arg.endswith("_ptr"):
         return "*i64"             # block tables and the metadata: int64
-    return "fp32" if arg == "scale" else "i32"
+    return "fp32" if arg in ("scale", "eps") else "i32"
 
 
 def ptxas(capability: int) -> str:
