@@ -33,6 +33,7 @@ NO_WORK = {   # aten ops that only make views or allocate: no kernel, no data re
     "aten::unfold", "aten::as_strided_", "aten::resolve_conj", "aten::resolve_neg",
     "aten::to", "aten::_to_copy", "aten::type_as", "aten::unsqueeze_", "aten::squeeze_"}
 
+
 @dataclass
 class StepOps:
     device: str
@@ -90,7 +91,8 @@ def device_ops(events) -> tuple[list, list[int]]:
     A layer's kernels are those that ran inside its device-side span."""
     cuda = torch.autograd.DeviceType.CUDA
     spans = [e.time_range for e in events if e.device_type == cuda and e.name == LAYER]
-    ops = [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False) and e.name != LAYER]
+    ops = [e for e in events
+           if e.device_type == cuda and not getattr(e, "is_user_annotation", False) and e.name != LAYER]
     starts = sorted(op.time_range.start for op in ops)
     layers = [bisect.bisect_right(starts, span.end) - bisect.bisect_left(starts, span.start) for span in spans]
     return ops, layers
