@@ -22,6 +22,11 @@ program per (new token, query head) walking its context page by page, stays besi
 (paged_attention_tokens): the GPU check times the two and the reference's SDPA over gathered
 pages on a prefill chunk.
 
+Before attending, one more kernel does the rest of a layer's attention input: rotate_and_store
+rotates the new queries and keys (RoPE; Qwen3's per-head q/k RMSNorm first) and stores the keys
+and values in their slots of the pages, one launch where eager PyTorch took three to six, its
+rotation rounding as the model's eager one does.
+
 The kernels compile only for power-of-two head_dim (16 .. 128) and block size (tl.arange spans
 powers of two): `available` says False otherwise, and the model uses the reference.
 """
@@ -394,8 +399,8 @@ ROTATE_STORE_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}   # a head is
 def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
                      k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """What Attention does before attending, in one launch (on a GPU three kernels were one rotation
-    and two index writes): qk [T, heads + kv_heads, head_dim] rotated with the pass's tables cos,
+    """What Attention does before attending, in one launch (on a GPU it was three kernels, a rotation
+    and two index writes, and for Qwen3 three more, two norms and a cat): qk [T, heads + kv_heads, head_dim] rotated with the pass's tables cos,
     sin [T, 1, head_dim] (RotaryEmbedding.tables, float32), its key heads and v [T, kv_heads,
     head_dim] stored in their slots of the caches [num_blocks, block_size, kv_heads, head_dim].
     Returns the rotated queries [T, heads, head_dim], contiguous as the attention kernel reads them.
