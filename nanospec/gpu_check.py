@@ -423,12 +423,21 @@ def measure_graphs_vs_eager(check: GpuCheck, section: Section) -> None:
 
 
 def measure_small_target(check: GpuCheck, section: Section) -> None:
-    """Graphs against eager on the small target, where launch overhead weighs most."""
+    """Graphs against eager on the small target, where launch overhead weighs most; then its
+    plain batch-1 step's operations (step_ops, eagerly: under a graph each is a node)."""
     for batch in check.plan["small_batches"]:
         for k in (0, check.plan["ks"][0]):
             if not section.more():
                 return
             compare_graphs(check, section, "small_target", batch, k, None)
+    if section.more():
+        loaded, new_tokens = check.load("small_target"), check.plan["new_tokens"]
+        engine, prompts, _ = row_engine(loaded, 1, 0, False, new_tokens)
+        decoding(engine, prompts, new_tokens)
+        ops = count_step_ops(engine, max(1, min(8, new_tokens - 7))).as_dict()
+        section.add({"operations_of": "batch 1, K 0, eager", "ops": ops},
+                    f"batch   1 K 0: {ops['per_step']:.0f} ops a step, {ops['per_layer']:.1f} a layer, "
+                    f"{ops['outside_layers']:.0f} outside the layers")
 
 
 def replay_device_ms(engine, steps: int) -> tuple[float, float]:
@@ -660,13 +669,15 @@ def run_cuda_tests(check: GpuCheck, section: Section) -> None:
 
 # ---- the summary ----------------------------------------------------------------------------------
 
-def figure(name: str, value, goal: float | None, goal_text: str, reduced: bool, why: str, detail: str = "") -> dict:
+def figure(name: str, value, goal: float | None, goal_text: str, reduced: bool, why: str, detail: str = "",
+           at_most: bool = False) -> dict:
+    """One summary row: value against goal (at least it; with at_most, at most it)."""
     if value is None:
         status = "unmeasured"
     elif reduced:
         status = "not judged (reduced run)"
     else:
-        status = "pass" if value >= goal else "fail"
+        status = "pass" if (value <= goal if at_most else value >= goal) else "fail"
     return {"figure": name, "value": value, "goal": goal_text, "status": status,
             "detail": detail if value is not None else why}
 
@@ -691,6 +702,8 @@ def summarize(report: dict) -> list[dict]:
     kernel = max((r for r in rows.get("attention_kernel", []) if r["k"] == 0),
                  key=lambda r: r["context"] * r["batch"], default=None)
     assisted = next(iter(rows.get("draft_vs_assisted", [])), None)
+    anatomy = find(rows.get("step_anatomy", []), batch=1, k=0)
+    small_ops = next((r["ops"] for r in rows.get("small_target", []) if "ops" in r), None)
     target = report["target"]
     return [
         figure(f"plain decoding, {target}, batch 1: bytes read per second / copy bandwidth",
@@ -720,6 +733,11 @@ def summarize(report: dict) -> list[dict]:
                reduced, why_missing(report, "draft_vs_assisted"),
                assisted and f"{assisted['nanospec_tokens_per_s']} against {assisted['transformers_tokens_per_s']} "
                             f"tok/s, acceptance {assisted['mean_acceptance_length']}"),
+        *(figure(f"operations a decode layer, {name}, plain, batch 1 (on a GPU: kernels, a graph's nodes)",
+                 ops and ops["per_layer"], 15, "<= 15", reduced, why_missing(report, section),
+                 ops and f"{ops['per_step']:.0f} a step, {ops['outside_layers']:.0f} outside the layers", at_most=True)
+          for name, section, ops in ((target, "step_anatomy", anatomy and anatomy["eager"]),
+                                     (f"small target {report['small_target']}", "small_target", small_ops))),
     ]
 
 

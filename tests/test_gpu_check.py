@@ -50,7 +50,7 @@ def test_the_dry_run_goes_through_every_section_and_a_failure_loses_nothing_arou
     assert sum(s[-1] == "decode" for s in on_disk) > len(sections["decode"]["rows"])
 
     summary = {f["figure"]: f for f in report["summary"]}
-    assert len(summary) == 7 and all(f["status"] in ("not judged (reduced run)", "unmeasured") for f in summary.values())
+    assert len(summary) == 9 and all(f["status"] in ("not judged (reduced run)", "unmeasured") for f in summary.values())
     kernel = next(f for name, f in summary.items() if name.startswith("attention kernel"))
     assert kernel["status"] == "unmeasured" and kernel["detail"] == "RuntimeError: the kernel exploded"
     assert "\nsummary " in err and all(name in err for name in summary)
@@ -129,3 +129,10 @@ def test_bad_gpu_check_flags_are_one_line(capsys, args, match):
     assert bench_main(["--gpu-check", "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_figure_with_a_ceiling_passes_at_or_under_it():
+    """Kernels a layer have a ceiling (at most 15), the other figures a floor."""
+    status = lambda value, **kw: gpu_check.figure("f", value, 15, "<= 15", False, "", **kw)["status"]
+    assert [status(11, at_most=True), status(15, at_most=True), status(16, at_most=True)] == ["pass", "pass", "fail"]
+    assert [status(16), status(11)] == ["pass", "fail"]
