@@ -85,9 +85,9 @@ from nanospec.triton_attention import rotate_and_store
 
 g = torch.Generator().manual_seed(1)
 
-def mismatches(device, dtype, heads, kv_heads, dim, tokens, layout):
-    width = (heads + 2 * kv_heads) * dim
-    qkv = torch.randn(tokens, width, generator=g).to(device=device, dtype=dtype)
+def inputs(device, dtype, heads, kv_heads, dim, tokens, layout):
+    # qk and v as views of one qkv product, rotary tables, pages and distinct slots
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(device=device, dtype=dtype) * 3
     if layout == "transposed":   # model.Linear's few-row product on a CPU: a column-major view
         qkv = qkv.T.contiguous().T
     qk = qkv[:, :(heads + kv_heads) * dim].unflatten(1, (heads + kv_heads, dim))
@@ -98,35 +98,32 @@ def mismatches(device, dtype, heads, kv_heads, dim, tokens, layout):
     cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].float().to(device)
     sin = torch.cat([-angles.sin(), angles.sin()], -1)[:, None].float().to(device)
     pages = torch.randn(2, 9, 4, kv_heads, dim, generator=g).to(device=device, dtype=dtype)
+    return qk, v, cos, sin, pages, torch.randperm(32, generator=g)[:tokens].to(device)
+
+def expected_of(qk, v, cos, sin, pages, slots, heads):
+    # the reference: rotate, then write_kv into a copy of the pages; (rotated queries, pages)
     expected = pages.clone()
-    slots = torch.randperm(32, generator=g)[:tokens].to(device)
-    q = rotate_and_store(qk, v, cos, sin, pages[0], pages[1], slots)
     rotated = RotaryEmbedding.rotate.eager(qk, cos, sin)
     write_kv(expected[0], expected[1], rotated[:, heads:], v, slots)
+    return rotated[:, :heads], expected
+
+def mismatches(device, dtype, heads, kv_heads, dim, tokens, layout):
+    qk, v, cos, sin, pages, slots = inputs(device, dtype, heads, kv_heads, dim, tokens, layout)
+    expected_q, expected_pages = expected_of(qk, v, cos, sin, pages, slots, heads)
+    q = rotate_and_store(qk, v, cos, sin, pages[0], pages[1], slots)
     assert q.shape == (tokens, heads, dim) and q.is_contiguous()
-    return (q != rotated[:, :heads]).sum().item() + (pages != expected).sum().item()
+    return (q != expected_q).sum().item() + (pages != expected_pages).sum().item()
 
 def norm_error(device, dtype, heads, kv_heads, dim, tokens, layout):
     # with Qwen3's q/k norms: the largest relative error of q and the pages against rms_norm, then
     # rotate and write_kv (the norm's mean is summed in another order: close, not bit for bit)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(device=device, dtype=dtype) * 3
-    if layout == "transposed":
-        qkv = qkv.T.contiguous().T
-    qk = qkv[:, :(heads + kv_heads) * dim].unflatten(1, (heads + kv_heads, dim))
-    v = qkv[:, (heads + kv_heads) * dim:].unflatten(1, (kv_heads, dim))
-    angles = torch.randn(tokens, dim // 2, generator=g, dtype=torch.float64) * 100
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].float().to(device)
-    sin = torch.cat([-angles.sin(), angles.sin()], -1)[:, None].float().to(device)
+    qk, v, cos, sin, pages, slots = inputs(device, dtype, heads, kv_heads, dim, tokens, layout)
     q_norm, k_norm = (1 + 0.3 * torch.randn(2, dim, generator=g)).to(device=device, dtype=dtype)
-    pages = torch.randn(2, 9, 4, kv_heads, dim, generator=g).to(device=device, dtype=dtype)
-    expected = pages.clone()
-    slots = torch.randperm(32, generator=g)[:tokens].to(device)
-    q = rotate_and_store(qk, v, cos, sin, pages[0], pages[1], slots, q_norm, k_norm, 1e-6)
     normed = torch.cat([rms_norm_eager(qk[:, :heads], q_norm, 1e-6), rms_norm_eager(qk[:, heads:], k_norm, 1e-6)], 1)
-    rotated = RotaryEmbedding.rotate.eager(normed, cos, sin)
-    write_kv(expected[0], expected[1], rotated[:, heads:], v, slots)
+    expected_q, expected_pages = expected_of(normed, v, cos, sin, pages, slots, heads)
+    q = rotate_and_store(qk, v, cos, sin, pages[0], pages[1], slots, q_norm, k_norm, 1e-6)
     return max(((a.double() - b.double()).norm() / b.double().norm()).item()
-               for a, b in ((q, rotated[:, :heads]), (pages, expected)))
+               for a, b in ((q, expected_q), (pages, expected_pages)))
 
 CASES = [(4, 2, 32, 5, "rows"), (8, 2, 64, 3, "contiguous"), (32, 8, 128, 7, "rows"), (16, 16, 64, 1, "rows"),
          (4, 2, 32, 2, "transposed"), (8, 2, 16, 6, "transposed")]
