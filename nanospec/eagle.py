@@ -197,7 +197,9 @@ def load_eagle_head(eagle: str, target, device: torch.device, dtype: torch.dtype
     own_embedding(head, weights, target)
     load_into(head, weights, folder)
     check_trained_dtype(cfg, folder, dtype)
-    return for_inference(head.to(device=device, dtype=dtype)), aux
+    head = head.to(device=device, dtype=dtype)
+    head.rotary = RotaryEmbedding(config).to(device)   # float32 tables, as the target's (checkpoint.load)
+    return for_inference(head), aux
 
 
 def variants(cfg: dict, source: str) -> dict:

@@ -56,6 +56,15 @@ def test_the_count_sees_one_more_operation_in_each_layer(llama, monkeypatch):
     assert after.per_layer == before.per_layer + 1 and after.outside_layers == before.outside_layers
 
 
+def test_a_count_that_saw_no_layer_is_refused_not_zero(llama, monkeypatch):
+    """Layers that ran outside their ranges (as a CUDA graph's replay runs them) are not 0 a layer."""
+    import contextlib
+    from nanospec import step_ops
+    monkeypatch.setattr(step_ops, "layer_ranges", lambda model: contextlib.nullcontext(len(model.model.layers)))
+    with pytest.raises(RuntimeError, match="operations per layer unmeasured"):
+        count_step_ops(decoding_engine(llama, 1, 0), steps=2)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_cuda_count_sees_each_layers_kernels_and_one_more(checkpoints, monkeypatch):
