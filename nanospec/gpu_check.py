@@ -23,8 +23,11 @@ after it is skipped; the CUDA tests get at most what is left):
   draft_vs_assisted    90 s  a draft model (random:llama3.2-1b, K = 4) against transformers'
                              assisted generation on the same weights, batch 1
   cuda_tests          240 s  `pytest -m cuda tests/` in a subprocess: the tests that need CUDA only
-  small_target         60 s  graphs against eager on random:qwen3-0.6b, where launches weigh most
+  small_target         60 s  graphs against eager on random:qwen3-0.6b, where launches weigh most;
+                             then its plain batch-1 step's kernels per layer
   prefill_attention    25 s  a prefill chunk's attention: tiled kernel, per-token kernel, SDPA
+  host_drafting        20 s  suffix decoding's and n-gram's drafting time a step on this host's CPU
+                             at each decode batch, beside the plain graph step there
 
 The deadline (480 s) leaves room for Python's start, a row that overruns its section's budget and
 the summary inside the 10 minutes. Kernels (copy, attention) are timed over many launches
@@ -51,6 +54,7 @@ import importlib.util
 import json
 import os
 import pstats
+import random
 import re
 import shutil
 import signal
@@ -60,6 +64,7 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -70,8 +75,9 @@ from nanospec.k_policy import StaticK
 from nanospec.llm import LLM
 from nanospec.measure import decoding, device_name, oracle_proposer, sync, timed
 from nanospec.prompts import shipped_prompts
-from nanospec.proposer import OracleProposer
+from nanospec.proposer import NgramProposer, OracleProposer
 from nanospec.step_ops import count_step_ops
+from nanospec.suffix import SuffixProposer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository (tests/ is there)
 CUDA_TESTS = ["-m", "cuda", "tests/"]   # the tests marked @pytest.mark.cuda: those that need a GPU
@@ -84,11 +90,13 @@ FULL = dict(target="random:llama3-8b", small_target="random:qwen3-0.6b", dtype="
             attention=dict(contexts=[1024, 4096, 16384], batches=[1, 64], ks=[0, 4]),
             prefill=[(1, 3072, 1024), (8, 0, 512)], seconds=480, cuda_tests_timeout=240,
             budgets=dict(copy_bandwidth=20, decode=150, step_anatomy=40, graphs_vs_eager=50, attention_kernel=40,
-                         draft_vs_assisted=90, cuda_tests=240, small_target=60, prefill_attention=25))
+                         draft_vs_assisted=90, cuda_tests=240, small_target=60, prefill_attention=25,
+                         host_drafting=20),
+            drafting=dict(index_requests=2000, context=512))
 REDUCED = dict(FULL, target="random:tiny", small_target="random:tiny", dtype="float32", batches=[1, 4],
                small_batches=[1], new_tokens=15, kv_cache_gb=0.05, assisted=("random:tiny", "random:tiny"),
                assisted_tokens=15, copy_megabytes=64, attention=dict(contexts=[256], batches=[1, 4], ks=[0, 4]),
-               prefill=[(1, 96, 32), (2, 0, 32)], seconds=300,
+               prefill=[(1, 96, 32), (2, 0, 32)], seconds=300, drafting=dict(index_requests=50, context=128),
                budgets={name: 60 for name in FULL["budgets"]})
 START_AT_LEAST = 15   # seconds of the deadline a section needs left to start at all
 
@@ -750,12 +758,55 @@ def summary_lines(summary: list[dict]) -> list[str]:
     return lines
 
 
+# ---- the host's drafting ---------------------------------------------------------------------------
+
+def measure_host_drafting(check: GpuCheck, section: Section) -> None:
+    """What the host proposers cost a step on this machine's CPU, next to the target's plain graph
+    step at the same batch (the decode section's rows): a step waits for its drafts, so where they
+    take longer than the step the GPU idles. Suffix decoding (K 16, its global index holding earlier
+    requests) and n-gram (K 4) draft for every request of the batch, over byte-level token streams of
+    the shipped prompts (real text's repeats, no tokenizer needed), each request a token longer each
+    step; the median of 3 steps."""
+    plan = check.plan["drafting"]
+    corpus = list(" ".join(row["prompt"] for row in shipped_prompts()).encode())
+    rng = random.Random(0)
+
+    def window(length: int) -> list[int]:
+        start = rng.randrange(len(corpus) - length)
+        return corpus[start:start + length]
+    suffix = SuffixProposer(None, max_spec_offset=0)
+    for _ in range(plan["index_requests"]):
+        suffix.global_index.add(window(400))
+    steps = {r["batch"]: r["step_ms"] for r in check.report["sections"].get("decode", {}).get("rows", [])
+             if r["k"] == 0}
+    for batch in check.plan["batches"]:
+        if not section.more():
+            return
+        row = {"batch": batch, "index_requests": plan["index_requests"], "context": plan["context"]}
+        for name, proposer, k in (("suffix", suffix, 16), ("ngram", NgramProposer(None), 4)):
+            requests = [SimpleNamespace(tokens=window(plan["context"]), suffix_stream=None, proposer_state=None)
+                        for _ in range(batch)]
+            proposer.propose(requests, [k] * batch)   # the indexes' first build is a prefill's work
+            times = []
+            for _ in range(3):
+                for r in requests:
+                    r.tokens.append(rng.choice(corpus))
+                start = time.perf_counter()
+                proposer.propose(requests, [k] * batch)
+                times.append(time.perf_counter() - start)
+            row[f"{name}_ms"] = round(1000 * sorted(times)[1], 3)
+        row["plain_step_ms"] = steps.get(batch)
+        section.add(row, f"batch {batch:>3}: suffix {row['suffix_ms']} ms, n-gram {row['ngram_ms']} ms a step"
+                    + (f", against a plain step of {row['plain_step_ms']} ms" if row["plain_step_ms"] else ""))
+
+
 # ---- the command ----------------------------------------------------------------------------------
 
 SECTIONS = {"copy_bandwidth": measure_copy_bandwidth, "decode": measure_decode,
             "step_anatomy": measure_step_anatomy, "graphs_vs_eager": measure_graphs_vs_eager,
             "attention_kernel": measure_attention, "draft_vs_assisted": measure_assisted,
-            "cuda_tests": run_cuda_tests, "small_target": measure_small_target, "prefill_attention": measure_prefill}
+            "cuda_tests": run_cuda_tests, "small_target": measure_small_target, "prefill_attention": measure_prefill,
+            "host_drafting": measure_host_drafting}
 USES = {"decode": "target", "step_anatomy": "target", "graphs_vs_eager": "target",   # models kept between
         "small_target": "small_target"}
 
