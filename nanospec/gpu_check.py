@@ -764,16 +764,21 @@ def measure_host_drafting(check: GpuCheck, section: Section) -> None:
     """What the host proposers cost a step on this machine's CPU, next to the target's plain graph
     step at the same batch (the decode section's rows): a step waits for its drafts, so where they
     take longer than the step the GPU idles. Suffix decoding (K 16, its global index holding earlier
-    requests) and n-gram (K 4) draft for every request of the batch, over byte-level token streams of
+    requests) and n-gram (K 4) draft for every request of the batch, over word-level token streams of
     the shipped prompts (real text's repeats, no tokenizer needed), each request a token longer each
-    step; the median of 3 steps."""
+    step; the median of 3 steps. As tools/suffix_costs.py (there with the model's tokens), one token
+    in 8 of every window is replaced at random, so that no two requests are alike."""
     plan = check.plan["drafting"]
-    corpus = list(" ".join(row["prompt"] for row in shipped_prompts()).encode())
+    ids: dict[str, int] = {}
+    corpus = [ids.setdefault(word, len(ids)) for row in shipped_prompts() for word in row["prompt"].split()]
     rng = random.Random(0)
 
     def window(length: int) -> list[int]:
         start = rng.randrange(len(corpus) - length)
-        return corpus[start:start + length]
+        out = corpus[start:start + length]
+        for i in range(0, length - 7, 8):
+            out[i + rng.randrange(8)] = rng.randrange(50_000)
+        return out
     suffix = SuffixProposer(None, max_spec_offset=0)
     for _ in range(plan["index_requests"]):
         suffix.global_index.add(window(400))
