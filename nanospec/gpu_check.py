@@ -49,6 +49,7 @@ the CUDA tests are skipped with a reason.
 from __future__ import annotations
 
 import cProfile
+import functools
 import gc
 import importlib.util
 import json
@@ -73,7 +74,8 @@ from nanospec.baseline import time_transformers, transformers_model
 from nanospec.engine import SamplingParams
 from nanospec.k_policy import StaticK
 from nanospec.llm import LLM
-from nanospec.measure import decoding, device_name, oracle_proposer, sync, timed
+from nanospec.measure import (decoding, device_name, drafting_seconds, oracle_proposer, perturbed_window, sync,
+                              timed)
 from nanospec.prompts import shipped_prompts
 from nanospec.proposer import NgramProposer, OracleProposer
 from nanospec.step_ops import count_step_ops
@@ -443,9 +445,13 @@ def measure_small_target(check: GpuCheck, section: Section) -> None:
         engine, prompts, _ = row_engine(loaded, 1, 0, False, new_tokens)
         decoding(engine, prompts, new_tokens)
         ops = count_step_ops(engine, max(1, min(8, new_tokens - 7))).as_dict()
-        section.add({"operations_of": "batch 1, K 0, eager", "ops": ops},
-                    f"batch   1 K 0: {ops['per_step']:.0f} ops a step, {ops['per_layer']:.1f} a layer, "
-                    f"{ops['outside_layers']:.0f} outside the layers")
+        section.add({"operations_of": "batch 1, K 0, eager", "ops": ops}, f"batch   1 K 0: {ops_text(ops)}")
+
+
+def ops_text(ops: dict) -> str:
+    """An eager step's operations (StepOps.as_dict) in a log line."""
+    return (f"{ops['per_step']:.0f} ops a step, {ops['per_layer']:.1f} a layer, "
+            f"{ops['outside_layers']:.0f} outside the layers")
 
 
 def replay_device_ms(engine, steps: int) -> tuple[float, float]:
@@ -516,8 +522,7 @@ def measure_step_anatomy(check: GpuCheck, section: Section) -> None:
             eager = row["eager"]
             section.add(row, f"batch {batch:>3} K {k}: " + (
                 f"graphs step {row['graphs_step_ms']:.2f} ms, replays {row['replay_device_ms']:.2f} ms on the "
-                "device; " if check.cuda else "") + f"{eager['per_step']:.0f} ops a step, {eager['per_layer']:.1f} "
-                f"a layer, {eager['outside_layers']:.0f} outside the layers, {eager['per_token']:.0f} a token")
+                "device; " if check.cuda else "") + f"{ops_text(eager)}, {eager['per_token']:.0f} a token")
 
 
 # ---- kernels alone --------------------------------------------------------------------------------
@@ -772,13 +777,7 @@ def measure_host_drafting(check: GpuCheck, section: Section) -> None:
     ids: dict[str, int] = {}
     corpus = [ids.setdefault(word, len(ids)) for row in shipped_prompts() for word in row["prompt"].split()]
     rng = random.Random(0)
-
-    def window(length: int) -> list[int]:
-        start = rng.randrange(len(corpus) - length)
-        out = corpus[start:start + length]
-        for i in range(0, length - 7, 8):
-            out[i + rng.randrange(8)] = rng.randrange(50_000)
-        return out
+    window = functools.partial(perturbed_window, corpus, rng=rng, vocab=50_000)
     suffix = SuffixProposer(None, max_spec_offset=0)
     for _ in range(plan["index_requests"]):
         suffix.global_index.add(window(400))
@@ -791,15 +790,8 @@ def measure_host_drafting(check: GpuCheck, section: Section) -> None:
         for name, proposer, k in (("suffix", suffix, 16), ("ngram", NgramProposer(None), 4)):
             requests = [SimpleNamespace(tokens=window(plan["context"]), suffix_stream=None, proposer_state=None)
                         for _ in range(batch)]
-            proposer.propose(requests, [k] * batch)   # the indexes' first build is a prefill's work
-            times = []
-            for _ in range(3):
-                for r in requests:
-                    r.tokens.append(rng.choice(corpus))
-                start = time.perf_counter()
-                proposer.propose(requests, [k] * batch)
-                times.append(time.perf_counter() - start)
-            row[f"{name}_ms"] = round(1000 * sorted(times)[1], 3)
+            seconds = drafting_seconds(proposer, requests, k, lambda: rng.choice(corpus), repeats=3)
+            row[f"{name}_ms"] = round(1000 * seconds, 3)
         row["plain_step_ms"] = steps.get(batch)
         section.add(row, f"batch {batch:>3}: suffix {row['suffix_ms']} ms, n-gram {row['ngram_ms']} ms a step"
                     + (f", against a plain step of {row['plain_step_ms']} ms" if row["plain_step_ms"] else ""))

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import triton.testing
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanospec.gpu_check import copy_bandwidth  # noqa: E402
+
 SHAPES = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672),
           "down_proj": (14336, 4096), "lm_head": (4096, 128256)}   # (in, out)
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
 def main() -> None:
@@ -29,7 +27,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--out")
     args = ap.parse_args()
-    bandwidth, rows = copy_bandwidth(), []
+    bandwidth, rows = copy_bandwidth(torch.device("cuda"), 1024), []   # the GPU check's own measure
     for library in ("cublaslt", "cublas"):
         torch.backends.cuda.preferred_blas_library(library)
         for name, (k, n) in SHAPES.items():

@@ -24,17 +24,9 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanospec.cli import set_threads
 from nanospec.llm import LLM
-from nanospec.measure import decoding, device_name, timed
+from nanospec.measure import decoding, device_name, drafting_seconds, perturbed_window, timed
 from nanospec.prompts import shipped_prompts
 from nanospec.suffix import GlobalIndex, SuffixProposer
-
-
-def windows_of(corpus: list[int], length: int, rng: random.Random, vocab: int) -> list[int]:
-    start = rng.randrange(len(corpus) - length)
-    out = corpus[start:start + length]
-    for i in range(0, length - 7, 8):
-        out[i + rng.randrange(8)] = rng.randrange(vocab)
-    return out
 
 
 def index_memory(corpus, num_requests: int, rng, vocab: int) -> dict:
@@ -42,7 +34,7 @@ def index_memory(corpus, num_requests: int, rng, vocab: int) -> dict:
     index = GlobalIndex()
     start = time.perf_counter()
     for _ in range(num_requests):
-        index.add(windows_of(corpus, 400, rng, vocab))
+        index.add(perturbed_window(corpus, 400, rng, vocab))
     seconds = time.perf_counter() - start
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
@@ -56,16 +48,9 @@ def draft_time(index: GlobalIndex, corpus, batch: int, rng, vocab: int, repeats:
     """Median seconds of one step's drafts (K = 16) for `batch` requests of 512-token contexts."""
     proposer = SuffixProposer(None)
     proposer.global_index = index
-    requests = [SimpleNamespace(tokens=windows_of(corpus, 512, rng, vocab), suffix_stream=None) for _ in range(batch)]
-    proposer.propose(requests, [16] * batch)   # the streams' first sync is a prefill's work, not a step's
-    times = []
-    for _ in range(repeats):
-        for r in requests:   # a step later: each request has one token more
-            r.tokens.append(rng.choice(corpus))
-        start = time.perf_counter()
-        proposer.propose(requests, [16] * batch)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    requests = [SimpleNamespace(tokens=perturbed_window(corpus, 512, rng, vocab), suffix_stream=None)
+                for _ in range(batch)]
+    return drafting_seconds(proposer, requests, 16, lambda: rng.choice(corpus), repeats)
 
 
 def step_time(llm: LLM, batch: int, repeats: int = 3) -> float:
