@@ -6,7 +6,9 @@ at a time (a shared machine's drift hits them alike; a row counts its own steps'
   --workload multiturn   workload.py: sessions whose later turns revisit earlier answers
 
 Greedy, each answer ending at EOS or --max-new-tokens; every row must produce the same tokens (it
-is checked: speculation is lossless), so every row does the same work. Per row: tokens/s, mean
+is checked in float32: speculation is lossless), so every row does the same work. In bfloat16 or
+float16 a verify step's products round otherwise than a one-token step's and a greedy near-tie can
+break otherwise: the rows that differ are counted and reported instead. Per row: tokens/s, mean
 acceptance length (tokens a request gains per decode step) overall and per category, and for the
 hybrid the share of steps it took the suffix draft and the threshold it measured. A fresh engine
 per repeat and batch size: suffix decoding's global index starts empty each time, learning only
@@ -20,6 +22,8 @@ from __future__ import annotations
 import copy
 import sys
 from collections import defaultdict
+
+import torch
 
 from nanospec.cli import Progress, log, log_loading, set_threads
 from nanospec.engine import SamplingParams
@@ -125,6 +129,15 @@ def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_
             return state
 
 
+def differing_requests(state: dict) -> dict:
+    """Per row unlike the first, how many of its requests' tokens differ from the first row's (matched
+    by prompt; in a multi-turn session a differing answer changes its later turns' prompts too)."""
+    outputs = {name: sorted((r.prompt_ids, r.output_ids) for _, r in row["done"]) for name, row in state.items()}
+    first = next(iter(outputs.values()))
+    counts = {name: sum(a != b for a, b in zip(out, first)) for name, out in outputs.items()}
+    return {name: n for name, n in counts.items() if n}
+
+
 def summarize(name: str, row: dict) -> dict:
     tokens = sum(len(r.output_ids) for _, r in row["done"])
     steps = sum(r.decode_steps for _, r in row["done"])
@@ -177,18 +190,25 @@ def run(args) -> dict:
                       enforce_eager=args.enforce_eager, **row_settings(name, args)) for name, k in rows}
     first = next(iter(llms.values()))
     longest = min(first.max_model_len, 4096)
-    results, progress = [], Progress("bench", len(batch_sizes) * args.repeats)
+    results, progress, identical = [], Progress("bench", len(batch_sizes) * args.repeats), True
     for bs in batch_sizes:
         for repeat in range(args.repeats):
             names = list(llms)
             order = names[repeat % len(names):] + names[:repeat % len(names)]
             state = run_rows(llms, order, lambda: multiturn_sessions(prompt_rows, turns), bs, args.max_new_tokens,
                              longest)
-            outputs = {name: [r.output_ids for _, r in sorted(row["done"], key=lambda cr: cr[1].prompt_ids)]
-                       for name, row in state.items()}
-            if any(out != next(iter(outputs.values())) for out in outputs.values()):
-                raise NanospecError("the rows decoded different tokens: a proposer is not lossless")
-            measured = [{"batch_size": bs, "repeat": repeat + 1, **summarize(name, row)} for name, row in state.items()]
+            differ = differing_requests(state)
+            if differ and first.dtype == torch.float32:
+                raise NanospecError(f"the rows decoded different tokens (requests differing from the first row's: "
+                                    f"{differ}): a proposer is not lossless")
+            if differ:   # a verify step's products round otherwise than a one-token step's
+                identical = False
+                log(f"bench: in {str(first.dtype).removeprefix('torch.')} the rows decoded different tokens "
+                    f"(requests differing from the first row's: {differ}), as rounding breaks greedy near-ties "
+                    f"otherwise in steps of other shapes; --dtype float32 checks that every row is lossless")
+            measured = [{"batch_size": bs, "repeat": repeat + 1, **summarize(name, row),
+                         **({"requests_differing_from_first_row": differ.get(name, 0)} if differ else {})}
+                        for name, row in state.items()]
             progress.step(f"batch {bs}, repeat {repeat + 1}: " + ", ".join(
                 f"{m['row']} {m['tokens_per_s']:.1f} tok/s AL {m['mean_acceptance_length']:.2f}" for m in measured))
             results += measured
@@ -198,7 +218,7 @@ def run(args) -> dict:
             "workload": args.workload, "sessions": len(prompt_rows), "turns": turns,
             "max_new_tokens": args.max_new_tokens, "eagle": args.eagle, "draft": args.draft,
             "suffix_max_spec_offset": EXTRA_TOKENS if args.suffix_max_spec_offset is None else args.suffix_max_spec_offset,
-            "requests": len(prompt_rows) * turns, "outputs_identical_across_rows": True, "results": results}
+            "requests": len(prompt_rows) * turns, "outputs_identical_across_rows": identical, "results": results}
 
 
 def print_table(report: dict) -> None:

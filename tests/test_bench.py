@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanospec import bench
+from nanospec import bench, bench_proposers
 from nanospec.bench import main as bench_main, time_nanospec
 from nanospec.engine import Engine
 from nanospec.prompts import shipped_prompts
@@ -94,6 +94,36 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert "--suffix-max-spec-offset is for suffix and hybrid rows" in capsys.readouterr().err
     assert bench_main(args[:2] + ["--workload", "multiturn"]) != 0
     assert "--workload multiturn compares proposers: add --proposers" in capsys.readouterr().err
+
+
+def test_rows_that_decode_different_tokens_are_counted_by_prompt():
+    """What bench --proposers compares: each row's requests matched by prompt with the first row's."""
+    req = lambda prompt, out: (None, SimpleNamespace(prompt_ids=prompt, output_ids=out))
+    state = {"ngram": {"done": [req([1], [5, 6]), req([2], [7])]},
+             "suffix": {"done": [req([2], [7]), req([1], [5, 6])]},   # the same, finished in another order
+             "eagle": {"done": [req([1], [5, 9]), req([2], [7])]}}
+    assert bench_proposers.differing_requests(state) == {"eagle": 1}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_that_differ_stop_a_float32_run_and_are_reported_in_lower_precision(spec_models, tmp_path, capsys,
+                                                                                 monkeypatch, dtype):
+    """float32: every row must decode the same tokens (a proposer that did not would not be lossless).
+    bfloat16: a verify step's products round otherwise than a one-token step's, so greedy near-ties
+    may break otherwise; the run goes on and says so (GPU runs default to bfloat16)."""
+    monkeypatch.setattr(bench_proposers, "differing_requests", lambda state: {"suffix": 1})
+    out = tmp_path / "proposers.json"
+    code = bench_main(["--target", spec_models["target"], "--batch-sizes", "1", "--max-new-tokens", "4",
+                       "--max-prompts", "1", "--device", "cpu", "--dtype", dtype, "--proposers", "ngram,suffix",
+                       "--out", str(out)])
+    err = capsys.readouterr().err
+    if dtype == "float32":
+        assert code != 0 and "a proposer is not lossless" in err and not out.exists()
+    else:
+        assert code == 0 and "in bfloat16 the rows decoded different tokens" in err
+        report = json.loads(out.read_text())
+        assert not report["outputs_identical_across_rows"]
+        assert [r["requests_differing_from_first_row"] for r in report["results"]] == [0, 1]
 
 
 def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):
