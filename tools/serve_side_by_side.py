@@ -1,7 +1,10 @@
 """The serving benchmark of nanospec and vLLM on one model, prompts, client and machine. The two
 servers of a pair (plain, n-gram) are up together and measured by `python -m nanospec.bench
 serve`'s client in turn, load by load (concurrency 1, 4, 16, 1 and 4 requests/s), `--rounds` times,
-so that a slow minute of a shared machine falls on both; then nanospec's dynamic K alone. nanospec's
+so that a slow minute of a shared machine falls on both; then nanospec's dynamic K alone. Multi-turn
+sessions (bench serve --dataset multiturn's: 3 turns, each sent with the server's own answers so
+far, 1 and 4 sessions at once) on vLLM's and nanospec's n-gram and nanospec's suffix decoding, with
+each server's prefix caching on (their default), new sessions every round. nanospec's
 server overhead: its TPOT at concurrency 1 against offline generate in this process, alternated.
 The running streams' ITL while long prompts arrive: decode steps between prefill chunks against
 --prefill-first. Writes one JSON with every row and the command.
@@ -25,10 +28,14 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanospec import LLM, SamplingParams  # noqa: E402
-from nanospec.bench_serve import HEADER, Client, format_row, load_prompts, run_load, spec_counters, summarize  # noqa: E402
+from nanospec.bench_serve import (HEADER, Client, format_row, load_prompts, run_load, run_sessions,  # noqa: E402
+                                  spec_counters, summarize)
+from nanospec.prompts import by_category_in_turn, shipped_prompts  # noqa: E402
+from nanospec.workload import multiturn_sessions  # noqa: E402
 from nanospec.cli import busy_cores, set_threads  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+MULTITURN_TOKENS = 128   # a multi-turn answer's ceiling: long enough for later turns to revisit it
 LOADS = [("concurrency 1", None, 1), ("concurrency 4", None, 4), ("concurrency 16", None, 16),
          ("rate 1/s", 1.0, None), ("rate 4/s", 4.0, None)]
 
@@ -94,6 +101,24 @@ def measure(port: int, label: str, load: tuple, prompts: list[str], max_tokens: 
     return summary
 
 
+def measure_sessions(port: int, label: str, concurrency: int, first: int, count: int, max_tokens: int, rows: list,
+                     round_: int) -> dict:
+    """Multi-turn sessions of the shipped prompts first .. first + count - 1 (by category in turn),
+    `concurrency` at once, each turn sent with the answers this server gave: a row as measure()'s."""
+    settle()
+    client = Client(f"http://127.0.0.1:{port}", None)
+    before = spec_counters(client)
+    prompts = by_category_in_turn(shipped_prompts())
+    sessions = multiturn_sessions([prompts[(first + i) % len(prompts)] for i in range(count)], 3)
+    body = {"model": model_name(port), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    summary = summarize(*run_sessions(client, body, sessions, concurrency), before, spec_counters(client))
+    name = f"multiturn, {concurrency} sessions at once"
+    rows.append({"server": label, "load": name, "round": round_, "sessions_from": first, **summary})
+    print(format_row(f"{label}, {name}", summary), flush=True)
+    return summary
+
+
 def long_prompt_itl(port: int, label: str, prompts: list[str], rows: list) -> None:
     """ITL of 4 running streams while four ~1,900-token prompts arrive, one a second."""
     import threading
@@ -148,12 +173,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2, help="times each load is run on each server, in turn")
     ap.add_argument("--only", default="", help="comma-separated parts to run: plain, ngram, dynamic, overhead, "
-                                               "long (default: all)")
+                                               "long, multiturn (default: all)")
+    ap.add_argument("--sessions", type=int, default=8, help="multiturn: sessions of 3 turns a round (other prompts "
+                                                            "each round, so that no server finds a round cached)")
     ap.add_argument("--nanospec-args", default="", help="more flags for nanospec's server, e.g. '--threads 1'")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     prompts = load_prompts("shipped", args.num_prompts)
-    only = set(filter(None, args.only.split(","))) or {"plain", "ngram", "dynamic", "overhead", "long"}
+    only = set(filter(None, args.only.split(","))) or {"plain", "ngram", "dynamic", "overhead", "long", "multiturn"}
     nanospec = [sys.executable, "-m", "nanospec.serve", "--target", args.model, "--max-model-len", "2048",
                 *args.nanospec_args.split()]
     vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", "float32",
@@ -162,11 +189,16 @@ def main() -> None:
     groups = [("plain", [("vLLM plain", vllm, vllm_env), ("nanospec plain", nanospec, {})]),
               ("ngram", [("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], vllm_env),
                          ("nanospec ngram K=4", nanospec + ["--ngram"], {})]),
-              ("dynamic", [("nanospec ngram dynamic K", nanospec + ["--ngram", "--dynamic-k"], {})])]
+              ("dynamic", [("nanospec ngram dynamic K", nanospec + ["--ngram", "--dynamic-k"], {})]),
+              ("multiturn", [("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], vllm_env),
+                             ("nanospec ngram K=4", nanospec + ["--ngram"], {}),
+                             ("nanospec suffix", nanospec + ["--suffix"], {})])]
     rows = []
     result = {"command": "python tools/serve_side_by_side.py " + " ".join(sys.argv[1:]), "prompts": "shipped",
               "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": 0, "endpoint": "chat",
-              "rounds": args.rounds, "rows": rows}
+              "rounds": args.rounds, "rows": rows,
+              **({"multiturn_sessions": args.sessions, "multiturn_turns": 3, "multiturn_max_tokens": MULTITURN_TOKENS}
+                 if "multiturn" in only else {})}
 
     def save():
         with open(args.out, "w") as f:
@@ -185,6 +217,14 @@ def main() -> None:
                 procs.append((label, port, start(cmd + ["--port", str(port)], port, env,
                                                  f"/tmp/serve_{label.replace(' ', '_')}.log")))
                 warm_up(port, prompts)
+            if group == "multiturn":   # both prefix caches on (each server's default), every round new sessions
+                for concurrency in (1, 4):
+                    for round_ in range(args.rounds):
+                        first = (2 * round_ + (concurrency > 1)) * args.sessions
+                        for label, p, _ in procs:
+                            measure_sessions(p, label, concurrency, first, args.sessions, MULTITURN_TOKENS, rows, round_)
+                        save()
+                continue
             for load in LOADS:
                 for round_ in range(args.rounds):
                     for label, p, _ in procs:
