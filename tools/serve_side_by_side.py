@@ -3,8 +3,9 @@ servers of a pair (plain, n-gram) are up together and measured by `python -m nan
 serve`'s client in turn, load by load (concurrency 1, 4, 16, 1 and 4 requests/s), `--rounds` times,
 so that a slow minute of a shared machine falls on both; then nanospec's dynamic K alone. Multi-turn
 sessions (bench serve --dataset multiturn's: 3 turns, each sent with the server's own answers so
-far, 1 and 4 sessions at once) on vLLM's and nanospec's n-gram and nanospec's suffix decoding, with
-each server's prefix caching on (their default), new sessions every round. nanospec's
+far, 1 and 4 sessions at once) on vLLM's and nanospec's n-gram and suffix decoding (vLLM's needs
+ArcticInference in its venv), with each server's prefix caching on (their default), new sessions
+every round. nanospec's
 server overhead: its TPOT at concurrency 1 against offline generate in this process, alternated.
 The running streams' ITL while long prompts arrive: decode steps between prefill chunks against
 --prefill-first. Writes one JSON with every row and the command.
@@ -35,6 +36,10 @@ from nanospec.workload import multiturn_sessions  # noqa: E402
 from nanospec.cli import busy_cores, set_threads  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# vLLM's suffix decoding (ArcticInference's, which it imports) at nanospec's ceiling of 16 drafts; its
+# other settings are its defaults (depth 24, max_spec_factor 1, max_spec_offset 0, min_token_prob 0.1),
+# which nanospec's suffix takes with --suffix-max-spec-offset 0 (by default it drafts up to 3 more)
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 16}
 MULTITURN_TOKENS = 128   # a multi-turn answer's ceiling: long enough for later turns to revisit it
 LOADS = [("concurrency 1", None, 1), ("concurrency 4", None, 4), ("concurrency 16", None, 16),
          ("rate 1/s", 1.0, None), ("rate 4/s", 4.0, None)]
@@ -191,8 +196,10 @@ def main() -> None:
                          ("nanospec ngram K=4", nanospec + ["--ngram"], {})]),
               ("dynamic", [("nanospec ngram dynamic K", nanospec + ["--ngram", "--dynamic-k"], {})]),
               ("multiturn", [("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], vllm_env),
+                             ("vLLM suffix", vllm + ["--speculative-config", json.dumps(SUFFIX)], vllm_env),
                              ("nanospec ngram K=4", nanospec + ["--ngram"], {}),
-                             ("nanospec suffix", nanospec + ["--suffix"], {})])]
+                             ("nanospec suffix", nanospec + ["--suffix"], {}),
+                             ("nanospec suffix+0", nanospec + ["--suffix", "--suffix-max-spec-offset", "0"], {})])]
     rows = []
     result = {"command": "python tools/serve_side_by_side.py " + " ".join(sys.argv[1:]), "prompts": "shipped",
               "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": 0, "endpoint": "chat",
