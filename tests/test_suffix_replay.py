@@ -1,5 +1,8 @@
 """The suffix replay (tools/suffix_replay.py): faithful to the engine, so that the draft-length
 rules it compares are judged on what the engine would do."""
+import sys
+import types
+
 import pytest
 
 from nanospec import LLM, SamplingParams
@@ -38,3 +41,38 @@ def test_the_gating_options_gate():
     for gated in ("suffix+0@p1.01", "suffix+0@m25", "suffix+3 priced@p1.01"):
         row = replay(trace, gated, cost=0.1)
         assert row["drafted_per_step"] == 0 and row["mean_acceptance_length"] == 1, row
+
+
+def test_the_arctic_row_feeds_arctic_inference_as_vllms_proposer_does(monkeypatch):
+    """ArcticInference is no dependency: a stand-in for its SuffixDecodingCache records the calls. A
+    request starts with its prompt, each draft follows the tokens added since the last (never twice),
+    taken from the last 24 tokens at K 16, and a finished request is stopped with all of its tokens."""
+    calls = []
+
+    class Cache:
+        def __init__(self, max_tree_depth, max_cached_requests):
+            calls.append(("init", max_tree_depth))
+
+        def start_request(self, rid, prompt):
+            calls.append(("start", rid, list(prompt)))
+
+        def add_active_response(self, rid, tokens):
+            calls.append(("add", rid, list(tokens)))
+
+        def speculate(self, rid, context, max_spec_tokens, max_spec_factor, min_token_prob):
+            calls.append(("speculate", rid, len(context), max_spec_tokens))
+            return types.SimpleNamespace(token_ids=[])
+
+        def stop_request(self, rid):
+            calls.append(("stop", rid))
+
+    module = types.ModuleType("arctic_inference.suffix_decoding")
+    module.SuffixDecodingCache = Cache
+    monkeypatch.setitem(sys.modules, "arctic_inference", types.ModuleType("arctic_inference"))
+    monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", module)
+    prompt = list(range(30))
+    row = replay([dict(category="any", prompt=prompt, output=[100, 101, 102])], "arctic", cost=0.1)
+    assert row["mean_acceptance_length"] == 1   # nothing drafted: one token a step
+    assert calls == [("init", 24), ("start", 0, prompt), ("speculate", 0, 24, 16),
+                     ("add", 0, [100]), ("speculate", 0, 24, 16), ("add", 0, [101]), ("speculate", 0, 24, 16),
+                     ("add", 0, [102]), ("stop", 0)]

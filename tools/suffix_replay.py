@@ -18,6 +18,10 @@ docs/suffix_decoding.md). Rows:
   suffix+N@mM     drafting only from matches of M tokens or more (the request's own stream: 1, the
                   global index: 2, by default); @pP@mM both. Whether gating weak drafts pays where
                   verifying is dear: docs/suffix_decoding.md, "Gating weak drafts"
+  arctic          ArcticInference's suffix decoding (the implementation vLLM's method "suffix" imports),
+                  fed as vLLM's proposer feeds it, at K 16 and its defaults (vLLM's rule, as suffix+0):
+                  the program that defines the method, as an oracle of what nanospec's index finds;
+                  needs arctic_inference importable (README, "Multi-turn sessions through the server")
 
     python tools/suffix_replay.py --workload multiturn --costs 0.03,0.27 [--out FILE.json]
 """
@@ -72,20 +76,55 @@ def replay(trace: list[dict], rule: str, cost: float) -> dict:
         return replay_rule(trace, rule, rule_name, cost, options.get("p", MIN_TOKEN_PROB))
 
 
+class ArcticDrafter:
+    """ArcticInference's SuffixDecodingCache as vLLM's SuffixDecodingProposer drives it: a request's
+    prompt tree started with its prompt, its new tokens added before each draft, the draft taken from
+    the last max_tree_depth tokens; a finished request's response stays in the global tree."""
+
+    def __init__(self, min_token_prob: float):
+        try:
+            from arctic_inference.suffix_decoding import SuffixDecodingCache
+        except ImportError:
+            sys.exit("suffix_replay: the arctic row needs ArcticInference: install arctic-inference (README, "
+                     "'Multi-turn sessions through the server', builds it) or leave the row out")
+        self.cache, self.min_token_prob = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000), min_token_prob
+        self.fed = {}   # request id -> tokens the cache holds of it
+
+    def draft(self, rid: int, prompt: list[int], tokens: list[int], k: int) -> list[int]:
+        self.feed(rid, prompt, tokens)
+        return self.cache.speculate(rid, tokens[-24:], max_spec_tokens=k, max_spec_factor=1.0,
+                                    min_token_prob=self.min_token_prob).token_ids
+
+    def feed(self, rid: int, prompt: list[int], tokens: list[int]) -> None:
+        if rid not in self.fed:
+            self.cache.start_request(rid, prompt)
+            self.fed[rid] = len(prompt)
+        if len(tokens) > self.fed[rid]:
+            self.cache.add_active_response(rid, tokens[self.fed[rid]:])
+            self.fed[rid] = len(tokens)
+
+    def finished(self, rid: int, prompt: list[int], tokens: list[int]) -> None:
+        self.feed(rid, prompt, tokens)
+        self.cache.stop_request(rid)
+
+
 def replay_rule(trace: list[dict], rule: str, rule_name: str, cost: float, min_token_prob: float) -> dict:
     name, _, offset = rule_name.partition("+")
     priced = offset.endswith(" priced")
     suffix = SuffixProposer("cpu", max_spec_offset=int(offset.split()[0] or 0),
                             min_token_prob=min_token_prob) if name == "suffix" else None
+    arctic = ArcticDrafter(min_token_prob) if name == "arctic" else None
     per_category = defaultdict(lambda: [0, 0])
     steps = drafted = 0
     clock = 0.0
-    for t in trace:
+    for rid, t in enumerate(trace):
         tokens, pos = t["prompt"] + t["output"], len(t["prompt"])
         request, ngram = SimpleNamespace(tokens=[], suffix_stream=None), NgramIndex(1, 4)
         while pos < len(tokens):
             request.tokens = tokens[:pos]
-            if suffix is None:
+            if arctic is not None:
+                draft = arctic.draft(rid, t["prompt"], request.tokens, 16)
+            elif suffix is None:
                 draft = ngram.lookup(request.tokens, 4)
             else:
                 draft = suffix.propose([request], [16]).host_drafts[0] if priced else suffix.draft(request, 16).tokens
@@ -100,6 +139,8 @@ def replay_rule(trace: list[dict], rule: str, rule_name: str, cost: float, min_t
         if suffix is not None:
             request.tokens = tokens
             suffix.finished(request)
+        if arctic is not None:
+            arctic.finished(rid, t["prompt"], tokens)
     generated = sum(n for n, _ in per_category.values())
     return {"row": rule, "cost": cost, "mean_acceptance_length": round(generated / steps, 3),
             "drafted_per_step": round(drafted / steps, 3), "tokens_per_plain_step": round(generated / clock, 4),
