@@ -1,0 +1,102 @@
+"""Where a CPU decode step's time goes: SmolLM2's plain greedy decode steps at batch 1, 8 and 32
+(prompts cycled from the shipped ones, past prefill), timed whole and in three parts: the
+projections (model.Linear, lm_head included), the reference attention (kv_cache.paged_attention_reference:
+the K/V gather and SDPA, split apart), and the rest (norms, rotation, K/V writes, SiLU, metadata,
+sampling, Python). Each part is timed by wrapping its function with a wall clock, so the parts
+include what a call costs from Python; the step is the median of --steps, the parts their mean.
+Also the share of the keys the gather copies that are padding (each sequence's pages padded to the
+batch's longest, masked).
+
+    python tools/step_split.py [--batch-sizes 1,8,32] [--steps 20] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from nanospec import LLM, model  # noqa: E402
+from nanospec.cli import set_threads  # noqa: E402
+from nanospec.measure import decoding  # noqa: E402
+from nanospec.prompts import shipped_prompts  # noqa: E402
+
+
+def timed_parts(totals: Counter):
+    """Wrap Linear.forward, the attention and its gather with clocks adding into totals; returns undo."""
+    linear, attention, select = model.Linear.forward, model.paged_attention_reference, torch.Tensor.index_select
+
+    def clock(name, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return run
+    timed_attention = clock("attention", attention)
+
+    def counted_attention(q, kv, meta, scale):   # the keys gathered, and those that are padding
+        totals["keys gathered"] += meta.block_tables.numel() * kv.shape[2]
+        totals["keys"] += int(meta.context_lens.sum())
+        return timed_attention(q, kv, meta, scale)
+    model.Linear.forward = clock("projections", linear)
+    model.paged_attention_reference = counted_attention
+    torch.Tensor.index_select = clock("attention: K/V gather", select)   # in a step, only the reference attention calls it
+    return lambda: (setattr(model.Linear, "forward", linear), setattr(model, "paged_attention_reference", attention),
+                    delattr(torch.Tensor, "index_select"))
+
+
+def split(llm: LLM, prompts: list[list[int]], batch: int, steps: int) -> dict:
+    engine = llm.engine.twin(batch * 24, max_num_seqs=batch)
+    decoding(engine, [prompts[i % len(prompts)] for i in range(batch)], steps + 8)
+    for _ in range(2):
+        engine.step()
+    totals, seconds = Counter(), []
+    undo = timed_parts(totals)
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            seconds.append(time.perf_counter() - start)
+    finally:
+        undo()
+    padding = 1 - totals.pop("keys") / totals.pop("keys gathered")
+    ms = {name: round(1e3 * total / steps, 2) for name, total in totals.items()}
+    step = 1e3 * statistics.median(seconds)
+    return {"batch_size": batch, "step_ms": round(step, 2), **{f"{k}_ms": v for k, v in ms.items()},
+            "rest_ms": round(1e3 * sum(seconds) / steps - ms["projections"] - ms["attention"], 2),
+            "gathered_keys_padding": round(padding, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    set_threads(None)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(device="cpu", dtype="float32", max_num_seqs=max(batches))
+    prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()]
+    rows = []
+    for batch in batches:
+        rows.append(split(llm, prompts, batch, args.steps))
+        print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python tools/step_split.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
