@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -129,12 +129,13 @@ def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_
             return state
 
 
-def differing_requests(state: dict) -> dict:
-    """Per row unlike the first, how many of its requests' tokens differ from the first row's (matched
-    by prompt; in a multi-turn session a differing answer changes its later turns' prompts too)."""
-    outputs = {name: sorted((r.prompt_ids, r.output_ids) for _, r in row["done"]) for name, row in state.items()}
-    first = next(iter(outputs.values()))
-    counts = {name: sum(a != b for a, b in zip(out, first)) for name, out in outputs.items()}
+def differing_requests(state: dict, reference: str) -> dict:
+    """Per row, how many of its requests (prompt and tokens) the reference row has no equal of: a
+    multiset difference, since in a multi-turn session a differing answer changes its later turns'
+    prompts too, and rows finish their requests in different orders."""
+    def requests(name):
+        return Counter((tuple(r.prompt_ids), tuple(r.output_ids)) for _, r in state[name]["done"])
+    counts = {name: sum((requests(name) - requests(reference)).values()) for name in state}
     return {name: n for name, n in counts.items() if n}
 
 
@@ -197,17 +198,18 @@ def run(args) -> dict:
             order = names[repeat % len(names):] + names[:repeat % len(names)]
             state = run_rows(llms, order, lambda: multiturn_sessions(prompt_rows, turns), bs, args.max_new_tokens,
                              longest)
-            differ = differing_requests(state)
+            differ = differing_requests(state, names[0])
             if differ and first.dtype == torch.float32:
-                raise NanospecError(f"the rows decoded different tokens (requests differing from the first row's: "
-                                    f"{differ}): a proposer is not lossless")
+                raise NanospecError(f"the rows decoded different tokens (requests unlike {names[0]}'s: {differ}): "
+                                    f"a proposer is not lossless")
             if differ:   # a verify step's products round otherwise than a one-token step's
                 identical = False
                 log(f"bench: in {str(first.dtype).removeprefix('torch.')} the rows decoded different tokens "
-                    f"(requests differing from the first row's: {differ}), as rounding breaks greedy near-ties "
-                    f"otherwise in steps of other shapes; --dtype float32 checks that every row is lossless")
+                    f"(requests unlike {names[0]}'s: {differ}), as rounding breaks greedy near-ties otherwise "
+                    f"in steps of other shapes; --dtype float32 checks that every row is lossless")
             measured = [{"batch_size": bs, "repeat": repeat + 1, **summarize(name, row),
-                         **({"requests_differing_from_first_row": differ.get(name, 0)} if differ else {})}
+                         **({"requests_unlike_reference_row": differ.get(name, 0), "reference_row": names[0]}
+                            if differ else {})}
                         for name, row in state.items()]
             progress.step(f"batch {bs}, repeat {repeat + 1}: " + ", ".join(
                 f"{m['row']} {m['tokens_per_s']:.1f} tok/s AL {m['mean_acceptance_length']:.2f}" for m in measured))

@@ -214,6 +214,13 @@ def run_load(client: Client, endpoint: str, bodies: list[dict], rate: float, con
     return results, run_threads([functools.partial(send, i) for i in range(len(bodies))], concurrency, arrive)
 
 
+def shipped_sessions(count: int, turns: int, first: int = 0) -> list:
+    """`count` multi-turn sessions of the shipped prompts (a category at a time in turn), from the
+    first-th on, cycling."""
+    rows = by_category_in_turn(shipped_prompts())
+    return multiturn_sessions([rows[(first + i) % len(rows)] for i in range(count)], turns)
+
+
 def run_sessions(client: Client, body: dict, sessions: list, concurrency: int | None) -> tuple[list[Result], float]:
     """Each session's turns one after another (the conversation so far, with the answers the server
     gave), `concurrency` sessions in flight; returns every turn's result and the run's duration."""
@@ -305,8 +312,7 @@ def run(args) -> dict:
     load = f"concurrency {args.max_concurrency}" if args.max_concurrency else f"rate {args.request_rate:g}/s"
     before = spec_counters(client)
     if multiturn:
-        rows = by_category_in_turn(shipped_prompts())
-        sessions = multiturn_sessions([rows[i % len(rows)] for i in range(args.num_prompts)], args.turns)
+        sessions = shipped_sessions(args.num_prompts, args.turns)
         log(f"bench serve: {len(sessions)} sessions of {args.turns} turns to {args.base_url} ({model}), {load} ...")
         results, duration = run_sessions(client, common, sessions, args.max_concurrency)
     else:

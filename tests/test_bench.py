@@ -97,12 +97,15 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
 
 
 def test_rows_that_decode_different_tokens_are_counted_by_prompt():
-    """What bench --proposers compares: each row's requests matched by prompt with the first row's."""
+    """What bench --proposers compares: each row's requests (prompt and tokens) against the reference
+    row's, as multisets: finished in another order they are the same; one differing answer also
+    changes its session's next prompt, which may sort elsewhere, and still counts as what differs."""
     req = lambda prompt, out: (None, SimpleNamespace(prompt_ids=prompt, output_ids=out))
-    state = {"ngram": {"done": [req([1], [5, 6]), req([2], [7])]},
-             "suffix": {"done": [req([2], [7]), req([1], [5, 6])]},   # the same, finished in another order
-             "eagle": {"done": [req([1], [5, 9]), req([2], [7])]}}
-    assert bench_proposers.differing_requests(state) == {"eagle": 1}
+    state = {"ngram": {"done": [req([1], [5, 6]), req([1, 5, 6, 2], [7]), req([3], [8])]},
+             "suffix": {"done": [req([3], [8]), req([1, 5, 6, 2], [7]), req([1], [5, 6])]},   # another order
+             "eagle": {"done": [req([1], [5, 9]), req([1, 5, 9, 2], [7]), req([3], [8])]}}   # a turn and the next
+    assert bench_proposers.differing_requests(state, "ngram") == {"eagle": 2}
+    assert bench_proposers.differing_requests(state, "eagle") == {"ngram": 2, "suffix": 2}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -111,7 +114,7 @@ def test_rows_that_differ_stop_a_float32_run_and_are_reported_in_lower_precision
     """float32: every row must decode the same tokens (a proposer that did not would not be lossless).
     bfloat16: a verify step's products round otherwise than a one-token step's, so greedy near-ties
     may break otherwise; the run goes on and says so (GPU runs default to bfloat16)."""
-    monkeypatch.setattr(bench_proposers, "differing_requests", lambda state: {"suffix": 1})
+    monkeypatch.setattr(bench_proposers, "differing_requests", lambda state, reference: {"suffix": 1})
     out = tmp_path / "proposers.json"
     code = bench_main(["--target", spec_models["target"], "--batch-sizes", "1", "--max-new-tokens", "4",
                        "--max-prompts", "1", "--device", "cpu", "--dtype", dtype, "--proposers", "ngram,suffix",
@@ -123,7 +126,8 @@ def test_rows_that_differ_stop_a_float32_run_and_are_reported_in_lower_precision
         assert code == 0 and "in bfloat16 the rows decoded different tokens" in err
         report = json.loads(out.read_text())
         assert not report["outputs_identical_across_rows"]
-        assert [r["requests_differing_from_first_row"] for r in report["results"]] == [0, 1]
+        assert [(r["reference_row"], r["requests_unlike_reference_row"]) for r in report["results"]] == [
+            ("ngram", 0), ("ngram", 1)]
 
 
 def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):

@@ -28,7 +28,7 @@ def test_the_calls_hold_every_byte_within_the_budget_and_join_back(tmp_path, fil
     for call in calls:
         parts = [f for f in os.listdir(kit / call) if f.endswith(".part")]
         assert sum(os.path.getsize(kit / call / f) for f in parts) <= 1000
-        assert (kit / call / "manifest.json").is_file()   # each call can be unpacked from alone
+        assert (kit / call / "manifest.json").is_file()   # whichever calls arrive, the manifest is there
     assert len(manifest["parts"]) == 7   # the model in 3, the wheel across a call's end in 2
     out = unpack(str(kit), install=False)
     assert {name: open(path, "rb").read() for name, path in out.items()} == contents
@@ -53,6 +53,29 @@ def test_a_part_that_did_not_arrive_whole_is_named_with_its_call(tmp_path, files
         part.write_bytes(b"x" + part.read_bytes()[1:])
     with pytest.raises(KitError, match="call2"):
         unpack(str(kit), install=False)
+
+
+def test_every_call_that_did_not_arrive_is_named_and_packs_are_not_mixed(tmp_path, files):
+    kit = tmp_path / "kit"
+    pack(files[0], str(kit), budget=1000)
+    for call in ("call1", "call3"):
+        for f in os.listdir(kit / call):
+            if f.endswith(".part"):
+                (kit / call / f).unlink()
+    with pytest.raises(KitError, match=r"\.gpu_kit/call1, \.gpu_kit/call3 are not here"):
+        unpack(str(kit), install=False)
+    other = tmp_path / "other"
+    pack(files[0][:1], str(other), budget=1000)   # another pack's call folder left beside this one's
+    os.rename(other / "call1", kit / "call5")
+    with pytest.raises(KitError, match="different packs"):
+        unpack(str(kit), install=False)
+
+
+def test_an_empty_file_after_a_full_call_opens_no_call(tmp_path):
+    (tmp_path / "a").write_bytes(bytes(200))
+    (tmp_path / "b").write_bytes(b"")
+    calls = plan_parts([(n, str(tmp_path / n)) for n in "ab"], 200)
+    assert [[(p["name"], p["size"]) for p in call] for call in calls] == [[("a", 200), ("b", 0)]]
 
 
 def test_no_kit_here_says_what_to_carry(tmp_path):

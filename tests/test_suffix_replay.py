@@ -51,7 +51,7 @@ def test_the_arctic_row_feeds_arctic_inference_as_vllms_proposer_does(monkeypatc
 
     class Cache:
         def __init__(self, max_tree_depth, max_cached_requests):
-            calls.append(("init", max_tree_depth))
+            calls.append(("init", max_tree_depth, max_cached_requests))
 
         def start_request(self, rid, prompt):
             calls.append(("start", rid, list(prompt)))
@@ -60,6 +60,7 @@ def test_the_arctic_row_feeds_arctic_inference_as_vllms_proposer_does(monkeypatc
             calls.append(("add", rid, list(tokens)))
 
         def speculate(self, rid, context, max_spec_tokens, max_spec_factor, min_token_prob):
+            assert (max_spec_factor, min_token_prob) == (1.0, 0.1)   # ArcticInference's defaults, vLLM's too
             calls.append(("speculate", rid, len(context), max_spec_tokens))
             return types.SimpleNamespace(token_ids=[])
 
@@ -73,6 +74,6 @@ def test_the_arctic_row_feeds_arctic_inference_as_vllms_proposer_does(monkeypatc
     prompt = list(range(30))
     row = replay([dict(category="any", prompt=prompt, output=[100, 101, 102])], "arctic", cost=0.1)
     assert row["mean_acceptance_length"] == 1   # nothing drafted: one token a step
-    assert calls == [("init", 24), ("start", 0, prompt), ("speculate", 0, 24, 16),
+    assert calls == [("init", 24, 10000), ("start", 0, prompt), ("speculate", 0, 24, 16),
                      ("add", 0, [100]), ("speculate", 0, 24, 16), ("add", 0, [101]), ("speculate", 0, 24, 16),
                      ("add", 0, [102]), ("stop", 0)]

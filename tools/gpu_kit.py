@@ -33,7 +33,7 @@ MARGIN = 2 * MIB        # for files the tree gains between pack and the calls
 # what nanospec imports at run time that the GPU image (Python 3.12, device/KINDS.md) lacks: the
 # GGUF reader, and the server's FastAPI stack
 WHEELS = ["gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-          "opentelemetry-api", "uvicorn"]
+          "opentelemetry-api", "uvicorn", "typing-extensions"]   # (the last: pydantic needs a recent one)
 DEVICE_PYTHON = "3.12"
 
 
@@ -64,7 +64,7 @@ def plan_parts(files: list[tuple[str, str]], budget: int) -> list[list[dict]]:
     for name, source in files:
         offset, size = 0, os.path.getsize(source)
         while True:   # an empty file is one empty part
-            if room == 0:
+            if room == 0 and offset < size:
                 calls.append([])
                 room = budget
             take = min(room, size - offset)
@@ -126,12 +126,18 @@ def pack(files: list[tuple[str, str]], kit: str, budget: int) -> dict:
 
 
 def read_manifest(kit: str) -> dict:
+    """The manifest every call folder here holds a copy of (folders of different packs: an error)."""
+    manifests = []
     for folder in sorted(os.listdir(kit)) if os.path.isdir(kit) else ():
         path = os.path.join(kit, folder, "manifest.json")
         if folder.startswith("call") and os.path.isfile(path):
             with open(path) as f:
-                return json.load(f)
-    raise KitError(f"no {os.path.relpath(kit, ROOT)}/callN/manifest.json here: carry the kit's call folders")
+                manifests.append(json.load(f))
+    if not manifests:
+        raise KitError(f"no {os.path.relpath(kit, ROOT)}/callN/manifest.json here: carry the kit's call folders")
+    if any(m != manifests[0] for m in manifests):
+        raise KitError("the call folders here come from different packs: carry every call folder of one pack again")
+    return manifests[0]
 
 
 def unpack(kit: str = KIT, install: bool = True) -> dict:
@@ -139,12 +145,14 @@ def unpack(kit: str = KIT, install: bool = True) -> dict:
     Returns {name: path}."""
     manifest = read_manifest(kit)
     calls = max(p["call"] for p in manifest["parts"])
+    missing = sorted({p["call"] for p in manifest["parts"]
+                      if not os.path.isfile(os.path.join(kit, f"call{p['call']}", p["file"]))})
+    if missing:
+        raise KitError(f"the parts of {', '.join(f'.gpu_kit/call{n}' for n in missing)} are not here: carry "
+                       f"{'it' if len(missing) == 1 else 'them'} again (the machine keeps the folders of earlier "
+                       f"calls only while it stays warm; {calls} calls in all)")
     for part in manifest["parts"]:
         path = os.path.join(kit, f"call{part['call']}", part["file"])
-        if not os.path.isfile(path):
-            raise KitError(f"part {part['file']} of {part['name']} is not here: carry .gpu_kit/call{part['call']} "
-                           f"again (the machine keeps the folders of earlier calls only while it stays warm; "
-                           f"{calls} calls in all)")
         if sha256(path) != part["sha256"]:
             raise KitError(f"part {part['file']} of {part['name']} (.gpu_kit/call{part['call']}) is damaged: "
                            f"carry it again")
@@ -161,8 +169,11 @@ def unpack(kit: str = KIT, install: bool = True) -> dict:
         out[name] = target
     wheels = [path for name, path in out.items() if name.startswith("wheels/")]
     if install and wheels:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
-                        "--target", os.path.join(kit, "site"), *wheels], check=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
+                               "--target", os.path.join(kit, "site"), *wheels])
+        if done.returncode:
+            raise KitError(f"pip could not install the kit's wheels (above), which are for Python {DEVICE_PYTHON}, "
+                           f"the GPU image's; this is Python {sys.version_info.major}.{sys.version_info.minor}")
     return out
 
 
@@ -173,10 +184,11 @@ def main() -> None:
     ap.add_argument("--model", help="the model file to carry (default: the offline default model's GGUF)")
     ap.add_argument("--eagle", help="an EAGLE head folder to carry too (its config.json and model.safetensors)")
     args = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    from nanospec.checkpoint import default_model_path
+    from nanospec.errors import NanospecError
     try:
         if args.action == "pack":
-            sys.path.insert(0, ROOT)
-            from nanospec.checkpoint import default_model_path
             if os.path.exists(KIT):
                 shutil.rmtree(KIT)
             files = kit_files(args.model or default_model_path(), args.eagle, KIT)
@@ -190,7 +202,7 @@ def main() -> None:
         else:
             for name, path in unpack().items():
                 print(f"{name}: {os.path.relpath(path, ROOT)}")
-    except KitError as e:
+    except (KitError, NanospecError, OSError) as e:   # NanospecError: no default model installed
         sys.exit(f"gpu_kit: {e}")
 
 

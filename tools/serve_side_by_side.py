@@ -30,9 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanospec import LLM, SamplingParams  # noqa: E402
 from nanospec.bench_serve import (HEADER, Client, format_row, load_prompts, run_load, run_sessions,  # noqa: E402
-                                  spec_counters, summarize)
-from nanospec.prompts import by_category_in_turn, shipped_prompts  # noqa: E402
-from nanospec.workload import multiturn_sessions  # noqa: E402
+                                  shipped_sessions, spec_counters, summarize)
+from nanospec.prompts import shipped_prompts  # noqa: E402
 from nanospec.cli import busy_cores, set_threads  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
@@ -40,6 +39,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 # other settings are its defaults (depth 24, max_spec_factor 1, max_spec_offset 0, min_token_prob 0.1),
 # which nanospec's suffix takes with --suffix-max-spec-offset 0 (by default it drafts up to 3 more)
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 16}
+WARM_UP = ["Say hello.", "Name a colour."]
 MULTITURN_TOKENS = 128   # a multi-turn answer's ceiling: long enough for later turns to revisit it
 LOADS = [("concurrency 1", None, 1), ("concurrency 4", None, 4), ("concurrency 16", None, 16),
          ("rate 1/s", 1.0, None), ("rate 4/s", 4.0, None)]
@@ -113,8 +113,7 @@ def measure_sessions(port: int, label: str, concurrency: int, first: int, count:
     settle()
     client = Client(f"http://127.0.0.1:{port}", None)
     before = spec_counters(client)
-    prompts = by_category_in_turn(shipped_prompts())
-    sessions = multiturn_sessions([prompts[(first + i) % len(prompts)] for i in range(count)], 3)
+    sessions = shipped_sessions(count, 3, first)
     body = {"model": model_name(port), "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     summary = summarize(*run_sessions(client, body, sessions, concurrency), before, spec_counters(client))
@@ -178,14 +177,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2, help="times each load is run on each server, in turn")
     ap.add_argument("--only", default="", help="comma-separated parts to run: plain, ngram, dynamic, overhead, "
-                                               "long, multiturn (default: all)")
+                                               "long (default: these), multiturn (its vLLM suffix server needs "
+                                               "ArcticInference in vLLM's venv)")
     ap.add_argument("--sessions", type=int, default=8, help="multiturn: sessions of 3 turns a round (other prompts "
                                                             "each round, so that no server finds a round cached)")
     ap.add_argument("--nanospec-args", default="", help="more flags for nanospec's server, e.g. '--threads 1'")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     prompts = load_prompts("shipped", args.num_prompts)
-    only = set(filter(None, args.only.split(","))) or {"plain", "ngram", "dynamic", "overhead", "long", "multiturn"}
+    only = set(filter(None, args.only.split(","))) or {"plain", "ngram", "dynamic", "overhead", "long"}
+    if "multiturn" in only and 2 * args.rounds * args.sessions > len(shipped_prompts()):
+        sys.exit(f"--only multiturn: {2 * args.rounds} runs of {args.sessions} new sessions need more than the "
+                 f"{len(shipped_prompts())} shipped prompts: fewer --sessions or --rounds")
     nanospec = [sys.executable, "-m", "nanospec.serve", "--target", args.model, "--max-model-len", "2048",
                 *args.nanospec_args.split()]
     vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", "float32",
@@ -223,7 +226,8 @@ def main() -> None:
                 port += 1
                 procs.append((label, port, start(cmd + ["--port", str(port)], port, env,
                                                  f"/tmp/serve_{label.replace(' ', '_')}.log")))
-                warm_up(port, prompts)
+                # (the multi-turn sessions' servers warm up on prompts none of them sends: nothing cached)
+                warm_up(port, WARM_UP if group == "multiturn" else prompts)
             if group == "multiturn":   # both prefix caches on (each server's default), every round new sessions
                 for concurrency in (1, 4):
                     for round_ in range(args.rounds):

@@ -19,7 +19,9 @@ docs/suffix_decoding.md). Rows:
                   global index: 2, by default); @pP@mM both. Whether gating weak drafts pays where
                   verifying is dear: docs/suffix_decoding.md, "Gating weak drafts"
   arctic          ArcticInference's suffix decoding (the implementation vLLM's method "suffix" imports),
-                  fed as vLLM's proposer feeds it, at K 16 and its defaults (vLLM's rule, as suffix+0):
+                  fed as vLLM's proposer feeds it (each row's first draft comes from the prompt alone,
+                  where vLLM's waits for the first sampled token), at K 16 and its defaults (vLLM's
+                  rule, as suffix+0):
                   the program that defines the method, as an oracle of what nanospec's index finds;
                   needs arctic_inference importable (README, "Multi-turn sessions through the server")
 
