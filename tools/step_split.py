@@ -51,7 +51,8 @@ def timed_parts(totals: Counter):
         return timed_attention(q, kv, meta, scale)
     model.Linear.forward = clock("projections", linear)
     model.paged_attention_reference = counted_attention
-    torch.Tensor.index_select = clock("attention: K/V gather", select)   # in a step, only the reference attention calls it
+    # in a step, only the reference attention calls index_select: its K/V gather
+    torch.Tensor.index_select = clock("attention: K/V gather", select)
     return lambda: (setattr(model.Linear, "forward", linear), setattr(model, "paged_attention_reference", attention),
                     delattr(torch.Tensor, "index_select"))
 

@@ -89,7 +89,8 @@ class ArcticDrafter:
         except ImportError:
             sys.exit("suffix_replay: the arctic row needs ArcticInference: install arctic-inference (README, "
                      "'Multi-turn sessions through the server', builds it) or leave the row out")
-        self.cache, self.min_token_prob = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000), min_token_prob
+        self.cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+        self.min_token_prob = min_token_prob
         self.fed = {}   # request id -> tokens the cache holds of it
 
     def draft(self, rid: int, prompt: list[int], tokens: list[int], k: int) -> list[int]:
