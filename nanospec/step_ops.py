@@ -124,8 +124,8 @@ def count_step_ops(engine, steps: int) -> StepOps:
         names[op.name] += 1 / steps
         times[op.name] += (op.time_range.elapsed_us() if cuda else op.self_cpu_time_total) / steps
     if len(layers) != num_layers * steps:   # never a silent 0: each step's forward runs each layer once
-        raise RuntimeError(f"the profiler saw {len(layers)} decoder-layer ranges in {steps} steps of a {num_layers}-layer "
-                           f"model, not {num_layers * steps}: operations per layer unmeasured (a CUDA graph's replay "
+        raise RuntimeError(f"the profiler saw {len(layers)} decoder-layer ranges in {steps} steps of a "
+                           f"{num_layers}-layer model, not {num_layers * steps}: operations per layer unmeasured (a CUDA graph's replay "
                            "runs no layer's Python: count an eager engine)")
     per_layer = min(layers)
     return StepOps(engine.device.type, steps, tokens, num_layers, len(ops) / steps, per_layer,

@@ -400,9 +400,10 @@ def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: 
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
                      k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """What Attention does before attending, in one launch (on a GPU it was three kernels, a rotation
-    and two index writes, and for Qwen3 three more, two norms and a cat): qk [T, heads + kv_heads, head_dim] rotated with the pass's tables cos,
-    sin [T, 1, head_dim] (RotaryEmbedding.tables, float32), its key heads and v [T, kv_heads,
-    head_dim] stored in their slots of the caches [num_blocks, block_size, kv_heads, head_dim].
+    and two index writes, and for Qwen3 three more, two norms and a cat): qk [T, heads + kv_heads,
+    head_dim] rotated with the pass's tables cos, sin [T, 1, head_dim] (RotaryEmbedding.tables,
+    float32), its key heads and v [T, kv_heads, head_dim] stored in their slots of the caches
+    [num_blocks, block_size, kv_heads, head_dim].
     Returns the rotated queries [T, heads, head_dim], contiguous as the attention kernel reads them.
     qk and v may be any strided views of the qkv product (row views of it on a GPU; on a CPU, under
     the interpreter, model.Linear's few-row product is a transposed view); the reference is

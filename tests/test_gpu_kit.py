@@ -10,7 +10,8 @@ from tools.gpu_kit import KitError, pack, plan_parts, unpack
 def files(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    contents = {"model.gguf": os.urandom(2500), "eagle/config.json": b"{}", "empty": b"", "wheels/a.whl": os.urandom(700)}
+    contents = {"model.gguf": os.urandom(2500), "eagle/config.json": b"{}", "empty": b"",
+                "wheels/a.whl": os.urandom(700)}
     out = []
     for name, data in contents.items():
         path = src / name.replace("/", "_")

@@ -5,10 +5,9 @@ so that a slow minute of a shared machine falls on both; then nanospec's dynamic
 sessions (bench serve --dataset multiturn's: 3 turns, each sent with the server's own answers so
 far, 1 and 4 sessions at once) on vLLM's and nanospec's n-gram and suffix decoding (vLLM's needs
 ArcticInference in its venv), with each server's prefix caching on (their default), new sessions
-every round. nanospec's
-server overhead: its TPOT at concurrency 1 against offline generate in this process, alternated.
-The running streams' ITL while long prompts arrive: decode steps between prefill chunks against
---prefill-first. Writes one JSON with every row and the command.
+every round. nanospec's server overhead: its TPOT at concurrency 1 against offline generate in this
+process, alternated. The running streams' ITL while long prompts arrive: decode steps between
+prefill chunks against --prefill-first. Writes one JSON with every row and the command.
 
 example (vLLM's CPU build in a venv of its own, serving an HF folder; see DEVELOPERS.md):
   python tools/serve_side_by_side.py --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \
@@ -31,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanospec import LLM, SamplingParams  # noqa: E402
 from nanospec.bench_serve import (HEADER, Client, format_row, load_prompts, run_load, run_sessions,  # noqa: E402
                                   shipped_sessions, spec_counters, summarize)
-from nanospec.prompts import shipped_prompts  # noqa: E402
 from nanospec.cli import busy_cores, set_threads  # noqa: E402
+from nanospec.prompts import shipped_prompts  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 # vLLM's suffix decoding (ArcticInference's, which it imports) at nanospec's ceiling of 16 drafts; its
