@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from nanospec.estimators import StepTimes
 from nanospec.proposer import ModelProposer
-from nanospec.suffix import NO_DRAFT, SuffixProposer
+from nanospec.suffix import SuffixProposer
 
 BIN_WIDTH = 0.5
 NUM_BINS = 33          # scores 0 .. 16 (the largest K) and above
@@ -120,13 +120,11 @@ class HybridProposer:
         """(the suffix drafts, [] where the model drafts; the model's K per request, 0 where not).
         Priced: the drafts of the plan that pays (StepPlans)."""
         drafts, model_ks, self.chosen = [], [], []
-        suffix_drafts = []   # each row's suffix draft, if any: the plan without a round
+        suffix_drafts = self.suffix.drafts(requests, ks)   # each row's, if any: the plan without a round
         model_worth = {k: self.worth_of_model(k) for k in {min(k, self.model_k) for k in ks}}   # once per K
         expected = dict(plain=0.0, suffix=0.0, mixed=0.0)   # the drafts' worth under each plan, summed
-        for req, k in zip(requests, ks):
-            draft = self.suffix.draft(req, k) if k else NO_DRAFT
+        for req, k, draft in zip(requests, ks, suffix_drafts):
             suffix_worth = self.worth_of_suffix(draft.score) if draft.tokens else 0.0
-            suffix_drafts.append(draft)
             expected["suffix"] += suffix_worth
             k = min(k, self.model_k)
             if draft.tokens and suffix_worth >= model_worth[k]:

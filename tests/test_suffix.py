@@ -9,7 +9,6 @@ import functools
 import random
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from nanospec import LLM, SamplingParams
@@ -17,7 +16,7 @@ from nanospec.hybrid import PROBE_EVERY, StepPlans
 from nanospec.suffix import (EXTRA_PROBE_EVERY, MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, Draft, ExtraTokens,
                              GlobalIndex, RequestStream)
 
-from conftest import PROMPTS, greedy, proposer_args
+from conftest import PROMPTS, greedy
 
 
 def trie(streams: list[list[int]], depth: int) -> dict:
@@ -116,6 +115,53 @@ def test_the_global_index_drops_the_oldest_requests_first():
     assert index.draft(marked(999 - index.num_requests + 1)[:2], 3).tokens
     assert index.draft(marked(999 - index.num_requests)[:2], 3).tokens == []
     assert index.nbytes < 64 * 16 * 7 + 50_000   # 16 bytes a token sealed, the open segment's dict
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_sealed_index_is_every_sealed_bigram_sorted_by_key_then_position(seed):
+    """Sealing merges a segment's bigrams into one sorted array and dropping cuts the oldest out:
+    after any mix of both it is what sorting every bigram of the sealed stream gives, so each key's
+    most recent occurrences are the end of its run."""
+    rng = random.Random(seed)
+    index = GlobalIndex(max_requests=rng.choice([16, 64]), max_tokens=rng.choice([300, 1 << 23]),
+                        segment_tokens=rng.choice([8, 40, 1 << 17]))
+    for _ in range(rng.randrange(1, 120)):
+        index.add(random_stream(rng, rng.randrange(1, 30), rng.choice([3, 20])))
+        tokens = index.tokens.tolist()   # bigrams that start at a separator are never looked up: left out
+        pairs = sorted((a << 32 | b & 0xFFFFFFFF, j + 1)   # (key, the position after the bigram ending at j)
+                       for j, (a, b) in enumerate(zip(tokens, tokens[1:]), 1) if a >= 0)
+        assert [(key, at) for key, at in zip(index.keys.tolist(), index.follows.tolist()) if key >= 0] == pairs
+        assert len(index.tokens) == sum(size for size, _ in index.segments)
+        assert index.num_requests == sum(n for _, n in index.segments) + index.open_requests
+
+
+def test_the_global_index_reads_a_frequent_keys_most_recent_occurrences():
+    """A key seen more than MAX_CANDIDATES times drafts from its most recent occurrences, across
+    segments and the open one: here all of them continue one way, the older ones another."""
+    index = GlobalIndex(max_requests=1000, segment_tokens=64)
+    for i in range(600):
+        index.add([7, 8, 1, 2] if i < 300 else [7, 8, 3, 4])
+    assert len(index.segments) > 1 and index.open_requests
+    assert index.draft([7, 8], 2) == Draft([3, 4], 2.0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_batchs_global_drafts_are_each_requests_own(seed):
+    """drafts() looks a batch up at once: each context's draft is the trie's best path over the
+    requests kept, whatever the batch (short contexts and K = 0 draft nothing)."""
+    rng = random.Random(seed)
+    vocab = rng.choice([4, 20])
+    index = GlobalIndex(max_requests=32, segment_tokens=rng.choice([64, 200, 1 << 17]))   # no request cut
+    requests = [random_stream(rng, rng.randrange(1, 60), vocab) for _ in range(rng.randrange(1, 80))]
+    for r in requests:
+        index.add(r)
+    kept = requests[-index.num_requests:]
+    contexts = [random_stream(rng, rng.randrange(1, 30), vocab) for _ in range(rng.randrange(1, 20))]
+    ks = [rng.choice([0, 1, 4, 8]) for _ in contexts]
+    drafts = index.drafts(contexts, ks)
+    for context, k, draft in zip(contexts, ks, drafts):
+        score, expected = oracle_draft(kept, context, k, 2) if len(context) >= 2 and k else (0.0, [])
+        assert draft.tokens == expected and draft.score == pytest.approx(score)
 
 
 @pytest.mark.parametrize("offset", [0, 3])
