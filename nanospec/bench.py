@@ -23,7 +23,8 @@ import sys
 
 import torch
 
-from nanospec.cli import Progress, add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads
+from nanospec.cli import (Progress, add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads,
+                          suffix_flags)
 from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.engine import Stats
@@ -258,7 +259,7 @@ def run(args) -> dict:
     set_threads(args.threads)
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, suffix_max_spec_offset=args.suffix_max_spec_offset,
+              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, **suffix_flags(args),
               num_speculative_tokens=max_k if max_k > 0 and proposer else None, log=log, enforce_eager=args.enforce_eager,
               enable_prefix_caching=args.enable_prefix_caching)
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows

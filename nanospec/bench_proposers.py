@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from nanospec.cli import Progress, log, log_loading, set_threads
+from nanospec.cli import Progress, log, log_loading, set_threads, suffix_flags
 from nanospec.engine import SamplingParams
 from nanospec.errors import NanospecError, check_int
 from nanospec.llm import LLM
@@ -34,7 +34,7 @@ from nanospec.prompts import by_category_in_turn, shipped_prompts
 from nanospec.suffix import EXTRA_TOKENS
 from nanospec.workload import multiturn_sessions
 
-SUFFIX = lambda args: dict(suffix=True, suffix_max_spec_offset=args.suffix_max_spec_offset)   # its rows' settings
+SUFFIX = lambda args: dict(suffix=True, **suffix_flags(args))   # its rows' settings
 KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suffix": SUFFIX,
          "eagle": lambda args: dict(eagle=args.eagle), "draft": lambda args: dict(draft=args.draft),
          "hybrid": lambda args: dict(**SUFFIX(args), **(dict(eagle=args.eagle) if args.eagle else dict(draft=args.draft)))}
@@ -71,8 +71,10 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
         kinds.add(name)
     if not rows:
         raise NanospecError("--proposers names no row; e.g. --proposers ngram,suffix")
-    if args.suffix_max_spec_offset is not None and not kinds & {"suffix", "hybrid"}:
-        raise NanospecError("--suffix-max-spec-offset is for suffix and hybrid rows: add one to --proposers")
+    for name, value in suffix_flags(args).items():
+        if value is not None and not kinds & {"suffix", "hybrid"}:
+            flag = "--" + name.replace("_", "-")
+            raise NanospecError(f"{flag} is for suffix and hybrid rows: add one to --proposers")
     return rows
 
 

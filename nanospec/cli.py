@@ -136,7 +136,7 @@ def load_llm(args, **sizes):
     from nanospec.llm import LLM, EngineSizes, SpeculativeConfig   # the one command-line piece that loads a model
     SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
                       args.per_request_k, args.speculative_disable_queue_size, suffix=args.suffix,
-                      suffix_max_spec_offset=args.suffix_max_spec_offset).validate()
+                      **suffix_flags(args)).validate()
     EngineSizes(max_model_len=args.max_model_len, **sizes).validate()
     set_threads(args.threads)
     start = time.perf_counter()
@@ -145,7 +145,7 @@ def load_llm(args, **sizes):
               eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, num_speculative_tokens=args.num_speculative_tokens,
               dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
               speculative_disable_queue_size=args.speculative_disable_queue_size,
-              suffix_max_spec_offset=args.suffix_max_spec_offset, log=log,
+              **suffix_flags(args), log=log,
               enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching, **sizes)
     log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} CPU threads)")
@@ -164,6 +164,20 @@ def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                             "in recent requests; with --eagle or --draft, per request and step the suffix draft or "
                             "the model's, whichever is expected to be accepted more (the hybrid)")
     group.add_argument("--suffix-max-spec-offset", type=int, default=None, metavar="N",
-                       help="with --suffix, a match of L tokens drafts at most L + N, each of the N drafted where "
-                            "its measured acceptance pays for verifying it (default: 3; 0 is vLLM's rule)")
+                       help="with --suffix, a match of L tokens drafts at most L * factor + N, each of the N drafted "
+                            "where its measured acceptance pays for verifying it (default: 3; 0 is vLLM's rule)")
+    group.add_argument("--suffix-max-cached-requests", type=int, default=None, metavar="N",
+                       help="with --suffix, the global index holds the last N finished requests (default: 10000; 0: "
+                            "none, each request drafts from its own tokens only)")
+    group.add_argument("--suffix-max-spec-factor", type=float, default=None, metavar="F",
+                       help="with --suffix, the factor above (default: 1.0)")
+    group.add_argument("--suffix-min-token-prob", type=float, default=None, metavar="P",
+                       help="with --suffix, a draft stops where its estimated probability falls below P, in [0, 1] "
+                            "(default: 0.1)")
     return group
+
+
+def suffix_flags(args) -> dict:
+    """The --suffix-* settings, as LLM and SpeculativeConfig take them."""
+    names = ("suffix_max_spec_offset", "suffix_max_cached_requests", "suffix_max_spec_factor", "suffix_min_token_prob")
+    return {name: getattr(args, name) for name in names}

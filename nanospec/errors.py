@@ -44,10 +44,14 @@ def check_int(value, name: str, low: int | None = None, high: int | None = None,
     return value
 
 
-def check_real(value, name: str, low: float | None = None, above: float | None = None, fix: str = "") -> float:
-    """value, when it is a finite number >= low (or > above); otherwise one line naming `name`."""
-    if not (is_real(value) and (low is None or value >= low) and (above is None or value > above)):
+def check_real(value, name: str, low: float | None = None, above: float | None = None, fix: str = "",
+               high: float | None = None) -> float:
+    """value, when it is a finite number >= low (or > above) and <= high; otherwise one line naming `name`."""
+    if not (is_real(value) and (low is None or value >= low) and (above is None or value > above)
+            and (high is None or value <= high)):
         bound = f" >= {low}" if low is not None else f" > {above}" if above is not None else ""
+        bound = f" in [{low}, {high}]" if low is not None and high is not None else bound or (
+            f" <= {high}" if high is not None else "")
         raise NanospecError(f"{name} must be a finite number{bound}, {got(value)}{'; ' + fix if fix else ''}")
     return value
 

@@ -25,7 +25,7 @@ from nanospec.measure import device_name, quick_profile, step_memory
 from nanospec.prompts import shipped_prompts
 from nanospec.hybrid import HybridProposer
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer
-from nanospec.suffix import EXTRA_TOKENS, SuffixProposer
+from nanospec.suffix import SuffixProposer
 from nanospec.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,6 +87,20 @@ class SpeculativeConfig:
     ngram_max: int = 4
     suffix: bool = False                    # suffix decoding; with draft or eagle, the hybrid of both
     suffix_max_spec_offset: int | None = None   # suffix drafts: at most L + this many after a match of L (default 3)
+    # vLLM's suffix_decoding_* settings: requests the global index holds (0: none, only each request's
+    # own), drafts at most L * factor (+ the offset) after a match of L, a draft stops below this probability
+    suffix_max_cached_requests: int | None = None   # default 10,000
+    suffix_max_spec_factor: float | None = None     # default 1.0
+    suffix_min_token_prob: float | None = None      # default 0.1
+
+    SUFFIX_SETTINGS = ("suffix_max_spec_offset", "suffix_max_cached_requests", "suffix_max_spec_factor",
+                       "suffix_min_token_prob")
+
+    def suffix_settings(self) -> dict:
+        """SuffixProposer's keyword arguments for the settings given."""
+        names = dict(suffix_max_spec_offset="max_spec_offset", suffix_max_cached_requests="max_requests",
+                     suffix_max_spec_factor="max_spec_factor", suffix_min_token_prob="min_token_prob")
+        return {names[name]: getattr(self, name) for name in self.SUFFIX_SETTINGS if getattr(self, name) is not None}
 
     @property
     def hybrid(self) -> bool:
@@ -111,10 +125,16 @@ class SpeculativeConfig:
         check_int(self.ngram_min, param("ngram_min"), low=1)
         check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min, fix=f"it is at least {param('ngram_min')}")
         if self.suffix_max_spec_offset is not None:
-            offset = param("suffix_max_spec_offset")
-            check_int(self.suffix_max_spec_offset, offset, low=0, high=MAX_SPECULATIVE_TOKENS)
-            if not self.suffix:
-                raise NanospecError(f"{offset} is a setting of suffix decoding: add {param('suffix')}")
+            check_int(self.suffix_max_spec_offset, param("suffix_max_spec_offset"), low=0, high=MAX_SPECULATIVE_TOKENS)
+        if self.suffix_max_cached_requests is not None:
+            check_int(self.suffix_max_cached_requests, param("suffix_max_cached_requests"), low=0)
+        if self.suffix_max_spec_factor is not None:
+            check_real(self.suffix_max_spec_factor, param("suffix_max_spec_factor"), low=0)
+        if self.suffix_min_token_prob is not None:
+            check_real(self.suffix_min_token_prob, param("suffix_min_token_prob"), low=0, high=1)
+        for name in self.SUFFIX_SETTINGS:
+            if getattr(self, name) is not None and not self.suffix:
+                raise NanospecError(f"{param(name)} is a setting of suffix decoding: add {param('suffix')}")
         chosen = [name for name in ("draft", "eagle", "ngram") if getattr(self, name)]
         if len(chosen) > 1 or (self.suffix and self.ngram):
             both = chosen + ["suffix"] * self.suffix
@@ -214,8 +234,9 @@ class LLM:
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
-                 suffix_max_spec_offset: int | None = None, enforce_eager: bool = False,
-                 enable_prefix_caching: bool | None = None, log=None):
+                 suffix_max_spec_offset: int | None = None, suffix_max_cached_requests: int | None = None,
+                 suffix_max_spec_factor: float | None = None, suffix_min_token_prob: float | None = None,
+                 enforce_eager: bool = False, enable_prefix_caching: bool | None = None, log=None):
         """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
         same step, on the same buffers). enable_prefix_caching: reuse the K/V of a prompt's leading
         blocks that an earlier request computed, the target's and a model proposer's (kv_cache.py;
@@ -232,7 +253,8 @@ class LLM:
         sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
         sizes.validate()
         spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,
-                                 speculative_disable_queue_size, ngram_min, ngram_max, suffix, suffix_max_spec_offset)
+                                 speculative_disable_queue_size, ngram_min, ngram_max, suffix, suffix_max_spec_offset,
+                                 suffix_max_cached_requests, suffix_max_spec_factor, suffix_min_token_prob)
         k = spec.validate()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -267,8 +289,7 @@ class LLM:
                 model_drafter = EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size,
                                               self.device)
             if suffix:
-                offset = EXTRA_TOKENS if suffix_max_spec_offset is None else suffix_max_spec_offset
-                suffix_proposer = SuffixProposer(self.device, max_spec_offset=offset)
+                suffix_proposer = SuffixProposer(self.device, **spec.suffix_settings())
                 return HybridProposer(suffix_proposer, model_drafter, priced=priced) if model_drafter else suffix_proposer
             return model_drafter
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from nanospec.cli import add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads
+from nanospec.cli import add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads, suffix_flags
 from nanospec.dynamic_k import Profile
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.llm import LLM, MAX_SPECULATIVE_TOKENS
@@ -51,7 +51,7 @@ def profile_command(args, command_line: str) -> Profile:
     set_threads(args.threads)
     log_loading(args.target)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1], draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, suffix_max_spec_offset=args.suffix_max_spec_offset,
+              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, **suffix_flags(args),
               num_speculative_tokens=ks[-1], enforce_eager=args.enforce_eager,
               enable_prefix_caching=args.enable_prefix_caching)
     prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]

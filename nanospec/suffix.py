@@ -175,6 +175,8 @@ class GlobalIndex:
         self.num_requests = self.num_tokens = 0
 
     def add(self, tokens: list[int]) -> None:
+        if not self.max_requests:   # an index of no requests (vLLM's max_cached_requests 0)
+            return
         tokens = tokens[-self.segment_tokens + 1:]   # a request longer than a segment keeps its end
         start, end = self.open_size, self.open_size + len(tokens) + 1
         if end > len(self.open_tokens):

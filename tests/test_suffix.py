@@ -13,8 +13,8 @@ import pytest
 
 from nanospec import LLM, SamplingParams
 from nanospec.hybrid import PROBE_EVERY, StepPlans
-from nanospec.suffix import (EXTRA_PROBE_EVERY, MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, Draft, ExtraTokens,
-                             GlobalIndex, RequestStream)
+from nanospec.suffix import (EXTRA_PROBE_EVERY, EXTRA_TOKENS, MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, Draft,
+                             ExtraTokens, GlobalIndex, RequestStream)
 
 from conftest import PROMPTS, greedy
 
@@ -182,6 +182,25 @@ def test_suffix_sampled_output_is_plain_sampling_output_whatever_the_index_holds
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(30))] == \
         [o.token_ids for o in plain.generate(PROMPTS, greedy(30))]
     assert llm.stats["mean_acceptance_length"] > 3   # the second greedy pass redrafts the first's outputs
+
+
+def test_vllms_suffix_settings_reach_the_index_and_the_walk(spec_models):
+    """suffix_max_cached_requests, _max_spec_factor and _min_token_prob (vLLM's suffix_decoding_*):
+    0 requests cached keeps the global index empty (drafts come from each request's own tokens, as
+    vLLM's 0 disables its global tree), and the walk takes the factor and the probability; greedy
+    output stays plain decoding's."""
+    plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
+              suffix_max_cached_requests=0, suffix_max_spec_factor=2.0, suffix_min_token_prob=0.3)
+    proposer = llm.engine.proposer
+    assert proposer.walk_args == dict(min_prob=0.3, factor=2.0, offset=EXTRA_TOKENS)
+    assert [o.token_ids for o in llm.generate(PROMPTS * 2, greedy(30))] == \
+        [o.token_ids for o in plain.generate(PROMPTS * 2, greedy(30))]
+    assert proposer.global_index.num_requests == 0 and llm.stats["drafted_tokens"] > 0
+    cached = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
+                 suffix_max_cached_requests=3)
+    cached.generate(PROMPTS * 2, greedy(10))
+    assert cached.engine.proposer.global_index.max_requests == 3 and cached.engine.proposer.global_index.num_requests
 
 
 def test_the_hybrid_threshold_follows_measured_acceptance(spec_models):
