@@ -222,6 +222,7 @@ def run(args) -> dict:
             "workload": args.workload, "sessions": len(prompt_rows), "turns": turns,
             "max_new_tokens": args.max_new_tokens, "eagle": args.eagle, "draft": args.draft,
             "suffix_max_spec_offset": EXTRA_TOKENS if args.suffix_max_spec_offset is None else args.suffix_max_spec_offset,
+            **{name: value for name, value in suffix_flags(args).items() if value is not None},   # the others given
             "requests": len(prompt_rows) * turns, "outputs_identical_across_rows": identical, "results": results}
 
 

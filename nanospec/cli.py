@@ -170,7 +170,7 @@ def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="with --suffix, the global index holds the last N finished requests (default: 10000; 0: "
                             "none, each request drafts from its own tokens only)")
     group.add_argument("--suffix-max-spec-factor", type=float, default=None, metavar="F",
-                       help="with --suffix, the factor above (default: 1.0)")
+                       help="with --suffix, the factor above, in [0, 16] (default: 1.0)")
     group.add_argument("--suffix-min-token-prob", type=float, default=None, metavar="P",
                        help="with --suffix, a draft stops where its estimated probability falls below P, in [0, 1] "
                             "(default: 0.1)")

@@ -124,17 +124,17 @@ class SpeculativeConfig:
                 raise NanospecError(f"{param(name)} must be True or False, got {getattr(self, name)!r}")
         check_int(self.ngram_min, param("ngram_min"), low=1)
         check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min, fix=f"it is at least {param('ngram_min')}")
+        for name in self.SUFFIX_SETTINGS:
+            if getattr(self, name) is not None and not self.suffix:
+                raise NanospecError(f"{param(name)} is a setting of suffix decoding: add {param('suffix')}")
         if self.suffix_max_spec_offset is not None:
             check_int(self.suffix_max_spec_offset, param("suffix_max_spec_offset"), low=0, high=MAX_SPECULATIVE_TOKENS)
         if self.suffix_max_cached_requests is not None:
             check_int(self.suffix_max_cached_requests, param("suffix_max_cached_requests"), low=0)
-        if self.suffix_max_spec_factor is not None:
-            check_real(self.suffix_max_spec_factor, param("suffix_max_spec_factor"), low=0)
+        if self.suffix_max_spec_factor is not None:   # (a match of 1 at factor 16 already reaches the largest K)
+            check_real(self.suffix_max_spec_factor, param("suffix_max_spec_factor"), low=0, high=MAX_SPECULATIVE_TOKENS)
         if self.suffix_min_token_prob is not None:
             check_real(self.suffix_min_token_prob, param("suffix_min_token_prob"), low=0, high=1)
-        for name in self.SUFFIX_SETTINGS:
-            if getattr(self, name) is not None and not self.suffix:
-                raise NanospecError(f"{param(name)} is a setting of suffix decoding: add {param('suffix')}")
         chosen = [name for name in ("draft", "eagle", "ngram") if getattr(self, name)]
         if len(chosen) > 1 or (self.suffix and self.ngram):
             both = chosen + ["suffix"] * self.suffix

@@ -24,9 +24,9 @@ Two kinds of stream, one walk:
   GlobalIndex    finished requests' prompts and outputs, at most max_requests of them and
                  max_tokens tokens (oldest dropped first, a segment at a time); its candidates are
                  the positions after the most recent MAX_CANDIDATES occurrences of the context's
-                 last two tokens, looked up in one sorted bigram index of every sealed segment (one
-                 binary search for a whole batch). 16 bytes a token once sealed (tokens, keys,
-                 positions); the open segment is a dict of position lists.
+                 last two tokens, looked up in sorted bigram indexes of RUN_SEGMENTS sealed segments
+                 each (one binary search per index for a whole batch). 16 bytes a token once sealed
+                 (tokens, keys, positions); the open segment is a dict of position lists.
 
 Drafts are one-hot (q(d) = 1), so the verification is the n-gram one: greedy output equals plain
 decoding, and seeded sampled output equals plain sampling token for token (sampler.verify_one_hot),
@@ -49,6 +49,7 @@ MIN_TOKEN_PROB = 0.1      # a draft stops where its path's probability falls bel
 MAX_SPEC_FACTOR = 1.0     # a match of L tokens drafts at most L * factor + offset tokens
 MAX_SPEC_OFFSET = 0.0     # the walk's (vLLM's); the proposer's is EXTRA_TOKENS
 MAX_CANDIDATES = 256      # the most recent occurrences of a key a draft reads (bounds its host time)
+RUN_SEGMENTS = 4          # sealed segments merged into one sorted run (GlobalIndex): fewer searches, small copies
 SEPARATOR = -1            # between requests in the global stream: no match or draft crosses it
 EXTRA_TOKENS = 3          # the proposer's max_spec_offset: at most this many extra tokens, each priced (ExtraTokens)
 EXTRA_PRIOR = 0.5         # an extra token's chance to be accepted before any has been verified
@@ -150,29 +151,68 @@ def bigram_keys(tokens: np.ndarray) -> np.ndarray:
     return (tokens[:-1].astype(np.int64) << 32) | (tokens[1:].astype(np.int64) & 0xFFFFFFFF)
 
 
+class Run:
+    """Consecutive sealed segments as one stream (tokens), with every bigram's key sorted by key and
+    then by position, and the position after it (follows): a key's occurrences are one stretch of
+    keys, found by one binary search for a whole batch, its most recent last. 16 bytes a token."""
+
+    def __init__(self):
+        self.tokens = np.zeros(0, dtype=np.int32)
+        self.keys = np.zeros(0, dtype=np.int64)
+        self.follows = np.zeros(0, dtype=np.int32)
+        self.segments: deque[tuple[int, int]] = deque()   # each segment's (tokens, requests), oldest first
+
+    def append(self, stream: np.ndarray, requests: int) -> None:
+        """Merge a segment in: its bigrams after every equal key already here (older positions), so
+        that each key's stretch stays in order of position. O(the run)."""
+        keys = bigram_keys(stream)
+        order = np.argsort(keys, kind="stable")
+        keys, follows = keys[order], (order + 2 + len(self.tokens)).astype(np.int32)   # the bigram ending at order + 1
+        at = np.searchsorted(self.keys, keys, "right")
+        self.keys, self.follows = np.insert(self.keys, at, keys), np.insert(self.follows, at, follows)
+        self.tokens = np.concatenate([self.tokens, stream])
+        self.segments.append((len(stream), requests))
+
+    def drop_oldest(self) -> tuple[int, int]:
+        """Drop the oldest segment, its tokens and every bigram ending in it; returns its (tokens, requests)."""
+        size, requests = self.segments.popleft()
+        kept = self.follows > size   # the bigram ending at follows - 1 >= size
+        self.keys, self.follows = self.keys[kept], self.follows[kept] - size
+        self.tokens = self.tokens[size:].copy()
+        return size, requests
+
+    def lookup(self, keys: np.ndarray) -> tuple[list[int], list[int]]:
+        """keys and then each key + 1 (integers): each key's stretch, keys[lo[i]:hi[i]]."""
+        lo, hi = np.searchsorted(self.keys, keys).reshape(2, -1).tolist()
+        return lo, hi
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.keys.nbytes + self.follows.nbytes
+
+
 class GlobalIndex:
     """Recent finished requests' prompts and outputs: at most max_requests requests and max_tokens
     tokens, in segments of at most segment_tokens tokens (and 1/16 of max_requests), the oldest
     segment dropped first. A request is added whole when it finishes, to the open segment (a dict
-    of position lists); a full one is sealed, merged into one sorted array of every sealed bigram.
-
-    The sealed segments are one stream (tokens) with every bigram's key, sorted by key and then by
-    position, and the position after it (follows): a lookup is one binary search for a whole batch,
-    and a key's most recent occurrences are the last of its run. 16 bytes a token. Sealing and
-    dropping copy the arrays (O(sealed tokens): about 0.1 s at 4M tokens, once per segment)."""
+    of position lists); a full one is sealed into the newest run of sealed segments (Run), a new
+    run every RUN_SEGMENTS segments: a step's lookup is a binary search per run for its whole batch
+    (not per request and segment), and sealing or dropping a segment copies one run, not the index."""
 
     def __init__(self, max_requests: int = 10_000, max_tokens: int = 1 << 23, segment_tokens: int = 1 << 17):
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.segment_tokens = min(segment_tokens, max_tokens)
         self.segment_requests = max(1, max_requests // 16)
-        self.tokens = np.zeros(0, dtype=np.int32)     # the sealed segments' stream, oldest first
-        self.keys = np.zeros(0, dtype=np.int64)       # its bigrams' keys, sorted (then by position)
-        self.follows = np.zeros(0, dtype=np.int32)    # ... and the position after each
-        self.segments: deque[tuple[int, int]] = deque()   # each sealed segment's (tokens, requests), oldest first
+        self.runs: deque[Run] = deque()   # oldest first
         self.open_tokens, self.open_size = np.zeros(1024, dtype=np.int32), 0   # the open segment's stream
         self.open_follows: dict[int, list[int]] = {}   # bigram key -> positions after it in the open stream
         self.open_requests = 0
         self.num_requests = self.num_tokens = 0
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """Every sealed segment's (tokens, requests), oldest first."""
+        return [segment for run in self.runs for segment in run.segments]
 
     def add(self, tokens: list[int]) -> None:
         if not self.max_requests:   # an index of no requests (vLLM's max_cached_requests 0)
@@ -190,29 +230,20 @@ class GlobalIndex:
         self.num_tokens += len(tokens) + 1
         if self.open_size >= self.segment_tokens or self.open_requests >= self.segment_requests:
             self.seal()
-        while self.segments and (self.num_requests > self.max_requests or self.num_tokens > self.max_tokens):
+        while self.runs and (self.num_requests > self.max_requests or self.num_tokens > self.max_tokens):
             self.drop_oldest()
 
     def seal(self) -> None:
-        """Append the open segment to the sealed stream and merge its bigrams in: after every equal
-        key already there (older positions), so that each key's run stays in order of position."""
-        stream = self.open_tokens[:self.open_size]
-        keys = bigram_keys(stream)
-        order = np.argsort(keys, kind="stable")
-        keys, follows = keys[order], (order + 2 + len(self.tokens)).astype(np.int32)   # the bigram ending at order + 1
-        at = np.searchsorted(self.keys, keys, "right")
-        self.keys, self.follows = np.insert(self.keys, at, keys), np.insert(self.follows, at, follows)
-        self.tokens = np.concatenate([self.tokens, stream])
-        self.segments.append((len(stream), self.open_requests))
+        if not self.runs or len(self.runs[-1].segments) >= RUN_SEGMENTS:
+            self.runs.append(Run())
+        self.runs[-1].append(self.open_tokens[:self.open_size], self.open_requests)
         self.open_tokens, self.open_size = np.zeros(1024, dtype=np.int32), 0
         self.open_follows, self.open_requests = {}, 0
 
     def drop_oldest(self) -> None:
-        """Drop the oldest sealed segment: its tokens and every bigram ending in it."""
-        size, requests = self.segments.popleft()
-        kept = self.follows > size   # the bigram ending at follows - 1 >= size
-        self.keys, self.follows = self.keys[kept], self.follows[kept] - size
-        self.tokens = self.tokens[size:].copy()
+        size, requests = self.runs[0].drop_oldest()
+        if not self.runs[0].segments:
+            self.runs.popleft()
         self.num_requests -= requests
         self.num_tokens -= size
 
@@ -224,10 +255,10 @@ class GlobalIndex:
         occurrences of its last two tokens: the open segment's, then the sealed ones' (each
         occurrence's windows read from its own stream; counts add up over all of them)."""
         keys = [int(bigram_keys(np.array(c[-2:]))[0]) if len(c) >= 2 else 0 for c in contexts]
-        runs = np.searchsorted(self.keys, np.array(keys + [key + 1 for key in keys], dtype=np.int64))   # integer keys
-        lo, hi = runs.reshape(2, -1).tolist()   # each key's run: keys[lo:hi]
+        searched = np.array(keys + [key + 1 for key in keys], dtype=np.int64)   # each key's stretch ends at key + 1's
+        stretches = [(run, *run.lookup(searched)) for run in reversed(self.runs)]   # newest first
         out = []
-        for context, key, k, start, end in zip(contexts, keys, ks, lo, hi):
+        for i, (context, key, k) in enumerate(zip(contexts, keys, ks)):
             if len(context) < 2 or not k or not self.num_requests:
                 out.append(NO_DRAFT)
                 continue
@@ -236,8 +267,13 @@ class GlobalIndex:
                 positions = np.array(self.open_follows[key][-wanted:])
                 found.append(windows(self.open_tokens[:self.open_size], positions, MAX_DEPTH, k))
                 wanted -= len(positions)
-            if wanted > 0 and end > start:
-                found.append(windows(self.tokens, self.follows[max(start, end - wanted):end], MAX_DEPTH, k))
+            for run, lo, hi in stretches:
+                if wanted <= 0:
+                    break
+                if hi[i] > lo[i]:   # its most recent occurrences there
+                    start = max(lo[i], hi[i] - wanted)
+                    found.append(windows(run.tokens, run.follows[start:hi[i]], MAX_DEPTH, k))
+                    wanted -= hi[i] - start
             if not found:
                 out.append(NO_DRAFT)
                 continue
@@ -249,7 +285,7 @@ class GlobalIndex:
     def nbytes(self) -> int:
         """Bytes held: the sealed arrays exactly, the open segment's lists and dict at CPython's sizes."""
         lists = sum(sys.getsizeof(v) + 28 * len(v) for v in self.open_follows.values())
-        sealed = self.tokens.nbytes + self.keys.nbytes + self.follows.nbytes
+        sealed = sum(run.nbytes for run in self.runs)
         return sealed + self.open_tokens.nbytes + sys.getsizeof(self.open_follows) + lists
 
 

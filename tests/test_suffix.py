@@ -13,8 +13,8 @@ import pytest
 
 from nanospec import LLM, SamplingParams
 from nanospec.hybrid import PROBE_EVERY, StepPlans
-from nanospec.suffix import (EXTRA_PROBE_EVERY, EXTRA_TOKENS, MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, Draft,
-                             ExtraTokens, GlobalIndex, RequestStream)
+from nanospec.suffix import (EXTRA_PROBE_EVERY, EXTRA_TOKENS, MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, RUN_SEGMENTS,
+                             Draft, ExtraTokens, GlobalIndex, RequestStream)
 
 from conftest import PROMPTS, greedy
 
@@ -118,30 +118,35 @@ def test_the_global_index_drops_the_oldest_requests_first():
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_the_sealed_index_is_every_sealed_bigram_sorted_by_key_then_position(seed):
-    """Sealing merges a segment's bigrams into one sorted array and dropping cuts the oldest out:
-    after any mix of both it is what sorting every bigram of the sealed stream gives, so each key's
-    most recent occurrences are the end of its run."""
+def test_each_sealed_run_is_every_bigram_of_its_segments_sorted_by_key_then_position(seed):
+    """Sealing merges a segment's bigrams into the newest run's sorted arrays and dropping cuts the
+    oldest segment out of the oldest run: after any mix of both, each run is what sorting every
+    bigram of its stream gives (so each key's most recent occurrences end its stretch), and the
+    runs hold the segments the bounds keep."""
     rng = random.Random(seed)
     index = GlobalIndex(max_requests=rng.choice([16, 64]), max_tokens=rng.choice([300, 1 << 23]),
                         segment_tokens=rng.choice([8, 40, 1 << 17]))
-    for _ in range(rng.randrange(1, 120)):
+    for _ in range(rng.randrange(1, 160)):
         index.add(random_stream(rng, rng.randrange(1, 30), rng.choice([3, 20])))
-        tokens = index.tokens.tolist()   # bigrams that start at a separator are never looked up: left out
-        pairs = sorted((a << 32 | b & 0xFFFFFFFF, j + 1)   # (key, the position after the bigram ending at j)
-                       for j, (a, b) in enumerate(zip(tokens, tokens[1:]), 1) if a >= 0)
-        assert [(key, at) for key, at in zip(index.keys.tolist(), index.follows.tolist()) if key >= 0] == pairs
-        assert len(index.tokens) == sum(size for size, _ in index.segments)
+        for run in index.runs:
+            tokens = run.tokens.tolist()   # bigrams that start at a separator are never looked up: left out
+            pairs = sorted((a << 32 | b & 0xFFFFFFFF, j + 1)   # (key, the position after the bigram ending at j)
+                           for j, (a, b) in enumerate(zip(tokens, tokens[1:]), 1) if a >= 0)
+            assert [(key, at) for key, at in zip(run.keys.tolist(), run.follows.tolist()) if key >= 0] == pairs
+            assert len(run.tokens) == sum(size for size, _ in run.segments) and 0 < len(run.segments) <= RUN_SEGMENTS
         assert index.num_requests == sum(n for _, n in index.segments) + index.open_requests
+        assert index.num_tokens == sum(size for size, _ in index.segments) + index.open_size
 
 
-def test_the_global_index_reads_a_frequent_keys_most_recent_occurrences():
+@pytest.mark.parametrize("max_requests,segment_tokens", [(1000, 64), (1600, 1 << 17)])
+def test_the_global_index_reads_a_frequent_keys_most_recent_occurrences(max_requests, segment_tokens):
     """A key seen more than MAX_CANDIDATES times drafts from its most recent occurrences, across
-    segments and the open one: here all of them continue one way, the older ones another."""
-    index = GlobalIndex(max_requests=1000, segment_tokens=64)
-    for i in range(600):
+    runs, segments and the open one, and within a run (segments of 100 requests: the oldest run
+    holds 300 old and 100 new): the 256 most recent all continue one way, the older ones another."""
+    index = GlobalIndex(max_requests=max_requests, segment_tokens=segment_tokens)
+    for i in range(610):
         index.add([7, 8, 1, 2] if i < 300 else [7, 8, 3, 4])
-    assert len(index.segments) > 1 and index.open_requests
+    assert len(index.runs) > 1 and index.open_requests
     assert index.draft([7, 8], 2) == Draft([3, 4], 2.0)
 
 
