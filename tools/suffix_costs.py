@@ -6,13 +6,16 @@ the chat template, end to end), cut at random offsets with one token in 8 replac
 that no two are alike; each step drafts K = 16 for every request of the batch from a 512-token
 context of the same kind, with the index full (10,000 requests). Memory: tracemalloc's count of
 what the index holds (numpy reports its buffers to it), beside the index's own nbytes; the adds'
-seconds on a second build, untraced (the slowest: a seal's and a drop's copying).
+seconds on untraced builds, with the process's startup heap as it is and frozen as the server
+freezes it (the slowest add: a seal's and a drop's copying, or a full garbage collection, which
+scans the whole unfrozen heap: torch's objects and the model's).
 
   python tools/suffix_costs.py --out bench_results/suffix_costs_cpu.json
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -23,33 +26,58 @@ import tracemalloc
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanospec.cli import set_threads
+from nanospec.cli import freeze_gc_heap, set_threads
 from nanospec.llm import LLM
 from nanospec.measure import decoding, device_name, drafting_seconds, perturbed_window, timed
 from nanospec.prompts import shipped_prompts
 from nanospec.suffix import GlobalIndex, SuffixProposer
 
 
-def index_memory(corpus, num_requests: int, rng, vocab: int, request_tokens: int = 400) -> dict:
-    """The index built twice from the same requests: traced (its memory), then timed (tracemalloc
-    slows every allocation): each add's seconds, the slowest a seal's and a drop's copying."""
-    windows = [perturbed_window(corpus, request_tokens, rng, vocab) for _ in range(num_requests)]
+def index_memory(corpus, num_requests: int, vocab: int, request_tokens: int = 400) -> dict:
+    """The index built from the same requests three times: traced (its memory), then timed (each
+    add's seconds; the slowest is a seal's and a drop's copying, or a full garbage collection) with
+    the startup heap (torch, the model) as it is, and frozen as the server freezes it."""
+    requests = lambda: (perturbed_window(corpus, request_tokens, rng, vocab)   # made as added: none kept
+                        for rng in [random.Random(1)] for _ in range(num_requests))
     tracemalloc.start()
     index = GlobalIndex()
-    for window in windows:
+    for window in requests():
         index.add(window)
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     del index
+    report = {"requests": num_requests, "tracemalloc_mb": round(held / 2**20, 1)}
+    for frozen in (False, True):
+        index, adds = timed_build(requests(), frozen)
+        report["adds_startup_heap_frozen" if frozen else "adds"] = adds
+    return {**report, "tokens": index.num_tokens, "segments": len(index.segments),
+            "nbytes_mb": round(index.nbytes / 2**20, 1), "bytes_per_token": round(held / index.num_tokens, 1),
+            "index": index}
+
+
+def timed_build(requests, frozen: bool) -> tuple[GlobalIndex, dict]:
+    """An index of the requests, each add timed, and the full (generation 2) garbage collections
+    that ran meanwhile; frozen: after freeze_gc_heap(), undone at the end."""
+    pauses, started = [], []
+    def watch(phase, info):
+        if info["generation"] == 2 and phase == "start":
+            started.append(time.perf_counter())
+        elif info["generation"] == 2:
+            pauses.append(time.perf_counter() - started[-1])
+    if frozen:
+        freeze_gc_heap()
+    gc.callbacks.append(watch)
     index, adds = GlobalIndex(), []
-    for window in windows:
-        start = time.perf_counter()
-        index.add(window)
-        adds.append(time.perf_counter() - start)
-    return {"requests": num_requests, "tokens": index.num_tokens, "segments": len(index.segments),
-            "tracemalloc_mb": round(held / 2**20, 1), "nbytes_mb": round(index.nbytes / 2**20, 1),
-            "bytes_per_token": round(held / index.num_tokens, 1), "add_seconds_each": sum(adds) / num_requests,
-            "add_seconds_slowest": max(adds), "index": index}
+    try:
+        for window in requests:
+            start = time.perf_counter()
+            index.add(window)
+            adds.append(time.perf_counter() - start)
+    finally:
+        gc.callbacks.remove(watch)
+        gc.unfreeze()
+    return index, {"seconds_each": sum(adds) / len(adds), "seconds_slowest": max(adds),
+                   "full_collections": len(pauses), "full_collection_seconds_slowest": max(pauses, default=0.0)}
 
 
 def draft_time(index: GlobalIndex, corpus, batch: int, rng, vocab: int, repeats: int = 5) -> float:
@@ -80,7 +108,7 @@ def main() -> int:
     rng = random.Random(0)
     llm = LLM()
     corpus = [t for row in shipped_prompts() for t in llm.encode_prompt(row["prompt"], chat=True)]
-    memory = index_memory(corpus, args.requests, rng, llm.vocab_size, args.request_tokens)
+    memory = index_memory(corpus, args.requests, llm.vocab_size, args.request_tokens)
     index = memory.pop("index")
     print(f"global index at {args.requests} requests: {memory}", file=sys.stderr)
     rows = []
