@@ -182,7 +182,8 @@ class Run:
         return size, requests
 
     def lookup(self, keys: np.ndarray) -> tuple[list[int], list[int]]:
-        """keys and then each key + 1 (integers): each key's stretch, keys[lo[i]:hi[i]]."""
+        """keys: a batch's keys, then each of them + 1. Returns lo, hi: key i's stretch is
+        self.keys[lo[i]:hi[i]] (the keys are integers: where key + 1 would go, key's stretch ends)."""
         lo, hi = np.searchsorted(self.keys, keys).reshape(2, -1).tolist()
         return lo, hi
 
