@@ -189,5 +189,5 @@ def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 def suffix_flags(args) -> dict:
     """The --suffix-* settings, as LLM and SpeculativeConfig take them."""
-    names = ("suffix_max_spec_offset", "suffix_max_cached_requests", "suffix_max_spec_factor", "suffix_min_token_prob")
-    return {name: getattr(args, name) for name in names}
+    from nanospec.suffix import LLM_SETTINGS   # (here, as load_llm's import: the flags alone load no model code)
+    return {name: getattr(args, name) for name in LLM_SETTINGS}

@@ -50,8 +50,10 @@ def check_real(value, name: str, low: float | None = None, above: float | None =
     if not (is_real(value) and (low is None or value >= low) and (above is None or value > above)
             and (high is None or value <= high)):
         bound = f" >= {low}" if low is not None else f" > {above}" if above is not None else ""
-        bound = f" in [{low}, {high}]" if low is not None and high is not None else bound or (
-            f" <= {high}" if high is not None else "")
+        if high is not None and low is not None:
+            bound = f" in [{low}, {high}]"
+        elif high is not None and not bound:
+            bound = f" <= {high}"
         raise NanospecError(f"{name} must be a finite number{bound}, {got(value)}{'; ' + fix if fix else ''}")
     return value
 

@@ -25,7 +25,7 @@ from nanospec.measure import device_name, quick_profile, step_memory
 from nanospec.prompts import shipped_prompts
 from nanospec.hybrid import HybridProposer
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer
-from nanospec.suffix import SuffixProposer
+from nanospec.suffix import LLM_SETTINGS, SuffixProposer
 from nanospec.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,14 +93,9 @@ class SpeculativeConfig:
     suffix_max_spec_factor: float | None = None     # default 1.0
     suffix_min_token_prob: float | None = None      # default 0.1
 
-    SUFFIX_SETTINGS = ("suffix_max_spec_offset", "suffix_max_cached_requests", "suffix_max_spec_factor",
-                       "suffix_min_token_prob")
-
     def suffix_settings(self) -> dict:
         """SuffixProposer's keyword arguments for the settings given."""
-        names = dict(suffix_max_spec_offset="max_spec_offset", suffix_max_cached_requests="max_requests",
-                     suffix_max_spec_factor="max_spec_factor", suffix_min_token_prob="min_token_prob")
-        return {names[name]: getattr(self, name) for name in self.SUFFIX_SETTINGS if getattr(self, name) is not None}
+        return {arg: getattr(self, name) for name, arg in LLM_SETTINGS.items() if getattr(self, name) is not None}
 
     @property
     def hybrid(self) -> bool:
@@ -124,7 +119,7 @@ class SpeculativeConfig:
                 raise NanospecError(f"{param(name)} must be True or False, got {getattr(self, name)!r}")
         check_int(self.ngram_min, param("ngram_min"), low=1)
         check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min, fix=f"it is at least {param('ngram_min')}")
-        for name in self.SUFFIX_SETTINGS:
+        for name in LLM_SETTINGS:
             if getattr(self, name) is not None and not self.suffix:
                 raise NanospecError(f"{param(name)} is a setting of suffix decoding: add {param('suffix')}")
         if self.suffix_max_spec_offset is not None:

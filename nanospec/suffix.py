@@ -57,6 +57,9 @@ EXTRA_PRIOR_WEIGHT = 8.0  # the drafts its measurement must see to outweigh the 
 EXTRA_PROBE_EVERY = 64    # every this many steps the extra tokens are drafted whatever their price (kept measured)
 DECAY = 0.97              # per step, of the tokens a request gains a step (AL) and its drafts
 
+# LLM(...)'s suffix settings (vLLM's suffix_decoding_* three and the offset) -> SuffixProposer's arguments
+LLM_SETTINGS = dict(suffix_max_spec_offset="max_spec_offset", suffix_max_cached_requests="max_requests",
+                    suffix_max_spec_factor="max_spec_factor", suffix_min_token_prob="min_token_prob")
 
 @dataclass
 class Draft:
