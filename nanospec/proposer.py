@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from nanospec.kv_cache import BlockTable, KVCache, MetadataShape, pack_metadata
+from nanospec.kv_cache import BlockTable, KVCache, MetadataShape, build_metadata, pack_metadata
 from nanospec.sampler import DRAFT, SamplingBatch, pick, target_probs, uniform_noise
 
 
@@ -392,13 +392,46 @@ class EagleProposer(ModelProposer):
         return sum(len(f) for f in state.pending)
 
     def catch_up(self, requests, states):
-        """The first step feeds the elements with real features the head has not seen."""
-        token_ids = [t for r, s in zip(requests, states) for t in r.tokens[s.num_real + 1:]]
-        features = torch.cat([f for s in states for f in s.pending])
+        """The first step feeds the elements with real features the head has not seen (element i
+        is (f_i, t_{i+1}): as many tokens as features, whatever the request committed since)."""
         lens = [self.catch_up_len(r, s) for r, s in zip(requests, states)]
+        token_ids = [t for r, s, n in zip(requests, states, lens) for t in r.tokens[s.num_real + 1:s.num_real + 1 + n]]
+        features = torch.cat([f for s in states for f in s.pending])
         for s, n in zip(states, lens):
             s.pending, s.num_real = [], s.num_real + n
         return token_ids, lens, features
+
+    def absorb(self, requests) -> None:
+        """Feed each request's held-back elements to the head without drafting: a round's catch-up
+        alone, eagerly (a hybrid's rows that take suffix drafts run no round, and the target's
+        features pile up; a finishing request's head cache is published only as far as it was fed).
+        Its new blocks are published once their K/V are found finite (no logits tell: one read and
+        one sync, as after a target's prefill chunk). A row the pool has no room for keeps its own."""
+        allocator, rows, free = self.kv_cache.allocator, [], self.kv_cache.allocator.num_free
+        for request in requests:
+            self.rollback(request)   # a finishing request's last round cached drafts past its real elements
+            st = self.state(request)
+            need = allocator.blocks_for(st.num_cached + self.catch_up_len(request, st)) - len(st.block_table)
+            if self.catch_up_len(request, st) and need <= free:
+                rows.append(request)
+                free -= need
+        if not rows:
+            return
+        states = [self.state(r) for r in rows]
+        cached = [s.num_cached for s in states]
+        token_ids, lens, features = self.catch_up(rows, states)
+        for st, n in zip(states, lens):
+            allocator.grow(st.block_table, st.num_cached + n)
+        meta = build_metadata([s.block_table for s in states], cached, lens, self.kv_cache.block_size, self.device,
+                              extra=token_ids)
+        self.forward(meta, meta.extra, features)
+        for st in states:
+            st.num_cached = st.num_real
+        size = self.kv_cache.block_size
+        written = [b for st, c in zip(states, cached) for b in st.block_table[c // size:]]
+        if allocator.prefix_caching and bool(torch.isfinite(self.kv_cache.pool[:, :, written]).all()):
+            for request in rows:
+                self.publish(request)
 
     def carry(self, batch: int) -> torch.Tensor:
         return torch.zeros(batch, self.head.config.hidden_size, dtype=next(self.head.parameters()).dtype,
