@@ -35,7 +35,6 @@ NUM_BINS = 33          # scores 0 .. 16 (the largest K) and above
 PRIOR_WEIGHT = 8.0     # drafts a bin must see before its measurement outweighs the score
 PRIOR_RATE = 0.5       # the model's acceptance rate per position before it has drafted
 PROBE_EVERY = 16       # priced: every this many steps at a batch size, a plan not chosen runs once
-ABSORB_AT = 256        # EAGLE: a row's target features held back from its head, at most (then fed without drafting)
 
 
 PLANS = ("plain", "suffix", "mixed")   # a priced step's plans: no drafts; suffix drafts only; the acceptance's
@@ -153,26 +152,7 @@ class HybridProposer:
                 model_ks = [0] * batch
                 self.chosen = [self.bin(d.score) if d.tokens and plan == "suffix" else None for d in suffix_drafts]
         self.plan = "mixed" if any(model_ks) else "suffix" if any(drafts) else "plain"
-        self.feed_idle_head([r for r, k in zip(requests, model_ks) if not k])
         return drafts, model_ks
-
-    def feed_idle_head(self, requests, finishing: bool = False) -> None:
-        """EAGLE: the target's features of rows whose head runs no round pile up (a round's first step
-        feeds them). A row holding back ABSORB_AT of them is fed them without drafting
-        (EagleProposer.absorb), so that their memory stays bounded; so is a finishing request whose
-        held-back features complete a block of the head's cache, published then (with prefix caching),
-        so that a later turn skips as much of the target's prefill as with EAGLE alone."""
-        if not self.model.needs_features:   # a draft model catches up from the tokens alone
-            return
-        size = self.model.kv_cache.block_size
-
-        def due(request) -> bool:
-            st = self.model.state(request)
-            held = self.model.catch_up_len(request, st)
-            return (st.num_real + held) // size > st.num_real // size if finishing else held >= ABSORB_AT
-        ready = [r for r in requests if due(r)]
-        if ready:
-            self.model.absorb(ready)
 
     def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
         """The last step's outcome, row by row as choose() made it, and its time: the measurements above."""
@@ -195,8 +175,7 @@ class HybridProposer:
 
     def finished(self, request) -> None:
         self.suffix.finished(request)
-        if self.model.kv_cache.allocator.prefix_caching:
-            self.feed_idle_head([request], finishing=True)
+        self.model.finished(request)   # EAGLE: what its head was not fed, as the request's rows took suffix drafts
 
     def free(self, request) -> None:
         self.model.free(request)   # its suffix stream (Request.suffix_stream) only depends on tokens

@@ -354,6 +354,9 @@ class DraftModelProposer(ModelProposer):
         self.publish(request)
 
 
+ABSORB_AT = 256   # EAGLE: the target's features a request may hold back from the head (then fed without drafting)
+
+
 class EagleProposer(ModelProposer):
     """Element i of the head's sequence is (target feature f_i, token t_{i+1}) at position i.
 
@@ -379,7 +382,23 @@ class EagleProposer(ModelProposer):
         return torch.cat(captured, dim=-1) if self.capture_layers else hidden
 
     def observe(self, request, features) -> None:
-        self.state(request).pending.append(features)
+        """The target's features of the request's newly cached positions, for the head's next round.
+        Where no round runs (K = 0, a hybrid's rows that take suffix drafts) they pile up: at
+        ABSORB_AT they are fed to the head without drafting (but the last), so that their memory
+        stays bounded."""
+        st = self.state(request)
+        st.pending.append(features)
+        if self.catch_up_len(request, st) >= ABSORB_AT:
+            self.absorb([request], keep=1)
+
+    def finished(self, request) -> None:
+        """With prefix caching, a finishing request's held-back features that complete a block of the
+        head's cache are fed to it (absorb publishes it): a later turn skips only as much of the
+        target's prefill as the head's cache holds (EAGLE needs the target's features past it)."""
+        st, size = self.state(request), self.kv_cache.block_size
+        if self.kv_cache.allocator.prefix_caching and (
+                (st.num_real + self.catch_up_len(request, st)) // size > st.num_real // size):
+            self.absorb([request])
 
     def max_drafts(self, request) -> int:
         """None before the target has given a feature to start from: a one-token prompt before its
@@ -391,35 +410,38 @@ class EagleProposer(ModelProposer):
         """How many elements its next first step feeds: those with real features not fed yet."""
         return sum(len(f) for f in state.pending)
 
-    def catch_up(self, requests, states):
+    def catch_up(self, requests, states, keep: int = 0):
         """The first step feeds the elements with real features the head has not seen (element i
-        is (f_i, t_{i+1}): as many tokens as features, whatever the request committed since)."""
-        lens = [self.catch_up_len(r, s) for r, s in zip(requests, states)]
+        is (f_i, t_{i+1}): as many tokens as features, whatever the request committed since), but
+        for the last `keep` of each request's (absorb's: a round's first step must feed one, whose
+        output gives d_1)."""
+        lens = [self.catch_up_len(r, s) - keep for r, s in zip(requests, states)]
         token_ids = [t for r, s, n in zip(requests, states, lens) for t in r.tokens[s.num_real + 1:s.num_real + 1 + n]]
-        features = torch.cat([f for s in states for f in s.pending])
+        fed = []
         for s, n in zip(states, lens):
-            s.pending, s.num_real = [], s.num_real + n
-        return token_ids, lens, features
+            held = torch.cat(s.pending)
+            fed.append(held[:n])
+            s.pending, s.num_real = [held[n:]] if keep else [], s.num_real + n
+        return token_ids, lens, torch.cat(fed)
 
-    def absorb(self, requests) -> None:
-        """Feed each request's held-back elements to the head without drafting: a round's catch-up
-        alone, eagerly (a hybrid's rows that take suffix drafts run no round, and the target's
-        features pile up; a finishing request's head cache is published only as far as it was fed).
-        Its new blocks are published once their K/V are found finite (no logits tell: one read and
-        one sync, as after a target's prefill chunk). A row the pool has no room for keeps its own."""
+    def absorb(self, requests, keep: int = 0) -> None:
+        """Feed each request's held-back elements but its last `keep` to the head without drafting: a
+        round's catch-up alone, one eager pass of the head (observe, finished). Its new blocks are
+        published once their K/V are found finite (no logits tell: one read and one sync, as after a
+        target's prefill chunk). A row the pool has no room for keeps its features."""
         allocator, rows, free = self.kv_cache.allocator, [], self.kv_cache.allocator.num_free
         for request in requests:
-            self.rollback(request)   # a finishing request's last round cached drafts past its real elements
+            self.rollback(request)   # past its real elements: the drafts of its last round
             st = self.state(request)
-            need = allocator.blocks_for(st.num_cached + self.catch_up_len(request, st)) - len(st.block_table)
-            if self.catch_up_len(request, st) and need <= free:
+            n = self.catch_up_len(request, st) - keep
+            if n > 0 and allocator.blocks_for(st.num_cached + n) - len(st.block_table) <= free:
                 rows.append(request)
-                free -= need
+                free -= allocator.blocks_for(st.num_cached + n) - len(st.block_table)
         if not rows:
             return
         states = [self.state(r) for r in rows]
         cached = [s.num_cached for s in states]
-        token_ids, lens, features = self.catch_up(rows, states)
+        token_ids, lens, features = self.catch_up(rows, states, keep)
         for st, n in zip(states, lens):
             allocator.grow(st.block_table, st.num_cached + n)
         meta = build_metadata([s.block_table for s in states], cached, lens, self.kv_cache.block_size, self.device,

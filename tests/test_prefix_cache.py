@@ -5,7 +5,7 @@ import torch
 
 from conftest import PROMPTS, assert_no_leak, proposer_args
 from nanospec import LLM, NanospecError, SamplingParams
-from nanospec import hybrid, kv_cache
+from nanospec import kv_cache, proposer
 from nanospec.hybrid import HybridProposer, StepPlans
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache
 
@@ -246,20 +246,20 @@ def test_a_prefill_that_wrote_non_finite_kv_publishes_nothing(checkpoints):
 
 
 @pytest.mark.parametrize("name", ["hybrid_eagle1", "hybrid_eagle3"])
-@pytest.mark.parametrize("absorb_at", [8, hybrid.ABSORB_AT])   # the default: more than these requests hold
+@pytest.mark.parametrize("absorb_at", [8, proposer.ABSORB_AT])   # the default: more than these requests hold
 def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_models, monkeypatch, name, absorb_at):
     """Where the priced hybrid runs no round (a slow head: its steps take the suffix drafts or none), its
     head is fed none of the target's features, which pile up:
     each row's are fed to it without drafting once ABSORB_AT are held back (their memory bounded),
     and a finishing request's are fed too, so that its head's cache is published as far as EAGLE
-    alone's: later turns find what they find with EAGLE alone (without the feeding, far fewer), the
+    alone's: later turns find about what they find with EAGLE alone (without the feeding, far fewer), the
     head's published blocks hold what a cold EAGLE computes there, and the tokens are plain decoding's."""
-    monkeypatch.setattr(hybrid, "ABSORB_AT", absorb_at)
     monkeypatch.setattr(StepPlans, "choose", lambda self, batch, expected: self.chosen.update(  # no round ever
         suffix=self.chosen["suffix"] + 1) or "suffix" if "suffix" in expected else "plain")
     sizes = dict(device="cpu", dtype="float32", num_kv_blocks=1024, block_size=4)   # no preemption: hits comparable
     eagle = proposer_args(spec_models, name.removeprefix("hybrid_"))
     eagle_hits = conversations(LLM(spec_models["target"], **sizes, **eagle), max_tokens=40)[2]
+    monkeypatch.setattr(proposer, "ABSORB_AT", absorb_at)
     warm = LLM(spec_models["target"], **sizes, **proposer_args(spec_models, name), dynamic_k=True)   # priced
     held, choose, model = [], HybridProposer.choose, warm.engine.proposer.model
     monkeypatch.setattr(HybridProposer, "choose", lambda self, requests, ks: (choose(self, requests, ks), held.extend(
@@ -267,7 +267,9 @@ def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_mod
     first, later, hits = conversations(warm, max_tokens=40)
     assert warm.engine.proposer.model_steps == 0 and warm.stats["drafted_tokens"] > 0
     assert 0 < max(held) < absorb_at
-    assert hits >= eagle_hits
+    # as EAGLE alone's but for the last step of each later turn's request (8 of them), whose features no
+    # finish sees: a suffix step there may accept more tokens than EAGLE's, at most a block more
+    assert hits >= eagle_hits - 8 * 4
     cold = LLM(spec_models["target"], enable_prefix_caching=False, **sizes, **eagle)
     assert proposer_blocks_hold_their_kv(warm, cold, later[-1]) * 4 > max(map(len, first)) + 4
     plain = LLM(spec_models["target"], **sizes)

@@ -9,7 +9,7 @@ import torch
 
 from chisquare import chi_square_pvalue
 from conftest import PROMPTS, PROPOSERS, assert_no_leak, greedy, proposer_args, reference_probs
-from nanospec import LLM, SamplingParams, sampler
+from nanospec import LLM, SamplingParams, proposer, sampler
 from nanospec.dynamic_k import Profile
 from nanospec.k_policy import StaticK
 
@@ -26,6 +26,27 @@ def test_greedy_output_equals_plain_greedy(spec_models, plain_greedy, name):
         assert_no_leak(llm)
         if name == "self_draft":   # the target as its own draft accepts everything
             assert llm.stats["acceptance_rate_per_position"][0] == 1.0
+
+
+@pytest.mark.parametrize("name", ["eagle1", "eagle3", "hybrid_eagle3"])
+def test_a_head_that_runs_no_round_holds_back_few_features(spec_models, plain_greedy, monkeypatch, name):
+    """K = 0 in every step (the queue-size switch-off at 0): no round feeds the head the target's
+    features; observe feeds them without drafting once ABSORB_AT are held back, keeping the last
+    for a later round's first step, so that what a request holds stays bounded. Then the switch-off
+    lifted: the head drafts from where it was fed, and greedy output is plain greedy's either way."""
+    monkeypatch.setattr(proposer, "ABSORB_AT", 6)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              speculative_disable_queue_size=0, **proposer_args(spec_models, name))
+    eagle = getattr(llm.engine.proposer, "model", llm.engine.proposer)
+    held, observe = [], type(eagle).observe
+    monkeypatch.setattr(type(eagle), "observe", lambda self, request, features: (
+        observe(self, request, features), held.append(self.catch_up_len(request, self.state(request))))[0])
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [plain_greedy[p] for p in PROMPTS]
+    assert llm.stats["drafted_tokens"] == 0 and 0 < max(held) < 6
+    llm.engine.k_policy.max_queue = len(PROMPTS)   # the switch-off lifted
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [plain_greedy[p] for p in PROMPTS]
+    assert llm.stats["drafted_tokens"] > 0
+    assert_no_leak(llm)
 
 
 @pytest.mark.parametrize("name", PROPOSERS)
