@@ -188,6 +188,7 @@ class CacheState:
     num_cached: int = 0          # positions cached
     num_real: int = 0            # EAGLE: leading positions fed with real target features
     pending: list[torch.Tensor] = field(default_factory=list)   # EAGLE: real features not yet fed
+    failed: bool = False         # EAGLE: feeding it without a round (absorb) gave non-finite K/V
 
 
 def align_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -253,7 +254,8 @@ class ModelProposer(Proposer):
         """After rollback: its cached positions hold committed inputs, read by the round just run,
         whose logits were finite (a step with non-finite ones fails before this)."""
         st = self.state(request)
-        self.kv_cache.allocator.publish(st.block_table, request.tokens, st.num_cached, self.shift)
+        if not st.failed:
+            self.kv_cache.allocator.publish(st.block_table, request.tokens, st.num_cached, self.shift)
 
     def with_room(self, requests, ks) -> list[int]:
         """The rows that draft (K > 0) and whose round's blocks fit in the pool, in order (see the
@@ -387,6 +389,8 @@ class EagleProposer(ModelProposer):
         ABSORB_AT they are fed to the head without drafting (but the last), so that their memory
         stays bounded."""
         st = self.state(request)
+        if st.failed:   # its head drafts nothing more (absorb)
+            return
         st.pending.append(features)
         if self.catch_up_len(request, st) >= ABSORB_AT:
             self.absorb([request], keep=1)
@@ -404,7 +408,7 @@ class EagleProposer(ModelProposer):
         """None before the target has given a feature to start from: a one-token prompt before its
         first step (the target caches all but the last token, so has computed no feature yet)."""
         st = self.state(request)
-        return super().max_drafts(request) if st.num_real or any(len(f) for f in st.pending) else 0
+        return super().max_drafts(request) if (st.num_real or any(len(f) for f in st.pending)) and not st.failed else 0
 
     def catch_up_len(self, request, state) -> int:
         """How many elements its next first step feeds: those with real features not fed yet."""
@@ -424,11 +428,15 @@ class EagleProposer(ModelProposer):
             s.pending, s.num_real = [held[n:]] if keep else [], s.num_real + n
         return token_ids, lens, torch.cat(fed)
 
+    @torch.inference_mode()
     def absorb(self, requests, keep: int = 0) -> None:
         """Feed each request's held-back elements but its last `keep` to the head without drafting: a
-        round's catch-up alone, one eager pass of the head (observe, finished). Its new blocks are
-        published once their K/V are found finite (no logits tell: one read and one sync, as after a
-        target's prefill chunk). A row the pool has no room for keeps its features."""
+        round's catch-up alone, one eager pass of the head (observe, finished). No logits tell whether
+        its K/V are finite: one read of the blocks it wrote and one sync do, as after a target's
+        prefill chunk. Finite, they are published; not (a broken head), they are zeroed, so that no
+        slot a request may read holds a non-finite value it did not write (kv_cache.py), and the
+        request's head drafts and publishes nothing more (a round would fail it; here no logits
+        can). A row the pool has no room for keeps its features."""
         allocator, rows, free = self.kv_cache.allocator, [], self.kv_cache.allocator.num_free
         for request in requests:
             self.rollback(request)   # past its real elements: the drafts of its last round
@@ -449,11 +457,12 @@ class EagleProposer(ModelProposer):
         self.forward(meta, meta.extra, features)
         for st in states:
             st.num_cached = st.num_real
-        size = self.kv_cache.block_size
-        written = [b for st, c in zip(states, cached) for b in st.block_table[c // size:]]
-        if allocator.prefix_caching and bool(torch.isfinite(self.kv_cache.pool[:, :, written]).all()):
-            for request in rows:
-                self.publish(request)
+        for request, st, c in zip(rows, states, cached):
+            written = st.block_table[c // self.kv_cache.block_size:]   # (a block is shared only once full)
+            if not bool(torch.isfinite(self.kv_cache.pool[:, :, written]).all()):
+                self.kv_cache.pool[:, :, written] = 0
+                st.failed = True
+            self.publish(request)
 
     def carry(self, batch: int) -> torch.Tensor:
         return torch.zeros(batch, self.head.config.hidden_size, dtype=next(self.head.parameters()).dtype,

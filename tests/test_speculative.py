@@ -49,6 +49,21 @@ def test_a_head_that_runs_no_round_holds_back_few_features(spec_models, plain_gr
     assert_no_leak(llm)
 
 
+def test_a_head_fed_without_a_round_that_writes_nan_drafts_nothing_more(spec_models, plain_greedy, monkeypatch):
+    """No logits tell whether absorb's K/V are finite: it reads them. A head that writes NaN there
+    (its weights poisoned after loading) has them zeroed (no slot another request may read holds
+    them) and publishes nothing, and that request's head drafts nothing more: plain greedy output."""
+    monkeypatch.setattr(proposer, "ABSORB_AT", 6)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, block_size=4,
+              speculative_disable_queue_size=0, **proposer_args(spec_models, "eagle1"))
+    eagle = llm.engine.proposer
+    with torch.no_grad():
+        eagle.head.fc.weight.fill_(float("nan"))
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [plain_greedy[p] for p in PROMPTS]
+    assert bool(torch.isfinite(eagle.kv_cache.pool).all()) and not eagle.kv_cache.allocator.published
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_preemption_changes_nothing(spec_models, plain_greedy, name):
     """20 blocks of 4 tokens hold two or three requests: the scheduler preempts, the proposer releases
