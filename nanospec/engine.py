@@ -502,7 +502,7 @@ class Engine:
         except NonFiniteLogits as e:
             return self.fail(e.failed)
         for req, tokens, features in results:
-            self.commit(req, tokens)
+            self.commit(req, tokens, features)
             if req.finish_reason is None:
                 self.settle(req, features)
                 if not batch.is_prefill:
@@ -599,18 +599,21 @@ class Engine:
         if isinstance(getattr(self.proposer, "kv_cache", None), KVCache):
             self.proposer.kv_cache.clear()
 
-    def commit(self, req: Request, tokens: list[int]) -> None:
+    def commit(self, req: Request, tokens: list[int], features: torch.Tensor | None = None) -> None:
         """Append new tokens one by one; the first that ends the request (EOS, a stop string, its
-        length) ends it, and whatever was accepted after it is dropped."""
-        for token in tokens:
+        length) ends it, and whatever was accepted after it is dropped. features: the target's at the
+        positions the step fed (its last token and accepted drafts); a finishing request hands its
+        proposer those of the tokens it kept (EAGLE: the head's cache, published, ends there)."""
+        for i, token in enumerate(tokens):
             req.tokens.append(token)
             self.stats.generated_tokens += 1
+            kept = None if features is None else features[:i + 1]
             if token in self.eos_ids and not req.params.ignore_eos:
-                return self.finish(req, "stop", drop_last=True)
+                return self.finish(req, "stop", drop_last=True, features=kept)
             if req.params.stop and self.hit_stop_string(req):
-                return self.finish(req, "stop")
+                return self.finish(req, "stop", features=kept)
             if len(req.tokens) >= req.max_len:
-                return self.finish(req, "length")
+                return self.finish(req, "length", features=kept)
 
     def settle(self, req: Request, features: torch.Tensor | None) -> None:
         """After commit: roll the KV length back to the committed tokens (every token but the last is
@@ -650,9 +653,11 @@ class Engine:
         req.text = text[:min(text.find(s) for s in req.params.stop if s in text)]
         return True
 
-    def finish(self, req: Request, reason: str, drop_last: bool = False) -> None:
+    def finish(self, req: Request, reason: str, drop_last: bool = False, features: torch.Tensor | None = None) -> None:
         req.finish_reason = reason
         if self.proposer:
+            if features is not None:
+                self.proposer.observe(req, features)
             self.proposer.finished(req)
         if req.text is None:   # a stop string already set it, to the text before the stop ("" included)
             ids = req.output_ids[:-1] if drop_last else req.output_ids

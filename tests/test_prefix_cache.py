@@ -167,7 +167,8 @@ def proposer_blocks_hold_their_kv(warm, cold, prompts):
 @pytest.mark.parametrize("name", ["draft", "eagle1", "eagle3", "hybrid_draft", "hybrid_eagle3"])
 def test_model_proposers_cache_prefixes_beside_the_target(spec_models, name):
     """A draft model's and an EAGLE head's own caches: later turns skip what the target's cache
-    holds (with EAGLE, only what the head's holds too), the proposer's published blocks hold what a
+    holds (with EAGLE, only what the head's holds too: as much, its finishing requests fed the
+    features of their last steps, EagleProposer.finished), the proposer's published blocks hold what a
     cold proposer computes there (its drafts, so the acceptance, depend on them; the output does
     not), and the tokens are a cold engine's."""
     sizes = dict(device="cpu", dtype="float32", num_kv_blocks=160, block_size=4)
@@ -177,7 +178,7 @@ def test_model_proposers_cache_prefixes_beside_the_target(spec_models, name):
     cold = LLM(spec_models["target"], enable_prefix_caching=False, **sizes)
     first, later, hits = conversations(warm)
     assert warm.engine.proposer.kv_cache.allocator.published
-    assert hits == plain_hits if "draft" in name else 0 < hits < plain_hits   # a draft model catches up alone
+    assert hits == plain_hits   # a draft model catches up alone; EAGLE's head was fed as far, up to a request's end
     if not name.startswith("hybrid"):   # a hybrid's first round may be the suffix draft's: nothing fed yet
         assert proposer_blocks_hold_their_kv(warm, cold, later[-1]) * 4 > max(map(len, first)) + 4
     # sampled, the hybrid's tokens depend on its choices, which learn from every request (docs/suffix_decoding.md)
@@ -252,7 +253,7 @@ def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_mod
     head is fed none of the target's features, which pile up:
     each row's are fed to it without drafting once ABSORB_AT are held back (their memory bounded),
     and a finishing request's are fed too, so that its head's cache is published as far as EAGLE
-    alone's: later turns find about what they find with EAGLE alone (without the feeding, far fewer), the
+    alone's: later turns find what they find with EAGLE alone (without the feeding, far fewer), the
     head's published blocks hold what a cold EAGLE computes there, and the tokens are plain decoding's."""
     monkeypatch.setattr(StepPlans, "choose", lambda self, batch, expected: self.chosen.update(  # no round ever
         suffix=self.chosen["suffix"] + 1) or "suffix" if "suffix" in expected else "plain")
@@ -267,9 +268,7 @@ def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_mod
     first, later, hits = conversations(warm, max_tokens=40)
     assert warm.engine.proposer.model_steps == 0 and warm.stats["drafted_tokens"] > 0
     assert 0 < max(held) < absorb_at
-    # as EAGLE alone's but for the last step of each later turn's request (8 of them), whose features no
-    # finish sees: a suffix step there may accept more tokens than EAGLE's, at most a block more
-    assert hits >= eagle_hits - 8 * 4
+    assert hits >= eagle_hits
     cold = LLM(spec_models["target"], enable_prefix_caching=False, **sizes, **eagle)
     assert proposer_blocks_hold_their_kv(warm, cold, later[-1]) * 4 > max(map(len, first)) + 4
     plain = LLM(spec_models["target"], **sizes)
