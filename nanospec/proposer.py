@@ -423,9 +423,11 @@ class EagleProposer(ModelProposer):
         token_ids = [t for r, s, n in zip(requests, states, lens) for t in r.tokens[s.num_real + 1:s.num_real + 1 + n]]
         fed = []
         for s, n in zip(states, lens):
-            held = torch.cat(s.pending)
-            fed.append(held[:n])
-            s.pending, s.num_real = [held[n:]] if keep else [], s.num_real + n
+            if s.pending:
+                held = torch.cat(s.pending)
+                fed.append(held[:n])
+                s.pending = [held[n:]] if keep else []
+            s.num_real += n
         return token_ids, lens, torch.cat(fed)
 
     @torch.inference_mode()
