@@ -5,6 +5,7 @@ default and keeps the description's lines; and progress lines on stderr (stdout 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -112,13 +113,19 @@ def busy_cores(seconds: float = 0.2) -> float:
     return (os.cpu_count() or 1) * (busy1 - busy0) / max(1, total1 - total0)
 
 
-def freeze_gc_heap() -> None:
-    """Take everything alive now (torch's objects, the model, the tokenizer: the startup heap) out of
-    the garbage collector's sight, as vLLM's engine and server do after start-up: a full collection
-    then scans what serving made since (suffix decoding's index, the requests), not the startup heap
-    again (`tools/suffix_costs.py` measures the pauses). For a process that keeps its model."""
+@contextlib.contextmanager
+def frozen_gc_heap():
+    """Inside: everything alive on entry (torch's objects, the model, the tokenizer: the startup heap)
+    is out of the garbage collector's sight, as vLLM's engine and server keep it after start-up: a
+    full collection scans what serving made since (suffix decoding's index, the requests), not the
+    startup heap again (`tools/suffix_costs.py` measures the pauses). On exit it is back in sight, so
+    that the process's exit finalizes it (frozen, extensions report leaks)."""
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def add_speculation_args(ap: argparse.ArgumentParser) -> None:

@@ -607,13 +607,11 @@ class Engine:
         for i, token in enumerate(tokens):
             req.tokens.append(token)
             self.stats.generated_tokens += 1
-            kept = None if features is None else features[:i + 1]
-            if token in self.eos_ids and not req.params.ignore_eos:
-                return self.finish(req, "stop", drop_last=True, features=kept)
-            if req.params.stop and self.hit_stop_string(req):
-                return self.finish(req, "stop", features=kept)
-            if len(req.tokens) >= req.max_len:
-                return self.finish(req, "length", features=kept)
+            end = (("stop", True) if token in self.eos_ids and not req.params.ignore_eos else   # (reason, drop_last)
+                   ("stop", False) if req.params.stop and self.hit_stop_string(req) else
+                   ("length", False) if len(req.tokens) >= req.max_len else None)
+            if end:
+                return self.finish(req, *end, features=None if features is None else features[:i + 1])
 
     def settle(self, req: Request, features: torch.Tensor | None) -> None:
         """After commit: roll the KV length back to the committed tokens (every token but the last is

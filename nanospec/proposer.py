@@ -393,7 +393,7 @@ class EagleProposer(ModelProposer):
             return
         st.pending.append(features)
         if self.catch_up_len(request, st) >= ABSORB_AT:
-            self.absorb([request], keep=1)
+            self.absorb([request], keep_last=True)
 
     def finished(self, request) -> None:
         """With prefix caching, a finishing request's held-back features that complete a block of the
@@ -414,44 +414,41 @@ class EagleProposer(ModelProposer):
         """How many elements its next first step feeds: those with real features not fed yet."""
         return sum(len(f) for f in state.pending)
 
-    def catch_up(self, requests, states, keep: int = 0):
+    def catch_up(self, requests, states, keep_last: bool = False):
         """The first step feeds the elements with real features the head has not seen (element i
-        is (f_i, t_{i+1}): as many tokens as features, whatever the request committed since), but
-        for the last `keep` of each request's (absorb's: a round's first step must feed one, whose
-        output gives d_1)."""
-        lens = [self.catch_up_len(r, s) - keep for r, s in zip(requests, states)]
+        is (f_i, t_{i+1}): as many tokens as features), but for each request's last with keep_last
+        (absorb's: a round's first step must feed one, whose output gives d_1)."""
+        lens = [self.catch_up_len(r, s) - keep_last for r, s in zip(requests, states)]
         token_ids = [t for r, s, n in zip(requests, states, lens) for t in r.tokens[s.num_real + 1:s.num_real + 1 + n]]
-        fed = []
+        fed = [s.pending[:-1] + [s.pending[-1][:-1]] if keep_last else s.pending for s in states]
+        features = torch.cat([f for parts in fed for f in parts])
         for s, n in zip(states, lens):
-            if s.pending:
-                held = torch.cat(s.pending)
-                fed.append(held[:n])
-                s.pending = [held[n:]] if keep else []
-            s.num_real += n
-        return token_ids, lens, torch.cat(fed)
+            s.pending, s.num_real = [s.pending[-1][-1:]] if keep_last else [], s.num_real + n
+        return token_ids, lens, features
 
     @torch.inference_mode()
-    def absorb(self, requests, keep: int = 0) -> None:
-        """Feed each request's held-back elements but its last `keep` to the head without drafting: a
-        round's catch-up alone, one eager pass of the head (observe, finished). No logits tell whether
-        its K/V are finite: one read of the blocks it wrote and one sync do, as after a target's
-        prefill chunk. Finite, they are published; not (a broken head), they are zeroed, so that no
-        slot a request may read holds a non-finite value it did not write (kv_cache.py), and the
-        request's head drafts and publishes nothing more (a round would fail it; here no logits
+    def absorb(self, requests, keep_last: bool = False) -> None:
+        """Feed each request's held-back elements (but its last, with keep_last) to the head without
+        drafting: a round's catch-up alone, one eager pass of the head (observe, finished). No logits
+        tell whether its K/V are finite: one read of the blocks it wrote and one sync do, as after a
+        target's prefill chunk. Finite, they are published; not (a broken head), they are zeroed, so
+        that no slot a request may read holds a non-finite value it did not write (kv_cache.py), and
+        the request's head drafts and publishes nothing more (a round would fail it; here no logits
         can). A row the pool has no room for keeps its features."""
         allocator, rows, free = self.kv_cache.allocator, [], self.kv_cache.allocator.num_free
         for request in requests:
             self.rollback(request)   # past its real elements: the drafts of its last round
             st = self.state(request)
-            n = self.catch_up_len(request, st) - keep
-            if n > 0 and allocator.blocks_for(st.num_cached + n) - len(st.block_table) <= free:
+            n = self.catch_up_len(request, st) - keep_last
+            need = allocator.blocks_for(st.num_cached + n) - len(st.block_table)
+            if n > 0 and need <= free:
                 rows.append(request)
-                free -= allocator.blocks_for(st.num_cached + n) - len(st.block_table)
+                free -= need
         if not rows:
             return
         states = [self.state(r) for r in rows]
         cached = [s.num_cached for s in states]
-        token_ids, lens, features = self.catch_up(rows, states, keep)
+        token_ids, lens, features = self.catch_up(rows, states, keep_last)
         for st, n in zip(states, lens):
             allocator.grow(st.block_table, st.num_cached + n)
         meta = build_metadata([s.block_table for s in states], cached, lens, self.kv_cache.block_size, self.device,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import signal
 import socket
@@ -27,7 +26,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanospec.cli import add_model_args, add_speculation_args, freeze_gc_heap, load_llm, log, parser
+from nanospec.cli import add_model_args, add_speculation_args, frozen_gc_heap, load_llm, log, parser
 from nanospec.engine import SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
 from nanospec.errors import NanospecError, is_int, run_command
@@ -412,11 +411,8 @@ def main(argv=None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port", file=sys.stderr)
         return 2
     log(f"serving {name!r} on http://{args.host}:{sock.getsockname()[1]}/v1 (Ctrl-C to stop)")
-    freeze_gc_heap()   # the startup heap out of every full collection's scan, as vLLM's server does
-    try:
+    with frozen_gc_heap():   # the startup heap out of every full collection's scan, as vLLM's server keeps it
         serve(server, sock)
-    finally:   # back in the collector's sight, so that exit finalizes it (frozen, extensions report leaks)
-        gc.unfreeze()
     log("stopped")
     return 0
 

@@ -41,11 +41,13 @@ def test_a_head_that_runs_no_round_holds_back_few_features(spec_models, plain_gr
     held, observe = [], type(eagle).observe
     monkeypatch.setattr(type(eagle), "observe", lambda self, request, features: (
         observe(self, request, features), held.append(self.catch_up_len(request, self.state(request))))[0])
+    fed, catch_up = [], type(eagle).catch_up   # each row's elements a catch-up feeds: a round's d_1 reads the last
+    monkeypatch.setattr(type(eagle), "catch_up", lambda self, *args: (out := catch_up(self, *args), fed.extend(out[1]))[0])
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [plain_greedy[p] for p in PROMPTS]
     assert llm.stats["drafted_tokens"] == 0 and 0 < max(held) < 6
     llm.engine.k_policy.max_queue = len(PROMPTS)   # the switch-off lifted
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [plain_greedy[p] for p in PROMPTS]
-    assert llm.stats["drafted_tokens"] > 0
+    assert llm.stats["drafted_tokens"] > 0 and min(fed) >= 1
     assert_no_leak(llm)
 
 

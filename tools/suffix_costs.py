@@ -15,6 +15,7 @@ scans the whole unfrozen heap: torch's objects and the model's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -26,7 +27,7 @@ import tracemalloc
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanospec.cli import freeze_gc_heap, set_threads
+from nanospec.cli import frozen_gc_heap, set_threads
 from nanospec.llm import LLM
 from nanospec.measure import decoding, device_name, drafting_seconds, perturbed_window, timed
 from nanospec.prompts import shipped_prompts
@@ -57,25 +58,23 @@ def index_memory(corpus, num_requests: int, vocab: int, request_tokens: int = 40
 
 def timed_build(requests, frozen: bool) -> tuple[GlobalIndex, dict]:
     """An index of the requests, each add timed, and the full (generation 2) garbage collections
-    that ran meanwhile; frozen: after freeze_gc_heap(), undone at the end."""
+    that ran meanwhile; frozen: inside frozen_gc_heap(), as the server runs."""
     pauses, started = [], []
     def watch(phase, info):
         if info["generation"] == 2 and phase == "start":
             started.append(time.perf_counter())
         elif info["generation"] == 2:
             pauses.append(time.perf_counter() - started[-1])
-    if frozen:
-        freeze_gc_heap()
-    gc.callbacks.append(watch)
     index, adds = GlobalIndex(), []
-    try:
-        for window in requests:
-            start = time.perf_counter()
-            index.add(window)
-            adds.append(time.perf_counter() - start)
-    finally:
-        gc.callbacks.remove(watch)
-        gc.unfreeze()
+    with frozen_gc_heap() if frozen else contextlib.nullcontext():
+        gc.callbacks.append(watch)
+        try:
+            for window in requests:
+                start = time.perf_counter()
+                index.add(window)
+                adds.append(time.perf_counter() - start)
+        finally:
+            gc.callbacks.remove(watch)
     return index, {"seconds_each": sum(adds) / len(adds), "seconds_slowest": max(adds),
                    "full_collections": len(pauses), "full_collection_seconds_slowest": max(pauses, default=0.0)}
 
