@@ -26,8 +26,9 @@ Invariants:
   computed non-finite values, before its blocks go to other sequences (and forgets every
   published block).
 
-Attention over pages has one readable PyTorch path (`paged_attention_reference`), used on every
-device and as the oracle of the tests; a fused kernel can sit beside it on CUDA.
+Attention over pages has one readable PyTorch path (`paged_attention_reference`), the oracle of the
+tests; on the CPU a pass reads the same padded layout kept current from the last pass instead of
+gathering it again (kv_mirror.py), and on CUDA a fused kernel reads the pages where they are.
 """
 from __future__ import annotations
 
@@ -334,6 +335,7 @@ class KVCache:
         self.pool = torch.zeros(num_layers, 2, RESERVED_BLOCKS + num_blocks, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks, block_size, first_id=RESERVED_BLOCKS, prefix_caching=prefix_caching)
+        self.mirror = None   # the CPU attention's copy of the pool's pages in its padded layout (kv_mirror.py)
 
     def empty_like(self, num_blocks: int) -> "KVCache":
         """An empty pool of num_blocks for the same model (another engine over it), prefix caching as this one."""
@@ -346,6 +348,12 @@ class KVCache:
         each sequence holds is left as it is."""
         self.pool.zero_()
         self.allocator.forget_published()
+        self.mirror = None   # it held what the pool held
+
+    def zero_blocks(self, blocks: torch.Tensor) -> None:
+        """Zero these blocks in every layer (K/V a pass wrote that are not finite)."""
+        self.pool[:, :, blocks] = 0
+        self.mirror = None   # written outside a pass: the mirror cannot tell
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's pages [2 (k/v), num_blocks, block_size, kv_heads, head_dim]: K at [0], V at [1]."""
@@ -364,19 +372,30 @@ def paged_attention_reference(q: torch.Tensor, kv: torch.Tensor, meta: Attention
     """Causal attention of the new tokens q [T, heads, head_dim] over their sequences' pages, kv
     [2 (k/v), num_blocks, block_size, kv_heads, head_dim] (KVCache.layer).
 
-    Gathers each sequence's pages into a padded [B, max_k] layout and runs one masked softmax
-    attention per K/V head. Grouped-query attention without copying K/V per query head: the
-    `group` query heads that share a K/V head are stacked along the query axis instead.
+    Gathers each sequence's pages into a padded [B, max_k] layout and attends over it
+    (padded_attention). On the CPU a pass keeps that layout from the last one instead (kv_mirror.py).
     """
     _, _, block_size, kv_heads, head_dim = kv.shape
-    group = q.shape[1] // kv_heads
-    batch, max_q = meta.query_index.shape
+    batch = meta.block_tables.shape[0]
     # K and V in one gather of every sequence's slots (their index made once per pass), each head's
     # keys laid out contiguously, as SDPA reads them (strided keys cost it a copy of its own)
     slots = meta.once(("slots", block_size), lambda: (meta.block_tables[:, :, None] * block_size + torch.arange(
         block_size, device=q.device)).flatten())
     keys, values = (kv.view(2, -1, kv_heads, head_dim).transpose(1, 2).index_select(2, slots)
                     .view(2, kv_heads, batch, -1, head_dim).transpose(1, 2))   # each [B, kv_heads, max_k, head_dim]
+    return padded_attention(q, keys, values, meta, scale, block_size)
+
+
+def padded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, block_size: int) -> torch.Tensor:
+    """Causal attention of the new tokens q [T, heads, head_dim] over their sequences' keys and values
+    in the padded layout, each [B, kv_heads, max_k, head_dim] (key i of row b: position i, past the
+    context masked): one masked softmax attention per K/V head. Grouped-query attention without
+    copying K/V per query head: the `group` query heads that share a K/V head are stacked along the
+    query axis instead."""
+    batch, kv_heads, _, head_dim = keys.shape
+    group = q.shape[1] // kv_heads
+    max_q = meta.query_index.shape[1]
     queries = meta.padded(q).view(batch, max_q, kv_heads, group, head_dim)
     queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * max_q, head_dim)
     mask = meta.attention_mask(block_size, group, q.dtype)   # [B, 1, group * max_q, max_k], additive

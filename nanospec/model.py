@@ -21,7 +21,8 @@ from torch import nn
 
 from nanospec import triton_attention
 from nanospec.errors import NanospecError, check_int, check_real
-from nanospec.kv_cache import AttentionMetadata, KVCache, paged_attention_reference, write_kv
+from nanospec.kv_cache import AttentionMetadata, KVCache
+from nanospec.kv_mirror import paged_attention
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -376,8 +377,7 @@ class Attention(nn.Module):
                 qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
             qk = rope.rotate(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = paged_attention_reference(q, pages, meta, scale=self.head_dim ** -0.5)
+            out = paged_attention(q, k, v, kv_cache, self.layer_index, meta, scale=self.head_dim ** -0.5)
         return self.o_proj(out.reshape(tokens, -1))
 
 

@@ -459,7 +459,7 @@ class EagleProposer(ModelProposer):
         for request, st, c in zip(rows, states, cached):
             written = st.block_table[c // self.kv_cache.block_size:]   # (a block is shared only once full)
             if not bool(torch.isfinite(self.kv_cache.pool[:, :, written]).all()):
-                self.kv_cache.pool[:, :, written] = 0
+                self.kv_cache.zero_blocks(written)
                 st.failed = True
             self.publish(request)
 

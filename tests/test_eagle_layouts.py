@@ -227,7 +227,9 @@ def nanospec_first_logits(llm, tokens: list[int]) -> torch.Tensor:
     n = len(tokens) - 1
     with torch.no_grad():
         cache = KVCache(target.config.num_layers, n // 16 + 1, 16, target.config.num_kv_heads, target.config.head_dim, torch.float32, "cpu")
-        meta = build_metadata([list(range(n // 16 + 1))], [0], [n], 16, torch.device("cpu"))
+        table = []
+        cache.allocator.grow(table, n)   # (ids past the null and sink blocks, which no table holds)
+        meta = build_metadata([table], [0], [n], 16, torch.device("cpu"))
         hidden, captured = target(torch.tensor(tokens[:-1]), torch.arange(n), cache, meta, proposer.capture_layers)
         head = proposer.head
         hcache = KVCache(1, n // 16 + 1, 16, head.config.num_kv_heads, head.config.head_dim, torch.float32, "cpu")

@@ -13,6 +13,7 @@ LAYERS = [
     {"errors"},
     {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy", "chat_template",
      "workload"},
+    {"kv_mirror"},
     {"model", "dynamic_k", "proposer"},
     {"checkpoint", "suffix"},
     {"tokenizer", "eagle", "cuda_graph", "hybrid"},

@@ -69,7 +69,8 @@ def eagle_reference_drafts(llm, hf_model, tokens: list[int], k: int) -> list[int
             features = torch.cat([out.hidden_states[i][0] for i in llm.engine.proposer.capture_layers], -1)
         n = len(tokens) - 1
         cache = KVCache(1, (n + k) // 16 + 1, 16, head.config.num_kv_heads, head.config.head_dim, torch.float32, "cpu")
-        table = list(range((n + k) // 16 + 1))
+        table = []
+        cache.allocator.grow(table, n + k)   # (ids past the null and sink blocks, which no table holds)
         meta = build_metadata([table], [0], [n], 16, torch.device("cpu"))
         x = head(target.model.embed_tokens(torch.tensor(tokens[1:])), features, torch.arange(n), cache, meta)[-1:]
         drafts = []

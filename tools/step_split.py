@@ -1,10 +1,10 @@
 """Where a CPU decode step's time goes: SmolLM2's plain greedy decode steps at batch 1, 8 and 32
 (prompts cycled from the shipped ones, past prefill), timed whole and in three parts: the
-projections (model.Linear, lm_head included), the reference attention (kv_cache.paged_attention_reference:
-the K/V gather and SDPA, split apart), and the rest (norms, rotation, K/V writes, SiLU, metadata,
-sampling, Python). Each part is timed by wrapping its function with a wall clock, so the parts
+projections (model.Linear, lm_head included), the attention (kv_mirror.paged_attention: the K/V
+kept gathered from the last pass, the pages it copies in from the pool, and SDPA; the copies split
+apart), and the rest (norms, rotation, K/V writes, SiLU, metadata, sampling, Python). Each part is timed by wrapping its function with a wall clock, so the parts
 include what a call costs from Python; the step is the median of --steps, the parts their mean.
-Also the share of the keys the gather copies that are padding (each sequence's pages padded to the
+Also the share of the keys the attention reads that are padding (each sequence's pages padded to the
 batch's longest, masked).
 
     python tools/step_split.py [--batch-sizes 1,8,32] [--steps 20] [--out FILE.json]
@@ -32,8 +32,8 @@ from nanospec.prompts import shipped_prompts  # noqa: E402
 
 
 def timed_parts(totals: Counter):
-    """Wrap Linear.forward, the attention and its gather with clocks adding into totals; returns undo."""
-    linear, attention, select = model.Linear.forward, model.paged_attention_reference, torch.Tensor.index_select
+    """Wrap Linear.forward, the attention and its copies from the pool with clocks adding into totals; returns undo."""
+    linear, attention, select = model.Linear.forward, model.paged_attention, torch.Tensor.index_select
 
     def clock(name, fn):
         def run(*args, **kwargs):
@@ -45,15 +45,15 @@ def timed_parts(totals: Counter):
         return run
     timed_attention = clock("attention", attention)
 
-    def counted_attention(q, kv, meta, scale):   # the keys gathered, and those that are padding
-        totals["keys gathered"] += meta.block_tables.numel() * kv.shape[2]
+    def counted_attention(q, k, v, kv_cache, layer, meta, scale):   # the keys read, and those that are padding
+        totals["keys read"] += meta.block_tables.numel() * kv_cache.block_size
         totals["keys"] += int(meta.context_lens.sum())
-        return timed_attention(q, kv, meta, scale)
+        return timed_attention(q, k, v, kv_cache, layer, meta, scale)
     model.Linear.forward = clock("projections", linear)
-    model.paged_attention_reference = counted_attention
-    # in a step, only the reference attention calls index_select: its K/V gather
-    torch.Tensor.index_select = clock("attention: K/V gather", select)
-    return lambda: (setattr(model.Linear, "forward", linear), setattr(model, "paged_attention_reference", attention),
+    model.paged_attention = counted_attention
+    # in a step, only the attention calls index_select: the pages it copies in from the pool
+    torch.Tensor.index_select = clock("attention: K/V copied from the pool", select)
+    return lambda: (setattr(model.Linear, "forward", linear), setattr(model, "paged_attention", attention),
                     delattr(torch.Tensor, "index_select"))
 
 
@@ -71,12 +71,12 @@ def split(llm: LLM, prompts: list[list[int]], batch: int, steps: int) -> dict:
             seconds.append(time.perf_counter() - start)
     finally:
         undo()
-    padding = 1 - totals.pop("keys") / totals.pop("keys gathered")
+    padding = 1 - totals.pop("keys") / totals.pop("keys read")
     ms = {name: round(1e3 * total / steps, 2) for name, total in totals.items()}
     step = 1e3 * statistics.median(seconds)
     return {"batch_size": batch, "step_ms": round(step, 2), **{f"{k}_ms": v for k, v in ms.items()},
             "rest_ms": round(1e3 * sum(seconds) / steps - ms["projections"] - ms["attention"], 2),
-            "gathered_keys_padding": round(padding, 3)}
+            "keys_read_padding": round(padding, 3)}
 
 
 def main() -> None:

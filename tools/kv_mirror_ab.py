@@ -1,0 +1,67 @@
+"""The CPU attention's mirror (nanospec/kv_mirror.py) on and off, side by side in one process: the
+same engine and prompts as tools/vllm_side_by_side.py (the shipped prompts a category at a time in
+turn, chat template, greedy, 64 tokens each, EOS ignored), one request at a time (8 prompts) and 8
+and 32 at once, the two settings alternated `--rounds` times; tokens/s end to end, the best of the
+rounds, and a check that both settings give the same tokens; the mirror's memory beside the pool's.
+
+  python tools/kv_mirror_ab.py --model /tmp/vllm/smollm2 [--ngram] --out bench_results/kv_mirror_ab_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanospec import LLM, SamplingParams, kv_mirror  # noqa: E402
+from nanospec.cli import set_threads  # noqa: E402
+from tools.vllm_side_by_side import BATCHES, prompt_ids  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="an HF folder or GGUF file (float32)")
+    ap.add_argument("--ngram", action="store_true", help="n-gram K=4 instead of plain decoding")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    set_threads(2)
+    proposer = {"ngram": True, "num_speculative_tokens": 4} if args.ngram else {}
+    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=32, **proposer)
+    ids = prompt_ids(args.model)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(ids[:1], params)   # warm-up
+    rows, tokens = [], {}
+    for round_ in range(1, args.rounds + 1):
+        for mirror in (True, False):
+            kv_mirror.ENABLED = mirror
+            for batch, (count, at_once) in BATCHES.items():
+                start = time.perf_counter()
+                outs = [o.token_ids for i in range(0, count, at_once) for o in llm.generate(ids[i:i + at_once], params)]
+                seconds = time.perf_counter() - start
+                assert tokens.setdefault(batch, outs) == outs, f"the mirror changed the tokens at {batch}"
+                held = llm.engine.kv_cache.mirror
+                rows.append({"round": round_, "mirror": mirror, "batch": batch, "tokens": sum(map(len, outs)),
+                             "seconds": round(seconds, 3), "tokens_per_s": round(sum(map(len, outs)) / seconds, 2),
+                             "mirror_mb": round(held.kv.nbytes / 2**20, 1) if held else 0,
+                             "pool_mb": round(llm.engine.kv_cache.pool.nbytes / 2**20, 1)})
+                print(rows[-1], file=sys.stderr)
+    best = {}
+    for r in rows:
+        key = (r["batch"], r["mirror"])
+        best[key] = max(best.get(key, 0), r["tokens_per_s"])
+    summary = [{"batch": b, "mirror": best[b, True], "reference": best[b, False],
+                "ratio": round(best[b, True] / best[b, False], 3)} for b in BATCHES]
+    report = {"command": "python tools/kv_mirror_ab.py " + " ".join(sys.argv[1:]), "mode": "ngram" if args.ngram else "plain",
+              "same_tokens": True, "best": summary, "rows": rows}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
