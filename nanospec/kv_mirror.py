@@ -41,6 +41,7 @@ from nanospec.kv_cache import (SINK_BLOCK, AttentionMetadata, KVCache, padded_at
 
 ENABLED = True   # tests compare against the reference with it off
 MIN_BUDGET = 64 << 20   # bytes the mirror may take whatever the pool's size (past it: the pool's size)
+GROW_BLOCKS = 8         # the mirror's positions grow in steps of this many blocks
 
 
 @dataclass
@@ -84,13 +85,14 @@ class KVMirror:
         return (mirror, mirror.plan(meta)) if mirror else None
 
     def fit(self, rows: int, blocks: int) -> bool:
-        """Room for `rows` rows of `blocks` blocks (grown by half at least, so growing is rare; what
-        is held is kept); False where that would take more memory than the pool (or MIN_BUDGET)."""
+        """Room for `rows` rows of `blocks` blocks (blocks rounded up to GROW_BLOCKS, so that a
+        growing context copies the mirror over once in GROW_BLOCKS blocks; what is held is kept);
+        False where that would take more memory than the pool (or MIN_BUDGET)."""
         have_rows, have_blocks = self.held_ids.shape
         if rows - 1 <= have_rows and blocks <= have_blocks:
             return True
-        rows = max(rows, have_rows + 1 + have_rows // 2)
-        blocks = max(blocks, have_blocks + have_blocks // 2)
+        rows = max(rows, have_rows + 1)
+        blocks = -(-max(blocks, have_blocks) // GROW_BLOCKS) * GROW_BLOCKS
         layers, _, kv_heads, _, _, head_dim = self.kv.shape
         size = layers * 2 * rows * kv_heads * blocks * self.block_size * head_dim * self.kv.element_size()
         if size > max(self.pool.nbytes, MIN_BUDGET):

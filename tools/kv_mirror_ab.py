@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--ngram", action="store_true", help="n-gram K=4 instead of plain decoding")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batches", default=",".join(BATCHES), help="rows of BATCHES to run")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_threads(2)
@@ -38,7 +39,8 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         for mirror in (True, False):
             kv_mirror.ENABLED = mirror
-            for batch, (count, at_once) in BATCHES.items():
+            for batch in args.batches.split(","):
+                count, at_once = BATCHES[batch]
                 start = time.perf_counter()
                 outs = [o.token_ids for i in range(0, count, at_once) for o in llm.generate(ids[i:i + at_once], params)]
                 seconds = time.perf_counter() - start
@@ -54,7 +56,7 @@ def main() -> None:
         key = (r["batch"], r["mirror"])
         best[key] = max(best.get(key, 0), r["tokens_per_s"])
     summary = [{"batch": b, "mirror": best[b, True], "reference": best[b, False],
-                "ratio": round(best[b, True] / best[b, False], 3)} for b in BATCHES]
+                "ratio": round(best[b, True] / best[b, False], 3)} for b in args.batches.split(",")]
     report = {"command": "python tools/kv_mirror_ab.py " + " ".join(sys.argv[1:]), "mode": "ngram" if args.ngram else "plain",
               "same_tokens": True, "best": summary, "rows": rows}
     print(json.dumps(summary, indent=1))

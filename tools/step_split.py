@@ -7,7 +7,7 @@ include what a call costs from Python; the step is the median of --steps, the pa
 Also the share of the keys the attention reads that are padding (each sequence's pages padded to the
 batch's longest, masked).
 
-    python tools/step_split.py [--batch-sizes 1,8,32] [--steps 20] [--out FILE.json]
+    python tools/step_split.py [--batch-sizes 1,8,32] [--steps 20] [--no-kv-mirror] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from nanospec import LLM, model  # noqa: E402
+from nanospec import LLM, kv_mirror, model  # noqa: E402
 from nanospec.cli import set_threads  # noqa: E402
 from nanospec.measure import decoding  # noqa: E402
 from nanospec.prompts import shipped_prompts  # noqa: E402
@@ -83,9 +83,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-kv-mirror", action="store_true", help="the reference attention's gather in every layer")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_threads(None)
+    kv_mirror.ENABLED = not args.no_kv_mirror
     batches = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM(device="cpu", dtype="float32", max_num_seqs=max(batches))
     prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()]
