@@ -10,7 +10,8 @@ row of the pass's batch, and brings it up to date each pass instead of building 
   - each layer writes its new tokens' K/V into the mirror (at their row and position), not the pool;
   - a row's blocks that the mirror does not hold as they are in the pool are copied in first: every
     block of a row whose sequence is new to that row, a block the row reaches for the first time
-    (a few KB, once a block_size tokens), every block once after the mirror was made;
+    (a few KB, once a block_size tokens), every block once after the mirror was made (the null
+    block padding a row's table too, which then stays held);
   - the pool gets the pass's new K/V of every layer at once, in its last layer.
 
 What the mirror holds is tracked by versions: every pass bumps the version of each block it writes,
@@ -22,8 +23,9 @@ the pool (KVCache.clear, zero_blocks) drops the mirror.
 
 The attention itself is the reference's (kv_cache.padded_attention), over views of the mirror laid
 out as the reference's gathered copy: every query reads the keys and values the reference would
-(padding's too, past a row's context: stale slots, the null block), so the output is the
-reference's bit for bit (test_kv_mirror checks every layer of engines that batch, preempt, chunk
+(masked ones too, past a row's context: its own stale slots, the null block; never another
+sequence's, whose NaN would pass through a masked weight of 0), so the output is the reference's
+bit for bit (test_kv_mirror checks every layer of engines that batch, preempt, chunk
 prefills, pad batches, roll drafts back and share cached prefixes). The mirror costs memory: as
 much as the batch's padded K/V for every layer, bounded by the pool's own size or MIN_BUDGET (past
 it, the pass takes the reference). CPU only, and not under autograd: on CUDA the fused kernel reads
@@ -67,7 +69,8 @@ class KVMirror:
         self.pool = kv_cache.pool   # (not the KVCache, which holds the mirror: no reference cycle)
         layers, _, num_blocks, self.block_size, kv_heads, head_dim = self.pool.shape
         self.versions = np.zeros(num_blocks, dtype=np.int64)   # per block: passes that wrote it
-        self.kv = kv_cache.pool.new_zeros(layers, 2, kv_heads, 1, 0, head_dim)
+        with torch.inference_mode(False):   # a normal tensor, written in any mode (as the pool is)
+            self.kv = self.pool.new_zeros(layers, 2, kv_heads, 1, 0, head_dim)
         self.held_ids = np.full((0, 0), -1, dtype=np.int64)    # [rows - 1, blocks]: the block each holds,
         self.held_versions = np.zeros((0, 0), dtype=np.int64)  # at which version
 
@@ -97,8 +100,9 @@ class KVMirror:
         size = layers * 2 * rows * kv_heads * blocks * self.block_size * head_dim * self.kv.element_size()
         if size > max(self.pool.nbytes, MIN_BUDGET):
             return False
-        kv = self.kv.new_zeros(layers, 2, kv_heads, rows, blocks * self.block_size, head_dim)
-        kv[:, :, :, :have_rows, :self.kv.shape[4]] = self.kv[:, :, :, :have_rows]
+        with torch.inference_mode(False):
+            kv = self.kv.new_zeros(layers, 2, kv_heads, rows, blocks * self.block_size, head_dim)
+            kv[:, :, :, :have_rows, :self.kv.shape[4]] = self.kv[:, :, :, :have_rows]
         held_ids = np.full((rows - 1, blocks), -1, dtype=np.int64)
         held_versions = np.zeros((rows - 1, blocks), dtype=np.int64)
         held_ids[:have_rows, :have_blocks], held_versions[:have_rows, :have_blocks] = self.held_ids, self.held_versions
@@ -107,20 +111,19 @@ class KVMirror:
 
     def plan(self, meta: AttentionMetadata) -> Plan:
         """Which blocks to copy in, where the new tokens go, and what the rows will hold; bumps the
-        versions of the blocks the pass writes. A row copies every block a query of its can see
-        (a key at or before its position, as the mask says) that it does not hold at its version:
-        the mirror then holds, for every key any query reads, what the pool holds, and what the
-        pass writes it writes to both."""
+        versions of the blocks the pass writes. A row copies every block of its table (to the
+        pass's width: the null block past its own) that it does not hold at its version, the masked
+        ones too: a masked key weighs 0, and 0 * NaN is NaN, so a slot of another sequence's left in
+        the row would pass that sequence's NaN on. The mirror then holds every key the reference
+        reads, and what the pass writes it writes to both."""
         tables = meta.block_tables.numpy()
         batch, width = tables.shape
         slots, rows, positions = meta.slot_mapping.numpy(), meta.token_seq.numpy(), meta.positions.numpy()
         written = slots // self.block_size
         real = written != SINK_BLOCK   # padding tokens write to the sink: no row's
-        reach = positions[meta.query_index.numpy()].max(1) + 1   # [B] keys the row's queries may see
-        seen = np.arange(width)[None, :] * self.block_size < reach[:, None]   # [B, width] blocks holding one
         held = ((self.held_ids[:batch, :width] == tables)
                 & (self.held_versions[:batch, :width] == self.versions[tables]))
-        copy_rows, copy_blocks = np.nonzero(seen & ~held)
+        copy_rows, copy_blocks = np.nonzero(~held)
         self.versions[written] += 1
         self.held_ids[:batch] = -1   # until the last layer has written the pass
         spare = self.kv.shape[3] - 1
@@ -128,7 +131,7 @@ class KVMirror:
                     (torch.from_numpy(copy_rows), torch.from_numpy(copy_blocks),
                      torch.from_numpy(tables[copy_rows, copy_blocks])) if len(copy_rows) else None,
                     torch.from_numpy(np.where(real, rows, spare)), torch.from_numpy(np.where(real, positions, 0)),
-                    np.where(seen, tables, -1), self.versions[tables])
+                    tables.copy(), self.versions[tables])
 
     def attention(self, layer: int, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:

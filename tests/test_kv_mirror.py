@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanospec import LLM, SamplingParams, kv_mirror
-from nanospec.kv_cache import SINK_BLOCK, paged_attention_reference, write_kv
+from nanospec.kv_cache import SINK_BLOCK, KVCache, build_metadata, paged_attention_reference, write_kv
 from nanospec.kv_mirror import KVMirror
 
 from conftest import PROMPTS, assert_no_leak, proposer_args
@@ -102,3 +102,48 @@ def test_writing_the_pool_outside_a_pass_drops_the_mirror(spec_models):
     assert cache.mirror is not None
     cache.clear()
     assert cache.mirror is None
+
+
+def test_a_requests_nan_reaches_no_other_request_through_the_mirror(spec_models):
+    """A request whose K/V are NaN (a NaN embedding row) prefills in chunks alone in the mirror's
+    first row; the next step puts a shorter request in that row, whose masked keys past its context
+    are that row's slots. A masked key weighs 0, and 0 * NaN is NaN: the mirror copies every block of
+    a row's table, the null block past its own, so the short request reads what the reference reads
+    and only the poisoned one fails, as with the reference."""
+    def finishes(mirror: bool):
+        kv_mirror.ENABLED = mirror
+        try:
+            llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=48, block_size=4,
+                      max_num_batched_tokens=8)
+            with torch.no_grad():
+                llm.model.model.embed_tokens.weight[200] = float("nan")
+            engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+            short = engine.new_request(0, "", [5, 6, 7], params)
+            poisoned = engine.new_request(1, "", list(range(10, 20)) + [200] + list(range(20, 29)), params)
+            engine.add_requests([short, poisoned])
+            while engine.scheduler.has_work():
+                engine.step()
+            return short.finish_reason, poisoned.finish_reason
+        finally:
+            kv_mirror.ENABLED = True
+    assert finishes(False) == finishes(True) == ("length", "error")
+
+
+def test_a_mirror_made_in_inference_mode_serves_a_no_grad_pass(spec_models):
+    """The mirror's tensors are normal ones, as the pool is: a pass under no_grad after one under
+    inference_mode writes them as well (an inference tensor refuses in-place writes outside it)."""
+    model = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=48, block_size=4).model
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    table = []
+
+    def forward(cached: int, new: int):
+        cache.allocator.grow(table, cached + new)
+        meta = build_metadata([table], [cached], [new], 4, torch.device("cpu"))
+        return model(torch.arange(10, 10 + new), meta.positions, cache, meta)[0]
+    with torch.inference_mode():
+        forward(0, 5)
+    assert cache.mirror is not None and not cache.mirror.kv.is_inference()
+    with torch.no_grad():
+        forward(5, 1)
+    assert cache.mirror is not None
