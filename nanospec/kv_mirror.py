@@ -54,8 +54,8 @@ class Plan:
     copy: tuple | None              # (rows, block indexes, block ids) the mirror copies from the pool first
     write_rows: torch.Tensor        # [T] the mirror row each new token's K/V goes to (the spare row: padding's)
     write_positions: torch.Tensor   # [T] ... and its position
-    held_ids: np.ndarray            # [B, width] what the rows hold once the pass is written (-1: nothing)
-    held_versions: np.ndarray
+    held_ids: np.ndarray            # [B, width] the pass's tables: what its rows hold once it is written
+    held_versions: np.ndarray       # ... at the versions the pass leaves them
 
 
 class KVMirror:
@@ -152,8 +152,7 @@ class KVMirror:
         """The pass's new K/V of every layer into the pool at once (its last layer), and the rows'
         blocks recorded as held."""
         new = self.kv[:, :, :, plan.write_rows, plan.write_positions]   # [layers, 2, kv_heads, T, hd]
-        pool = self.pool
-        pool.view(*pool.shape[:2], -1, *pool.shape[4:])[:, :, meta.slot_mapping] = new.transpose(2, 3)
+        self.pool.view(*self.pool.shape[:2], -1, *self.pool.shape[4:])[:, :, meta.slot_mapping] = new.transpose(2, 3)
         self.held_ids[:plan.batch, :plan.width], self.held_versions[:plan.batch, :plan.width] = (
             plan.held_ids, plan.held_versions)
 
