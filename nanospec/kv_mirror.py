@@ -52,8 +52,8 @@ class Plan:
     batch: int
     width: int                      # blocks a table holds in this pass (max_blocks)
     copy: tuple | None              # (rows, block indexes, block ids) the mirror copies from the pool first
-    write_rows: torch.Tensor        # [T] the mirror row each new token's K/V goes to (the spare row: padding's)
-    write_positions: torch.Tensor   # [T] ... and its position
+    write_index: torch.Tensor       # [T] where each new token's K/V goes in a layer's [2, kv_heads, rows *
+                                    # positions, head_dim]: its row (padding's: the spare row) and position
     held_ids: np.ndarray            # [B, width] the pass's tables: what its rows hold once it is written
     held_versions: np.ndarray       # ... at the versions the pass leaves them
 
@@ -126,11 +126,11 @@ class KVMirror:
         copy_rows, copy_blocks = np.nonzero(~held)
         self.versions[written] += 1
         self.held_ids[:batch] = -1   # until the last layer has written the pass
-        spare = self.kv.shape[3] - 1
+        spare, length = self.kv.shape[3] - 1, self.kv.shape[4]
         return Plan(batch, width,
                     (torch.from_numpy(copy_rows), torch.from_numpy(copy_blocks),
                      torch.from_numpy(tables[copy_rows, copy_blocks])) if len(copy_rows) else None,
-                    torch.from_numpy(np.where(real, rows, spare)), torch.from_numpy(np.where(real, positions, 0)),
+                    torch.from_numpy(np.where(real, rows * length + positions, spare * length)),
                     tables.copy(), self.versions[tables])
 
     def attention(self, layer: int, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -140,8 +140,9 @@ class KVMirror:
             rows, blocks, ids = plan.copy
             by_block = kv.view(*kv.shape[:3], -1, self.block_size, kv.shape[-1])   # [2, kv_heads, rows, blocks, size, hd]
             by_block[:, :, rows, blocks] = self.pool[layer].index_select(1, ids).permute(0, 3, 1, 2, 4)
-        kv[0][:, plan.write_rows, plan.write_positions] = k.transpose(0, 1)
-        kv[1][:, plan.write_rows, plan.write_positions] = v.transpose(0, 1)
+        flat = kv.view(2, kv.shape[1], -1, kv.shape[-1])   # [2, kv_heads, rows * positions, hd]
+        flat[0].index_copy_(1, plan.write_index, k.transpose(0, 1))   # (padding's all to one spare slot: any wins)
+        flat[1].index_copy_(1, plan.write_index, v.transpose(0, 1))
         keys, values = kv[:, :, :plan.batch, :plan.width * self.block_size].transpose(1, 2)   # each [B, kv_heads, max_k, hd]
         out = padded_attention(q, keys, values, meta, scale, self.block_size)
         if layer == len(self.kv) - 1:
@@ -151,7 +152,7 @@ class KVMirror:
     def write_pool(self, plan: Plan, meta: AttentionMetadata) -> None:
         """The pass's new K/V of every layer into the pool at once (its last layer), and the rows'
         blocks recorded as held."""
-        new = self.kv[:, :, :, plan.write_rows, plan.write_positions]   # [layers, 2, kv_heads, T, hd]
+        new = self.kv.view(*self.kv.shape[:3], -1, self.kv.shape[-1]).index_select(3, plan.write_index)   # [layers, 2, kv_heads, T, hd]
         self.pool.view(*self.pool.shape[:2], -1, *self.pool.shape[4:])[:, :, meta.slot_mapping] = new.transpose(2, 3)
         self.held_ids[:plan.batch, :plan.width], self.held_versions[:plan.batch, :plan.width] = (
             plan.held_ids, plan.held_versions)

@@ -321,11 +321,12 @@ class Linear(nn.Linear):
         if x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32 or (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
-        if x.dim() == 2 and len(x) <= 2:
+        n = x.shape[0]   # (not len(x): Tensor.__len__ is Python, 1-2 us a call in a hot path)
+        if x.dim() == 2 and n <= 2:
             # rows row-major, so that rows.T is the transposed view MKL multiplies fast (W @ a row-major
             # [K, 2] is 4x slower); one row padded by cat, one op (repeat is four on torch 2.13)
-            rows = x.contiguous() if len(x) == 2 else torch.cat([x, x])
-            out = (self.weight @ rows.T).T[:len(x)]
+            rows = x.contiguous() if n == 2 else torch.cat([x, x])
+            out = (self.weight @ rows.T).T[:n]
             return out if self.bias is None else out + self.bias
         if not PACKED_LINEAR:
             return super().forward(x)
@@ -351,6 +352,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(input_size or h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=False)
+        self.qk_norm = config.qk_norm   # Qwen3's
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -361,13 +363,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk = qkv[:, :self.q_size + self.kv_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        norms = hasattr(self, "q_norm")   # Qwen3's
+        norms = self.qk_norm
         # q and k rotated together, with the pass's tables (the positions kept alive with them: the key
         # holds their id)
         cos, sin, _ = meta.once(("rope", id(rope), id(positions)), lambda: (*rope.tables(positions), positions))
-        pages = kv_cache.layer(self.layer_index)
-        k_cache, v_cache = pages[0], pages[1]   # (not unpacked: unbind's views refuse in-place writes under autograd)
-        if triton_attention.available(qk, k_cache):   # the norms, the rotation and both writes in one kernel
+        pages = kv_cache.layer(self.layer_index) if qk.is_cuda else None   # (the CPU's attention reads no page here)
+        if pages is not None and triton_attention.available(qk, pages[0]):   # the norms, the rotation and both writes in one kernel
+            k_cache, v_cache = pages[0], pages[1]   # (not unpacked: unbind's views refuse in-place writes under autograd)
             q = triton_attention.rotate_and_store(
                 qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping,
                 *((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if norms else ()))
