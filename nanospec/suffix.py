@@ -198,14 +198,16 @@ class Run:
 class GlobalIndex:
     """Recent finished requests' prompts and outputs: at most max_requests requests and max_tokens
     tokens, in segments of at most segment_tokens tokens (and 1/16 of max_requests), the oldest
-    segment dropped first. A request is added whole when it finishes, to the open segment (a dict
+    segment dropped first (a segment is at most 1/16 of max_tokens too, so that dropping one never
+    drops them all). A request is added whole when it finishes, to the open segment (a dict
     of position lists); a full one is sealed into the newest run of sealed segments (Run), a new
     run every RUN_SEGMENTS segments: a step's lookup is a binary search per run for its whole batch
     (not per request and segment), and sealing or dropping a segment copies one run, not the index."""
 
     def __init__(self, max_requests: int = 10_000, max_tokens: int = 1 << 23, segment_tokens: int = 1 << 17):
         self.max_requests, self.max_tokens = max_requests, max_tokens
-        self.segment_tokens = min(segment_tokens, max_tokens)
+        # at most 1/16 of the token bound, and 2 (a request cut to its last token, and the separator)
+        self.segment_tokens = max(2, min(segment_tokens, max_tokens // 16))
         self.segment_requests = max(1, max_requests // 16)
         self.runs: deque[Run] = deque()   # oldest first
         self.open_tokens, self.open_size = np.zeros(1024, dtype=np.int32), 0   # the open segment's stream
@@ -288,7 +290,7 @@ class GlobalIndex:
     @property
     def nbytes(self) -> int:
         """Bytes held: the sealed arrays exactly, the open segment's lists and dict at CPython's sizes."""
-        lists = sum(sys.getsizeof(v) + 28 * len(v) for v in self.open_follows.values())
+        lists = sum(sys.getsizeof(k) + sys.getsizeof(v) + 28 * len(v) for k, v in self.open_follows.items())
         sealed = sum(run.nbytes for run in self.runs)
         return sealed + self.open_tokens.nbytes + sys.getsizeof(self.open_follows) + lists
 
@@ -340,8 +342,8 @@ class ExtraTokens:
         self.rows = DECAY * self.rows + len(num_accepted)
         self.drafts = DECAY * self.drafts + sum(num_draft)
         for draft, d, a in zip(drafts, num_draft, num_accepted):
-            base = d - draft.extra   # the extra tokens are the draft's last
-            for i in range(draft.extra):
+            base = len(draft.tokens) - draft.extra   # the extra tokens are the draft's last
+            for i in range(min(draft.extra, d - base)):   # those verified (a step may verify fewer, or pad)
                 self.drafted[i] += 1
                 self.accepted[i] += a > base + i
 

@@ -117,6 +117,25 @@ def test_the_global_index_drops_the_oldest_requests_first():
     assert index.nbytes < 64 * 16 * 7 + 50_000   # 16 bytes a token sealed, the open segment's dict
 
 
+@pytest.mark.parametrize("max_tokens", [40, 50_000, 300_000])
+def test_a_token_bound_below_a_segment_drops_the_oldest_requests_not_all(max_tokens):
+    """max_tokens under the default segment (2^17 tokens): the index still holds at most max_tokens
+    tokens, drops its oldest requests first and never empties itself to keep the bound (when a
+    segment could outgrow the bound, dropping the oldest one dropped every one, the newest too)."""
+    index = GlobalIndex(max_tokens=max_tokens)
+    marked = lambda i: [i * 2000 + j for j in range(1500)]   # request i's tokens: found only in it
+    for i in range(60):
+        index.add(marked(i))
+        assert index.num_tokens <= max_tokens and index.num_requests >= 1
+        kept = lambda r: marked(r)[-(index.segment_tokens - 1):]   # a request longer than a segment keeps its end
+        if len(kept(i)) >= 4:
+            newest, oldest = kept(i), kept(i - index.num_requests + 1)
+            assert index.draft(newest[-4:-2], 2).tokens == newest[-2:]
+            assert index.draft(oldest[-4:-2], 2).tokens == oldest[-2:]
+            if i >= index.num_requests:
+                assert index.draft(kept(i - index.num_requests)[-4:-2], 2).tokens == []
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_each_sealed_run_is_every_bigram_of_its_segments_sorted_by_key_then_position(seed):
     """Sealing merges a segment's bigrams into the newest run's sorted arrays and dropping cuts the
@@ -269,6 +288,20 @@ def priced_extra_tokens(step_cost: float, accept: float, steps: int = 400) -> li
         accepted = base + next((i for i in range(n) if rng.random() >= accept), n)
         extras.observe([Draft([0] * (base + n), extra=n)], [base + n], [accepted], 1 + step_cost * (base + n))
     return allowed
+
+
+def test_extra_tokens_count_only_what_a_step_verified_of_them():
+    """A draft's extra tokens are its last ones: the step's verified count can fall short of the
+    draft (a row cut near its end) or pass it (drafts padded to K); only the extras verified count,
+    accepted as far as the acceptance reached."""
+    extras = ExtraTokens(3)
+    draft = Draft([5, 6, 7, 8, 9], extra=3)   # 2 earned, 3 extra
+    extras.observe([draft], [7], [5], 1.0)    # padded to K = 7, all 5 accepted: each extra drafted and accepted
+    assert extras.drafted == [1, 1, 1] and extras.accepted == [1, 1, 1]
+    extras.observe([draft], [3], [3], 1.0)    # cut to 3: only the first extra verified, and accepted
+    assert extras.drafted == [2, 1, 1] and extras.accepted == [2, 1, 1]
+    extras.observe([draft], [0], [0], 1.0)    # verified nothing: no extra counts
+    assert extras.drafted == [2, 1, 1] and extras.accepted == [2, 1, 1]
 
 
 def test_extra_tokens_are_drafted_where_their_acceptance_pays_for_their_verification():
