@@ -595,6 +595,12 @@ class Engine:
         return [r for r, _ in failed]
 
     def clear_caches(self) -> None:
+        """Zero the target's and a model proposer's pools (their prefix caches and the CPU's K/V mirror
+        go with them): after a step whose K/V were not finite (fail), or one that raised midway, which
+        may have written some layers' K/V and not others' (layer by layer on CUDA and in the reference
+        attention, all at the end in the CPU's mirror) to blocks now free: a later request must find
+        neither NaN (a masked key weighs 0, and 0 * NaN is NaN) nor anything but zeros where it did
+        not write."""
         self.kv_cache.clear()
         if isinstance(getattr(self.proposer, "kv_cache", None), KVCache):
             self.proposer.kv_cache.clear()

@@ -128,6 +128,7 @@ class EngineLoop:
         except Exception as e:   # a bug, not a request's fault: fail what the engine holds and go on
             held = [t.req for t in self.tracked.values()]
             engine.abort(held)
+            engine.clear_caches()   # the pass may have written part of its K/V (see Engine.clear_caches)
             for req in held:
                 req.finish_reason, req.error = "error", f"the engine failed: {type(e).__name__}: {e}"
             updated = held

@@ -130,7 +130,7 @@ class KVMirror:
         return Plan(batch, width,
                     (torch.from_numpy(copy_rows), torch.from_numpy(copy_blocks),
                      torch.from_numpy(tables[copy_rows, copy_blocks])) if len(copy_rows) else None,
-                    torch.from_numpy(np.where(real, rows * length + positions, spare * length)),
+                    torch.from_numpy(np.where(real, rows * length + positions, spare * length).astype(np.int64, copy=False)),
                     tables.copy(), self.versions[tables])
 
     def attention(self, layer: int, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -513,6 +513,30 @@ def test_a_failed_generate_leaves_the_llm_as_a_fresh_one(spec_models, monkeypatc
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("mirror", [False, True])   # the CPU's K/V mirror off: the pool written layer by layer, as on CUDA
+def test_a_pass_that_raises_midway_leaves_no_kv_behind(checkpoints, monkeypatch, mirror):
+    """A prefill that raises after layer 0 has written NaN K/V (a poisoned embedding row, then an
+    error in layer 0's MLP) fails the call; the blocks it wrote are free again, and the next call
+    must find the pool as a fresh LLM's: all finite, the same output. Without the caches cleared,
+    the reference attention left layer 0's NaN in the freed blocks."""
+    from nanospec import kv_mirror
+    monkeypatch.setattr(kv_mirror, "ENABLED", mirror)
+    build = lambda: LLM(checkpoints["llama3"], max_num_seqs=1, **KV)
+    expected = build().generate([[5, 6, 7, 8, 9]], greedy())[0].token_ids
+    llm = build()
+    with torch.no_grad():
+        llm.model.model.embed_tokens.weight[200] = float("nan")
+    mlp = llm.model.model.layers[0].mlp
+    monkeypatch.setattr(mlp, "forward", lambda x: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        llm.generate([[200] + list(range(10, 40))], greedy())
+    monkeypatch.undo()
+    monkeypatch.setattr(kv_mirror, "ENABLED", mirror)
+    assert torch.isfinite(llm.engine.kv_cache.pool).all()
+    assert_no_leak(llm)
+    assert llm.generate([[5, 6, 7, 8, 9]], greedy())[0].token_ids == expected
+
+
 def test_nan_logits_are_an_error_and_the_llm_recovers(checkpoints):
     """A step whose logits are not finite stops the call with the likely causes; once the weights
     are right again, the same LLM generates as before."""

@@ -272,6 +272,39 @@ def test_the_loop_counts_its_waiting_requests(tiny_llm):
         loop.submit(make(), print)
 
 
+def test_a_step_that_raises_midway_fails_what_the_loop_holds_and_leaves_no_kv(spec_models, monkeypatch):
+    """The server's loop catches a step that raised after layer 0 wrote NaN K/V (the reference
+    attention, as on CUDA, writes layer by layer): its requests fail with the error, the pool is
+    left as a fresh one (no NaN in blocks a later request may read masked), the next request is served."""
+    from nanospec import kv_mirror
+    monkeypatch.setattr(kv_mirror, "ENABLED", False)
+    llm = LLM(spec_models["target"], **KV)
+    expected = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+    with torch.no_grad():
+        llm.model.model.embed_tokens.weight[200] = float("nan")
+    mlp = llm.model.model.layers[0].mlp
+    monkeypatch.setattr(mlp, "forward", lambda x: 1 / 0)
+    loop, updates = EngineLoop(llm.engine), []
+
+    def serve_one(prompt_ids):   # what loop() does with one arrival, then one step
+        loop.submit(llm.engine.new_request(0, "", prompt_ids, SamplingParams(temperature=0, max_tokens=4)),
+                    updates.append)
+        t = loop.inbox.popleft()
+        loop.tracked[id(t.req)] = t
+        llm.engine.add_requests([t.req])
+        while id(t.req) in loop.tracked:
+            loop.step()
+        return t.req
+    failed = serve_one([200] + list(range(10, 40)))
+    assert failed.finish_reason == "error" and "ZeroDivisionError" in failed.error
+    assert torch.isfinite(llm.engine.kv_cache.pool).all()
+    monkeypatch.delattr(mlp, "forward")
+    with torch.no_grad():
+        llm.model.model.embed_tokens.weight[200] = 0.0
+    assert serve_one([5, 6, 7, 8]).output_ids == expected
+    assert_no_leak(llm)
+
+
 def test_a_request_with_non_finite_logits_fails_alone(spec_models):
     """A prompt holding a token whose embedding is NaN fails with a 500 naming the cause; requests
     in the same batch get their offline answers (their caches recomputed) and the server goes on."""
