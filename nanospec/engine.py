@@ -72,6 +72,12 @@ def stop_strings(stop) -> list[str]:
         raise NanospecError(f"{param('stop')} must be a string or a list of strings, got {stop!r}")
     if "" in stops:
         raise NanospecError(f"{param('stop')} holds an empty string, which would stop before any text; remove it")
+    for s in stops:   # (JSON may hold lone surrogates: no text decodes to them, and the stop check encodes)
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise NanospecError(f"{param('stop')} holds {ascii(s)}, which is not valid text (a lone UTF-16 "
+                                "surrogate); remove it") from None
     return list(stops)
 
 

@@ -19,6 +19,7 @@ characters only, and no text that could still turn out to be the start of a stop
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -128,10 +129,13 @@ class EngineLoop:
         except Exception as e:   # a bug, not a request's fault: fail what the engine holds and go on
             held = [t.req for t in self.tracked.values()]
             engine.abort(held)
-            engine.clear_caches()   # the pass may have written part of its K/V (see Engine.clear_caches)
             for req in held:
                 req.finish_reason, req.error = "error", f"the engine failed: {type(e).__name__}: {e}"
             updated = held
+            try:   # the pass may have written part of its K/V (see Engine.clear_caches)
+                engine.clear_caches()
+            except Exception as again:   # a device failed for good: the requests still get their error
+                print(f"nanospec: the KV caches could not be cleared after the failed step: {again}", file=sys.stderr)
         now = time.perf_counter()
         if self.metrics:
             self.metrics.after_step(was_decode=not engine.scheduler.last_was_prefill)

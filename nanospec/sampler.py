@@ -153,9 +153,10 @@ def truncate_top_k(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tenso
 
 
 def top_p_keeps(mass_before: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-p keeps a token while the mass before it is < top_p, so the most likely is always kept.
-    top_p = 1 keeps everything: the mass before a tail token can round to 1."""
-    return (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+    """Top-p keeps a token while the mass before it is < top_p, and always the most likely (its mass
+    before is exactly 0: kept even where a top_p as small as 1e-300 rounds to 0 in float32, as vLLM
+    keeps it). top_p = 1 keeps everything: the mass before a tail token can round to 1."""
+    return (mass_before < top_p[:, None]) | (mass_before == 0) | (top_p[:, None] >= 1)
 
 
 def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor,

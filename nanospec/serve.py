@@ -43,7 +43,10 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        # (a message may quote the request, whose JSON can hold lone surrogates, which UTF-8 cannot encode)
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        param = None if self.param is None else self.param.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": self.kind, "param": param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -55,7 +58,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed"
           "ignore_eos", "num_speculative_tokens", "user"}
 FIELDS = {"completions": COMMON | {"prompt"},
           "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt"}}
-NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,),
+NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
            "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "functions": ([],),
            "response_format": ({"type": "text"},)}
@@ -68,9 +71,15 @@ def check_fields(body: dict, endpoint: str) -> None:
                             f"remove {'them' if len(unknown) > 1 else 'it'}", param=unknown[0])
     for key, neutral in NEUTRAL.items():
         value = body.get(key)
-        if key in body and key not in FIELDS[endpoint] and value is not None and value not in neutral:
+        if key in body and key not in FIELDS[endpoint] and value is not None and not is_neutral(value, neutral):
             raise ApiError(400, f"{key}={json.dumps(value)} is not supported by nanospec; remove it"
                                 + (" (n = 1: one choice per request)" if key == "n" else ""), param=key)
+
+
+def is_neutral(value, neutral: tuple) -> bool:
+    """value is one of neutral's, a bool only as a bool: completions' logprobs = 0 asks for the sampled
+    token's logprob (0 == False in Python), chat's logprobs = false for none."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
 def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
@@ -250,13 +259,18 @@ class Server:
         return llm.engine.new_request(self.count, text, ids, params)
 
     async def whole(self, request: HttpRequest, reply: "Reply", updates: asyncio.Queue):
+        checked = time.monotonic()
         while True:
             try:
                 update = await asyncio.wait_for(updates.get(), timeout=1.0)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
+                update = None
+            if time.monotonic() - checked >= 1.0:   # once a second, however fast the updates come
+                checked = time.monotonic()
+                if await request.is_disconnected():   # the client went away: its request is aborted
                     self.loop.abort(reply.req)
                     return Response(status_code=499)
+            if update is None:
                 continue
             reply.text.push(update)
             if update.finish_reason is not None:

@@ -143,3 +143,11 @@ def test_a_compiled_sampler_past_its_recompile_limit_raises_instead_of_running_e
     with pytest.raises(Exception, match="recompile|cache_size|limit"):
         run_verify_shapes(sampler, batch_buckets(40), [], sampled_ks=range(9))
     torch._dynamo.reset()
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    """top_p = 1e-300 is > 0 (valid) but 0 in float32: top-p still keeps the most likely token, as
+    vLLM does (it kept none, and sampling drew token 0)."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
+    probs = target_probs(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1e-300], dtype=torch.float32))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]

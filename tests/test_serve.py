@@ -201,6 +201,9 @@ def error(status_body):
     ({"prompt": "x", "foo": 1}, 400, "unknown field foo"),
     ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
     ({"prompt": "x", "logprobs": 3}, 400, "logprobs=3 is not supported"),
+    ({"prompt": "x", "logprobs": 0}, 400, "logprobs=0 is not supported"),   # the sampled token's: not neutral
+    ({"prompt": "x", "stop": ["\ud800"]}, 400, "not valid text"),   # a lone surrogate (valid JSON): failed every request
+    ({"prompt": "x", "\ud800": 1}, 400, "unknown field \\ud800"),    # ... quoted in the message: was a plain-text 500
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens must be an integer >= 1"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a finite number"),
     ({"prompt": "x", "stop": [""]}, 400, "stop holds an empty string"),
@@ -302,6 +305,27 @@ def test_a_step_that_raises_midway_fails_what_the_loop_holds_and_leaves_no_kv(sp
     with torch.no_grad():
         llm.model.model.embed_tokens.weight[200] = 0.0
     assert serve_one([5, 6, 7, 8]).output_ids == expected
+    assert_no_leak(llm)
+
+
+def test_a_whole_request_whose_client_leaves_is_aborted_while_tokens_come(spec_models, monkeypatch):
+    """A non-streamed request whose client closes its connection is aborted within a few seconds,
+    however fast the steps deliver (the disconnect was checked only when no update came for a second)."""
+    llm = LLM(spec_models["target"], **KV)
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.02), step())[1])   # 480 steps: ~10 s
+    with serving(llm) as (server, url):
+        body = json.dumps({"prompt": "The quick", "max_tokens": 480, "temperature": 0, "ignore_eos": True}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(0.5)
+        deadline = time.time() + 30
+        while metrics(url)['nanospec:num_requests_running'] and time.time() < deadline:
+            time.sleep(0.1)
+        m = metrics(url)
+        assert m['nanospec:request_success_total{finished_reason="abort"}'] == 1
+        assert m["nanospec:generation_tokens_total"] < 300
     assert_no_leak(llm)
 
 
