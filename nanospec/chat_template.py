@@ -63,7 +63,7 @@ class ChatTemplate:
     def render(self, messages, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
         if self.problem:
             raise NanospecError(self.problem)
-        messages = check_messages(messages)
+        messages = check_messages(messages, parts=reads_content_parts(self.source))
         variables = {"tools": None, "documents": None, **self.special_tokens, **check_template_kwargs(template_kwargs),
                      "messages": messages, "add_generation_prompt": add_generation_prompt}
         template = compile_template(self.source, self.where)
@@ -123,9 +123,11 @@ def named_special_tokens(config: dict) -> dict[str, str]:
     return named
 
 
-def check_messages(messages) -> list[dict]:
+def check_messages(messages, parts: bool = True) -> list[dict]:
     """The conversation as transformers hands it to the template: keys whose value is None dropped
-    (a missing key renders as a template expects, a None as the text "None"), reasoning aliased."""
+    (a missing key renders as a template expects, a None as the text "None"), reasoning aliased.
+    parts False (a template that reads content as text): text parts joined by newlines, as vLLM
+    joins them for such a template (transformers hands it the list, which it fails on or prints)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise NanospecError(f"a conversation must be a non-empty list of messages, got {short(messages)}; {MESSAGES_FIX}")
     checked = []
@@ -137,11 +139,33 @@ def check_messages(messages) -> list[dict]:
             raise NanospecError(f"message {i}'s content must be a string, null or a list of {{\"type\": \"text\", "
                                 f"\"text\": \"...\"}} parts, got {short(content)}; {MESSAGES_FIX}")
         message = {key: value for key, value in message.items() if value is not None}
+        if not parts and is_text_parts(content):
+            message["content"] = "\n".join(part["text"] for part in content)
         reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         checked.append(message)
     return checked
+
+
+@functools.lru_cache(maxsize=32)
+def reads_content_parts(source: str) -> bool:
+    """Whether the template loops over a message's content (`for part in message.content`, or
+    message['content'], through filters): it takes OpenAI's list of parts. vLLM's test for its
+    "openai" content format; other templates read content as text."""
+    try:
+        tree = jinja2.Environment(extensions=[GenerationTag, jinja2.ext.loopcontrols]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return True   # (rendering says what is wrong with it)
+    for loop in tree.find_all(jinja2.nodes.For):
+        over = loop.iter
+        while isinstance(over, jinja2.nodes.Filter):
+            over = over.node
+        if (isinstance(over, jinja2.nodes.Getattr) and over.attr == "content") or (
+                isinstance(over, jinja2.nodes.Getitem) and isinstance(over.arg, jinja2.nodes.Const)
+                and over.arg.value == "content"):
+            return True
+    return False
 
 
 def is_text_parts(content) -> bool:

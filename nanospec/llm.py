@@ -166,7 +166,7 @@ class SpeculativeConfig:
 @dataclass
 class EngineSizes:
     """The KV pool and the scheduler's limits; validate() checks them before anything loads."""
-    max_model_len: int | None = None        # the longest prompt + output (default: the model's positions)
+    max_model_len: int | None = None        # the longest prompt + output (default: the model's positions, or what the KV cache holds if less)
     kv_cache_gb: float | None = None        # the KV pool's memory (default: 1 GiB on CPU, 0.8 of free GPU memory)
     num_kv_blocks: int | None = None        # an exact pool size, in blocks (wins over kv_cache_gb)
     block_size: int = 16
@@ -307,6 +307,12 @@ class LLM:
             block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
         num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
         self.check_pool(num_blocks, block_size, block_bytes, max_model_len)
+        if max_model_len is None and self.max_model_len > num_blocks * block_size:
+            # by default the context is what the KV cache holds, if less than the model's positions: else a
+            # request asking for the whole context (a chat's default max_tokens) would be refused
+            self.max_model_len = num_blocks * block_size
+            self.log(f"max_model_len: {self.max_model_len} tokens, what the KV cache holds (the model has "
+                     f"{positions} positions; raise {param('kv_cache_gb')} for more)")
 
         self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up

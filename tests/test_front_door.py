@@ -537,6 +537,18 @@ def test_a_pass_that_raises_midway_leaves_no_kv_behind(checkpoints, monkeypatch,
     assert llm.generate([[5, 6, 7, 8, 9]], greedy())[0].token_ids == expected
 
 
+def test_the_default_context_is_what_the_kv_cache_holds(checkpoints):
+    """Without max_model_len, a KV cache smaller than the model's positions (512) sets the context
+    (64 tokens): a request asking for all of it runs, where it was refused as needing more cache than
+    the pool holds (a chat's default max_tokens asks for the whole context). Given explicitly, a
+    max_model_len the cache cannot hold is refused (above)."""
+    llm = LLM(checkpoints["llama3"], num_kv_blocks=4, block_size=16, device="cpu", dtype="float32")
+    assert llm.max_model_len == 64
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+    assert len(out.token_ids) == 60 and out.finish_reason == "length"
+    assert LLM(checkpoints["llama3"], **KV).max_model_len == 512   # a cache that holds the positions: theirs
+
+
 def test_nan_logits_are_an_error_and_the_llm_recovers(checkpoints):
     """A step whose logits are not finite stops the call with the likely causes; once the weights
     are right again, the same LLM generates as before."""
