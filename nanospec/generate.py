@@ -33,7 +33,8 @@ def build_parser():
     ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
                     help="stop the answer before this text; repeatable")
     ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                    help="the longest prompt + answer (default: the model's context length, or what the KV cache holds if less)")
+                    help="the longest prompt + answer (default: the model's context length, or what the KV "
+                         "cache holds if less)")
     ap.add_argument("--json", action="store_true", help="one JSON object per request, then the stats")
     return ap
 

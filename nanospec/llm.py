@@ -166,7 +166,8 @@ class SpeculativeConfig:
 @dataclass
 class EngineSizes:
     """The KV pool and the scheduler's limits; validate() checks them before anything loads."""
-    max_model_len: int | None = None        # the longest prompt + output (default: the model's positions, or what the KV cache holds if less)
+    max_model_len: int | None = None        # the longest prompt + output (default: the model's positions,
+                                            # or what the KV cache holds if less)
     kv_cache_gb: float | None = None        # the KV pool's memory (default: 1 GiB on CPU, 0.8 of free GPU memory)
     num_kv_blocks: int | None = None        # an exact pool size, in blocks (wins over kv_cache_gb)
     block_size: int = 16

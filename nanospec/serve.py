@@ -395,7 +395,8 @@ def build_parser():
     ap.add_argument("--max-queue", type=int, default=1024, metavar="N",
                     help="requests that may wait; past it a request gets 503 with Retry-After")
     ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                    help="the longest prompt + answer (default: the model's context length, or what the KV cache holds if less)")
+                    help="the longest prompt + answer (default: the model's context length, or what the KV "
+                         "cache holds if less)")
     ap.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="requests in the running batch at most")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                     help="prompt tokens per prefill chunk; a decode step runs between chunks")
