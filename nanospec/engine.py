@@ -528,7 +528,7 @@ class Engine:
         hidden, captured = self.model(meta.extra, meta.positions, self.kv_cache, meta, capture)
         for req, n in zip(reqs, lens):
             req.num_cached += n
-        self.publish_prefilled(reqs)
+        self.check_prefilled(reqs, lens)
         features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None
         self.stats.prefill_steps += 1
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
@@ -641,16 +641,20 @@ class Engine:
         positions, up to the last committed token, which is never cached."""
         self.kv_cache.allocator.publish(req.block_table, req.tokens, min(req.num_cached, len(req.tokens) - 1))
 
-    def publish_prefilled(self, reqs: list[Request]) -> None:
-        """With prefix caching: publish the full blocks a prefill chunk completed, so that requests
-        admitted after it find them, once one check finds their K/V finite (a prefill has no logits to
-        tell; one read of those blocks and one sync). Where any is not, none is published now: their
-        requests publish after their decode steps, which a non-finite one fails."""
-        if not self.kv_cache.allocator.prefix_caching:
-            return
+    def check_prefilled(self, reqs: list[Request], lens: list[int]) -> None:
+        """A prefill chunk's K/V checked finite (a prefill has no logits to tell; one read of the
+        blocks it wrote, one sync), then, with prefix caching, the full blocks it completed published
+        so that requests admitted after it find them. A request whose chunk wrote NaN / inf fails now
+        (NonFiniteLogits: the caches are cleared), not at its first decode step: left until then, its
+        blocks would go back to the pool with their NaN if it were preempted or aborted first, and a
+        request given them would read those slots masked (0 * NaN is NaN)."""
         size = self.kv_cache.block_size
-        done = [b for r in reqs for b in r.block_table[len(r.block_table.hashes):r.num_cached // size]]
-        if done and bool(torch.isfinite(self.kv_cache.pool[:, :, done]).all()):
+        written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)] for r, n in zip(reqs, lens)]
+        if not bool(torch.isfinite(self.kv_cache.pool[:, :, [b for bs in written for b in bs]]).all()):
+            raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer).replace("logits", "K/V", 1))
+                                   for r, bs in zip(reqs, written)
+                                   if not bool(torch.isfinite(self.kv_cache.pool[:, :, bs]).all())])
+        if self.kv_cache.allocator.prefix_caching:
             for req in reqs:
                 self.publish(req)
 

@@ -240,15 +240,16 @@ class ModelProposer(Proposer):
     def cached_prefix(self, request, n: int) -> int:
         """A new request's target cache holds its first n positions: take this cache's published
         blocks of the longest prefix of them; returns how many the target may skip (it gives back
-        what it found past them). A draft model catches up on the rest from the tokens alone, so
-        the target keeps its n; EAGLE feeds the target's features from its own length on, so the
-        target skips only what EAGLE holds, and EAGLE leaves its first round one position whose
-        feature the target prefills."""
+        what it found past them): only what this cache holds too. EAGLE feeds the target's features
+        from its own length on, and leaves its first round one position whose feature the target
+        prefills. A draft model could catch up from the tokens alone, but its pool, as large as the
+        target's, would then hold its own copies of blocks the target shares, fill first, and leave
+        rows out of rounds (with_room) that a cold engine drafts for: seeded sampling would differ."""
         st, size = self.state(request), self.kv_cache.block_size
         own = min(n, (len(request.tokens) - 1 - self.shift) // size * size)
         st.num_cached = st.num_real = self.kv_cache.allocator.cached_prefix(
             st.block_table, request.tokens[:own + self.shift], self.shift)
-        return st.num_cached if self.needs_features else n
+        return st.num_cached
 
     def publish(self, request) -> None:
         """After rollback: its cached positions hold committed inputs, read by the round just run,

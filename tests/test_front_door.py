@@ -145,7 +145,7 @@ CHECKPOINT_CASES = [
     ("fp8 weight_scale", weights(lambda t: t.update({Q.replace(".weight", ".weight_scale"): torch.ones(1)})),
      "is quantized"),
     ("bfloat16 weights", weights(lambda t: t.update({k: v.bfloat16() for k, v in t.items()})), None),
-    ("NaN weights", weights(lambda t: t[Q].fill_(float("nan"))), "target model produced NaN or infinite logits"),
+    ("NaN weights", weights(lambda t: t[Q].fill_(float("nan"))), "target model produced NaN or infinite K/V"),   # found by the prefill
     ("tokenizer missing", remove("tokenizer.json"), "no tokenizer.json or tokenizer.model"),
     ("tokenizer not JSON", write("tokenizer.json", "{"), "tokenizer.json is not valid JSON"),
     ("tokenizer a JSON list", replace_json("tokenizer.json", []), "holds a JSON list"),
@@ -537,6 +537,28 @@ def test_a_pass_that_raises_midway_leaves_no_kv_behind(checkpoints, monkeypatch,
     assert llm.generate([[5, 6, 7, 8, 9]], greedy())[0].token_ids == expected
 
 
+def test_a_prefill_that_writes_nan_fails_its_request_at_once(checkpoints):
+    """A prompt whose prefill writes NaN K/V (a poisoned embedding row) fails in that step, the
+    caches cleared: a request that left before its first decode step (a client gone) used to leave
+    its blocks to the pool with their NaN, which the next request read masked and failed on."""
+    llm = LLM(checkpoints["llama3"], max_num_seqs=1, **KV)
+    expected = llm.generate([[5, 6, 7, 8, 9]], greedy())[0].token_ids
+    good = llm.model.model.embed_tokens.weight[200].clone()
+    with torch.no_grad():
+        llm.model.model.embed_tokens.weight[200] = float("nan")
+    engine = llm.engine
+    bad = engine.new_request(0, "", [200] + list(range(10, 40)), greedy())
+    engine.add_requests([bad])
+    engine.step()   # its prefill
+    assert bad.finish_reason == "error" and "NaN or infinite K/V" in bad.error
+    engine.abort([bad])   # (what a client that left does; nothing once it failed)
+    assert torch.isfinite(engine.kv_cache.pool).all()
+    with torch.no_grad():
+        llm.model.model.embed_tokens.weight[200] = good
+    assert llm.generate([[5, 6, 7, 8, 9]], greedy())[0].token_ids == expected
+    assert_no_leak(llm)
+
+
 def test_the_default_context_is_what_the_kv_cache_holds(checkpoints):
     """Without max_model_len, a KV cache smaller than the model's positions (512) sets the context
     (64 tokens): a request asking for all of it runs, where it was refused as needing more cache than
@@ -558,7 +580,7 @@ def test_nan_logits_are_an_error_and_the_llm_recovers(checkpoints):
     saved = weight.detach().clone()
     with torch.no_grad():
         weight[0, 0] = float("inf")
-    with pytest.raises(NanospecError, match="target model produced NaN or infinite logits .* run in float32"):
+    with pytest.raises(NanospecError, match="target model produced NaN or infinite (logits|K/V) .* run in float32"):
         llm.generate(PROMPTS, greedy())
     assert_no_leak(llm)
     with torch.no_grad():
