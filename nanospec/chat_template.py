@@ -63,10 +63,10 @@ class ChatTemplate:
     def render(self, messages, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
         if self.problem:
             raise NanospecError(self.problem)
-        messages = check_messages(messages, parts=reads_content_parts(self.source))
+        template = compile_template(self.source, self.where)
+        messages = check_messages(messages, parts=reads_content_parts(template, self.source))
         variables = {"tools": None, "documents": None, **self.special_tokens, **check_template_kwargs(template_kwargs),
                      "messages": messages, "add_generation_prompt": add_generation_prompt}
-        template = compile_template(self.source, self.where)
         try:
             return template.render(**variables)
         except TemplateRefused as e:
@@ -149,15 +149,11 @@ def check_messages(messages, parts: bool = True) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=32)
-def reads_content_parts(source: str) -> bool:
+def reads_content_parts(template: jinja2.Template, source: str) -> bool:
     """Whether the template loops over a message's content (`for part in message.content`, or
     message['content'], through filters): it takes OpenAI's list of parts. vLLM's test for its
     "openai" content format; other templates read content as text."""
-    try:
-        tree = jinja2.Environment(extensions=[GenerationTag, jinja2.ext.loopcontrols]).parse(source)
-    except jinja2.TemplateSyntaxError:
-        return True   # (rendering says what is wrong with it)
-    for loop in tree.find_all(jinja2.nodes.For):
+    for loop in template.environment.parse(source).find_all(jinja2.nodes.For):
         over = loop.iter
         while isinstance(over, jinja2.nodes.Filter):
             over = over.node

@@ -13,6 +13,7 @@ Invariants of a running request:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import random
@@ -334,10 +335,10 @@ class NonFiniteLogits(Exception):
         self.failed = failed
 
 
-def non_finite_error(req: Request, flag: int, proposer) -> str:
-    """flag: 1 where the target's logits for the request held NaN or +inf, 2 the drafter's (3 both)."""
+def non_finite_error(req: Request, flag: int, proposer, what: str = "logits") -> str:
+    """flag: 1 where the target's logits (or `what`) for the request held NaN or +inf, 2 the drafter's (3 both)."""
     who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
-    return (f"the {who} produced NaN or infinite logits for request {req.index} at position {len(req.tokens)}: "
+    return (f"the {who} produced NaN or infinite {what} for request {req.index} at position {len(req.tokens)}: "
             "its weights hold NaN/inf, its config.json has a broken value (rope_theta, rms_norm_eps), or float16 "
             "overflowed; check the checkpoint, or run in float32 (--dtype float32, dtype='float32')")
 
@@ -507,6 +508,10 @@ class Engine:
             results = run(batch)   # [(request, new tokens, features of its newly cached positions)]
         except NonFiniteLogits as e:
             return self.fail(e.failed)
+        except BaseException:   # an error, or Ctrl-C, midway: the pass may have written part of its K/V
+            with contextlib.suppress(Exception):   # (a device failed for good: its own error is the one raised)
+                self.clear_caches()
+            raise
         for req, tokens, features in results:
             self.commit(req, tokens, features)
             if req.finish_reason is None:
@@ -651,7 +656,7 @@ class Engine:
         size = self.kv_cache.block_size
         written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)] for r, n in zip(reqs, lens)]
         if not bool(torch.isfinite(self.kv_cache.pool[:, :, [b for bs in written for b in bs]]).all()):
-            raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer).replace("logits", "K/V", 1))
+            raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer, "K/V"))
                                    for r, bs in zip(reqs, written)
                                    if not bool(torch.isfinite(self.kv_cache.pool[:, :, bs]).all())])
         if self.kv_cache.allocator.prefix_caching:

@@ -19,7 +19,6 @@ characters only, and no text that could still turn out to be the start of a stop
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
@@ -132,10 +131,6 @@ class EngineLoop:
             for req in held:
                 req.finish_reason, req.error = "error", f"the engine failed: {type(e).__name__}: {e}"
             updated = held
-            try:   # the pass may have written part of its K/V (see Engine.clear_caches)
-                engine.clear_caches()
-            except Exception as again:   # a device failed for good: the requests still get their error
-                print(f"nanospec: the KV caches could not be cleared after the failed step: {again}", file=sys.stderr)
         now = time.perf_counter()
         if self.metrics:
             self.metrics.after_step(was_decode=not engine.scheduler.last_was_prefill)

@@ -6,7 +6,6 @@ is done.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import warnings
@@ -453,8 +452,6 @@ class LLM:
             self.engine.run_to_completion(after_step)
         except BaseException:   # an error, or Ctrl-C: this call's requests leave with their blocks
             self.engine.abort(requests)
-            with contextlib.suppress(Exception):   # (a device failed for good: the first error is the one raised)
-                self.engine.clear_caches()   # the pass may have written part of its K/V (see Engine.clear_caches)
             raise
         return [RequestOutput(r.index, r.prompt, r.text, r.output_ids, r.finish_reason, r.prompt_ids)
                 for r in requests]

@@ -43,10 +43,9 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        # (a message may quote the request, whose JSON can hold lone surrogates, which UTF-8 cannot encode)
-        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
-        param = None if self.param is None else self.param.encode("utf-8", "backslashreplace").decode("utf-8")
-        return {"error": {"message": message, "type": self.kind, "param": param, "code": self.code}}
+        # (both may quote the request, whose JSON can hold lone surrogates, which UTF-8 cannot encode)
+        safe = lambda text: text and text.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": safe(self.message), "type": self.kind, "param": safe(self.param), "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
