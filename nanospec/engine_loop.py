@@ -19,6 +19,7 @@ characters only, and no text that could still turn out to be the start of a stop
 """
 from __future__ import annotations
 
+import codecs
 import threading
 import time
 from collections import deque
@@ -171,23 +172,32 @@ class TextStream:
     """A request's text as it grows: push() the token ids of each update, get the text a client may
     see now. Held back: a character whose bytes have not all come, and any end of the text that is
     the start of a stop string (the engine may yet end the output before it). The last update's
-    text (the engine's, cut before any stop) completes it, so the deltas add up to it exactly."""
+    text (the engine's, cut before any stop) completes it, so the deltas add up to it exactly.
+
+    Each update decodes only its own tokens: an incremental UTF-8 decoder keeps the bytes of a
+    character split across tokens until the rest comes, and gives what decoding all the bytes at
+    once gives (U+FFFD where they are not UTF-8). Re-decoding the whole output at every update
+    would cost a long answer's stream time quadratic in its length."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.sent = ""
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""   # the whole characters decoded so far
+        self.sent = 0    # characters handed out: text[:sent]
 
     def push(self, update: Update) -> str:
-        self.ids += update.new_ids
         if update.finish_reason is not None:
             text = update.text or ""
+            if not text.startswith(self.text[:self.sent]):   # cannot happen with a prefix-stable decode; never resend
+                return ""
+            end = len(text)
         else:
-            text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
-            text = text[:len(text) - held_back(text, self.stops)]
-        if not text.startswith(self.sent):   # cannot happen with a prefix-stable decode; never resend
-            return ""
-        delta, self.sent = text[len(self.sent):], text
+            self.text += self.decoder.decode(self.tokenizer.decode_bytes(update.new_ids))
+            text = self.text
+            # never short of what was sent: an end held back last time that is still a stop's start is
+            # held now too, and what was sent was not
+            end = len(text) - held_back(text, self.stops)
+        delta, self.sent = text[self.sent:end], max(self.sent, end)
         return delta
 
 

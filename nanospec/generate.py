@@ -14,6 +14,7 @@ import sys
 
 from nanospec.cli import add_model_args, add_speculation_args, load_llm, parser
 from nanospec.engine import SamplingParams
+from nanospec.engine_loop import TextStream, Update
 from nanospec.errors import NanospecError, run_command
 from nanospec.prompts import read_prompts_file
 
@@ -68,21 +69,20 @@ def format_stats(stats: dict) -> str:
 
 
 class Streamer:
-    """Prints the newly decoded text of request 0 after each step (whole UTF-8 characters only)."""
+    """Prints the newly decoded text of request 0 after each step, as the server streams it: whole
+    UTF-8 characters, nothing that may yet turn out to start a stop string."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.printed = tokenizer, 0
+    def __init__(self, tokenizer, stops: list[str]):
+        self.text, self.seen = TextStream(tokenizer, stops), 0
 
     def __call__(self, requests) -> None:
         for req in requests:
             if req.index != 0:
                 continue
-            text = req.text if req.finish_reason else self.tokenizer.decode(req.output_ids)
-            if req.finish_reason is None and text.endswith("\ufffd"):
-                continue    # a character split across tokens: wait for the rest
-            sys.stdout.write(text[self.printed:] + (CUT if req.finish_reason == "length" else ""))
+            new, self.seen = req.output_ids[self.seen:], len(req.output_ids)
+            sys.stdout.write(self.text.push(Update(new, req.finish_reason, req.text))
+                             + (CUT if req.finish_reason == "length" else ""))
             sys.stdout.flush()
-            self.printed = len(text)
 
 
 CUT = " (stopped at max tokens)"
@@ -97,7 +97,7 @@ def run(args) -> None:
         p.validate()
     llm = load_llm(args)
     stream = len(prompts) == 1 and not args.json
-    outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer) if stream else None)
+    outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer, params[0].stop) if stream else None)
     if args.json:
         for o in outputs:
             print(json.dumps({"index": o.index, "prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,

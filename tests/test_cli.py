@@ -44,6 +44,24 @@ def test_streaming_text_and_stats_line(checkpoints):
     assert "tokens/s" in out.splitlines()[-1]
 
 
+def test_streamed_text_never_shows_part_of_a_stop_string(capsys):
+    """The CLI streams as the server does: "st" may start the stop "stop", so it waits; the output
+    ends before the stop, so "st" is never printed (printing what came, it was)."""
+    from types import SimpleNamespace
+    from nanospec.generate import Streamer
+    from nanospec.tokenizer import byte_tokenizer
+    streamer, req = Streamer(byte_tokenizer(), ["stop"]), SimpleNamespace(index=0, output_ids=[], finish_reason=None, text=None)
+    printed = ""
+    for piece in (b"caf\xc3", b"\xa9 st", b"op"):
+        req.output_ids = req.output_ids + list(piece)
+        if piece == b"op":   # the engine ends the output before the stop
+            req.finish_reason, req.text = "stop", "café "
+        streamer([req])
+        printed += capsys.readouterr().out
+        assert "café ".startswith(printed)
+    assert printed == "café "
+
+
 def corrupt(folder, tmp_path, name, content):
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)

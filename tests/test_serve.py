@@ -6,6 +6,7 @@ alone; SIGTERM under load finishes the streams and exits 0."""
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -369,6 +370,48 @@ def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
         seen += stream.push(Update([t]))
         assert final.startswith(seen)
     assert seen + stream.push(Update([ids[end]], "stop", final)) == final
+
+
+def test_text_stream_decodes_each_token_once_and_matches_a_whole_decode():
+    """Random bytes (split characters, invalid UTF-8, U+FFFD itself), pushed one to three tokens at
+    a time: what was sent is always a start of the whole decode of the tokens so far, what is held
+    is at most a split character's bytes or a stop's start, the deltas add up to the final text, and
+    every token's bytes are decoded once (the whole output re-decoded per update was quadratic)."""
+    from nanospec.tokenizer import byte_tokenizer
+    tok = byte_tokenizer()
+    decoded = []
+    tok.decode_bytes = lambda ids, whole=tok.decode_bytes: decoded.append(len(ids)) or whole(ids)
+    rng = random.Random(0)
+    pieces = ["é".encode(), "€".encode(), "😀".encode(), b"\xff", b"\xe2\x82", b"\xef\xbf\xbd", b"ab", b"st", b"op"]
+    for trial in range(200):
+        ids = list(b"".join(rng.choice(pieces) for _ in range(rng.randrange(1, 30))))
+        stops = rng.choice([[], ["stop"], ["\ufffd"], ["é€"]])
+        stream, sent, decoded[:] = TextStream(tok, stops), "", []
+        i = 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            sent += stream.push(Update(ids[i:i + n]))
+            i += n
+            whole = bytes(ids[:i]).decode("utf-8", errors="replace")
+            assert whole.startswith(sent)
+            if held_back(whole, stops) == 0 and not ends_in_a_split_character(bytes(ids[:i])):
+                assert sent == whole   # nothing held that need not be
+        final = bytes(ids).decode("utf-8", errors="replace")
+        assert sent + stream.push(Update([], "length", final)) == final
+        assert sum(decoded) == len(ids)
+
+
+def ends_in_a_split_character(data: bytes) -> bool:
+    """Whether the last 1-3 bytes start a UTF-8 character that more bytes could complete."""
+    return any(one_character(data[-n:] + bytes([c]) + b"\x80" * (more - 1))
+               for n in (1, 2, 3) if len(data) >= n for more in range(1, 5 - n) for c in range(0x80, 0xC0))
+
+
+def one_character(data: bytes) -> bool:
+    try:
+        return len(data.decode("utf-8")) == 1
+    except UnicodeDecodeError:
+        return False
 
 
 def test_decode_steps_run_between_the_chunks_of_a_long_prompt(spec_models):
