@@ -33,6 +33,7 @@ class Checkpoint:
     config: ModelConfig
     weights: dict | None      # Hugging Face name -> tensor (None: random weights)
     gguf_metadata: dict | None = None
+    generation: dict = dataclasses.field(default_factory=dict)   # the folder's generation_config.json, if any
 
 
 def _llama3(hidden, inter, layers, heads, kv_heads, tie, factor, head_dim=None) -> dict:
@@ -158,13 +159,13 @@ def read_checkpoint(target: str | None) -> Checkpoint:
         raise NanospecError(f"{path} is neither a model folder nor a .gguf file")
     config_path = os.path.join(path, "config.json")
     config = ModelConfig.from_hf(read_json(config_path), source=config_path)
-    generation = os.path.join(path, "generation_config.json")
-    if os.path.exists(generation):   # instruct models often stop on more tokens than config.json names
-        eos = read_json(generation).get("eos_token_id")
-        for token in read_token_ids(eos, f"{generation}: eos_token_id"):
-            if token not in config.eos_token_ids:
-                config.eos_token_ids.append(token)
-    return Checkpoint(path, config, load_safetensors(safetensors_files(path)))
+    generation_path = os.path.join(path, "generation_config.json")
+    generation = read_json(generation_path) if os.path.exists(generation_path) else {}
+    # instruct models often stop on more tokens than config.json names
+    for token in read_token_ids(generation.get("eos_token_id"), f"{generation_path}: eos_token_id"):
+        if token not in config.eos_token_ids:
+            config.eos_token_ids.append(token)
+    return Checkpoint(path, config, load_safetensors(safetensors_files(path)), generation=generation)
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

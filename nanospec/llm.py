@@ -19,7 +19,7 @@ from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile
 from nanospec.eagle import load_eagle_head
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
-from nanospec.errors import NanospecError, check_int, check_real, param
+from nanospec.errors import COMMAND_LINE, NanospecError, check_int, check_real, param
 from nanospec.k_policy import KPolicy, QueueSwitch, StaticK
 from nanospec.measure import device_name, quick_profile, step_memory
 from nanospec.prompts import shipped_prompts
@@ -222,6 +222,34 @@ def available_memory(device: torch.device) -> int:
     return free
 
 
+# generation_config.json's sampling fields that a request without its own takes, as vLLM takes them
+# (--generation-config auto, its default): the request's value, else the file's, else the neutral
+# one. By SamplingParams' names (the file's max_new_tokens is max_tokens). do_sample is not read,
+# as vLLM does not read it.
+SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
+# Those vLLM also takes that nanospec does not implement, with their neutral values.
+UNAPPLIED = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str]]:
+    """(the SamplingParams fields a checkpoint's generation_config sets, checked; its settings that
+    nanospec does not apply, as "name=value")."""
+    defaults = {name: generation[key] for key, name in SAMPLING_DEFAULTS.items() if generation.get(key) is not None}
+    if defaults.get("top_k") == -1:
+        defaults["top_k"] = 0   # -1 is "off" in vLLM, 0 in nanospec
+    fix = f"{param('generation_config')} vllm"
+    by_python_name = COMMAND_LINE.set(False)   # the message names the file's keys, not the command's flags
+    try:
+        SamplingParams(**defaults).validate()
+    except NanospecError as e:
+        raise NanospecError(f"{source}: {e}; fix the file, or ask for the neutral defaults with {fix}") from None
+    finally:
+        COMMAND_LINE.reset(by_python_name)
+    unapplied = [f"{key}={generation[key]}" for key, neutral in UNAPPLIED.items()
+                 if generation.get(key) is not None and generation[key] != neutral]
+    return defaults, unapplied
+
+
 class LLM:
     def __init__(self, target: str | None = None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_gb: float | None = None, block_size: int = 16,
@@ -232,12 +260,15 @@ class LLM:
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
                  suffix_max_spec_offset: int | None = None, suffix_max_cached_requests: int | None = None,
                  suffix_max_spec_factor: float | None = None, suffix_min_token_prob: float | None = None,
-                 enforce_eager: bool = False, enable_prefix_caching: bool | None = None, log=None):
+                 enforce_eager: bool = False, enable_prefix_caching: bool | None = None,
+                 generation_config: str = "auto", log=None):
         """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
         same step, on the same buffers). enable_prefix_caching: reuse the K/V of a prompt's leading
         blocks that an earlier request computed, the target's and a model proposer's (kv_cache.py;
-        default: on, as in vLLM). log: a callable given a line about long work (the quick dynamic-K
-        profile), or None."""
+        default: on, as in vLLM). generation_config: "auto", the sampling defaults of a request that
+        does not set its own are those of the checkpoint's generation_config.json (vLLM's default;
+        `sampling_defaults`), or "vllm", the neutral ones. log: a callable given a line about long
+        work (the quick dynamic-K profile), or None."""
         self.log = log or (lambda line: None)
         if target is not None and not isinstance(target, (str, os.PathLike)):
             raise NanospecError(f"{param('target')} must be a path or a hub id (a string), got {target!r}")
@@ -246,6 +277,9 @@ class LLM:
         if not isinstance(enforce_eager, bool):
             raise NanospecError(f"enforce_eager must be True or False, got {enforce_eager!r}")
         prefix_caching = check_prefix_caching(enable_prefix_caching)
+        if generation_config not in ("auto", "vllm"):
+            raise NanospecError(f"{param('generation_config')} must be auto (the checkpoint's generation_config.json "
+                                f"sets the sampling defaults) or vllm (the neutral ones), got {generation_config!r}")
         sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
         sizes.validate()
         spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,
@@ -258,6 +292,8 @@ class LLM:
         self.target_name = target or checkpoint.DEFAULT_MODEL_FILE
         self.proposer_name = spec.proposer_name
         self.config = ckpt.config
+        self.sampling_defaults, self.unapplied_sampling = sampling_defaults(
+            ckpt.generation if generation_config == "auto" else {}, os.path.join(ckpt.path, "generation_config.json"))
         positions = self.config.max_position_embeddings
         if max_model_len is not None and max_model_len > positions:
             raise NanospecError(f"{param('max_model_len')} {max_model_len} is above the {positions} positions the "
@@ -421,6 +457,10 @@ class LLM:
         outputs = self.generate(prompt_ids, params, on_step=on_step)
         return [dataclasses.replace(out, prompt=self.tokenizer.decode(ids)) for out, ids in zip(outputs, prompt_ids)]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the checkpoint's sampling defaults (generation_config)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False, on_step=None) -> list[RequestOutput]:
         """Generate for every prompt: a string, a list of token ids, or a list of either (a list of
@@ -430,7 +470,7 @@ class LLM:
             raise NanospecError(f"prompts must be a string, a list of token ids or a list of either, got {prompts!r}")
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise NanospecError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; give one, or one each")

@@ -81,18 +81,19 @@ def is_neutral(value, neutral: tuple) -> bool:
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
-def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
-    """The request's SamplingParams, checked (a NanospecError names the field)."""
+def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict) -> SamplingParams:
+    """The request's SamplingParams, checked (a NanospecError names the field). A field the request
+    leaves out (or null) takes the checkpoint's default (LLM.sampling_defaults), else the API's."""
     max_tokens = body.get("max_tokens")
     if body.get("max_completion_tokens") is not None:
         if max_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
         max_tokens = body["max_completion_tokens"]
-    top_k = body.get("top_k")
+    given = lambda key, neutral: body[key] if body.get(key) is not None else defaults.get(key, neutral)
+    top_k = given("top_k", 0)
     params = SamplingParams(
-        temperature=1.0 if body.get("temperature") is None else body["temperature"],
-        top_p=1.0 if body.get("top_p") is None else body["top_p"],
-        top_k=0 if top_k in (None, -1) else top_k,   # -1 is "off" in vLLM, 0 in nanospec
+        temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+        top_k=0 if top_k == -1 else top_k,   # -1 is "off" in vLLM, 0 in nanospec
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         seed=body.get("seed"), stop=body.get("stop"), ignore_eos=bool_field(body, "ignore_eos", False),
         num_speculative_tokens=body.get("num_speculative_tokens"))
@@ -250,10 +251,12 @@ class Server:
                 raise ApiError(400, 'messages must be a non-empty list of {"role", "content"} objects', param="messages")
             ids = llm.encode_chat(messages, chat_template_kwargs=body.get("chat_template_kwargs"),
                                   add_generation_prompt=bool_field(body, "add_generation_prompt", True))
-            text, default_max = "", max(1, llm.max_model_len - len(ids))   # chat: up to the context
+            # chat: up to the context, or the checkpoint's max_new_tokens if less (vLLM's choice)
+            text, default_max = "", min(max(1, llm.max_model_len - len(ids)),
+                                        llm.sampling_defaults.get("max_tokens", llm.max_model_len))
         else:
             (text, ids), default_max = completion_prompt(llm, body), 16     # completions: the API's 16
-        params = sampling_params(body, default_max)
+        params = sampling_params(body, default_max, llm.sampling_defaults)
         self.count += 1
         return llm.engine.new_request(self.count, text, ids, params)
 
@@ -399,6 +402,10 @@ def build_parser():
     ap.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="requests in the running batch at most")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                     help="prompt tokens per prefill chunk; a decode step runs between chunks")
+    ap.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                    help="auto: a request's sampling fields left out take the values of the checkpoint's "
+                         "generation_config.json (temperature, top_p, top_k; chat's max_tokens from max_new_tokens), "
+                         "as vLLM's default does; vllm: the API's neutral ones (default: auto)")
     ap.add_argument("--prefill-first", action="store_true",
                     help="run every prefill chunk before any decode step, as offline generate does "
                          "(running streams stall while a long prompt is prefilled)")
@@ -418,7 +425,15 @@ def main(argv=None) -> int:
     if status:
         return status
     name = args.served_model_name or args.target or "SmolLM2-135M-Instruct"
-    server = Server(loaded["llm"], name, args.api_key, args.max_queue, not args.prefill_first)
+    llm = loaded["llm"]
+    if llm.sampling_defaults:
+        log("sampling defaults from the checkpoint's generation_config.json: "
+            + ", ".join(f"{k}={v}" for k, v in llm.sampling_defaults.items())
+            + " (a request's own values come first; --generation-config vllm for the neutral ones)")
+    if llm.unapplied_sampling:
+        log(f"not applied from generation_config.json: {', '.join(llm.unapplied_sampling)} (nanospec has no "
+            "penalties or min_p; vLLM applies them)")
+    server = Server(llm, name, args.api_key, args.max_queue, not args.prefill_first)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:

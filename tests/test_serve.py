@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -355,6 +356,43 @@ def test_a_request_with_non_finite_logits_fails_alone(spec_models):
         assert {i: r[1]["choices"][0]["text"] for i, r in results.items()} == {i: o.text for i, o in enumerate(expected)}
         assert post(url + "/v1/completions", {"prompt": prompts[0], **GREEDY})[1]["choices"][0]["text"] == expected[0].text
     assert_no_leak(llm)
+
+
+def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tmp_path):
+    """A request that leaves temperature, top_p and top_k out (and chat's max_tokens) samples with
+    the values of the checkpoint's generation_config.json, as vLLM's --generation-config auto does,
+    read here by transformers' GenerationConfig; the request's own values come first, and
+    generation_config="vllm" gives the neutral ones. LLM.generate without params takes them too."""
+    from transformers import GenerationConfig
+    folder = tmp_path / "qwen3"
+    shutil.copytree(checkpoints["qwen3"], folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 5, "max_new_tokens": 6,
+         "repetition_penalty": 1.05, "eos_token_id": 256}))
+    hf = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    from_file = dict(temperature=hf["temperature"], top_p=hf["top_p"], top_k=hf["top_k"])
+    neutral = dict(temperature=1.0, top_p=1.0, top_k=-1)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "seed": 3, "ignore_eos": True}
+
+    def answer(url, **fields) -> tuple[str, int]:
+        reply = post(url + "/v1/chat/completions", {**chat, **fields})[1]
+        return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
+
+    llm = LLM(str(folder), **KV)
+    assert llm.get_default_sampling_params() == SamplingParams(**from_file, max_tokens=hf["max_new_tokens"])
+    assert llm.unapplied_sampling == ["repetition_penalty=1.05"]
+    with serving(llm) as (_, url):
+        by_default = answer(url)
+        assert by_default == answer(url, **from_file, max_tokens=hf["max_new_tokens"])
+        assert by_default[1] == hf["max_new_tokens"]
+        assert by_default != answer(url, **neutral, max_tokens=hf["max_new_tokens"])
+        assert by_default != answer(url, temperature=0, max_tokens=hf["max_new_tokens"])   # the request's own first
+    llm = LLM(str(folder), **KV, generation_config="vllm")
+    assert llm.get_default_sampling_params() == SamplingParams() and llm.unapplied_sampling == []
+    with serving(llm) as (_, url):
+        assert answer(url, max_tokens=6) == answer(url, **neutral, max_tokens=6)
+    with pytest.raises(NanospecError, match="generation_config must be auto .* or vllm"):
+        LLM(str(folder), **KV, generation_config="file")
 
 
 def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
