@@ -45,6 +45,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)   # stop strings (one string: one stop); the text ends before the first
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None   # at most this K for this request (0: no speculation); None: the engine's
+    skip_special_tokens: bool = True   # the text leaves out special tokens (token_ids keep them), as in vLLM
 
     def validate(self) -> None:
         """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
@@ -59,8 +60,9 @@ class SamplingParams:
         check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
         if self.seed is not None:
             check_int(self.seed, param("seed"), low=0, high=2**63 - 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise NanospecError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise NanospecError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_speculative_tokens is not None:
             check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0, fix="0 turns speculation off")
         self.stop = stop_strings(self.stop)
@@ -664,11 +666,14 @@ class Engine:
                 self.publish(req)
 
     def hit_stop_string(self, req: Request) -> bool:
-        longest = max(len(s.encode()) for s in req.params.stop)
-        tail = self.tokenizer.decode(req.output_ids[-(longest + 2):])   # a stop string spans at most this
+        tok, skip = self.tokenizer, req.params.skip_special_tokens
+        # A stop string the newest token completed lies in the newest token's bytes and the
+        # longest stop's before them.
+        num_bytes = max(len(s.encode()) for s in req.params.stop) + len(tok.decode_bytes(req.output_ids[-1:], skip))
+        tail = tok.decode(tok.tail(req.output_ids, num_bytes, skip), skip)
         if not any(s in tail for s in req.params.stop):
             return False
-        text = self.tokenizer.decode(req.output_ids)
+        text = tok.decode(req.output_ids, skip)
         req.text = text[:min(text.find(s) for s in req.params.stop if s in text)]
         return True
 
@@ -680,7 +685,7 @@ class Engine:
             self.proposer.finished(req)
         if req.text is None:   # a stop string already set it, to the text before the stop ("" included)
             ids = req.output_ids[:-1] if drop_last else req.output_ids
-            req.text = self.tokenizer.decode(ids)
+            req.text = self.tokenizer.decode(ids, req.params.skip_special_tokens)
         self.publish(req)   # every finish follows a decode step (prefill emits no token)
         self.scheduler.finish(req)
         self.k_policy.forget(req)

@@ -179,8 +179,8 @@ class TextStream:
     once gives (U+FFFD where they are not UTF-8). Re-decoding the whole output at every update
     would cost a long answer's stream time quadratic in its length."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops: list[str], skip_special: bool = True):
+        self.tokenizer, self.stops, self.skip_special = tokenizer, stops, skip_special
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""   # the whole characters decoded so far
         self.sent = 0    # characters handed out: text[:sent]
@@ -192,7 +192,7 @@ class TextStream:
                 return ""
             end = len(text)
         else:
-            self.text += self.decoder.decode(self.tokenizer.decode_bytes(update.new_ids))
+            self.text += self.decoder.decode(self.tokenizer.decode_bytes(update.new_ids, self.skip_special))
             text = self.text
             # never short of what was sent: an end held back last time that is still a stop's start is
             # held now too, and what was sent was not

@@ -72,8 +72,8 @@ class Streamer:
     """Prints the newly decoded text of request 0 after each step, as the server streams it: whole
     UTF-8 characters, nothing that may yet turn out to start a stop string."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.text, self.seen = TextStream(tokenizer, stops), 0
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.text, self.seen = TextStream(tokenizer, params.stop, params.skip_special_tokens), 0
 
     def __call__(self, requests) -> None:
         for req in requests:
@@ -97,7 +97,7 @@ def run(args) -> None:
         p.validate()
     llm = load_llm(args)
     stream = len(prompts) == 1 and not args.json
-    outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer, params[0].stop) if stream else None)
+    outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer, params[0]) if stream else None)
     if args.json:
         for o in outputs:
             print(json.dumps({"index": o.index, "prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,

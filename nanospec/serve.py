@@ -54,7 +54,7 @@ class ApiError(Exception):
 # The fields a request may hold. Those of the OpenAI API nanospec does not implement are refused
 # unless they hold their neutral value (n = 1, no logprobs, no tools), never silently ignored.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos", "num_speculative_tokens", "user"}
+          "ignore_eos", "skip_special_tokens", "num_speculative_tokens", "user"}
 FIELDS = {"completions": COMMON | {"prompt"},
           "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt"}}
 NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
@@ -96,7 +96,8 @@ def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict) 
         top_k=0 if top_k == -1 else top_k,   # -1 is "off" in vLLM, 0 in nanospec
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         seed=body.get("seed"), stop=body.get("stop"), ignore_eos=bool_field(body, "ignore_eos", False),
-        num_speculative_tokens=body.get("num_speculative_tokens"))
+        num_speculative_tokens=body.get("num_speculative_tokens"),
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True))
     params.validate()
     return params
 
@@ -311,7 +312,7 @@ class Reply:
         self.server, self.req, self.chat = server, req, endpoint == "chat"
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.text = TextStream(server.llm.tokenizer, req.params.stop)
+        self.text = TextStream(server.llm.tokenizer, req.params.stop, req.params.skip_special_tokens)
         self.include_usage = include_usage(body)
 
     def head(self, kind: str) -> dict:

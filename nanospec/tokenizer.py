@@ -65,8 +65,11 @@ def token_bytes(token: str) -> bytes:
 class Tokenizer:
     def __init__(self, ranked_tokens: list[tuple[bytes, int]], special_tokens: dict[str, int],
                  pattern: str, add_bos: bool = False, bos_token: str | None = None,
-                 eos_tokens: tuple[str, ...] = (), chat_template: ChatTemplate | None = None):
+                 eos_tokens: tuple[str, ...] = (), chat_template: ChatTemplate | None = None,
+                 not_skipped: set[str] = frozenset()):
         """ranked_tokens: (bytes, id) in merge order, so that list position is the BPE rank.
+        special_tokens: the added tokens, matched literally in text; those in not_skipped (added but
+        not special, as Qwen3's <think>) stay in a decode that skips special tokens.
         chat_template: the checkpoint's (chat_template.load_template), or None for the fallback
         format the special tokens name, if any."""
         mergeable = {}
@@ -86,6 +89,7 @@ class Tokenizer:
         for text, token_id in special_tokens.items():
             self.id_to_bytes[token_id] = text.encode()
         self.special_tokens = dict(special_tokens)
+        self.skipped_ids = frozenset(i for t, i in special_tokens.items() if t not in not_skipped)
         self.byte_in_vocab = {t[0] for t, (_, i) in mergeable.items() if len(t) == 1 and i >= 0}
         self.bos_id = special_tokens.get(bos_token) if bos_token else None
         self.add_bos = add_bos and self.bos_id is not None
@@ -103,11 +107,26 @@ class Tokenizer:
             ids = [self.bos_id] + ids
         return ids
 
-    def decode_bytes(self, ids: list[int]) -> bytes:
+    def decode_bytes(self, ids: list[int], skip_special: bool = False) -> bytes:
+        """skip_special: without the special tokens (an output's text by default, as transformers'
+        decode(skip_special_tokens=True) and vLLM give it)."""
+        if skip_special:
+            return b"".join(self.id_to_bytes[i] for i in ids if i not in self.skipped_ids)
         return b"".join(self.id_to_bytes[i] for i in ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def tail(self, ids: list[int], num_bytes: int, skip_special: bool = False) -> list[int]:
+        """The shortest end of ids whose bytes (as decode_bytes gives them) are at least num_bytes,
+        or all of them: a token may be worth no bytes (a skipped special token)."""
+        total = 0
+        for start in range(len(ids) - 1, -1, -1):
+            if not (skip_special and ids[start] in self.skipped_ids):
+                total += len(self.id_to_bytes[ids[start]])
+            if total >= num_bytes:
+                return ids[start:]
+        return ids
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         """The conversation (a list of {"role", "content"} dicts, or one string: one user message)
@@ -182,6 +201,7 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
         raise NanospecError(f"{path}: added_tokens must be a list of objects; re-download the tokenizer")
     specials = {t.get("content"): t.get("id") for t in added}
     check_vocabulary(vocab, specials, path)
+    not_special = {t.get("content") for t in added if t.get("special") is False}
     config = tokenizer_config(folder)
     post = json.dumps(data.get("post_processor") or {})
     bos = config.get("bos_token")
@@ -189,7 +209,7 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
     return Tokenizer(ranked_from_merges(vocab, merges, path), specials,
                      pattern_from_pre_tokenizer(data.get("pre_tokenizer")),
                      add_bos=isinstance(bos, str) and f'"{bos}"' in post, bos_token=bos if isinstance(bos, str) else None,
-                     eos_tokens=STOP_TOKEN_NAMES,
+                     eos_tokens=STOP_TOKEN_NAMES, not_skipped=not_special,
                      chat_template=load_template(folder, config, special_tokens=named_special_tokens(config),
                                                  vocab_specials=specials))
 
@@ -250,6 +270,7 @@ def from_gguf(meta: dict) -> Tokenizer:
     return Tokenizer(ranked_from_merges(normal, merges, "the GGUF tokenizer"), specials,
                      GGUF_PRE_TOKENIZERS[pre], add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                      bos_token=tokens[bos_id] if bos_id is not None else None, eos_tokens=eos + STOP_TOKEN_NAMES,
+                     not_skipped={t for t, kind in zip(tokens, types) if kind == 4},   # USER_DEFINED: not special
                      chat_template=load_template(gguf_metadata=meta, special_tokens=named, vocab_specials=specials))
 
 

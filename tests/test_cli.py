@@ -48,9 +48,10 @@ def test_streamed_text_never_shows_part_of_a_stop_string(capsys):
     """The CLI streams as the server does: "st" may start the stop "stop", so it waits; the output
     ends before the stop, so "st" is never printed (printing what came, it was)."""
     from types import SimpleNamespace
+    from nanospec import SamplingParams
     from nanospec.generate import Streamer
     from nanospec.tokenizer import byte_tokenizer
-    streamer, req = Streamer(byte_tokenizer(), ["stop"]), SimpleNamespace(index=0, output_ids=[], finish_reason=None, text=None)
+    streamer, req = Streamer(byte_tokenizer(), SamplingParams(stop=["stop"])), SimpleNamespace(index=0, output_ids=[], finish_reason=None, text=None)
     printed = ""
     for piece in (b"caf\xc3", b"\xa9 st", b"op"):
         req.output_ids = req.output_ids + list(piece)

@@ -662,3 +662,42 @@ def test_agreeing_rope_scaling_and_rope_parameters_load(valid, tmp_path):
                            if k != "rope_theta"}
     json.dump(cfg, open(os.path.join(broken, "config.json"), "w"))
     assert LLM(broken, **KV).generate(PROMPT, greedy())[0].token_ids == expected
+
+
+def test_output_text_leaves_out_special_tokens_as_transformers_decodes(checkpoints, tmp_path):
+    """An output's text leaves out the special tokens, as vLLM's skip_special_tokens (default true)
+    and transformers' decode(skip_special_tokens=True) do; an added token not marked special (here
+    <|im_start|>, as Qwen3's <think>) stays; skip_special_tokens=False keeps them all. token_ids
+    keep every token. The random model samples special tokens among the others."""
+    from transformers import AutoTokenizer
+    folder = tmp_path / "qwen3"
+    shutil.copytree(checkpoints["qwen3"], folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    for token in data["added_tokens"]:
+        token["special"] = token["content"] != "<|im_start|>"
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    hf = AutoTokenizer.from_pretrained(folder)
+    llm = LLM(str(folder), **KV)
+    specials = {t["id"]: t["special"] for t in data["added_tokens"]}
+    for seed in range(20):   # a sample with a special token and the added one that is not special
+        params = dict(temperature=1.0, max_tokens=150, ignore_eos=True, seed=seed)
+        out = llm.generate("a", SamplingParams(**params))[0]
+        if {True, False} <= {specials[i] for i in out.token_ids if i in specials}:
+            break
+    assert {True, False} <= {specials[i] for i in out.token_ids if i in specials}
+    assert out.text == hf.decode(out.token_ids, skip_special_tokens=True)
+    kept = llm.generate("a", SamplingParams(**params, skip_special_tokens=False))[0]
+    assert kept.token_ids == out.token_ids and kept.text == hf.decode(out.token_ids, skip_special_tokens=False)
+    assert len(kept.text) > len(out.text) and "<|im_start|>" in out.text
+    with pytest.raises(NanospecError, match="skip_special_tokens must be True or False"):
+        llm.generate("a", SamplingParams(skip_special_tokens="no"))
+
+
+def test_the_stop_check_reads_back_bytes_not_tokens():
+    """The stop check decodes the output's end as its text has it: a skipped special token adds no
+    bytes, so the end it reads reaches as many bytes back, not as many tokens."""
+    from nanospec.tokenizer import byte_tokenizer
+    tok = byte_tokenizer()
+    ids = list(b"ab") + [256] * 5 + list(b"cd")
+    assert tok.tail(ids, 3, skip_special=True) == ids[1:] and tok.decode(tok.tail(ids, 3, True), True) == "bcd"
+    assert tok.tail(ids, 3) == ids[-3:] and tok.tail(ids, 5, True) == ids   # <|endoftext|> is 13 bytes kept

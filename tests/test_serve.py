@@ -212,6 +212,7 @@ def error(status_body):
     ({"prompt": "x", "stop": 5}, 400, "stop must be a string or a list of strings"),
     ({"prompt": "x", "num_speculative_tokens": 2}, 400, "has no proposer"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
+    ({"prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens must be true or false"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed requests"),
     ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
     ({"prompt": [999999]}, 400, "outside this model and tokenizer's ids"),
@@ -393,6 +394,27 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
         assert answer(url, max_tokens=6) == answer(url, **neutral, max_tokens=6)
     with pytest.raises(NanospecError, match="generation_config must be auto .* or vllm"):
         LLM(str(folder), **KV, generation_config="file")
+
+
+def test_special_tokens_left_out_of_the_text_whole_and_streamed(tiny_llm):
+    """The server's text, whole and streamed, is offline generate's: special tokens left out by
+    default (vLLM's skip_special_tokens), kept with skip_special_tokens false."""
+    for seed in range(20):   # a sample with special tokens among the others
+        sampled = dict(temperature=1.0, max_tokens=120, ignore_eos=True, seed=seed)
+        offline = {skip: tiny_llm.generate("a", SamplingParams(**sampled, skip_special_tokens=skip))[0]
+                   for skip in (True, False)}
+        if len(offline[False].text) > len(offline[True].text):
+            break
+    assert len(offline[False].text) > len(offline[True].text)
+    with serving(tiny_llm) as (_, url):
+        api = client(url)
+        for skip, expected in offline.items():
+            fields = dict(temperature=1.0, max_tokens=120, seed=seed,
+                          extra_body={"ignore_eos": True, **({} if skip else {"skip_special_tokens": False})})
+            out = api.completions.create(model=NAME, prompt="a", **fields)
+            assert out.choices[0].text == expected.text
+            stream = api.completions.create(model=NAME, prompt="a", stream=True, **fields)
+            assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
 
 
 def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
