@@ -149,6 +149,7 @@ class StepGraphs:
         self.inputs = self.host = self.drafts = self.draft_probs = None
         largest = self.buckets[-1]
         self.finite = torch.ones(largest, dtype=torch.bool, device=device)   # the drafter's logits were finite
+        self.logprobs = False   # the step's verify returns its logits too (a request asked for logprobs)
         self.carry = proposer.carry(largest) if draft_cache else None        # EAGLE: step i's hidden states for i + 1
         self.grow(0)
 
@@ -231,6 +232,7 @@ class StepGraphs:
         params = [r.params for r in requests]
         probs = plan is not None and not all(p.temperature == 0 for p in params)
         self.step = (batch, bucket, k, longest, probs)
+        self.logprobs = any(p.logprobs is not None for p in params)   # the verify also returns its logits
         self.step_tokens = sum(num_draft) + bucket   # an unpadded verify's queries (a padding row has 1)
         return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
                              greedy=all(p.temperature == 0 for p in params),
@@ -286,12 +288,13 @@ class StepGraphs:
             self.replay(("round", bucket, k, self.mode(sampling, bucket), probs, False), plan.width)
 
     @torch.inference_mode()
-    def run(self, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (see the module's
-        docstring) and the target's features for EAGLE ([bucket * (K + 1), F], request b's at rows
-        b * (K + 1) ...)."""
+        docstring), the target's features for EAGLE ([bucket * (K + 1), F], request b's at rows
+        b * (K + 1) ...) and, where a request asked for logprobs, the target's logits at each row's
+        K + 1 queries ([bucket, K + 1, vocab]; a graph's buffer: read it before the next step)."""
         batch, bucket, k, longest, probs = self.step
-        return self.replay(("verify", bucket, k, self.mode(sampling, bucket), probs),
+        return self.replay(("verify", bucket, k, self.mode(sampling, bucket), probs, self.logprobs),
                            self.kv_cache.allocator.blocks_for(longest))
 
     def replay(self, key, width: int):
@@ -338,7 +341,7 @@ class StepGraphs:
         for bucket in sorted((b for b in self.buckets if b <= MAX_GRAPH_BATCH), reverse=True):
             for k in sorted(ks, reverse=True):
                 self.upload_padding(bucket, k)
-                key = ("verify", bucket, k, "greedy", False)
+                key = ("verify", bucket, k, "greedy", False, False)
                 if key not in self.graphs:
                     self.graphs[key] = self.capture(self.verify_body, key)
 
@@ -384,7 +387,7 @@ class StepGraphs:
     def verify_body(self, key, width: int):
         """The verification on the static buffers: the metadata, the target's forward over
         [last token, d_1 .. d_K] per row, acceptance and sampling. No host data, no sync."""
-        _, bucket, k, mode, probs = key
+        _, bucket, k, mode, probs, logprobs = key
         q_len = k + 1
         fields, sampling = self.fields(bucket, mode)
         table_row, cached, num_draft, last = fields[:4]
@@ -414,6 +417,7 @@ class StepGraphs:
         if features is not None and not padded:
             features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
         logits = self.model.logits(hidden)[:, :self.vocab]
+        kept = pick(logits) if logprobs else None   # [bucket, q_len, vocab]
         if mode == "greedy":   # the argmax of each row, then the padded gather: ids, not [B, K+1, V] logits
             row_max, target_ids = logits.max(-1)
             row_max, target_ids = pick(row_max), pick(target_ids)
@@ -430,7 +434,7 @@ class StepGraphs:
                 sampling.top_k, sampling.top_p, sampling.seeds, cached + 1, mode)
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
         broken = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:bucket]).long()
-        return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features
+        return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features, kept
 
     def round_body(self, key, width: int) -> None:
         """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft

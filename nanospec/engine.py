@@ -33,6 +33,7 @@ from nanospec.sampler import Sampler
 
 # Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
 MIN_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20   # the most likely tokens a request may ask logprobs of: vLLM's max_logprobs default, the API's top_logprobs
 
 
 @dataclass
@@ -46,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None   # at most this K for this request (0: no speculation); None: the engine's
     skip_special_tokens: bool = True   # the text leaves out special tokens (token_ids keep them), as in vLLM
+    logprobs: int | None = None  # the log-probability of each output token and of the N most likely (0: its own only)
 
     def validate(self) -> None:
         """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
@@ -65,6 +67,8 @@ class SamplingParams:
                 raise NanospecError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_speculative_tokens is not None:
             check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0, fix="0 turns speculation off")
+        if self.logprobs is not None:
+            check_int(self.logprobs, param("logprobs"), low=0, high=MAX_LOGPROBS)
         self.stop = stop_strings(self.stop)
 
 
@@ -107,6 +111,8 @@ class Request:
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None   # per output token, when asked: its own and the top N's
+    step_logprobs: list[dict[int, float]] | None = None   # those of the last step's tokens, until committed
 
     @property
     def output_ids(self) -> list[int]:
@@ -125,6 +131,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str            # "stop" (EOS or a stop string) or "length"
     prompt_token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None   # per token of token_ids, when asked: {id: logprob}, its own first
 
 
 @dataclass
@@ -337,6 +344,26 @@ class NonFiniteLogits(Exception):
         self.failed = failed
 
 
+def note_logprobs(reqs: list[Request], emitted: list[list[int]], logits: torch.Tensor) -> None:
+    """For each request that asked, the logprobs of the tokens the step emitted for it and of the N
+    most likely at each of their positions (req.step_logprobs, one {id: logprob} per token, its own
+    first; commit keeps those of the tokens it keeps). Raw logprobs, vLLM's default: the log-softmax
+    of the target's logits in float32, before temperature, top-k or top-p. logits: [bucket, K + 1,
+    vocab], row b's queries in order; in one copy back."""
+    rows = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+    n, q = max(reqs[b].params.logprobs for b in rows), max(len(emitted[b]) for b in rows)
+    logprobs = torch.log_softmax(logits[rows, :q].float(), dim=-1)   # [R, q, vocab]
+    ids = torch.tensor([emitted[b] + [0] * (q - len(emitted[b])) for b in rows], device=logits.device)
+    own = logprobs.gather(-1, ids[..., None])
+    top = logprobs.topk(n, dim=-1)
+    host = torch.cat([own.double(), top.values.double(), top.indices.double()], dim=-1).tolist()   # ids exact in float64
+    for i, b in enumerate(rows):
+        keep = reqs[b].params.logprobs
+        reqs[b].step_logprobs = [{token: row[0], **{int(t): v for t, v in zip(row[1 + n:1 + n + keep], row[1:1 + keep])
+                                                   if int(t) != token}}
+                                 for token, row in zip(emitted[b], host[i])]
+
+
 def non_finite_error(req: Request, flag: int, proposer, what: str = "logits") -> str:
     """flag: 1 where the target's logits (or `what`) for the request held NaN or +inf, 2 the drafter's (3 both)."""
     who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
@@ -481,7 +508,8 @@ class Engine:
                                 + (f"drafts at most {self.max_k}; ask for 0..{self.max_k}" if self.proposer
                                    else "has no proposer; ask for 0 or leave it unset"))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids))
+        return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids),
+                       logprobs=None if params.logprobs is None else [])
 
     def choose_ks(self) -> None:
         """Ask the K policy for the next decode step's K per request (its batch: the running
@@ -570,7 +598,7 @@ class Engine:
         sampling = steps.upload(reqs, num_draft, host_drafts, plan)
         if plan:   # a model proposer's round, on the device
             steps.run_round(plan, sampling)
-        out, features = steps.run(sampling)
+        out, features, logits = steps.run(sampling)
         out = out[:len(reqs)]
         host_out = out.tolist()   # the one copy back
         if any(row[-1] for row in host_out):
@@ -580,6 +608,8 @@ class Engine:
         if features is not None:   # out of the graph's output before the next replay overwrites it
             features = features[:len(reqs) * q_len].clone()
         accepted = [row[-2] for row in host_out]
+        if logits is not None:   # a request asked for logprobs: a second copy back
+            note_logprobs(reqs, [row[:a + 1] for row, a in zip(host_out, accepted)], logits)
         for req, d, a in zip(reqs, num_draft, accepted):
             req.num_cached += d + 1
             req.decode_steps += 1
@@ -625,6 +655,8 @@ class Engine:
         proposer those of the tokens it kept (EAGLE: the head's cache, published, ends there)."""
         for i, token in enumerate(tokens):
             req.tokens.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(req.step_logprobs[i])
             self.stats.generated_tokens += 1
             end = (("stop", True) if token in self.eos_ids and not req.params.ignore_eos else   # (reason, drop_last)
                    ("stop", False) if req.params.stop and self.hit_stop_string(req) else

@@ -493,5 +493,5 @@ class LLM:
         except BaseException:   # an error, or Ctrl-C: this call's requests leave with their blocks
             self.engine.abort(requests)
             raise
-        return [RequestOutput(r.index, r.prompt, r.text, r.output_ids, r.finish_reason, r.prompt_ids)
+        return [RequestOutput(r.index, r.prompt, r.text, r.output_ids, r.finish_reason, r.prompt_ids, r.logprobs)
                 for r in requests]

@@ -117,7 +117,7 @@ def step_memory(engine: Engine, k: int) -> int:
     steps.grow(k, probs=probs)
     steps.upload_padding(bucket, k)
     with torch.inference_mode():
-        steps.verify_body(("verify", bucket, k, True, probs), steps.tables.width)
+        steps.verify_body(("verify", bucket, k, True, probs, False), steps.tables.width)
     sync(engine.device)
     return torch.cuda.max_memory_allocated(engine.device) - base if cuda else 0
 

@@ -85,7 +85,7 @@ def test_padded_step_equals_unpadded(model, seed):
         expected = unpadded_logits(model, reference_cache, reqs, drafts)
         steps = cuda_graph.StepGraphs(model, cache, vocab, 40, 200, CPU, Sampler(compile=False), LogitsOut(model))
         sampling = steps.upload(reqs, [len(d) for d in drafts], drafts)
-        out, logits = steps.run(sampling)
+        out, logits, _ = steps.run(sampling)
     q_len = max(len(d) for d in drafts) + 1
     assert out.shape[0] == steps.bucket(batch) and logits.shape[0] == steps.bucket(batch) * q_len
     for b, (r, d) in enumerate(zip(reqs, drafts)):
@@ -120,7 +120,7 @@ def test_capture_warm_ups_write_only_the_sink_block(model):
             for k in (3, 0):
                 steps.grow(k)
                 steps.upload_padding(bucket, k)
-                steps.verify_body(("verify", bucket, k, "greedy", False), steps.tables.width)
+                steps.verify_body(("verify", bucket, k, "greedy", False, False), steps.tables.width)
     assert torch.equal(cache.pool[:, :, SINK_BLOCK + 1:], before[:, :, SINK_BLOCK + 1:])
     assert (cache.pool[:, :, NULL_BLOCK] == 0).all() and not torch.equal(cache.pool, before)
 
