@@ -164,7 +164,8 @@ def load_llm(args, **sizes):
               speculative_disable_queue_size=args.speculative_disable_queue_size,
               **suffix_flags(args), log=log,
               enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-              generation_config=getattr(args, "generation_config", "auto"), **sizes)
+              # a command without the flag (generate) samples by its own flags: the file is not read
+              generation_config=getattr(args, "generation_config", "vllm"), **sizes)
     log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} CPU threads)")
     return llm

@@ -702,12 +702,14 @@ class Engine:
         # A stop string the newest token completed lies in the newest token's bytes and the
         # longest stop's before them.
         num_bytes = max(len(s.encode()) for s in req.params.stop) + len(tok.decode_bytes(req.output_ids[-1:], skip))
-        tail = tok.decode(tok.tail(req.output_ids, num_bytes, skip), skip)
+        tail = tok.output_text(tok.tail(req.output_ids, num_bytes, skip), skip)
         if not any(s in tail for s in req.params.stop):
             return False
-        text = tok.decode(req.output_ids, skip)
-        req.text = text[:min(text.find(s) for s in req.params.stop if s in text)]
-        return True
+        text = tok.output_text(req.output_ids, skip)
+        found = [text.find(s) for s in req.params.stop if s in text]   # (a stop holding U+FFFD may match only the tail's cut start)
+        if found:
+            req.text = text[:min(found)]
+        return bool(found)
 
     def finish(self, req: Request, reason: str, drop_last: bool = False, features: torch.Tensor | None = None) -> None:
         req.finish_reason = reason
@@ -717,7 +719,7 @@ class Engine:
             self.proposer.finished(req)
         if req.text is None:   # a stop string already set it, to the text before the stop ("" included)
             ids = req.output_ids[:-1] if drop_last else req.output_ids
-            req.text = self.tokenizer.decode(ids, req.params.skip_special_tokens)
+            req.text = self.tokenizer.output_text(ids, req.params.skip_special_tokens)
         self.publish(req)   # every finish follows a decode step (prefill emits no token)
         self.scheduler.finish(req)
         self.k_policy.forget(req)

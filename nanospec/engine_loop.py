@@ -194,9 +194,7 @@ class TextStream:
         else:
             self.text += self.decoder.decode(self.tokenizer.decode_bytes(update.new_ids, self.skip_special))
             text = self.text
-            # never short of what was sent: an end held back last time that is still a stop's start is
-            # held now too, and what was sent was not
-            end = len(text) - held_back(text, self.stops)
+            end = len(text) - held_back(text, self.stops)   # never below the last end (max below: a safeguard)
         delta, self.sent = text[self.sent:end], max(self.sent, end)
         return delta
 

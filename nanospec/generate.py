@@ -73,14 +73,14 @@ class Streamer:
     UTF-8 characters, nothing that may yet turn out to start a stop string."""
 
     def __init__(self, tokenizer, params: SamplingParams):
-        self.text, self.seen = TextStream(tokenizer, params.stop, params.skip_special_tokens), 0
+        self.stream, self.seen = TextStream(tokenizer, params.stop, params.skip_special_tokens), 0
 
     def __call__(self, requests) -> None:
         for req in requests:
             if req.index != 0:
                 continue
             new, self.seen = req.output_ids[self.seen:], len(req.output_ids)
-            sys.stdout.write(self.text.push(Update(new, req.finish_reason, req.text))
+            sys.stdout.write(self.stream.push(Update(new, req.finish_reason, req.text))
                              + (CUT if req.finish_reason == "length" else ""))
             sys.stdout.flush()
 

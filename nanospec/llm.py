@@ -231,23 +231,26 @@ SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
 UNAPPLIED = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
-def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str]]:
-    """(the SamplingParams fields a checkpoint's generation_config sets, checked; its settings that
-    nanospec does not apply, as "name=value")."""
-    defaults = {name: generation[key] for key, name in SAMPLING_DEFAULTS.items() if generation.get(key) is not None}
+def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str], list[str]]:
+    """(the SamplingParams fields a checkpoint's generation_config sets, checked; those settings as
+    the file names them, "key=value"; its settings that nanospec does not apply, the same way)."""
+    given = {key: generation[key] for key in SAMPLING_DEFAULTS if generation.get(key) is not None}
+    defaults = {SAMPLING_DEFAULTS[key]: value for key, value in given.items()}
     if defaults.get("top_k") == -1:
         defaults["top_k"] = 0   # -1 is "off" in vLLM, 0 in nanospec
-    fix = f"{param('generation_config')} vllm"
+    fix = f"fix the file, or ask for the neutral defaults with {param('generation_config')} vllm"
     by_python_name = COMMAND_LINE.set(False)   # the message names the file's keys, not the command's flags
     try:
+        if "max_new_tokens" in given:   # (SamplingParams would call it max_tokens)
+            check_int(given["max_new_tokens"], "max_new_tokens", low=1)
         SamplingParams(**defaults).validate()
     except NanospecError as e:
-        raise NanospecError(f"{source}: {e}; fix the file, or ask for the neutral defaults with {fix}") from None
+        raise NanospecError(f"{source}: {e}; {fix}") from None
     finally:
         COMMAND_LINE.reset(by_python_name)
     unapplied = [f"{key}={generation[key]}" for key, neutral in UNAPPLIED.items()
-                 if generation.get(key) is not None and generation[key] != neutral]
-    return defaults, unapplied
+                 if generation.get(key) is not None and (isinstance(generation[key], bool) or generation[key] != neutral)]
+    return defaults, [f"{key}={value}" for key, value in given.items()], unapplied
 
 
 class LLM:
@@ -292,7 +295,7 @@ class LLM:
         self.target_name = target or checkpoint.DEFAULT_MODEL_FILE
         self.proposer_name = spec.proposer_name
         self.config = ckpt.config
-        self.sampling_defaults, self.unapplied_sampling = sampling_defaults(
+        self.sampling_defaults, self.sampling_defaults_read, self.unapplied_sampling = sampling_defaults(
             ckpt.generation if generation_config == "auto" else {}, os.path.join(ckpt.path, "generation_config.json"))
         positions = self.config.max_position_embeddings
         if max_model_len is not None and max_model_len > positions:
@@ -458,7 +461,8 @@ class LLM:
         return [dataclasses.replace(out, prompt=self.tokenizer.decode(ids)) for out, ids in zip(outputs, prompt_ids)]
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's: SamplingParams with the checkpoint's sampling defaults (generation_config)."""
+        """SamplingParams with the checkpoint's sampling defaults (generation_config), as vLLM's
+        method of that name; what the file leaves out keeps nanospec's defaults (max_tokens 64)."""
         return SamplingParams(**self.sampling_defaults)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

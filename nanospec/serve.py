@@ -428,8 +428,7 @@ def main(argv=None) -> int:
     name = args.served_model_name or args.target or "SmolLM2-135M-Instruct"
     llm = loaded["llm"]
     if llm.sampling_defaults:
-        log("sampling defaults from the checkpoint's generation_config.json: "
-            + ", ".join(f"{k}={v}" for k, v in llm.sampling_defaults.items())
+        log("sampling defaults from the checkpoint's generation_config.json: " + ", ".join(llm.sampling_defaults_read)
             + " (a request's own values come first; --generation-config vllm for the neutral ones)")
     if llm.unapplied_sampling:
         log(f"not applied from generation_config.json: {', '.join(llm.unapplied_sampling)} (nanospec has no "

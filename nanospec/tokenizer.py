@@ -12,6 +12,7 @@ Chat prompts are rendered by the checkpoint's own template (chat_template.py) an
 from __future__ import annotations
 
 import base64
+import codecs
 import json
 import os
 
@@ -116,6 +117,12 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def output_text(self, ids: list[int], skip_special: bool = True) -> str:
+        """An output's text: without the special tokens, and without a last character whose bytes
+        have not all come (an output cut at its length mid-character), as vLLM's detokenizer gives
+        it; decode() ends such a text with U+FFFD, as transformers' does."""
+        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(self.decode_bytes(ids, skip_special))
 
     def tail(self, ids: list[int], num_bytes: int, skip_special: bool = False) -> list[int]:
         """The shortest end of ids whose bytes (as decode_bytes gives them) are at least num_bytes,

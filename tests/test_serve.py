@@ -382,6 +382,7 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
     llm = LLM(str(folder), **KV)
     assert llm.get_default_sampling_params() == SamplingParams(**from_file, max_tokens=hf["max_new_tokens"])
     assert llm.unapplied_sampling == ["repetition_penalty=1.05"]
+    assert llm.sampling_defaults_read == ["temperature=0.7", "top_p=0.8", "top_k=5", "max_new_tokens=6"]
     with serving(llm) as (_, url):
         by_default = answer(url)
         assert by_default == answer(url, **from_file, max_tokens=hf["max_new_tokens"])
@@ -440,7 +441,7 @@ def test_text_stream_decodes_each_token_once_and_matches_a_whole_decode():
     from nanospec.tokenizer import byte_tokenizer
     tok = byte_tokenizer()
     decoded = []
-    tok.decode_bytes = lambda ids, whole=tok.decode_bytes: decoded.append(len(ids)) or whole(ids)
+    tok.decode_bytes = lambda ids, skip=False, whole=tok.decode_bytes: decoded.append(len(ids)) or whole(ids, skip)
     rng = random.Random(0)
     pieces = ["é".encode(), "€".encode(), "😀".encode(), b"\xff", b"\xe2\x82", b"\xef\xbf\xbd", b"ab", b"st", b"op"]
     for trial in range(200):
