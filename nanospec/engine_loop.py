@@ -39,6 +39,7 @@ class Update:
     finish_reason: str | None = None   # "stop", "length" or "error" on the last update (an abort sends none)
     text: str | None = None          # the whole output text, on the last update (before any stop)
     error: str | None = None         # why it failed (finish_reason "error")
+    logprobs: list[tuple[int, dict]] | None = None   # (token, {id: logprob}) of each new token, if asked
 
 
 @dataclass
@@ -143,6 +144,7 @@ class EngineLoop:
     def deliver(self, t: Tracked, now: float) -> None:
         req = t.req
         new = req.output_ids[t.sent:]
+        logprobs = None if req.logprobs is None else list(zip(new, req.logprobs[t.sent:]))
         if new:
             if t.first is None:
                 t.first = now
@@ -156,7 +158,7 @@ class EngineLoop:
             del self.tracked[id(req)]
             if self.metrics:
                 self.metrics.finished_request(req, req.finish_reason, t.arrival, t.first, t.last or now)
-        t.listener(Update(new, req.finish_reason, req.text if done else None, req.error))
+        t.listener(Update(new, req.finish_reason, req.text if done else None, req.error, logprobs))
 
     def drop(self, aborted: list[Request]) -> None:
         gone = [self.tracked.pop(id(r)) for r in aborted if id(r) in self.tracked]

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanospec.cli import add_model_args, add_speculation_args, frozen_gc_heap, load_llm, log, parser
-from nanospec.engine import SamplingParams
+from nanospec.engine import MAX_LOGPROBS, SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
 from nanospec.errors import NanospecError, is_int, run_command
 from nanospec.metrics import Metrics
@@ -55,9 +55,10 @@ class ApiError(Exception):
 # unless they hold their neutral value (n = 1, no logprobs, no tools), never silently ignored.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
           "ignore_eos", "skip_special_tokens", "num_speculative_tokens", "user"}
-FIELDS = {"completions": COMMON | {"prompt"},
-          "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt"}}
-NEUTRAL = {"n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
+FIELDS = {"completions": COMMON | {"prompt", "logprobs"},
+          "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
+                            "logprobs", "top_logprobs"}}
+NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,),
            "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "functions": ([],),
            "response_format": ({"type": "text"},)}
@@ -81,7 +82,21 @@ def is_neutral(value, neutral: tuple) -> bool:
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
-def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict) -> SamplingParams:
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many of the most likely tokens' logprobs a request asks for at each position (0: only the
+    sampled token's), or None: completions' logprobs = N; chat's logprobs = true with top_logprobs = N."""
+    if not chat:
+        return body.get("logprobs")   # (SamplingParams.validate checks it)
+    wanted, top = bool_field(body, "logprobs", False), body.get("top_logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise ApiError(400, f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {json.dumps(top)}",
+                       param="top_logprobs")
+    if top and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict, chat: bool = False) -> SamplingParams:
     """The request's SamplingParams, checked (a NanospecError names the field). A field the request
     leaves out (or null) takes the checkpoint's default (LLM.sampling_defaults), else the API's."""
     max_tokens = body.get("max_tokens")
@@ -97,9 +112,15 @@ def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict) 
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         seed=body.get("seed"), stop=body.get("stop"), ignore_eos=bool_field(body, "ignore_eos", False),
         num_speculative_tokens=body.get("num_speculative_tokens"),
-        skip_special_tokens=bool_field(body, "skip_special_tokens", True))
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True), logprobs=logprobs_asked(body, chat))
     params.validate()
     return params
+
+
+def most_likely(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of a position's {id: logprob} (the sampled token's, then the n most
+    likely: the sampled is among them only if it is one of the n)."""
+    return sorted(entry.items(), key=lambda item: -item[1])[:n]
 
 
 def bool_field(body: dict, key: str, default: bool) -> bool:
@@ -257,7 +278,7 @@ class Server:
                                         llm.sampling_defaults.get("max_tokens", llm.max_model_len))
         else:
             (text, ids), default_max = completion_prompt(llm, body), 16     # completions: the API's 16
-        params = sampling_params(body, default_max, llm.sampling_defaults)
+        params = sampling_params(body, default_max, llm.sampling_defaults, chat=endpoint == "chat")
         self.count += 1
         return llm.engine.new_request(self.count, text, ids, params)
 
@@ -295,8 +316,8 @@ class Server:
                     yield reply.sse(ApiError(500, update.error, kind="server_error").body())
                     break
                 delta = reply.text.push(update)
-                if delta or done:
-                    yield reply.sse(reply.chunk(delta, update.finish_reason))
+                if delta or done or (update.logprobs and update.new_ids):   # logprobs: each token's, as it comes
+                    yield reply.sse(reply.chunk(delta, update.finish_reason, update.logprobs))
             if done and reply.include_usage and update.finish_reason != "error":
                 yield reply.sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"
@@ -314,6 +335,7 @@ class Reply:
         self.created = int(time.time())
         self.text = TextStream(server.llm.tokenizer, req.params.stop, req.params.skip_special_tokens)
         self.include_usage = include_usage(body)
+        self.text_offset = 0   # completions' logprobs: where the next token's text starts
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.name}
@@ -323,11 +345,12 @@ class Reply:
 
     def whole(self, update: Update) -> dict:
         text = update.text or ""
+        logprobs = self.logprobs(self.req.output_ids, self.req.logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": update.finish_reason}
             return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": update.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": update.finish_reason}
         return {**self.head("text_completion"), "choices": [choice], "usage": self.usage()}
 
     def first_chunk(self) -> dict | None:
@@ -337,13 +360,35 @@ class Reply:
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]}
 
-    def chunk(self, delta: str, finish_reason: str | None) -> dict:
+    def chunk(self, delta: str, finish_reason: str | None, logprobs: list[tuple[int, dict]] | None = None) -> dict:
+        logprobs = self.logprobs([t for t, _ in logprobs], [e for _, e in logprobs]) if logprobs else None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": None,
+            choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             return {**self.head("chat.completion.chunk"), "choices": [choice]}
         return {**self.head("text_completion"),
-                "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    def logprobs(self, ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
+        """The OpenAI shape of these tokens' logprobs (None where not asked): chat's content list
+        (token, logprob, bytes, the N most likely), completions' parallel lists (tokens,
+        token_logprobs, top_logprobs: the N most likely and the sampled, text_offset). A token is its
+        own decoded text; -inf is -9999.0, as vLLM writes it (JSON has no infinity)."""
+        if entries is None:
+            return None
+        token = lambda t: self.server.llm.tokenizer.decode([t])
+        value = lambda v: max(v, -9999.0)
+        top_n = self.req.params.logprobs
+        if self.chat:
+            def item(t, v):
+                return {"token": token(t), "logprob": value(v), "bytes": list(token(t).encode("utf-8", "replace"))}
+            return {"content": [{**item(t, e[t]), "top_logprobs": [item(u, v) for u, v in most_likely(e, top_n)]}
+                                for t, e in zip(ids, entries)]}
+        tokens = [token(t) for t in ids]
+        offsets = [self.text_offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        self.text_offset += sum(map(len, tokens))
+        return {"tokens": tokens, "token_logprobs": [value(e[t]) for t, e in zip(ids, entries)],
+                "top_logprobs": [{token(u): value(v) for u, v in e.items()} for e in entries], "text_offset": offsets}
 
     def usage_chunk(self) -> dict:
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],

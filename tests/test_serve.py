@@ -202,8 +202,9 @@ def error(status_body):
     (b"[1, 2]", 400, "must be a JSON object"),
     ({"prompt": "x", "foo": 1}, 400, "unknown field foo"),
     ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
-    ({"prompt": "x", "logprobs": 3}, 400, "logprobs=3 is not supported"),
-    ({"prompt": "x", "logprobs": 0}, 400, "logprobs=0 is not supported"),   # the sampled token's: not neutral
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs must be an integer in 0..20"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs must be an integer in 0..20"),   # completions' is a count
+    ({"prompt": "x", "echo": True}, 400, "echo=true is not supported"),
     ({"prompt": "x", "stop": ["\ud800"]}, 400, "not valid text"),   # a lone surrogate (valid JSON): failed every request
     ({"prompt": "x", "\ud800": 1}, 400, "unknown field \\ud800"),    # ... quoted in the message: was a plain-text 500
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens must be an integer >= 1"),
@@ -228,7 +229,11 @@ def test_errors_are_in_the_openai_shape(tiny_served, body, status, message):
 def test_chat_errors_and_unsupported_fields(tiny_served):
     url, key = tiny_served
     auth = {"Authorization": f"Bearer {key}"}
-    for body, message in [({"messages": "hi"}, "messages"), ({"messages": [{"role": "user"}], "tools": [{}]}, "tools"),
+    hi = [{"role": "user", "content": "x"}]
+    for body, message in [({"messages": hi, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+                          ({"messages": hi, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer in 0..20"),
+                          ({"messages": hi, "logprobs": 1}, "logprobs must be true or false"),
+                          ({"messages": "hi"}, "messages"), ({"messages": [{"role": "user"}], "tools": [{}]}, "tools"),
                           ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
                             "max_completion_tokens": 4}, "not both")]:
         status, err = error(post(url + "/v1/chat/completions", body, auth))
@@ -416,6 +421,44 @@ def test_special_tokens_left_out_of_the_text_whole_and_streamed(tiny_llm):
             assert out.choices[0].text == expected.text
             stream = api.completions.create(model=NAME, prompt="a", stream=True, **fields)
             assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
+
+
+def test_logprobs_whole_and_streamed_are_offline_generates_in_the_openai_shape(tiny_llm):
+    """Completions' logprobs = N and chat's logprobs / top_logprobs, whole and streamed, give each
+    output token's logprob and the most likely tokens' as offline generate computes them (which
+    tests/test_logprobs.py holds to transformers), in the OpenAI client's types."""
+    sampled = dict(temperature=0.9, max_tokens=8, seed=4)
+    messages = [{"role": "user", "content": "hi"}]
+    offline = tiny_llm.generate("a", SamplingParams(**sampled, ignore_eos=True, logprobs=3))[0]
+    chat = tiny_llm.chat(messages, SamplingParams(**sampled, logprobs=2))[0]
+    text = lambda t: tiny_llm.tokenizer.decode([t])
+    with serving(tiny_llm) as (_, url):
+        api = client(url)
+        whole = api.completions.create(model=NAME, prompt="a", logprobs=3, extra_body={"ignore_eos": True}, **sampled)
+        streamed = list(api.completions.create(model=NAME, prompt="a", logprobs=3, stream=True,
+                                               extra_body={"ignore_eos": True}, **sampled))
+        for logprobs in [whole.choices[0].logprobs] + [None]:
+            if logprobs is None:   # the stream's chunks, joined
+                parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+                logprobs = type(parts[0])(**{k: sum((getattr(p, k) for p in parts), []) for k in
+                                            ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+            assert logprobs.tokens == [text(t) for t in offline.token_ids]
+            assert logprobs.token_logprobs == pytest.approx([e[t] for t, e in zip(offline.token_ids, offline.logprobs)])
+            # (by text: two ids may decode to one string, U+FFFD, and share a key, as in vLLM)
+            assert [sorted(d) for d in logprobs.top_logprobs] == [sorted(set(map(text, e))) for e in offline.logprobs]
+            assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+        got = api.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=2, **sampled)
+        stream = api.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=2,
+                                             stream=True, **sampled)
+        streamed = [item for c in stream if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+        for content in (got.choices[0].logprobs.content, streamed):
+            assert [c.token for c in content] == [text(t) for t in chat.token_ids]
+            for c, t, e in zip(content, chat.token_ids, chat.logprobs):
+                assert c.logprob == pytest.approx(e[t]) and c.bytes == list(text(t).encode())
+                top = sorted(e.items(), key=lambda item: -item[1])[:2]
+                assert [(x.token, x.logprob) for x in c.top_logprobs] == [(text(u), pytest.approx(v)) for u, v in top]
+        plain = api.chat.completions.create(model=NAME, messages=messages, **sampled)
+        assert plain.choices[0].logprobs is None
 
 
 def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
