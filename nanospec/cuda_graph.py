@@ -300,7 +300,9 @@ class StepGraphs:
     def replay(self, key, width: int):
         """Run the body of `key`: eagerly at `width` (the widest table it reads), or as a graph."""
         body = self.verify_body if key[0] == "verify" else self.round_body
-        if not self.graphed(key[1]):
+        # A verify with logprobs runs eagerly: as a graph it would keep its [bucket, K + 1, vocab]
+        # logits in the pool for good (one such graph per bucket, K and mode).
+        if not self.graphed(key[1]) or (key[0] == "verify" and key[5]):
             if REHEARSE_GRAPHS:   # as capture (a warm-up) and replay would: twice, at full width
                 width = self.full_width(key)
                 body(key, width)

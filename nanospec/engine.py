@@ -351,7 +351,8 @@ def note_logprobs(reqs: list[Request], emitted: list[list[int]], logits: torch.T
     of the target's logits in float32, before temperature, top-k or top-p. logits: [bucket, K + 1,
     vocab], row b's queries in order; in one copy back."""
     rows = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
-    n, q = max(reqs[b].params.logprobs for b in rows), max(len(emitted[b]) for b in rows)
+    n = min(max(reqs[b].params.logprobs for b in rows), logits.shape[-1])   # (a toy vocabulary may hold fewer)
+    q = max(len(emitted[b]) for b in rows)
     logprobs = torch.log_softmax(logits[rows, :q].float(), dim=-1)   # [R, q, vocab]
     ids = torch.tensor([emitted[b] + [0] * (q - len(emitted[b])) for b in rows], device=logits.device)
     own = logprobs.gather(-1, ids[..., None])

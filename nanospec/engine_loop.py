@@ -73,14 +73,16 @@ class EngineLoop:
     def num_waiting(self) -> int:
         return len(self.inbox) + len(self.engine.scheduler.waiting)   # a deque's len is safe to read
 
-    def submit(self, req: Request, listener) -> None:
-        """Queue a request made by engine.new_request; QueueFull when max_waiting wait already."""
+    def submit(self, requests: list[tuple[Request, object]]) -> None:
+        """Queue (request, listener) pairs, requests made by engine.new_request, all or none:
+        QueueFull when max_waiting would be passed."""
         with self.lock:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
-            if self.num_waiting() >= self.max_waiting:
-                raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
-            self.inbox.append(Tracked(req, listener, time.perf_counter()))
+            if self.num_waiting() + len(requests) > self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests may wait and {self.num_waiting()} already do; retry later")
+            now = time.perf_counter()
+            self.inbox.extend(Tracked(req, listener, now) for req, listener in requests)
             self.wake.notify()
 
     def abort(self, req: Request) -> None:

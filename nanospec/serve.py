@@ -12,7 +12,11 @@ example:
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import dataclasses
+import functools
+import itertools
 import json
 import signal
 import socket
@@ -53,12 +57,12 @@ class ApiError(Exception):
 
 # The fields a request may hold. Those of the OpenAI API nanospec does not implement are refused
 # unless they hold their neutral value (n = 1, no logprobs, no tools), never silently ignored.
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
+COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
           "ignore_eos", "skip_special_tokens", "num_speculative_tokens", "user"}
 FIELDS = {"completions": COMMON | {"prompt", "logprobs"},
           "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                             "logprobs", "top_logprobs"}}
-NEUTRAL = {"n": (1,), "best_of": (1,), "echo": (False,),
+NEUTRAL = {"best_of": (1,), "echo": (False,),
            "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "functions": ([],),
            "response_format": ({"type": "text"},)}
@@ -72,8 +76,7 @@ def check_fields(body: dict, endpoint: str) -> None:
     for key, neutral in NEUTRAL.items():
         value = body.get(key)
         if key in body and key not in FIELDS[endpoint] and value is not None and not is_neutral(value, neutral):
-            raise ApiError(400, f"{key}={json.dumps(value)} is not supported by nanospec; remove it"
-                                + (" (n = 1: one choice per request)" if key == "n" else ""), param=key)
+            raise ApiError(400, f"{key}={json.dumps(value)} is not supported by nanospec; remove it", param=key)
 
 
 def is_neutral(value, neutral: tuple) -> bool:
@@ -157,20 +160,22 @@ def completion_prompt(llm, body: dict) -> tuple[str, list[int]]:
                         + json.dumps(prompt)[:80], param="prompt")
 
 
-def usage(req, speculation: bool) -> dict:
-    """prompt_tokens, completion_tokens (the end-of-sequence token counted, as vLLM counts it), and
-    with a proposer the request's own speculation: drafts found and accepted, the acceptance length
-    (tokens a decode step with drafts gave it) and the acceptance rate per draft position."""
-    out = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-           "total_tokens": len(req.prompt_ids) + len(req.output_ids)}
+def usage(reqs: list, speculation: bool) -> dict:
+    """prompt_tokens (once for the n choices), completion_tokens (theirs together, the end-of-sequence
+    token counted, as vLLM counts it), and with a proposer their own speculation: drafts found and
+    accepted, the acceptance length (tokens a decode step with drafts gave them) and the acceptance
+    rate per draft position."""
+    prompt, completion = len(reqs[0].prompt_ids), sum(len(r.output_ids) for r in reqs)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if speculation:
-        steps = req.spec_steps
+        steps, accepted = sum(r.spec_steps for r in reqs), sum(r.accepted for r in reqs)
+        per_position = lambda name: [sum(c) for c in itertools.zip_longest(*(getattr(r, name) for r in reqs), fillvalue=0)]
+        drafted_at, accepted_at = per_position("drafted_per_position"), per_position("accepted_per_position")
         out["speculation"] = {
-            "draft_steps": steps, "draft_tokens": req.drafted, "accepted_tokens": req.accepted,
-            "acceptance_length": round(1 + req.accepted / steps, 4) if steps else None,
+            "draft_steps": steps, "draft_tokens": sum(r.drafted for r in reqs), "accepted_tokens": accepted,
+            "acceptance_length": round(1 + accepted / steps, 4) if steps else None,
             "acceptance_rate_per_position": [round(a / d, 4) for a, d in
-                                             zip(req.accepted_per_position + [0] * len(req.drafted_per_position),
-                                                 req.drafted_per_position)]}
+                                             zip(accepted_at + [0] * len(drafted_at), drafted_at)]}
     return out
 
 
@@ -235,11 +240,11 @@ class Server:
             if (error := self.auth_error(request)) is not None:
                 raise error
             body = await self.read_body(request)
-            req = self.new_request(body, endpoint)
-            reply = Reply(self, req, endpoint, body)   # checks stream_options
-            updates: asyncio.Queue[Update] = asyncio.Queue()
+            reqs = self.new_requests(body, endpoint)
+            reply = Reply(self, reqs, endpoint, body)   # checks stream_options
+            updates: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()   # (choice, update)
             loop = asyncio.get_running_loop()
-            self.loop.submit(req, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
+            self.loop.submit([(req, functools.partial(post_update, loop, updates, i)) for i, req in enumerate(reqs)])
         except ApiError as e:
             return e.response()
         except QueueFull as e:
@@ -259,13 +264,19 @@ class Server:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    def new_request(self, body: dict, endpoint: str):
+    def new_requests(self, body: dict, endpoint: str) -> list:
+        """The engine requests of the body's n choices: one prompt, and with a seed, choice i's is
+        seed + i (vLLM's rule)."""
         check_fields(body, endpoint)
         model = body.get("model")
         if model is not None and model != self.name:
             raise ApiError(404, f"the model {json.dumps(model)} is not served here; use {json.dumps(self.name)} "
                                 "(GET /v1/models)", param="model", code="model_not_found")
         bool_field(body, "stream", False)
+        n, most = 1 if body.get("n") is None else body["n"], max(1, self.loop.max_waiting)
+        if not (is_int(n) and 1 <= n <= most):   # (more than may wait could never be queued)
+            raise ApiError(400, f"n must be an integer in 1..{most} (the server's --max-queue), got {json.dumps(n)}",
+                           param="n")
         llm = self.llm
         if endpoint == "chat":
             messages = body.get("messages")
@@ -280,115 +291,163 @@ class Server:
             (text, ids), default_max = completion_prompt(llm, body), 16     # completions: the API's 16
         params = sampling_params(body, default_max, llm.sampling_defaults, chat=endpoint == "chat")
         self.count += 1
-        return llm.engine.new_request(self.count, text, ids, params)
+        return [llm.engine.new_request(self.count, text, ids, dataclasses.replace(
+                    params, seed=None if params.seed is None else params.seed + i)) for i in range(n)]
 
     async def whole(self, request: HttpRequest, reply: "Reply", updates: asyncio.Queue):
-        checked = time.monotonic()
-        while True:
+        checked, pending = time.monotonic(), set(range(len(reply.choices)))
+        while pending:
             try:
-                update = await asyncio.wait_for(updates.get(), timeout=1.0)
+                i, update = await asyncio.wait_for(updates.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 update = None
             if time.monotonic() - checked >= 1.0:   # once a second, however fast the updates come
                 checked = time.monotonic()
-                if await request.is_disconnected():   # the client went away: its request is aborted
-                    self.loop.abort(reply.req)
+                if await request.is_disconnected():   # the client went away: its requests are aborted
+                    self.abort(reply, pending)
                     return Response(status_code=499)
             if update is None:
                 continue
-            reply.text.push(update)
+            choice = reply.choices[i]
+            choice.text.push(update)
+            if update.finish_reason == "error":   # one choice failed: the answer is an error
+                pending.discard(i)
+                self.abort(reply, pending)
+                return ApiError(500, update.error, kind="server_error").response()
             if update.finish_reason is not None:
-                break
-        if update.finish_reason == "error":
-            return ApiError(500, update.error, kind="server_error").response()
-        return reply.whole(update)
+                choice.last = update
+                pending.discard(i)
+        return reply.whole()
 
     async def stream(self, reply: "Reply", updates: asyncio.Queue):
-        """Server-sent events: a chunk per step that gave text, the finish, the usage if asked, [DONE].
-        If the client goes away, the response is cancelled here and the request aborted."""
-        done = False
+        """Server-sent events: per choice, a chunk per step that gave it text (or logprobs) and its
+        finish; then the usage if asked, and [DONE]. If the client goes away, the response is
+        cancelled here and the unfinished choices' requests aborted."""
+        pending = set(range(len(reply.choices)))
         try:
-            yield reply.sse(reply.first_chunk())
-            while not done:
-                update = await updates.get()
-                done = update.finish_reason is not None
+            for chunk in reply.first_chunks():
+                yield reply.sse(chunk)
+            while pending:
+                i, update = await updates.get()
                 if update.finish_reason == "error":
+                    pending.discard(i)
                     yield reply.sse(ApiError(500, update.error, kind="server_error").body())
                     break
-                delta = reply.text.push(update)
-                if delta or done or (update.logprobs and update.new_ids):   # logprobs: each token's, as it comes
-                    yield reply.sse(reply.chunk(delta, update.finish_reason, update.logprobs))
-            if done and reply.include_usage and update.finish_reason != "error":
+                if update.finish_reason is not None:
+                    pending.discard(i)
+                choice = reply.choices[i]
+                delta = choice.text.push(update)
+                if delta or update.finish_reason or (update.logprobs and update.new_ids):   # logprobs: as tokens come
+                    yield reply.sse(reply.chunk(choice, delta, update.finish_reason, update.logprobs))
+            if not pending and reply.include_usage:
                 yield reply.sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:
-            if not done:
-                self.loop.abort(reply.req)
+            self.abort(reply, pending)
+
+    def abort(self, reply: "Reply", unfinished: set[int]) -> None:
+        for i in unfinished:
+            self.loop.abort(reply.choices[i].req)
+
+
+def post_update(loop, updates: asyncio.Queue, choice: int, update: Update) -> None:
+    """A choice's listener: on the engine loop's thread, hands its update to the response's queue."""
+    loop.call_soon_threadsafe(updates.put_nowait, (choice, update))
+
+
+class Choice:
+    """One of a request's n choices: its engine request, its text as it streams, and where the next
+    token of completions' logprobs starts in it."""
+
+    def __init__(self, index: int, req, tokenizer):
+        self.index, self.req = index, req
+        self.text = TextStream(tokenizer, req.params.stop, req.params.skip_special_tokens)
+        self.text_offset = 0
+        self.decoder = utf8_decoder()   # the logprobs' tokens' bytes so far (a split character's held)
+        self.last: Update | None = None   # its last update, once it finished
+
+
+def utf8_decoder():
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
+def text_added(decoder, data: bytes) -> str:
+    """The text `data` would add after the bytes `decoder` has taken, which it leaves as they are."""
+    probe = utf8_decoder()
+    probe.setstate(decoder.getstate())
+    return probe.decode(data)
 
 
 class Reply:
-    """One request's answer in the endpoint's shape: whole, or as stream chunks."""
+    """One request's answer in the endpoint's shape, its n choices: whole, or as stream chunks."""
 
-    def __init__(self, server: Server, req, endpoint: str, body: dict):
-        self.server, self.req, self.chat = server, req, endpoint == "chat"
+    def __init__(self, server: Server, reqs: list, endpoint: str, body: dict):
+        self.server, self.chat = server, endpoint == "chat"
+        self.choices = [Choice(i, req, server.llm.tokenizer) for i, req in enumerate(reqs)]
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.text = TextStream(server.llm.tokenizer, req.params.stop, req.params.skip_special_tokens)
         self.include_usage = include_usage(body)
-        self.text_offset = 0   # completions' logprobs: where the next token's text starts
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.name}
 
     def usage(self) -> dict:
-        return usage(self.req, self.server.llm.engine.proposer is not None)
+        return usage([c.req for c in self.choices], self.server.llm.engine.proposer is not None)
 
-    def whole(self, update: Update) -> dict:
-        text = update.text or ""
-        logprobs = self.logprobs(self.req.output_ids, self.req.logprobs)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": update.finish_reason}
-            return {**self.head("chat.completion"), "choices": [choice], "usage": self.usage()}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": update.finish_reason}
-        return {**self.head("text_completion"), "choices": [choice], "usage": self.usage()}
+    def whole(self) -> dict:
+        choices = []
+        for c in self.choices:
+            text, logprobs = c.last.text or "", self.logprobs(c, c.req.output_ids, c.req.logprobs)
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": text}} if self.chat else
+                           {"index": c.index, "text": text})
+            choices[-1].update(logprobs=logprobs, finish_reason=c.last.finish_reason)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self.head(kind), "choices": choices, "usage": self.usage()}
 
-    def first_chunk(self) -> dict | None:
+    def first_chunks(self) -> list[dict]:
         if not self.chat:
-            return None
-        return {**self.head("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]}
+            return []
+        return [{**self.head("chat.completion.chunk"),
+                 "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]} for c in self.choices]
 
-    def chunk(self, delta: str, finish_reason: str | None, logprobs: list[tuple[int, dict]] | None = None) -> dict:
-        logprobs = self.logprobs([t for t, _ in logprobs], [e for _, e in logprobs]) if logprobs else None
+    def chunk(self, choice: Choice, delta: str, finish_reason: str | None,
+              logprobs: list[tuple[int, dict]] | None = None) -> dict:
+        logprobs = self.logprobs(choice, [t for t, _ in logprobs], [e for _, e in logprobs]) if logprobs else None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                      "finish_reason": finish_reason}
-            return {**self.head("chat.completion.chunk"), "choices": [choice]}
+            body = {"index": choice.index, "delta": {"content": delta} if delta or logprobs else {}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+            return {**self.head("chat.completion.chunk"), "choices": [body]}
         return {**self.head("text_completion"),
-                "choices": [{"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    def logprobs(self, ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
+    def logprobs(self, choice: Choice, ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
         """The OpenAI shape of these tokens' logprobs (None where not asked): chat's content list
-        (token, logprob, bytes, the N most likely), completions' parallel lists (tokens,
-        token_logprobs, top_logprobs: the N most likely and the sampled, text_offset). A token is its
-        own decoded text; -inf is -9999.0, as vLLM writes it (JSON has no infinity)."""
+        (token, logprob, bytes, the N most likely: by logprob, as the API says, where vLLM puts the
+        sampled token first), completions' parallel lists (tokens, token_logprobs, top_logprobs:
+        the N most likely and the sampled, text_offset). A token is the text it adds to the output
+        (a character split across tokens comes whole with its last token, the others "", as vLLM
+        corrects them), its bytes its own (the API's: joined, they are the text's); -inf is
+        -9999.0, as vLLM writes it (JSON has no infinity)."""
         if entries is None:
             return None
-        token = lambda t: self.server.llm.tokenizer.decode([t])
+        raw = lambda t: self.server.llm.tokenizer.decode_bytes([t])
         value = lambda v: max(v, -9999.0)
-        top_n = self.req.params.logprobs
+        steps = []   # per token: its text, and each alternative's (the text it would have added there)
+        for t, entry in zip(ids, entries):
+            alternatives = {u: text_added(choice.decoder, raw(u)) for u in entry}
+            steps.append((choice.decoder.decode(raw(t)), alternatives))
         if self.chat:
-            def item(t, v):
-                return {"token": token(t), "logprob": value(v), "bytes": list(token(t).encode("utf-8", "replace"))}
-            return {"content": [{**item(t, e[t]), "top_logprobs": [item(u, v) for u, v in most_likely(e, top_n)]}
-                                for t, e in zip(ids, entries)]}
-        tokens = [token(t) for t in ids]
-        offsets = [self.text_offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
-        self.text_offset += sum(map(len, tokens))
+            item = lambda u, text, v: {"token": text, "logprob": value(v), "bytes": list(raw(u))}
+            return {"content": [{**item(t, text, e[t]),
+                                 "top_logprobs": [item(u, alternatives[u], v) for u, v in most_likely(e, choice.req.params.logprobs)]}
+                                for t, e, (text, alternatives) in zip(ids, entries, steps)]}
+        tokens = [text for text, _ in steps]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=choice.text_offset))
+        choice.text_offset = offsets.pop()
         return {"tokens": tokens, "token_logprobs": [value(e[t]) for t, e in zip(ids, entries)],
-                "top_logprobs": [{token(u): value(v) for u, v in e.items()} for e in entries], "text_offset": offsets}
+                "top_logprobs": [{alternatives[u]: value(v) for u, v in e.items()} for e, (_, alternatives) in zip(entries, steps)],
+                "text_offset": offsets}
 
     def usage_chunk(self) -> dict:
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],

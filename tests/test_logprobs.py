@@ -50,3 +50,11 @@ def test_logprobs_beyond_20_are_refused(tiny_llm):
     for bad in (21, -1, 2.0, True):
         with pytest.raises(NanospecError, match="logprobs must be an integer"):
             tiny_llm.generate("a", SamplingParams(max_tokens=2, logprobs=bad))
+
+
+def test_more_logprobs_than_a_vocabulary_holds_are_all_of_it(tmp_path):
+    """A toy vocabulary of 16 ids and logprobs = 20: every id's, not a failed step."""
+    from conftest import write_checkpoint
+    folder = write_checkpoint(str(tmp_path / "toy"), "qwen3", vocab_size=300, model_vocab=16)
+    out = LLM(folder, **KV).generate([[1, 2]], SamplingParams(temperature=0, max_tokens=3, logprobs=20))[0]
+    assert [len(e) for e in out.logprobs] == [16] * 3

@@ -201,7 +201,9 @@ def error(status_body):
     (b"{bad", 400, "not valid JSON"),
     (b"[1, 2]", 400, "must be a JSON object"),
     ({"prompt": "x", "foo": 1}, 400, "unknown field foo"),
-    ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"prompt": "x", "n": 0}, 400, "n must be an integer in 1..1024"),
+    ({"prompt": "x", "n": "2"}, 400, "n must be an integer in 1..1024"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of=2 is not supported"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs must be an integer in 0..20"),
     ({"prompt": "x", "logprobs": True}, 400, "logprobs must be an integer in 0..20"),   # completions' is a count
     ({"prompt": "x", "echo": True}, 400, "echo=true is not supported"),
@@ -263,7 +265,7 @@ def test_a_full_queue_is_503_with_retry_after(tiny_llm):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(request, timeout=30)
         assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
-        assert "already waiting" in json.loads(e.value.read())["error"]["message"]
+        assert "already do; retry later" in json.loads(e.value.read())["error"]["message"]
         server.loop.max_waiting = 10
         assert client(url).completions.create(model=NAME, prompt="x", max_tokens=2).choices
 
@@ -278,9 +280,13 @@ def tiny_served(spec_models):
 def test_the_loop_counts_its_waiting_requests(tiny_llm):
     loop = EngineLoop(tiny_llm.engine, max_waiting=1)   # not started: nothing leaves the inbox
     make = lambda: tiny_llm.engine.new_request(0, "", [5, 6], SamplingParams(max_tokens=2))
-    loop.submit(make(), print)
-    with pytest.raises(QueueFull, match="1 requests are already waiting"):
-        loop.submit(make(), print)
+    loop.submit([(make(), print)])
+    with pytest.raises(QueueFull, match="1 requests may wait and 1 already do"):
+        loop.submit([(make(), print)])
+    loop = EngineLoop(tiny_llm.engine, max_waiting=2)
+    with pytest.raises(QueueFull, match="2 requests may wait and 0 already do"):   # n choices: all or none
+        loop.submit([(make(), print) for _ in range(3)])
+    assert loop.num_waiting() == 0
 
 
 def test_a_step_that_raises_midway_fails_what_the_loop_holds_and_leaves_no_kv(spec_models, monkeypatch):
@@ -298,8 +304,8 @@ def test_a_step_that_raises_midway_fails_what_the_loop_holds_and_leaves_no_kv(sp
     loop, updates = EngineLoop(llm.engine), []
 
     def serve_one(prompt_ids):   # what loop() does with one arrival, then one step
-        loop.submit(llm.engine.new_request(0, "", prompt_ids, SamplingParams(temperature=0, max_tokens=4)),
-                    updates.append)
+        loop.submit([(llm.engine.new_request(0, "", prompt_ids, SamplingParams(temperature=0, max_tokens=4)),
+                      updates.append)])
         t = loop.inbox.popleft()
         loop.tracked[id(t.req)] = t
         llm.engine.add_requests([t.req])
@@ -426,37 +432,41 @@ def test_special_tokens_left_out_of_the_text_whole_and_streamed(tiny_llm):
 def test_logprobs_whole_and_streamed_are_offline_generates_in_the_openai_shape(tiny_llm):
     """Completions' logprobs = N and chat's logprobs / top_logprobs, whole and streamed, give each
     output token's logprob and the most likely tokens' as offline generate computes them (which
-    tests/test_logprobs.py holds to transformers), in the OpenAI client's types."""
-    sampled = dict(temperature=0.9, max_tokens=8, seed=4)
+    tests/test_logprobs.py holds to transformers), in the OpenAI client's types. The random model
+    splits characters across tokens: a token is the text it adds (joined: the output's text, special
+    tokens kept), its bytes its own (joined: the output's bytes)."""
+    sampled = dict(temperature=0.9, max_tokens=12, seed=4)
     messages = [{"role": "user", "content": "hi"}]
+    tok = tiny_llm.tokenizer
     offline = tiny_llm.generate("a", SamplingParams(**sampled, ignore_eos=True, logprobs=3))[0]
     chat = tiny_llm.chat(messages, SamplingParams(**sampled, logprobs=2))[0]
-    text = lambda t: tiny_llm.tokenizer.decode([t])
+    assert tok.decode(offline.token_ids).count("\ufffd") >= 2   # it does split characters
     with serving(tiny_llm) as (_, url):
         api = client(url)
         whole = api.completions.create(model=NAME, prompt="a", logprobs=3, extra_body={"ignore_eos": True}, **sampled)
         streamed = list(api.completions.create(model=NAME, prompt="a", logprobs=3, stream=True,
                                                extra_body={"ignore_eos": True}, **sampled))
-        for logprobs in [whole.choices[0].logprobs] + [None]:
-            if logprobs is None:   # the stream's chunks, joined
-                parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
-                logprobs = type(parts[0])(**{k: sum((getattr(p, k) for p in parts), []) for k in
-                                            ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
-            assert logprobs.tokens == [text(t) for t in offline.token_ids]
+        parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+        joined = type(parts[0])(**{k: sum((getattr(p, k) for p in parts), []) for k in
+                                   ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+        for logprobs in (whole.choices[0].logprobs, joined):
+            assert "".join(logprobs.tokens) == tok.output_text(offline.token_ids, skip_special=False)
             assert logprobs.token_logprobs == pytest.approx([e[t] for t, e in zip(offline.token_ids, offline.logprobs)])
-            # (by text: two ids may decode to one string, U+FFFD, and share a key, as in vLLM)
-            assert [sorted(d) for d in logprobs.top_logprobs] == [sorted(set(map(text, e))) for e in offline.logprobs]
+            for top, entry in zip(logprobs.top_logprobs, offline.logprobs):   # (texts may coincide: "" for a part)
+                assert all(any(v == pytest.approx(w) for w in entry.values()) for v in top.values()) and len(top) <= 4
             assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
         got = api.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=2, **sampled)
         stream = api.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=2,
                                              stream=True, **sampled)
         streamed = [item for c in stream if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
         for content in (got.choices[0].logprobs.content, streamed):
-            assert [c.token for c in content] == [text(t) for t in chat.token_ids]
+            assert b"".join(bytes(c.bytes) for c in content) == tok.decode_bytes(chat.token_ids)
+            assert "".join(c.token for c in content) == tok.output_text(chat.token_ids, skip_special=False)
             for c, t, e in zip(content, chat.token_ids, chat.logprobs):
-                assert c.logprob == pytest.approx(e[t]) and c.bytes == list(text(t).encode())
-                top = sorted(e.items(), key=lambda item: -item[1])[:2]
-                assert [(x.token, x.logprob) for x in c.top_logprobs] == [(text(u), pytest.approx(v)) for u, v in top]
+                assert c.logprob == pytest.approx(e[t])
+                top = sorted(e.items(), key=lambda item: -item[1])[:2]   # the 2 most likely, by logprob
+                assert [(bytes(x.bytes), x.logprob) for x in c.top_logprobs] == \
+                    [(tok.decode_bytes([u]), pytest.approx(v)) for u, v in top]
         plain = api.chat.completions.create(model=NAME, messages=messages, **sampled)
         assert plain.choices[0].logprobs is None
 
