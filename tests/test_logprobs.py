@@ -58,3 +58,20 @@ def test_more_logprobs_than_a_vocabulary_holds_are_all_of_it(tmp_path):
     folder = write_checkpoint(str(tmp_path / "toy"), "qwen3", vocab_size=300, model_vocab=16)
     out = LLM(folder, **KV).generate([[1, 2]], SamplingParams(temperature=0, max_tokens=3, logprobs=20))[0]
     assert [len(e) for e in out.logprobs] == [16] * 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("proposer", ["plain", "self_draft"])
+def test_cuda_logprobs_are_the_cpus(spec_models, proposer):
+    """On CUDA (graphs for the other steps, a logprobs step eagerly), float32: the same tokens and
+    logprobs as on the CPU, within float32 noise, a request without logprobs beside them."""
+    args = {} if proposer == "plain" else proposer_args(spec_models, proposer)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=3)]
+    outs = {device: LLM(spec_models["target"], device=device, dtype="float32", num_kv_blocks=200, **args)
+            .generate(PROMPTS[:2], params) for device in ("cpu", "cuda")}
+    (cpu, _), (cuda, _) = outs["cpu"], outs["cuda"]
+    assert cuda.token_ids == cpu.token_ids
+    for got, want in zip(cuda.logprobs, cpu.logprobs):
+        assert list(got) == list(want) and all(abs(got[t] - want[t]) < 1e-3 for t in want)
