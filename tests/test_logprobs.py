@@ -74,4 +74,4 @@ def test_cuda_logprobs_are_the_cpus(spec_models, proposer):
     (cpu, _), (cuda, _) = outs["cpu"], outs["cuda"]
     assert cuda.token_ids == cpu.token_ids
     for got, want in zip(cuda.logprobs, cpu.logprobs):
-        assert list(got) == list(want) and all(abs(got[t] - want[t]) < 1e-3 for t in want)
+        assert set(got) == set(want) and all(abs(got[t] - want[t]) < 1e-3 for t in want)
