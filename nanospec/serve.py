@@ -146,26 +146,29 @@ def include_usage(body: dict) -> bool:
     return bool_field(options, "include_usage", False)
 
 
-def completion_prompt(llm, body: dict) -> tuple[str, list[int]]:
-    """The prompt text (for the record) and its token ids: a string, a list of token ids, or a list
-    of one of either."""
+def completion_prompts(llm, body: dict) -> list[tuple[str, list[int]]]:
+    """Each prompt's text (for the record) and token ids: a string, a list of token ids, or a list
+    of either (a batch of prompts, as the API and vLLM take them)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt, llm.tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        return "", prompt
-    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request), got "
-                        + json.dumps(prompt)[:80], param="prompt")
+    many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = []
+    for p in prompt if many else [prompt]:
+        if isinstance(p, str):
+            prompts.append((p, llm.tokenizer.encode(p)))
+        elif isinstance(p, list) and p and all(is_int(t) for t in p):
+            prompts.append(("", p))
+        else:
+            raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either, got "
+                                + json.dumps(prompt)[:80], param="prompt")
+    return prompts
 
 
-def usage(reqs: list, speculation: bool) -> dict:
-    """prompt_tokens (once for the n choices), completion_tokens (theirs together, the end-of-sequence
-    token counted, as vLLM counts it), and with a proposer their own speculation: drafts found and
-    accepted, the acceptance length (tokens a decode step with drafts gave them) and the acceptance
-    rate per draft position."""
-    prompt, completion = len(reqs[0].prompt_ids), sum(len(r.output_ids) for r in reqs)
+def usage(reqs: list, n: int, speculation: bool) -> dict:
+    """prompt_tokens (each prompt's once for its n choices), completion_tokens (every choice's, the
+    end-of-sequence token counted, as vLLM counts it), and with a proposer their own speculation:
+    drafts found and accepted, the acceptance length (tokens a decode step with drafts gave them) and
+    the acceptance rate per draft position."""
+    prompt, completion = sum(len(r.prompt_ids) for r in reqs[::n]), sum(len(r.output_ids) for r in reqs)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if speculation:
         steps, accepted = sum(r.spec_steps for r in reqs), sum(r.accepted for r in reqs)
@@ -265,8 +268,8 @@ class Server:
         return body
 
     def new_requests(self, body: dict, endpoint: str) -> list:
-        """The engine requests of the body's n choices: one prompt, and with a seed, choice i's is
-        seed + i (vLLM's rule)."""
+        """The engine requests of the body's choices: n per prompt (chat and most completions have
+        one), with a seed, a prompt's i-th seeded seed + i (vLLM's rule)."""
         check_fields(body, endpoint)
         model = body.get("model")
         if model is not None and model != self.name:
@@ -285,14 +288,19 @@ class Server:
             ids = llm.encode_chat(messages, chat_template_kwargs=body.get("chat_template_kwargs"),
                                   add_generation_prompt=bool_field(body, "add_generation_prompt", True))
             # chat: up to the context, or the checkpoint's max_new_tokens if less (vLLM's choice)
-            text, default_max = "", min(max(1, llm.max_model_len - len(ids)),
-                                        llm.sampling_defaults.get("max_tokens", llm.max_model_len))
+            prompts, default_max = [("", ids)], min(max(1, llm.max_model_len - len(ids)),
+                                                    llm.sampling_defaults.get("max_tokens", llm.max_model_len))
         else:
-            (text, ids), default_max = completion_prompt(llm, body), 16     # completions: the API's 16
+            prompts, default_max = completion_prompts(llm, body), 16     # completions: the API's 16
+        if len(prompts) * n > most:
+            raise ApiError(400, f"{len(prompts)} prompts x n = {n} are more requests than may wait ({most}, the "
+                                "server's --max-queue); send fewer", param="prompt")
         params = sampling_params(body, default_max, llm.sampling_defaults, chat=endpoint == "chat")
         self.count += 1
+        # choice prompt * n + i: prompt `prompt`'s i-th, as vLLM numbers them
         return [llm.engine.new_request(self.count, text, ids, dataclasses.replace(
-                    params, seed=None if params.seed is None else params.seed + i)) for i in range(n)]
+                    params, seed=None if params.seed is None else params.seed + i))
+                for text, ids in prompts for i in range(n)]
 
     async def whole(self, request: HttpRequest, reply: "Reply", updates: asyncio.Queue):
         checked, pending = time.monotonic(), set(range(len(reply.choices)))
@@ -387,12 +395,13 @@ class Reply:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = include_usage(body)
+        self.n = 1 if body.get("n") is None else body["n"]   # choices per prompt
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.name}
 
     def usage(self) -> dict:
-        return usage([c.req for c in self.choices], self.server.llm.engine.proposer is not None)
+        return usage([c.req for c in self.choices], self.n, self.server.llm.engine.proposer is not None)
 
     def whole(self) -> dict:
         choices = []

@@ -217,7 +217,9 @@ def error(status_body):
     ({"prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
     ({"prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens must be true or false"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed requests"),
-    ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ({"prompt": ["a", 5]}, 400, "prompt must be a string, a list of token ids, or a list of either"),
+    ({"prompt": []}, 400, "prompt must be a string, a list of token ids, or a list of either"),
+    ({"prompt": ["a"] * 600, "n": 2}, 400, "600 prompts x n = 2 are more requests than may wait"),
     ({"prompt": [999999]}, 400, "outside this model and tokenizer's ids"),
     ({"prompt": "x " * 600}, 400, "the context holds"),
     ({"prompt": "x", "model": "gpt-4"}, 404, 'the model "gpt-4" is not served here'),
@@ -469,6 +471,49 @@ def test_logprobs_whole_and_streamed_are_offline_generates_in_the_openai_shape(t
                     [(tok.decode_bytes([u]), pytest.approx(v)) for u, v in top]
         plain = api.chat.completions.create(model=NAME, messages=messages, **sampled)
         assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_are_n_requests_seeded_seed_plus_i(spec_models):
+    """n choices, whole and streamed, completions and chat, with a proposer: choice i is offline
+    generate's with seed + i (vLLM's rule), usage counts the prompt once and every choice's tokens;
+    a batch of prompts gives prompt p's i-th as choice p * n + i; a client that leaves a stream of n
+    choices midway leaves no request behind."""
+    llm = LLM(spec_models["target"], ngram=True, **KV)
+    unseeded = dict(temperature=0.8, max_tokens=10)
+    sampled = dict(unseeded, seed=7)
+    offline = llm.generate([PROMPTS[0]] * 3, [params(unseeded, seed=7 + i) for i in range(3)])
+    chats = [llm.chat(CONVERSATIONS[0], params(unseeded, seed=7 + i))[0] for i in range(3)]
+    expected = llm.generate([PROMPTS[0]] * 2 + [PROMPTS[2]] * 2, [params(unseeded, seed=7 + i % 2) for i in range(4)])
+    with serving(llm) as (_, url):
+        api = client(url)
+        whole = api.completions.create(model=NAME, prompt=PROMPTS[0], n=3, **sampled)
+        assert [c.index for c in whole.choices] == [0, 1, 2]
+        assert [c.text for c in whole.choices] == [o.text for o in offline]
+        assert len({c.text for c in whole.choices}) > 1   # seeded apart
+        assert whole.usage.prompt_tokens == len(offline[0].prompt_token_ids)
+        assert whole.usage.completion_tokens == sum(len(o.token_ids) for o in offline)
+        stream = api.chat.completions.create(model=NAME, messages=CONVERSATIONS[0], n=3, stream=True,
+                                             stream_options={"include_usage": True}, **sampled)
+        texts, finished = ["", "", ""], [None] * 3
+        for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                finished[c.index] = c.finish_reason or finished[c.index]
+        assert texts == [o.text for o in chats] and finished == [o.finish_reason for o in chats]
+        assert chunk.usage.completion_tokens == sum(len(o.token_ids) for o in chats)
+        greedy = api.completions.create(model=NAME, prompt=PROMPTS[1], n=2, temperature=0, max_tokens=6)
+        assert greedy.choices[0].text == greedy.choices[1].text
+        batch = api.completions.create(model=NAME, prompt=[PROMPTS[0], PROMPTS[2]], n=2, **sampled)
+        assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [o.text for o in expected]
+        assert batch.usage.prompt_tokens == len(expected[0].prompt_token_ids) + len(expected[2].prompt_token_ids)
+        long = api.completions.create(model=NAME, prompt=PROMPTS[0], n=4, stream=True, max_tokens=200,
+                                      extra_body={"ignore_eos": True})
+        next(iter(long))
+        long.close()   # the client leaves: all four are aborted
+        deadline = time.time() + 30
+        while llm.engine.scheduler.has_work() and time.time() < deadline:
+            time.sleep(0.05)
+    assert_no_leak(llm)
 
 
 def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
