@@ -33,6 +33,7 @@ from nanospec.sampler import Sampler
 
 # Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
 MIN_TEMPERATURE = 1e-5
+MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20   # the most likely tokens a request may ask logprobs of: vLLM's max_logprobs default, the API's top_logprobs
 
 
@@ -61,7 +62,7 @@ class SamplingParams:
         check_int(self.top_k, param("top_k"), low=0, high=2**63 - 1, fix="0 is off")
         check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
         if self.seed is not None:
-            check_int(self.seed, param("seed"), low=0, high=2**63 - 1)
+            check_int(self.seed, param("seed"), low=0, high=MAX_SEED)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise NanospecError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanospec.cli import add_model_args, add_speculation_args, frozen_gc_heap, load_llm, log, parser
-from nanospec.engine import MAX_LOGPROBS, SamplingParams
+from nanospec.engine import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
 from nanospec.errors import NanospecError, is_int, run_command
 from nanospec.metrics import Metrics
@@ -192,7 +192,6 @@ class Server:
         self.metrics = Metrics(llm.engine, name)
         self.loop = EngineLoop(llm.engine, self.metrics, max_waiting)
         self.created = int(time.time())
-        self.count = 0   # requests taken, for their index in error messages
 
     def app(self) -> FastAPI:
         @contextlib.asynccontextmanager
@@ -243,8 +242,8 @@ class Server:
             if (error := self.auth_error(request)) is not None:
                 raise error
             body = await self.read_body(request)
-            reqs = self.new_requests(body, endpoint)
-            reply = Reply(self, reqs, endpoint, body)   # checks stream_options
+            reqs, n = self.new_requests(body, endpoint)
+            reply = Reply(self, reqs, n, endpoint, body)   # checks stream_options
             updates: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()   # (choice, update)
             loop = asyncio.get_running_loop()
             self.loop.submit([(req, functools.partial(post_update, loop, updates, i)) for i, req in enumerate(reqs)])
@@ -267,9 +266,9 @@ class Server:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    def new_requests(self, body: dict, endpoint: str) -> list:
-        """The engine requests of the body's choices: n per prompt (chat and most completions have
-        one), with a seed, a prompt's i-th seeded seed + i (vLLM's rule)."""
+    def new_requests(self, body: dict, endpoint: str) -> tuple[list, int]:
+        """The engine requests of the body's choices, n per prompt (chat and most completions have
+        one prompt; a prompt's i-th seeded seed + i, vLLM's rule), and n."""
         check_fields(body, endpoint)
         model = body.get("model")
         if model is not None and model != self.name:
@@ -296,11 +295,13 @@ class Server:
             raise ApiError(400, f"{len(prompts)} prompts x n = {n} are more requests than may wait ({most}, the "
                                 "server's --max-queue); send fewer", param="prompt")
         params = sampling_params(body, default_max, llm.sampling_defaults, chat=endpoint == "chat")
-        self.count += 1
-        # choice prompt * n + i: prompt `prompt`'s i-th, as vLLM numbers them
-        return [llm.engine.new_request(self.count, text, ids, dataclasses.replace(
+        if params.seed is not None and params.seed + n - 1 > MAX_SEED:
+            raise ApiError(400, f"with n = {n}, seed may be at most 2**63 - {n} (choice i is seeded seed + i), got "
+                                f"{params.seed}", param="seed")
+        # choice p * n + i: prompt p's i-th, as vLLM numbers them; an error names the prompt by its place
+        return [llm.engine.new_request(p, text, ids, dataclasses.replace(
                     params, seed=None if params.seed is None else params.seed + i))
-                for text, ids in prompts for i in range(n)]
+                for p, (text, ids) in enumerate(prompts) for i in range(n)], n
 
     async def whole(self, request: HttpRequest, reply: "Reply", updates: asyncio.Queue):
         checked, pending = time.monotonic(), set(range(len(reply.choices)))
@@ -331,14 +332,15 @@ class Server:
         """Server-sent events: per choice, a chunk per step that gave it text (or logprobs) and its
         finish; then the usage if asked, and [DONE]. If the client goes away, the response is
         cancelled here and the unfinished choices' requests aborted."""
-        pending = set(range(len(reply.choices)))
+        pending, failed = set(range(len(reply.choices))), False
         try:
             for chunk in reply.first_chunks():
                 yield reply.sse(chunk)
             while pending:
                 i, update = await updates.get()
-                if update.finish_reason == "error":
+                if update.finish_reason == "error":   # the error, then [DONE] (no usage), as vLLM ends it
                     pending.discard(i)
+                    failed = True
                     yield reply.sse(ApiError(500, update.error, kind="server_error").body())
                     break
                 if update.finish_reason is not None:
@@ -347,7 +349,7 @@ class Server:
                 delta = choice.text.push(update)
                 if delta or update.finish_reason or (update.logprobs and update.new_ids):   # logprobs: as tokens come
                     yield reply.sse(reply.chunk(choice, delta, update.finish_reason, update.logprobs))
-            if not pending and reply.include_usage:
+            if not pending and not failed and reply.include_usage:
                 yield reply.sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:
@@ -389,13 +391,12 @@ def text_added(decoder, data: bytes) -> str:
 class Reply:
     """One request's answer in the endpoint's shape, its n choices: whole, or as stream chunks."""
 
-    def __init__(self, server: Server, reqs: list, endpoint: str, body: dict):
-        self.server, self.chat = server, endpoint == "chat"
+    def __init__(self, server: Server, reqs: list, n: int, endpoint: str, body: dict):
+        self.server, self.chat, self.n = server, endpoint == "chat", n   # n: choices per prompt
         self.choices = [Choice(i, req, server.llm.tokenizer) for i, req in enumerate(reqs)]
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = include_usage(body)
-        self.n = 1 if body.get("n") is None else body["n"]   # choices per prompt
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.name}
@@ -436,8 +437,9 @@ class Reply:
         sampled token first), completions' parallel lists (tokens, token_logprobs, top_logprobs:
         the N most likely and the sampled, text_offset). A token is the text it adds to the output
         (a character split across tokens comes whole with its last token, the others "", as vLLM
-        corrects them), its bytes its own (the API's: joined, they are the text's); -inf is
-        -9999.0, as vLLM writes it (JSON has no infinity)."""
+        corrects them; after a character left unfinished, the U+FFFD the output's text has there
+        starts the next token's text, where vLLM leaves it out), its bytes its own (the API's:
+        joined, they are the text's); -inf is -9999.0, as vLLM writes it (JSON has no infinity)."""
         if entries is None:
             return None
         raw = lambda t: self.server.llm.tokenizer.decode_bytes([t])

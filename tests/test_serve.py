@@ -220,6 +220,8 @@ def error(status_body):
     ({"prompt": ["a", 5]}, 400, "prompt must be a string, a list of token ids, or a list of either"),
     ({"prompt": []}, 400, "prompt must be a string, a list of token ids, or a list of either"),
     ({"prompt": ["a"] * 600, "n": 2}, 400, "600 prompts x n = 2 are more requests than may wait"),
+    ({"prompt": "a", "n": 3, "seed": 2**63 - 2}, 400, "with n = 3, seed may be at most 2**63 - 3"),
+    ({"prompt": ["hello", ""]}, 400, "prompt 1 is empty"),   # its place in the list
     ({"prompt": [999999]}, 400, "outside this model and tokenizer's ids"),
     ({"prompt": "x " * 600}, 400, "the context holds"),
     ({"prompt": "x", "model": "gpt-4"}, 404, 'the model "gpt-4" is not served here'),
@@ -289,6 +291,30 @@ def test_the_loop_counts_its_waiting_requests(tiny_llm):
     with pytest.raises(QueueFull, match="2 requests may wait and 0 already do"):   # n choices: all or none
         loop.submit([(make(), print) for _ in range(3)])
     assert loop.num_waiting() == 0
+
+
+def test_a_failed_stream_ends_with_its_error_and_done_without_usage(spec_models, monkeypatch):
+    """A step that fails midway: a streamed request (n = 1 and n = 2) gets the error, then [DONE];
+    no usage chunk, though it asked for one (as vLLM ends such a stream)."""
+    llm = LLM(spec_models["target"], **KV)
+    real_step, calls = llm.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("boom")
+        return real_step()
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with serving(llm) as (_, url):
+        for n in (1, 2):
+            body = {"prompt": "a", "n": n, "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
+                    "ignore_eos": True}
+            request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as r:
+                events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and "boom" in json.loads(events[-2])["error"]["message"]
+            assert not any('"usage"' in e for e in events)
 
 
 def test_a_step_that_raises_midway_fails_what_the_loop_holds_and_leaves_no_kv(spec_models, monkeypatch):
