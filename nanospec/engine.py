@@ -49,6 +49,8 @@ class SamplingParams:
     num_speculative_tokens: int | None = None   # at most this K for this request (0: no speculation); None: the engine's
     skip_special_tokens: bool = True   # the text leaves out special tokens (token_ids keep them), as in vLLM
     logprobs: int | None = None  # the log-probability of each output token and of the N most likely (0: its own only)
+    stop_token_ids: list[int] = field(default_factory=list)   # tokens that end it as EOS does (kept in token_ids)
+    include_stop_str_in_output: bool = False   # the text keeps the stop string or stop token that ended it
 
     def validate(self) -> None:
         """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
@@ -63,13 +65,17 @@ class SamplingParams:
         check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
         if self.seed is not None:
             check_int(self.seed, param("seed"), low=0, high=MAX_SEED)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise NanospecError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.num_speculative_tokens is not None:
             check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0, fix="0 turns speculation off")
         if self.logprobs is not None:
             check_int(self.logprobs, param("logprobs"), low=0, high=MAX_LOGPROBS)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise NanospecError(f"{param('stop_token_ids')} must be a list of token ids, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            check_int(token, f"each of {param('stop_token_ids')}", low=0)
         self.stop = stop_strings(self.stop)
 
 
@@ -660,7 +666,8 @@ class Engine:
             if req.logprobs is not None:
                 req.logprobs.append(req.step_logprobs[i])
             self.stats.generated_tokens += 1
-            end = (("stop", True) if token in self.eos_ids and not req.params.ignore_eos else   # (reason, drop_last)
+            stop_token = (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids
+            end = (("stop", not req.params.include_stop_str_in_output) if stop_token else   # (reason, drop_last)
                    ("stop", False) if req.params.stop and self.hit_stop_string(req) else
                    ("length", False) if len(req.tokens) >= req.max_len else None)
             if end:
@@ -708,9 +715,10 @@ class Engine:
         if not any(s in tail for s in req.params.stop):
             return False
         text = tok.output_text(req.output_ids, skip)
-        found = [text.find(s) for s in req.params.stop if s in text]   # (a stop holding U+FFFD may match only the tail's cut start)
+        # (a stop holding U+FFFD may match only the tail's cut start)
+        found = [(text.find(s), len(s) * req.params.include_stop_str_in_output) for s in req.params.stop if s in text]
         if found:
-            req.text = text[:min(found)]
+            req.text = text[:sum(min(found))]   # before the first stop, or through it
         return bool(found)
 
     def finish(self, req: Request, reason: str, drop_last: bool = False, features: torch.Tensor | None = None) -> None:

@@ -58,7 +58,8 @@ class ApiError(Exception):
 # The fields a request may hold. Those of the OpenAI API nanospec does not implement are refused
 # unless they hold their neutral value (n = 1, no logprobs, no tools), never silently ignored.
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos", "skip_special_tokens", "num_speculative_tokens", "user"}
+          "ignore_eos", "skip_special_tokens", "stop_token_ids", "include_stop_str_in_output", "num_speculative_tokens",
+          "user"}
 FIELDS = {"completions": COMMON | {"prompt", "logprobs"},
           "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                             "logprobs", "top_logprobs"}}
@@ -115,7 +116,9 @@ def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict, 
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         seed=body.get("seed"), stop=body.get("stop"), ignore_eos=bool_field(body, "ignore_eos", False),
         num_speculative_tokens=body.get("num_speculative_tokens"),
-        skip_special_tokens=bool_field(body, "skip_special_tokens", True), logprobs=logprobs_asked(body, chat))
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True), logprobs=logprobs_asked(body, chat),
+        stop_token_ids=[] if body.get("stop_token_ids") is None else body["stop_token_ids"],
+        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False))
     params.validate()
     return params
 

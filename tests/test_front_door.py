@@ -714,3 +714,27 @@ def test_an_output_cut_mid_character_leaves_the_character_out(tiny_llm):
         assert out.text == codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data)
         cut += tiny_llm.tokenizer.decode(out.token_ids, skip_special=True) != out.text
     assert cut   # some outputs did end mid-character
+
+
+def test_stop_token_ids_and_include_stop_str_in_output_as_vllm(tiny_llm):
+    """A stop token ends the output as EOS does (finish "stop", kept in token_ids, its text left
+    out); include_stop_str_in_output keeps the stop token's or the stop string's text in the text,
+    as vLLM's detokenizer does. The greedy output without them is the oracle."""
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    full = tiny_llm.generate([[5, 6, 7]], SamplingParams(**greedy))[0]
+    tok = tiny_llm.tokenizer
+    at = next(i for i, t in enumerate(full.token_ids) if i >= 3 and tok.decode([t]).strip() and t not in full.token_ids[:i])
+    stop = full.token_ids[at]
+    for include in (False, True):
+        out = tiny_llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[stop],
+                                                            include_stop_str_in_output=include))[0]
+        assert out.token_ids == full.token_ids[:at + 1] and out.finish_reason == "stop"
+        assert out.text == tok.output_text(full.token_ids[:at + include])
+    text = tok.output_text(full.token_ids)
+    word = text[len(text) // 2:len(text) // 2 + 2]
+    for include in (False, True):
+        out = tiny_llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop=[word], include_stop_str_in_output=include))[0]
+        assert out.text == text[:text.find(word) + include * len(word)] and out.finish_reason == "stop"
+    for bad in ("7", [1.5], [-1]):
+        with pytest.raises(NanospecError, match="stop_token_ids"):
+            tiny_llm.generate("a", SamplingParams(stop_token_ids=bad))

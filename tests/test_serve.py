@@ -215,6 +215,8 @@ def error(status_body):
     ({"prompt": "x", "stop": 5}, 400, "stop must be a string or a list of strings"),
     ({"prompt": "x", "num_speculative_tokens": 2}, 400, "has no proposer"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
+    ({"prompt": "x", "stop_token_ids": [-3]}, 400, "each of stop_token_ids must be an integer >= 0"),
+    ({"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output must be true or false"),
     ({"prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens must be true or false"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed requests"),
     ({"prompt": ["a", 5]}, 400, "prompt must be a string, a list of token ids, or a list of either"),
@@ -540,6 +542,13 @@ def test_n_choices_are_n_requests_seeded_seed_plus_i(spec_models):
         while llm.engine.scheduler.has_work() and time.time() < deadline:
             time.sleep(0.05)
     assert_no_leak(llm)
+
+
+def test_vllms_stop_fields_reach_the_request():
+    from nanospec.serve import sampling_params
+    got = sampling_params({"stop_token_ids": [5, 9], "include_stop_str_in_output": True}, 16, {})
+    assert got.stop_token_ids == [5, 9] and got.include_stop_str_in_output
+    assert sampling_params({"stop_token_ids": None}, 16, {}).stop_token_ids == []
 
 
 def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
