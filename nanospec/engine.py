@@ -49,8 +49,15 @@ class SamplingParams:
     num_speculative_tokens: int | None = None   # at most this K for this request (0: no speculation); None: the engine's
     skip_special_tokens: bool = True   # the text leaves out special tokens (token_ids keep them), as in vLLM
     logprobs: int | None = None  # the log-probability of each output token and of the N most likely (0: its own only)
+    repetition_penalty: float = 1.0   # vLLM's: > 1 makes tokens of the prompt and output less likely; 1 = off
+    frequency_penalty: float = 0.0    # OpenAI's: minus this x a token's count in the output; 0 = off
+    presence_penalty: float = 0.0     # OpenAI's: minus this for a token in the output; 0 = off
     stop_token_ids: list[int] = field(default_factory=list)   # tokens that end it as EOS does (kept in token_ids)
     include_stop_str_in_output: bool = False   # the text keeps the stop string or stop token that ended it
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     def validate(self) -> None:
         """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
@@ -72,6 +79,9 @@ class SamplingParams:
             check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0, fix="0 turns speculation off")
         if self.logprobs is not None:
             check_int(self.logprobs, param("logprobs"), low=0, high=MAX_LOGPROBS)
+        check_real(self.repetition_penalty, param("repetition_penalty"), above=0, fix="1 is off")
+        for name in ("frequency_penalty", "presence_penalty"):
+            check_real(getattr(self, name), param(name), low=-2, high=2, fix="0 is off")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise NanospecError(f"{param('stop_token_ids')} must be a list of token ids, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:

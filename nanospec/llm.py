@@ -226,9 +226,11 @@ def available_memory(device: torch.device) -> int:
 # (--generation-config auto, its default): the request's value, else the file's, else the neutral
 # one. By SamplingParams' names (the file's max_new_tokens is max_tokens). do_sample is not read,
 # as vLLM does not read it.
-SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
+SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens",
+                     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                     "frequency_penalty": "frequency_penalty"}
 # Those vLLM also takes that nanospec does not implement, with their neutral values.
-UNAPPLIED = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+UNAPPLIED = {"min_p": 0.0}
 
 
 def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str], list[str]]:

@@ -26,6 +26,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 MASK32 = 0xFFFFFFFF
 EMIT, ACCEPT, DRAFT = 0, 1, 2
@@ -181,6 +182,25 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     """One token per row of logits [N, V], for the request at `positions` (the index of the new token)."""
     probs = target_probs(logits, temperature, top_k, top_p, truncate)
     return pick(probs, uniform_noise(seeds, positions, EMIT))
+
+
+def penalize(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], drafts: torch.Tensor,
+             repetition: float, frequency: float, presence: float) -> torch.Tensor:
+    """vLLM's penalties on one request's logits [q, V] (float32), at its q verify positions:
+    position j follows its output and its first j drafts (drafts [q - 1]). Repetition divides a
+    positive logit and multiplies a negative one of every token in the prompt or that output;
+    frequency subtracts frequency x the token's count in that output, presence subtracts presence
+    from every token in it (OpenAI's presence_penalty and frequency_penalty)."""
+    q, vocab = logits.shape
+    counts = torch.zeros(q, vocab, device=logits.device)
+    counts += torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=logits.device), minlength=vocab)[:vocab]
+    if q > 1:   # position j also follows d_1 .. d_j
+        counts[1:] += F.one_hot(drafts[:q - 1], vocab).float().cumsum(0)
+    seen = counts > 0
+    prompt = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+    prompt[torch.tensor(prompt_ids, dtype=torch.long, device=logits.device)] = True
+    logits = torch.where(seen | prompt, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency * counts - presence * seen.float()
 
 
 def acceptance_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:

@@ -738,3 +738,40 @@ def test_stop_token_ids_and_include_stop_str_in_output_as_vllm(tiny_llm):
     for bad in ("7", [1.5], [-1]):
         with pytest.raises(NanospecError, match="stop_token_ids"):
             tiny_llm.generate("a", SamplingParams(stop_token_ids=bad))
+
+
+@pytest.mark.parametrize("proposer", ["plain", "ngram", "self_draft"])
+def test_penalties_are_vllms_at_every_position(spec_models, proposer):
+    """repetition, frequency and presence penalties, greedy: the tokens of a float64 loop over
+    transformers' logits that applies them as vLLM does (repetition on the prompt's and the
+    output's tokens, the other two on the output's), with or without drafts: a self-draft proposes
+    the unpenalized argmax, so its accepted drafts put verify positions j > 0 to the test."""
+    from transformers import AutoModelForCausalLM
+    from conftest import proposer_args
+    reference = AutoModelForCausalLM.from_pretrained(spec_models["target"], dtype=torch.float32)
+    prompt, rep, freq, pres = [5, 6, 7, 8, 5, 6], 1.3, 0.4, 0.3
+    ids, out = list(prompt), []
+    for _ in range(20):
+        with torch.no_grad():
+            x = reference(torch.tensor([ids])).logits[0, -1].double()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(x)).double()
+        seen = counts > 0
+        penalized = seen.clone()
+        penalized[prompt] = True
+        x = torch.where(penalized, torch.where(x > 0, x / rep, x * rep), x) - freq * counts - pres * seen.double()
+        out.append(int(x.argmax()))
+        ids.append(out[-1])
+    llm = LLM(spec_models["target"], **KV, **({} if proposer == "plain" else proposer_args(spec_models, proposer)))
+    params = dict(temperature=0, max_tokens=20, ignore_eos=True)
+    got = llm.generate([prompt], SamplingParams(**params, repetition_penalty=rep, frequency_penalty=freq,
+                                                presence_penalty=pres))[0]
+    assert got.token_ids == out
+    if proposer == "self_draft":   # drafts were accepted: positions past the first were penalized too
+        assert llm.stats["mean_acceptance_length"] > 1.5
+    assert llm.generate([prompt], SamplingParams(**params))[0].token_ids != out   # they changed something
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=8, seed=1, presence_penalty=1.5, frequency_penalty=-0.5)
+    assert len(llm.generate([prompt, [9, 9, 9]], [sampled, SamplingParams(temperature=0.8, max_tokens=8, seed=2)])[0].token_ids) == 8
+    for bad, match in ((dict(repetition_penalty=0), "repetition_penalty must be"), (dict(presence_penalty=2.5), "presence_penalty"),
+                       (dict(frequency_penalty=float("nan")), "frequency_penalty")):
+        with pytest.raises(NanospecError, match=match):
+            llm.generate([prompt], SamplingParams(**bad))

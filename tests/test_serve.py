@@ -216,6 +216,8 @@ def error(status_body):
     ({"prompt": "x", "num_speculative_tokens": 2}, 400, "has no proposer"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
     ({"prompt": "x", "stop_token_ids": [-3]}, 400, "each of stop_token_ids must be an integer >= 0"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty must be a finite number in [-2, 2]"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be a finite number > 0"),
     ({"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output must be true or false"),
     ({"prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens must be true or false"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed requests"),
@@ -410,10 +412,11 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
     shutil.copytree(checkpoints["qwen3"], folder)
     (folder / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 5, "max_new_tokens": 6,
-         "repetition_penalty": 1.05, "eos_token_id": 256}))
+         "repetition_penalty": 1.3, "min_p": 0.1, "eos_token_id": 256}))
     hf = GenerationConfig.from_pretrained(folder).to_diff_dict()
-    from_file = dict(temperature=hf["temperature"], top_p=hf["top_p"], top_k=hf["top_k"])
-    neutral = dict(temperature=1.0, top_p=1.0, top_k=-1)
+    from_file = dict(temperature=hf["temperature"], top_p=hf["top_p"], top_k=hf["top_k"],
+                     repetition_penalty=hf["repetition_penalty"])
+    neutral = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0)
     chat = {"messages": [{"role": "user", "content": "hi"}], "seed": 3, "ignore_eos": True}
 
     def answer(url, **fields) -> tuple[str, int]:
@@ -422,8 +425,9 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
 
     llm = LLM(str(folder), **KV)
     assert llm.get_default_sampling_params() == SamplingParams(**from_file, max_tokens=hf["max_new_tokens"])
-    assert llm.unapplied_sampling == ["repetition_penalty=1.05"]
-    assert llm.sampling_defaults_read == ["temperature=0.7", "top_p=0.8", "top_k=5", "max_new_tokens=6"]
+    assert llm.unapplied_sampling == ["min_p=0.1"]
+    assert llm.sampling_defaults_read == ["temperature=0.7", "top_p=0.8", "top_k=5", "max_new_tokens=6",
+                                          "repetition_penalty=1.3"]
     with serving(llm) as (_, url):
         by_default = answer(url)
         assert by_default == answer(url, **from_file, max_tokens=hf["max_new_tokens"])
@@ -544,10 +548,12 @@ def test_n_choices_are_n_requests_seeded_seed_plus_i(spec_models):
     assert_no_leak(llm)
 
 
-def test_vllms_stop_fields_reach_the_request():
+def test_vllms_stop_fields_and_the_penalties_reach_the_request():
     from nanospec.serve import sampling_params
-    got = sampling_params({"stop_token_ids": [5, 9], "include_stop_str_in_output": True}, 16, {})
+    got = sampling_params({"stop_token_ids": [5, 9], "include_stop_str_in_output": True, "presence_penalty": 0.5,
+                           "frequency_penalty": -1, "repetition_penalty": 1.2}, 16, {})
     assert got.stop_token_ids == [5, 9] and got.include_stop_str_in_output
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1, 1.2)
     assert sampling_params({"stop_token_ids": None}, 16, {}).stop_token_ids == []
 
 

@@ -1,6 +1,6 @@
 """nanospec's logprobs against vLLM's on one HF folder: the same prompt ids (the first shipped
-prompts, in the chat template), greedy, N most likely per position; vLLM offline (its LLM class) in
-its own venv. Writes the tokens of both, whether each position's {id: logprob} names the same ids
+prompts, in the chat template), greedy, N most likely per position (and with --penalties, the
+repetition, frequency and presence penalties on both); vLLM offline (its LLM class) in its own venv. Writes the tokens of both, whether each position's {id: logprob} names the same ids
 in the same order (the sampled first, then the N most likely), and the largest difference of a
 logprob between the two.
 
@@ -23,10 +23,11 @@ import json, sys
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    model, prompts_file, n, max_tokens, out = sys.argv[1:]
+    model, prompts_file, n, max_tokens, penalties, out = sys.argv[1:]
     llm = LLM(model=model, dtype="float32", max_model_len=1024, enforce_eager=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.load(open(prompts_file))],
-                        SamplingParams(temperature=0, max_tokens=int(max_tokens), logprobs=int(n), ignore_eos=True))
+                        SamplingParams(temperature=0, max_tokens=int(max_tokens), logprobs=int(n), ignore_eos=True,
+                                       **json.loads(penalties)))
     json.dump([{"ids": list(o.outputs[0].token_ids),
                 "logprobs": [[[k, v.logprob] for k, v in d.items()] for d in o.outputs[0].logprobs]} for o in outs],
               open(out, "w"))
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--logprobs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--penalties", action="store_true",
+                    help="repetition_penalty 1.3, frequency_penalty 0.4, presence_penalty 0.3 on both")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
@@ -47,7 +50,9 @@ def main() -> None:
     from nanospec.prompts import shipped_prompts
     llm = LLM(args.model, device="cpu", dtype="float32")
     prompts = [llm.encode_prompt(r["prompt"], chat=True) for r in shipped_prompts()[:args.num_prompts]]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs, ignore_eos=True)
+    penalties = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3) if args.penalties else {}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs, ignore_eos=True,
+                            **penalties)
     ours = [{"ids": o.token_ids, "logprobs": [list(map(list, d.items())) for d in o.logprobs]}
             for o in llm.generate(prompts, params)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +61,7 @@ def main() -> None:
         open(paths[2], "w").write(VLLM_SIDE)
         env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
         subprocess.run([args.vllm_python, paths[2], args.model, paths[0], str(args.logprobs), str(args.max_tokens),
-                        paths[1]], check=True, env=env, cwd=tmp)
+                        json.dumps(penalties), paths[1]], check=True, env=env, cwd=tmp)
         theirs = json.load(open(paths[1]))
     same_order = all([k for k, _ in a] == [k for k, _ in b] for x, y in zip(ours, theirs)
                      for a, b in zip(x["logprobs"], y["logprobs"]))
@@ -64,7 +69,7 @@ def main() -> None:
                   for k, v in b if k in dict(a))
     report = {"what": "greedy, logprobs per output token, nanospec against vLLM offline, float32 on CPU",
               "command": "python " + " ".join(sys.argv), "prompts": len(prompts), "max_tokens": args.max_tokens,
-              "logprobs": args.logprobs, "same_tokens": [x["ids"] for x in ours] == [y["ids"] for y in theirs],
+              "logprobs": args.logprobs, "penalties": penalties, "same_tokens": [x["ids"] for x in ours] == [y["ids"] for y in theirs],
               "same_ids_in_same_order": same_order, "largest_logprob_difference": largest,
               "nanospec": ours, "vllm": theirs}
     json.dump(report, open(args.out, "w"), indent=1)
