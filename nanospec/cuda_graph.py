@@ -50,7 +50,7 @@ import torch
 from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache, decode_metadata,
                                derive_metadata, padding_to_sink, ragged_metadata, upload)
 from nanospec.proposer import Round, align_vocab, draw
-from nanospec.sampler import SamplingBatch, Truncation, penalize
+from nanospec.sampler import SamplingBatch, Truncation, min_p_mask, penalize
 
 # Per batch row: the target's block-table row, its cached tokens (the last token's position), its
 # drafts, its last token, seed, top_k, temperature and top_p (the bits of their float64 values),
@@ -150,7 +150,7 @@ class StepGraphs:
         largest = self.buckets[-1]
         self.finite = torch.ones(largest, dtype=torch.bool, device=device)   # the drafter's logits were finite
         self.logprobs = False   # the step's verify returns its logits too (a request asked for logprobs)
-        self.penalized: list = []   # the step's rows whose requests ask for penalties, and the requests
+        self.processed: list = []   # the step's rows whose requests ask for penalties or min_p, and the requests
         self.carry = proposer.carry(largest) if draft_cache else None        # EAGLE: step i's hidden states for i + 1
         self.grow(0)
 
@@ -234,7 +234,7 @@ class StepGraphs:
         probs = plan is not None and not all(p.temperature == 0 for p in params)
         self.step = (batch, bucket, k, longest, probs)
         self.logprobs = any(p.logprobs is not None for p in params)   # the verify also returns its logits
-        self.penalized = [(b, r) for b, r in enumerate(requests) if r.params.penalized]   # (row, request)
+        self.processed = [(b, r) for b, r in enumerate(requests) if r.params.processed]   # (row, request)
         self.step_tokens = sum(num_draft) + bucket   # an unpadded verify's queries (a padding row has 1)
         return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
                              greedy=all(p.temperature == 0 for p in params),
@@ -296,16 +296,16 @@ class StepGraphs:
         b * (K + 1) ...) and, where a request asked for logprobs, the target's logits at each row's
         K + 1 queries ([bucket, K + 1, vocab]; a graph's buffer: read it before the next step)."""
         batch, bucket, k, longest, probs = self.step
-        eager = self.logprobs or bool(self.penalized)   # (see replay)
+        eager = self.logprobs or bool(self.processed)   # (see replay)
         return self.replay(("verify", bucket, k, self.mode(sampling, bucket), probs, eager),
                            self.kv_cache.allocator.blocks_for(longest))
 
     def replay(self, key, width: int):
         """Run the body of `key`: eagerly at `width` (the widest table it reads), or as a graph."""
         body = self.verify_body if key[0] == "verify" else self.round_body
-        # A verify with logprobs or penalties runs eagerly: as a graph it would keep its [bucket,
-        # K + 1, vocab] logits in the pool for good (one such graph per bucket, K and mode), and the
-        # penalties read the requests' tokens on the host.
+        # A verify with logprobs, penalties or min_p runs eagerly: as a graph it would keep its
+        # [bucket, K + 1, vocab] logits in the pool for good (one such graph per bucket, K and
+        # mode), and the penalties read the requests' tokens on the host.
         if not self.graphed(key[1]) or (key[0] == "verify" and key[5]):
             if REHEARSE_GRAPHS:   # as capture (a warm-up) and replay would: twice, at full width
                 width = self.full_width(key)
@@ -424,16 +424,16 @@ class StepGraphs:
             features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
         logits = self.model.logits(hidden)[:, :self.vocab]
         kept = pick(logits) if eager and self.logprobs else None   # [bucket, q_len, vocab], raw
-        penalized = self.penalize(pick(logits), drafts) if eager and self.penalized else None
-        if mode == "greedy" and penalized is not None:
-            row_max, target_ids = penalized.max(-1)
+        processed = self.process(pick(logits), drafts) if eager and self.processed else None
+        if mode == "greedy" and processed is not None:
+            row_max, target_ids = processed.max(-1)
             tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, num_draft)
         elif mode == "greedy":   # the argmax of each row, then the padded gather: ids, not [B, K+1, V] logits
             row_max, target_ids = logits.max(-1)
             row_max, target_ids = pick(row_max), pick(target_ids)
             tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, num_draft)
         else:
-            logits = pick(logits) if penalized is None else penalized
+            logits = pick(logits) if processed is None else processed
             row_max = logits.amax(-1)
             q = self.draft_probs[:bucket, :k] if probs else None
             if probs and proposer.host_and_model:   # a hybrid's suffix drafts: one-hot
@@ -446,14 +446,17 @@ class StepGraphs:
         broken = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:bucket]).long()
         return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features, kept
 
-    def penalize(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """The step's logits [bucket, K + 1, vocab] with each penalized row's penalties (sampler.penalize),
-        in float32. Eager steps only: it reads the requests' tokens on the host."""
+    def process(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """The step's logits [bucket, K + 1, vocab] in float32, each processed row's with its penalties
+        and then its min_p, as vLLM orders them (the sampler's temperature, top-k and top-p come after).
+        Eager steps only: it reads the requests' tokens on the host."""
         logits = logits.float()
-        for b, req in self.penalized:
+        for b, req in self.processed:
             p = req.params
             logits[b] = penalize(logits[b], req.prompt_ids, req.output_ids, drafts[b], p.repetition_penalty,
                                  p.frequency_penalty, p.presence_penalty)
+            if p.min_p > 0:
+                logits[b] = min_p_mask(logits[b], p.temperature, p.min_p)
         return logits
 
     def round_body(self, key, width: int) -> None:

@@ -52,12 +52,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # vLLM's: > 1 makes tokens of the prompt and output less likely; 1 = off
     frequency_penalty: float = 0.0    # OpenAI's: minus this x a token's count in the output; 0 = off
     presence_penalty: float = 0.0     # OpenAI's: minus this for a token in the output; 0 = off
+    min_p: float = 0.0                # vLLM's: drop tokens less likely than min_p x the most likely's probability
     stop_token_ids: list[int] = field(default_factory=list)   # tokens that end it as EOS does (kept in token_ids)
     include_stop_str_in_output: bool = False   # the text keeps the stop string or stop token that ended it
 
     @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+    def processed(self) -> bool:
+        """Whether its logits take penalties or min_p before sampling (sampler.penalize, min_p_mask)."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+                or self.min_p > 0)
 
     def validate(self) -> None:
         """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
@@ -82,6 +85,7 @@ class SamplingParams:
         check_real(self.repetition_penalty, param("repetition_penalty"), above=0, fix="1 is off")
         for name in ("frequency_penalty", "presence_penalty"):
             check_real(getattr(self, name), param(name), low=-2, high=2, fix="0 is off")
+        check_real(self.min_p, param("min_p"), low=0, high=1, fix="0 is off")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise NanospecError(f"{param('stop_token_ids')} must be a list of token ids, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:

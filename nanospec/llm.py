@@ -223,19 +223,17 @@ def available_memory(device: torch.device) -> int:
 
 
 # generation_config.json's sampling fields that a request without its own takes, as vLLM takes them
-# (--generation-config auto, its default): the request's value, else the file's, else the neutral
-# one. By SamplingParams' names (the file's max_new_tokens is max_tokens). do_sample is not read,
-# as vLLM does not read it.
-SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens",
-                     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                     "frequency_penalty": "frequency_penalty"}
-# Those vLLM also takes that nanospec does not implement, with their neutral values.
-UNAPPLIED = {"min_p": 0.0}
+# (--generation-config auto, its default; all that vLLM takes): the request's value, else the
+# file's, else the neutral one. By SamplingParams' names (the file's max_new_tokens is max_tokens).
+# do_sample is not read, as vLLM does not read it.
+SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "max_new_tokens": "max_tokens", "repetition_penalty": "repetition_penalty",
+                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
 
 
-def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str], list[str]]:
+def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str]]:
     """(the SamplingParams fields a checkpoint's generation_config sets, checked; those settings as
-    the file names them, "key=value"; its settings that nanospec does not apply, the same way)."""
+    the file names them, "key=value")."""
     given = {key: generation[key] for key in SAMPLING_DEFAULTS if generation.get(key) is not None}
     defaults = {SAMPLING_DEFAULTS[key]: value for key, value in given.items()}
     if defaults.get("top_k") == -1:
@@ -250,9 +248,7 @@ def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str], l
         raise NanospecError(f"{source}: {e}; {fix}") from None
     finally:
         COMMAND_LINE.reset(by_python_name)
-    unapplied = [f"{key}={generation[key]}" for key, neutral in UNAPPLIED.items()
-                 if generation.get(key) is not None and (isinstance(generation[key], bool) or generation[key] != neutral)]
-    return defaults, [f"{key}={value}" for key, value in given.items()], unapplied
+    return defaults, [f"{key}={value}" for key, value in given.items()]
 
 
 class LLM:
@@ -297,7 +293,7 @@ class LLM:
         self.target_name = target or checkpoint.DEFAULT_MODEL_FILE
         self.proposer_name = spec.proposer_name
         self.config = ckpt.config
-        self.sampling_defaults, self.sampling_defaults_read, self.unapplied_sampling = sampling_defaults(
+        self.sampling_defaults, self.sampling_defaults_read = sampling_defaults(
             ckpt.generation if generation_config == "auto" else {}, os.path.join(ckpt.path, "generation_config.json"))
         positions = self.config.max_position_embeddings
         if max_model_len is not None and max_model_len > positions:

@@ -203,6 +203,15 @@ def penalize(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
     return logits - frequency * counts - presence * seen.float()
 
 
+def min_p_mask(logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:
+    """vLLM's min_p on one request's logits [q, V]: -inf for a token whose probability at the
+    temperature is below min_p x the most likely's (greedy keeps the argmax: nothing to drop)."""
+    if temperature == 0:
+        return logits
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return logits.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, float("-inf"))
+
+
 def acceptance_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
     """min(1, p(d) / q(d)) for a draft d drawn from q (so q(d) > 0; one-hot drafts have q(d) = 1);
     0 where q(d) = 0, a draft q could not have drawn."""

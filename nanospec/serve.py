@@ -59,7 +59,7 @@ class ApiError(Exception):
 # unless they hold their neutral value (n = 1, no logprobs, no tools), never silently ignored.
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
           "ignore_eos", "skip_special_tokens", "stop_token_ids", "include_stop_str_in_output", "num_speculative_tokens",
-          "user", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+          "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
 FIELDS = {"completions": COMMON | {"prompt", "logprobs"},
           "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                             "logprobs", "top_logprobs"}}
@@ -113,7 +113,7 @@ def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict, 
     params = SamplingParams(
         temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
         repetition_penalty=given("repetition_penalty", 1.0), frequency_penalty=given("frequency_penalty", 0.0),
-        presence_penalty=given("presence_penalty", 0.0),
+        presence_penalty=given("presence_penalty", 0.0), min_p=given("min_p", 0.0),
         top_k=0 if top_k == -1 else top_k,   # -1 is "off" in vLLM, 0 in nanospec
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         seed=body.get("seed"), stop=body.get("stop"), ignore_eos=bool_field(body, "ignore_eos", False),
@@ -550,9 +550,6 @@ def main(argv=None) -> int:
     if llm.sampling_defaults:
         log("sampling defaults from the checkpoint's generation_config.json: " + ", ".join(llm.sampling_defaults_read)
             + " (a request's own values come first; --generation-config vllm for the neutral ones)")
-    if llm.unapplied_sampling:
-        log(f"not applied from generation_config.json: {', '.join(llm.unapplied_sampling)} (nanospec has no "
-            "min_p; vLLM applies it)")
     server = Server(llm, name, args.api_key, args.max_queue, not args.prefill_first)
     try:
         sock = socket.create_server((args.host, args.port))

@@ -775,3 +775,32 @@ def test_penalties_are_vllms_at_every_position(spec_models, proposer):
                        (dict(frequency_penalty=float("nan")), "frequency_penalty")):
         with pytest.raises(NanospecError, match=match):
             llm.generate([prompt], SamplingParams(**bad))
+
+
+def test_min_p_drops_what_is_less_likely_than_min_p_of_the_most_likely(spec_models):
+    """min_p = 0.3 at T = 1.5, with n-gram drafts: every sampled token's probability at its position
+    (transformers' logits at the temperature) is at least 0.3 of the most likely's; without min_p the
+    same seeds sample tokens below it (so the test can fail). Greedy ignores it."""
+    from transformers import AutoModelForCausalLM
+    reference = AutoModelForCausalLM.from_pretrained(spec_models["target"], dtype=torch.float32)
+    llm = LLM(spec_models["target"], **KV, ngram=True)
+    prompts = [[5, 6, 7, 5, 6], [9, 10, 11]]
+
+    def lowest_ratio(min_p):
+        lowest = 1.0
+        for seed, prompt in enumerate(prompts):
+            out = llm.generate([prompt], SamplingParams(temperature=1.5, min_p=min_p, max_tokens=24, seed=seed,
+                                                        ignore_eos=True))[0]
+            with torch.no_grad():
+                logits = reference(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].double()
+            probs = torch.softmax(logits / 1.5, dim=-1)
+            ratio = probs.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0] / probs.max(-1).values
+            lowest = min(lowest, ratio.min().item())
+        return lowest
+    assert lowest_ratio(0.3) >= 0.3 - 1e-4
+    assert lowest_ratio(0.0) < 0.3
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    assert llm.generate(prompts, SamplingParams(**greedy, min_p=0.9))[0].token_ids == \
+        llm.generate(prompts, SamplingParams(**greedy))[0].token_ids
+    with pytest.raises(NanospecError, match="min_p must be"):
+        llm.generate(prompts, SamplingParams(min_p=1.5))

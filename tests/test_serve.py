@@ -403,8 +403,8 @@ def test_a_request_with_non_finite_logits_fails_alone(spec_models):
 
 
 def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tmp_path):
-    """A request that leaves temperature, top_p and top_k out (and chat's max_tokens) samples with
-    the values of the checkpoint's generation_config.json, as vLLM's --generation-config auto does,
+    """A request that leaves temperature, top_p, top_k, min_p and the penalties out (and chat's
+    max_tokens) samples with the values of the checkpoint's generation_config.json, as vLLM's --generation-config auto does,
     read here by transformers' GenerationConfig; the request's own values come first, and
     generation_config="vllm" gives the neutral ones. LLM.generate without params takes them too."""
     from transformers import GenerationConfig
@@ -414,9 +414,9 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
         {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 5, "max_new_tokens": 6,
          "repetition_penalty": 1.3, "min_p": 0.1, "eos_token_id": 256}))
     hf = GenerationConfig.from_pretrained(folder).to_diff_dict()
-    from_file = dict(temperature=hf["temperature"], top_p=hf["top_p"], top_k=hf["top_k"],
+    from_file = dict(temperature=hf["temperature"], top_p=hf["top_p"], top_k=hf["top_k"], min_p=hf["min_p"],
                      repetition_penalty=hf["repetition_penalty"])
-    neutral = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0)
+    neutral = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
     chat = {"messages": [{"role": "user", "content": "hi"}], "seed": 3, "ignore_eos": True}
 
     def answer(url, **fields) -> tuple[str, int]:
@@ -425,8 +425,7 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
 
     llm = LLM(str(folder), **KV)
     assert llm.get_default_sampling_params() == SamplingParams(**from_file, max_tokens=hf["max_new_tokens"])
-    assert llm.unapplied_sampling == ["min_p=0.1"]
-    assert llm.sampling_defaults_read == ["temperature=0.7", "top_p=0.8", "top_k=5", "max_new_tokens=6",
+    assert llm.sampling_defaults_read == ["temperature=0.7", "top_p=0.8", "top_k=5", "min_p=0.1", "max_new_tokens=6",
                                           "repetition_penalty=1.3"]
     with serving(llm) as (_, url):
         by_default = answer(url)
@@ -435,7 +434,7 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
         assert by_default != answer(url, **neutral, max_tokens=hf["max_new_tokens"])
         assert by_default != answer(url, temperature=0, max_tokens=hf["max_new_tokens"])   # the request's own first
     llm = LLM(str(folder), **KV, generation_config="vllm")
-    assert llm.get_default_sampling_params() == SamplingParams() and llm.unapplied_sampling == []
+    assert llm.get_default_sampling_params() == SamplingParams()
     with serving(llm) as (_, url):
         assert answer(url, max_tokens=6) == answer(url, **neutral, max_tokens=6)
     with pytest.raises(NanospecError, match="generation_config must be auto .* or vllm"):
