@@ -50,7 +50,7 @@ import torch
 from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache, decode_metadata,
                                derive_metadata, padding_to_sink, ragged_metadata, upload)
 from nanospec.proposer import Round, align_vocab, draw
-from nanospec.sampler import SamplingBatch, Truncation, min_p_mask, penalize
+from nanospec.sampler import SamplingBatch, Truncation, min_p_mask, penalize, prompt_mask
 
 # Per batch row: the target's block-table row, its cached tokens (the last token's position), its
 # drafts, its last token, seed, top_k, temperature and top_p (the bits of their float64 values),
@@ -453,8 +453,11 @@ class StepGraphs:
         logits = logits.float()
         for b, req in self.processed:
             p = req.params
-            logits[b] = penalize(logits[b], req.prompt_ids, req.output_ids, drafts[b], p.repetition_penalty,
-                                 p.frequency_penalty, p.presence_penalty)
+            if p.penalized:
+                if req.prompt_mask is None:
+                    req.prompt_mask = prompt_mask(req.prompt_ids, logits.shape[-1], logits.device)
+                logits[b] = penalize(logits[b], req.prompt_mask, req.output_ids, drafts[b], p.repetition_penalty,
+                                     p.frequency_penalty, p.presence_penalty)
             if p.min_p > 0:
                 logits[b] = min_p_mask(logits[b], p.temperature, p.min_p)
         return logits

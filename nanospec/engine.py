@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.errors import NanospecError, check_int, check_real, is_real, param
+from nanospec.errors import NanospecError, check_int, check_real, is_int, is_real, param
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
@@ -57,10 +57,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False   # the text keeps the stop string or stop token that ended it
 
     @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
     def processed(self) -> bool:
-        """Whether its logits take penalties or min_p before sampling (sampler.penalize, min_p_mask)."""
-        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-                or self.min_p > 0)
+        """Whether its logits take penalties or min_p before sampling (sampler.penalize, min_p_mask;
+        greedy keeps the argmax whatever min_p drops)."""
+        return self.penalized or (self.min_p > 0 and self.temperature > 0)
 
     def validate(self) -> None:
         """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
@@ -82,14 +86,16 @@ class SamplingParams:
             check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0, fix="0 turns speculation off")
         if self.logprobs is not None:
             check_int(self.logprobs, param("logprobs"), low=0, high=MAX_LOGPROBS)
-        check_real(self.repetition_penalty, param("repetition_penalty"), above=0, fix="1 is off")
+        # (bounded: a logit divided by 1e-40 overflows float32, and the step would blame the model)
+        check_real(self.repetition_penalty, param("repetition_penalty"), low=0.01, high=100, fix="1 is off")
         for name in ("frequency_penalty", "presence_penalty"):
             check_real(getattr(self, name), param(name), low=-2, high=2, fix="0 is off")
         check_real(self.min_p, param("min_p"), low=0, high=1, fix="0 is off")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise NanospecError(f"{param('stop_token_ids')} must be a list of token ids, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
-            check_int(token, f"each of {param('stop_token_ids')}", low=0)
+            if not (is_int(token) and token >= 0):
+                raise NanospecError(f"{param('stop_token_ids')} must hold token ids (integers >= 0), got {token!r}")
         self.stop = stop_strings(self.stop)
 
 
@@ -133,6 +139,7 @@ class Request:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None   # per output token, when asked: its own and the top N's
+    prompt_mask: object = None    # with penalties: its prompt's tokens on the device [V] (sampler.prompt_mask)
     step_logprobs: list[dict[int, float]] | None = None   # those of the last step's tokens, until committed
 
     @property
@@ -515,6 +522,10 @@ class Engine:
         if bad:
             raise NanospecError(f"prompt {index} holds token id {bad[0]!r}, outside this model and tokenizer's "
                                 f"ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
+        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if outside:
+            raise NanospecError(f"{param('stop_token_ids')} holds {outside[0]}, outside this model and tokenizer's "
+                                f"ids 0..{self.vocab_size - 1}")
         if len(prompt_ids) >= self.max_model_len:
             raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "
                                 f"{self.max_model_len}; shorten the prompt or raise {param('max_model_len')}")
@@ -729,10 +740,13 @@ class Engine:
         if not any(s in tail for s in req.params.stop):
             return False
         text = tok.output_text(req.output_ids, skip)
-        # (a stop holding U+FFFD may match only the tail's cut start)
-        found = [(text.find(s), len(s) * req.params.include_stop_str_in_output) for s in req.params.stop if s in text]
+        # The stop that ends first (a step's token may complete two), the first listed of a tie, as
+        # vLLM chooses; the text ends before it, or after it. (A stop holding U+FFFD may match only
+        # the tail's cut start: none found then.)
+        found = [(text.find(s) + len(s), i, text.find(s)) for i, s in enumerate(req.params.stop) if s in text]
         if found:
-            req.text = text[:sum(min(found))]   # before the first stop, or through it
+            end, _, start = min(found)
+            req.text = text[:end if req.params.include_stop_str_in_output else start]
         return bool(found)
 
     def finish(self, req: Request, reason: str, drop_last: bool = False, features: torch.Tensor | None = None) -> None:

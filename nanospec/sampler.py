@@ -184,23 +184,30 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return pick(probs, uniform_noise(seeds, positions, EMIT))
 
 
-def penalize(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], drafts: torch.Tensor,
+def penalize(logits: torch.Tensor, in_prompt: torch.Tensor, output_ids: list[int], drafts: torch.Tensor,
              repetition: float, frequency: float, presence: float) -> torch.Tensor:
     """vLLM's penalties on one request's logits [q, V] (float32), at its q verify positions:
-    position j follows its output and its first j drafts (drafts [q - 1]). Repetition divides a
-    positive logit and multiplies a negative one of every token in the prompt or that output;
-    frequency subtracts frequency x the token's count in that output, presence subtracts presence
-    from every token in it (OpenAI's presence_penalty and frequency_penalty)."""
+    position j follows its output and its first j drafts (drafts [q - 1]); in_prompt [V]: the
+    prompt's tokens (prompt_mask). Repetition divides a positive logit and multiplies a negative one
+    of every token in the prompt or that output; frequency subtracts frequency x the token's count
+    in that output, presence subtracts presence from every token in it (OpenAI's presence_penalty
+    and frequency_penalty). No sync: counts by scatter_add, not bincount (which reads its max)."""
     q, vocab = logits.shape
-    counts = torch.zeros(q, vocab, device=logits.device)
-    counts += torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=logits.device), minlength=vocab)[:vocab]
+    output = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+    counts = torch.zeros(vocab, device=logits.device).scatter_add_(0, output, torch.ones_like(output, dtype=torch.float))
+    counts = counts.expand(q, vocab).clone()
     if q > 1:   # position j also follows d_1 .. d_j
         counts[1:] += F.one_hot(drafts[:q - 1], vocab).float().cumsum(0)
     seen = counts > 0
-    prompt = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-    prompt[torch.tensor(prompt_ids, dtype=torch.long, device=logits.device)] = True
-    logits = torch.where(seen | prompt, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits = torch.where(seen | in_prompt, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
     return logits - frequency * counts - presence * seen.float()
+
+
+def prompt_mask(prompt_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[V] bool: the tokens of a prompt (made once per request: a prompt may be long)."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+    return mask
 
 
 def min_p_mask(logits: torch.Tensor, temperature: float, min_p: float) -> torch.Tensor:

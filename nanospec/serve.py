@@ -550,6 +550,9 @@ def main(argv=None) -> int:
     if llm.sampling_defaults:
         log("sampling defaults from the checkpoint's generation_config.json: " + ", ".join(llm.sampling_defaults_read)
             + " (a request's own values come first; --generation-config vllm for the neutral ones)")
+        if llm.device.type == "cuda" and SamplingParams(**llm.sampling_defaults).processed:
+            log("with these defaults every decode step runs without CUDA graphs (penalties and min_p are applied "
+                "eagerly); --generation-config vllm keeps the graphs")
     server = Server(llm, name, args.api_key, args.max_queue, not args.prefill_first)
     try:
         sock = socket.create_server((args.host, args.port))

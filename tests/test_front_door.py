@@ -771,7 +771,8 @@ def test_penalties_are_vllms_at_every_position(spec_models, proposer):
     assert llm.generate([prompt], SamplingParams(**params))[0].token_ids != out   # they changed something
     sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=8, seed=1, presence_penalty=1.5, frequency_penalty=-0.5)
     assert len(llm.generate([prompt, [9, 9, 9]], [sampled, SamplingParams(temperature=0.8, max_tokens=8, seed=2)])[0].token_ids) == 8
-    for bad, match in ((dict(repetition_penalty=0), "repetition_penalty must be"), (dict(presence_penalty=2.5), "presence_penalty"),
+    for bad, match in ((dict(repetition_penalty=0), "repetition_penalty must be"), (dict(repetition_penalty=1e-300),
+                       "repetition_penalty must be"), (dict(presence_penalty=2.5), "presence_penalty"),
                        (dict(frequency_penalty=float("nan")), "frequency_penalty")):
         with pytest.raises(NanospecError, match=match):
             llm.generate([prompt], SamplingParams(**bad))
@@ -804,3 +805,27 @@ def test_min_p_drops_what_is_less_likely_than_min_p_of_the_most_likely(spec_mode
         llm.generate(prompts, SamplingParams(**greedy))[0].token_ids
     with pytest.raises(NanospecError, match="min_p must be"):
         llm.generate(prompts, SamplingParams(min_p=1.5))
+
+
+def test_of_two_stops_one_token_completes_the_first_to_end_wins(tiny_llm):
+    """One token completing two stop strings: the text ends at the one that ends first (the first
+    listed of a tie), as vLLM's check_stop_strings chooses, before it or (include_stop_str_in_output)
+    after it; before, the one that started first won. The stop check of a request whose newest
+    token is a word of 3+ characters, "...X" + "abc": stops "Xabc" (starts first, ends last) and "ab"."""
+    from types import SimpleNamespace
+    tok = tiny_llm.tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog and the cat")
+
+    def stops(at):   # neither is in the text before the newest token (else it would have stopped there)
+        before, piece = tok.decode(ids[:at]), tok.decode([ids[at]])
+        ends_last, ends_first = before[-1] + piece, piece[:2]
+        text = before + piece
+        fits = len(piece) >= 3 and text.find(ends_last) == len(before) - 1 and text.find(ends_first) == len(before)
+        return (at, before, piece, ends_first, ends_last) if fits else None
+    at, before, piece, ends_first, ends_last = next(stops(i) for i in range(1, len(ids)) if stops(i))
+    for include in (False, True):
+        req = SimpleNamespace(output_ids=ids[:at + 1], text=None, params=SamplingParams(
+            stop=[ends_last, ends_first], include_stop_str_in_output=include))
+        req.params.validate()
+        assert tiny_llm.engine.hit_stop_string(req)
+        assert req.text == (before + piece[:2] if include else before)
