@@ -56,15 +56,14 @@ class ApiError(Exception):
 
 
 # The fields a request may hold. Those of the OpenAI API nanospec does not implement are refused
-# unless they hold their neutral value (n = 1, no logprobs, no tools), never silently ignored.
+# unless they hold their neutral value (best_of = 1, no echo, no tools), never silently ignored.
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
           "ignore_eos", "skip_special_tokens", "stop_token_ids", "include_stop_str_in_output", "num_speculative_tokens",
           "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
 FIELDS = {"completions": COMMON | {"prompt", "logprobs"},
           "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
                             "logprobs", "top_logprobs"}}
-NEUTRAL = {"best_of": (1,), "echo": (False,),
-           "logit_bias": ({},), "suffix": ("",),
+NEUTRAL = {"best_of": (1,), "echo": (False,), "logit_bias": ({},), "suffix": ("",),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "functions": ([],),
            "response_format": ({"type": "text"},)}
 
