@@ -17,7 +17,9 @@ A decode step is, in order:
   verify   the target over [last token, d_1 .. d_K] for every row, acceptance and sampling, as
            one graph; it returns one [bucket, K + 3] int64 tensor: each row's K + 1 tokens, its
            accepted count, and a flag for non-finite logits (1: the target's, 2: the drafter's),
-           which the engine reads back in its one copy.
+           which the engine reads back in its one copy. A step with a request that asks for
+           logprobs, penalties or min_p runs the same body eagerly instead (see replay), and with
+           logprobs also returns its logits, read back in a second copy.
 
 Padding keeps the step lossless:
 - a bucket's rows past the batch are requests of one token at position 0 whose block-table rows are
@@ -293,8 +295,8 @@ class StepGraphs:
     def run(self, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (see the module's
         docstring), the target's features for EAGLE ([bucket * (K + 1), F], request b's at rows
-        b * (K + 1) ...) and, where a request asked for logprobs, the target's logits at each row's
-        K + 1 queries ([bucket, K + 1, vocab]; a graph's buffer: read it before the next step)."""
+        b * (K + 1) ...) and, where a request asked for logprobs, the target's raw logits at each
+        row's K + 1 queries ([bucket, K + 1, vocab], from an eager step; else None)."""
         batch, bucket, k, longest, probs = self.step
         eager = self.logprobs or bool(self.processed)   # (see replay)
         return self.replay(("verify", bucket, k, self.mode(sampling, bucket), probs, eager),

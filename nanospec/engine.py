@@ -127,7 +127,7 @@ class Request:
     block_table: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0
     finish_reason: str | None = None
-    text: str | None = None       # set when it finishes: the output before any stop
+    text: str | None = None       # set when it finishes: the output before any stop (through it: include_stop_str_in_output)
     error: str | None = None      # why it failed (finish_reason "error"): its own logits were not finite
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
     suffix_stream: object = None   # suffix decoding's index of its tokens (beside a hybrid's model state)
@@ -609,7 +609,7 @@ class Engine:
         forward, rejection-sample. With no proposer (or K = 0) this is plain decoding. It runs on
         the static buffers of cuda_graph.py (a graph replay on CUDA): one copy in, which carries
         the whole step's host data (n-gram's drafts too), and one copy back of tokens, accepted
-        counts and finiteness flags."""
+        counts and finiteness flags (and a second, of logprobs, when a request asked for them)."""
         start = time.perf_counter()
         reqs = batch.requests
         ks = [n - 1 for n in batch.query_lens]
@@ -755,7 +755,7 @@ class Engine:
             if features is not None:
                 self.proposer.observe(req, features)
             self.proposer.finished(req)
-        if req.text is None:   # a stop string already set it, to the text before the stop ("" included)
+        if req.text is None:   # a stop string already set it ("" included)
             ids = req.output_ids[:-1] if drop_last else req.output_ids
             req.text = self.tokenizer.output_text(ids, req.params.skip_special_tokens)
         self.publish(req)   # every finish follows a decode step (prefill emits no token)

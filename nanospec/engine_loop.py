@@ -37,7 +37,7 @@ class QueueFull(NanospecError):
 class Update:
     new_ids: list[int]               # tokens committed since the last update
     finish_reason: str | None = None   # "stop", "length" or "error" on the last update (an abort sends none)
-    text: str | None = None          # the whole output text, on the last update (before any stop)
+    text: str | None = None          # the whole output text, on the last update (the engine's req.text)
     error: str | None = None         # why it failed (finish_reason "error")
     logprobs: list[tuple[int, dict]] | None = None   # (token, {id: logprob}) of each new token, if asked
 
@@ -176,12 +176,13 @@ class TextStream:
     """A request's text as it grows: push() the token ids of each update, get the text a client may
     see now. Held back: a character whose bytes have not all come, and any end of the text that is
     the start of a stop string (the engine may yet end the output before it). The last update's
-    text (the engine's, cut before any stop) completes it, so the deltas add up to it exactly.
+    text (the engine's, cut at any stop) completes it, so the deltas add up to it exactly.
 
     Each update decodes only its own tokens: an incremental UTF-8 decoder keeps the bytes of a
     character split across tokens until the rest comes, and gives what decoding all the bytes at
     once gives (U+FFFD where they are not UTF-8). Re-decoding the whole output at every update
-    would cost a long answer's stream time quadratic in its length."""
+    made a long answer's decoding time quadratic in its length (the text itself is still appended
+    to, a copy per update, cheap beside decoding)."""
 
     def __init__(self, tokenizer, stops: list[str], skip_special: bool = True):
         self.tokenizer, self.stops, self.skip_special = tokenizer, stops, skip_special

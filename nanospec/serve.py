@@ -80,8 +80,8 @@ def check_fields(body: dict, endpoint: str) -> None:
 
 
 def is_neutral(value, neutral: tuple) -> bool:
-    """value is one of neutral's, a bool only as a bool: completions' logprobs = 0 asks for the sampled
-    token's logprob (0 == False in Python), chat's logprobs = false for none."""
+    """value is one of neutral's, a bool only as a bool (0 == False in Python: echo = 0 is not echo =
+    false)."""
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
@@ -524,8 +524,9 @@ def build_parser():
                     help="prompt tokens per prefill chunk; a decode step runs between chunks")
     ap.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                     help="auto: a request's sampling fields left out take the values of the checkpoint's "
-                         "generation_config.json (temperature, top_p, top_k; chat's max_tokens from max_new_tokens), "
-                         "as vLLM's default does; vllm: the API's neutral ones (default: auto)")
+                         "generation_config.json (temperature, top_p, top_k, min_p, the penalties; chat's "
+                         "max_tokens from max_new_tokens), as vLLM's default does; vllm: the API's neutral ones "
+                         "(default: auto)")
     ap.add_argument("--prefill-first", action="store_true",
                     help="run every prefill chunk before any decode step, as offline generate does "
                          "(running streams stall while a long prompt is prefilled)")
