@@ -743,7 +743,7 @@ class Engine:
         # The stop that ends first (a step's token may complete two), the first listed of a tie, as
         # vLLM chooses; the text ends before it, or after it. (A stop holding U+FFFD may match only
         # the tail's cut start: none found then.)
-        found = [(text.find(s) + len(s), i, text.find(s)) for i, s in enumerate(req.params.stop) if s in text]
+        found = [(start + len(s), i, start) for i, s in enumerate(req.params.stop) if (start := text.find(s)) >= 0]
         if found:
             end, _, start = min(found)
             req.text = text[:end if req.params.include_stop_str_in_output else start]

@@ -19,7 +19,6 @@ characters only, and no text that could still turn out to be the start of a stop
 """
 from __future__ import annotations
 
-import codecs
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 
 from nanospec.engine import Engine, Request
 from nanospec.errors import NanospecError
+from nanospec.tokenizer import utf8_decoder
 
 
 class QueueFull(NanospecError):
@@ -186,7 +186,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stops: list[str], skip_special: bool = True):
         self.tokenizer, self.stops, self.skip_special = tokenizer, stops, skip_special
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.decoder = utf8_decoder()
         self.text = ""   # the whole characters decoded so far
         self.sent = 0    # characters handed out: text[:sent]
 

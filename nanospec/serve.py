@@ -12,7 +12,6 @@ example:
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import dataclasses
 import functools
@@ -35,6 +34,7 @@ from nanospec.engine import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
 from nanospec.errors import NanospecError, is_int, run_command
 from nanospec.metrics import Metrics
+from nanospec.tokenizer import utf8_decoder
 
 
 class ApiError(Exception):
@@ -322,7 +322,6 @@ class Server:
             if update is None:
                 continue
             choice = reply.choices[i]
-            choice.text.push(update)
             if update.finish_reason == "error":   # one choice failed: the answer is an error
                 pending.discard(i)
                 self.abort(reply, pending)
@@ -379,10 +378,6 @@ class Choice:
         self.text_offset = 0
         self.decoder = utf8_decoder()   # the logprobs' tokens' bytes so far (a split character's held)
         self.last: Update | None = None   # its last update, once it finished
-
-
-def utf8_decoder():
-    return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
 def text_added(decoder, data: bytes) -> str:

@@ -43,6 +43,12 @@ GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
 STOP_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")
 
 
+def utf8_decoder():
+    """An incremental UTF-8 decoder, as an output's text is decoded: U+FFFD for bytes that are not
+    UTF-8, and the bytes of a character not yet complete held until more come."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: every byte as a printable character (tokens are stored this way)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -122,7 +128,7 @@ class Tokenizer:
         """An output's text: without the special tokens, and without a last character whose bytes
         have not all come (an output cut at its length mid-character), as vLLM's detokenizer gives
         it; decode() ends such a text with U+FFFD, as transformers' does."""
-        return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(self.decode_bytes(ids, skip_special))
+        return utf8_decoder().decode(self.decode_bytes(ids, skip_special))   # (not final: a split character held)
 
     def tail(self, ids: list[int], num_bytes: int, skip_special: bool = False) -> list[int]:
         """The shortest end of ids whose bytes (as decode_bytes gives them) are at least num_bytes,
