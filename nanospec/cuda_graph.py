@@ -241,7 +241,8 @@ class StepGraphs:
         return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
                              greedy=all(p.temperature == 0 for p in params),
                              truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
-                                 max(p.top_k for p in params), any(p.top_p < 1 for p in params)))
+                                 max(p.top_k for p in params), any(p.top_p < 1 for p in params),
+                                 all(p.top_k for p in params if p.top_p < 1)))
 
     def pack_rows(self, fields: np.ndarray, requests, num_draft, rows, draft_rows, first_position, catch_up) -> None:
         """The FIELDS values of every row of the bucket into fields [FIELDS, bucket]; the rows past

@@ -96,10 +96,14 @@ def pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Truncation:
-    """What a batch's top-k / top-p need, known on the host: its largest top_k (0: none) and whether
-    any row uses top-p. Top-k alone is a threshold (no sort over the vocabulary); top-p sorts."""
+    """What a batch's top-k / top-p need, known on the host: its largest top_k (0: none), whether
+    any row uses top-p, and whether every row that uses top-p also has a top_k. Truncating ranks a
+    row's tokens: where each truncating row has a top_k, only its largest top_k candidates (no sort
+    over the vocabulary); else the whole vocabulary, a sort (on a CPU, of Qwen's 152,000 tokens at
+    each of a step's rows, longer than the step's forward)."""
     top_k: int
     top_p: bool
+    top_p_within_top_k: bool = False
 
 
 @dataclass
@@ -127,10 +131,10 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if truncate:
         limits = truncate if isinstance(truncate, Truncation) else Truncation(vocab, True)
-        cut = truncate_top_k_top_p if limits.top_p or limits.top_k > vocab // 2 else truncate_top_k
         # A row that truncates nothing keeps its softmax bit for bit (no renormalization by a sum
         # that is 1 only up to rounding): its draws must not depend on whether another row truncates.
-        probs = torch.where(((top_k > 0) | (top_p < 1))[:, None], cut(probs, logits, top_k, top_p, limits), probs)
+        probs = torch.where(((top_k > 0) | (top_p < 1))[:, None],
+                            truncate_top_k_top_p(probs, logits, top_k, top_p, limits), probs)
     return torch.where(greedy[:, None], one_hot, probs)
 
 
@@ -142,15 +146,23 @@ def renormalize(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return (kept / kept.cumsum(-1)[:, -1:]).float()
 
 
-def truncate_top_k(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   limits: Truncation) -> torch.Tensor:
-    """Top-k alone, without a sort over the vocabulary: keep the logits above the k-th largest,
-    and of those equal to it the first ones by index (as a stable sort ranks them), k in all."""
-    k = top_k.clamp(1, limits.top_k)[:, None]                                   # [N, 1]
-    kth = logits.topk(limits.top_k, dim=-1).values.gather(-1, k - 1)            # the k-th largest logit
-    above, tied = logits > kth, logits == kth
-    keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
-    return renormalize(probs, keep)
+def ranked(logits: torch.Tensor, largest_k: int | None = None) -> torch.Tensor:
+    """Each row's token ids by descending logit, stably (ties in id order, so rank 0 is
+    logits.argmax(), even where distinct logits round to one probability): all of them, a sort over
+    the vocabulary, or only the first largest_k, two topk."""
+    if largest_k is None:
+        return logits.argsort(dim=-1, descending=True, stable=True)
+    k = largest_k
+    values, ids = logits.topk(k, dim=-1)   # the k largest, but of the ties at the k-th logit any
+    kth = values[:, -1:]
+    ties = (values == kth).sum(-1, keepdim=True)   # how many the k hold (they come last: values descend)
+    # those the stable sort holds: the first by id of the tokens at the k-th logit
+    minus_id = -torch.arange(logits.shape[-1], device=logits.device, dtype=logits.dtype)   # (exact below 2^24)
+    first_tied = torch.where(logits == kth, minus_id, float("-inf")).topk(k, dim=-1).indices
+    rank = torch.arange(k, device=logits.device)[None, :]
+    ids = torch.where(rank < k - ties, ids, first_tied.gather(-1, (rank - (k - ties)).clamp(min=0)))
+    ids = ids.sort(dim=-1).values   # then ranked stably: ties in id order
+    return ids.gather(-1, logits.gather(-1, ids).argsort(dim=-1, descending=True, stable=True))
 
 
 def top_p_keeps(mass_before: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -164,17 +176,22 @@ def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch
                          top_p: torch.Tensor, limits: Truncation | None = None) -> torch.Tensor:
     """probs [N, V] cut to the top_k most likely, then to the top_p of what is left, renormalized."""
     vocab = probs.shape[-1]
-    # Rank by the logits, stably: ties keep index order, so rank 0 is logits.argmax() (top_k = 1 is
-    # greedy), even where distinct logits round to one probability.
-    order = logits.argsort(dim=-1, descending=True, stable=True)
+    # Where every row that truncates has a top_k, only each row's largest top_k can be kept: those
+    # candidates are ranked alone, and the sums below, over ranks or ids in order, are the same.
+    candidates = limits is not None and 0 < limits.top_k <= vocab // 2 and (
+        not limits.top_p or limits.top_p_within_top_k)
+    order = ranked(logits, limits.top_k if candidates else None)   # [N, vocab or the largest top_k]
     sorted_probs = probs.gather(-1, order).double()
-    rank = torch.arange(vocab, device=probs.device)[None, :]
+    rank = torch.arange(order.shape[-1], device=probs.device)[None, :]
     in_top_k = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
     kept = sorted_probs * in_top_k
     kept_cdf = kept.cumsum(-1)
     mass_before = (kept_cdf - kept) / kept_cdf[:, -1:]           # renormalized over what top-k kept
     keep_sorted = in_top_k & top_p_keeps(mass_before, top_p)
-    return renormalize(probs, torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted))
+    if not candidates:
+        return renormalize(probs, torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted))
+    ids, at = order.sort(dim=-1)   # the candidates in id order, the order in which renormalize sums a row
+    return torch.zeros_like(probs).scatter(-1, ids, renormalize(probs.gather(-1, ids), keep_sorted.gather(-1, at)))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

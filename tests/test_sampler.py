@@ -97,6 +97,33 @@ def test_top_k_without_a_sort_is_top_k_with_one(logits, top_k):
         assert torch.equal(target_probs(x, t, k, p, limits), target_probs(x, t, k, p, True))
 
 
+@settings(max_examples=300, deadline=None)
+@given(logits=st.lists(st.one_of(st.integers(-3, 3), st.just(-1000)), min_size=2, max_size=40),
+       top_k=st.lists(st.integers(0, 45), min_size=3, max_size=3),
+       top_p=st.lists(st.one_of(st.just(1.0), st.floats(0.05, 1.0)), min_size=3, max_size=3))
+def test_top_p_within_top_k_sorts_only_the_candidates_and_keeps_what_the_full_sort_keeps(logits, top_k, top_p):
+    """Where every row that uses top-p has a top_k, top-p ranks only each row's largest top_k
+    candidates (no sort over the vocabulary): the same probabilities, bit for bit, as the full sort,
+    ties everywhere (integer logits) and -inf among them (min_p's masked tokens); a row with neither
+    keeps its softmax."""
+    x = torch.tensor([logits] * 3, dtype=torch.float32).masked_fill(torch.tensor([logits] * 3) == -1000, float("-inf"))
+    assume(x.isfinite().any())
+    top_p = [p if k else 1.0 for p, k in zip(top_p, top_k)]   # a top-p row has a top_k
+    k, p, t = torch.tensor(top_k), torch.tensor(top_p), torch.tensor([1.0, 0.5, 2.0])
+    limits = sampler.Truncation(max(top_k), top_p=True, top_p_within_top_k=True)
+    if 0 < limits.top_k <= len(logits) // 2:   # where truncate_top_k_top_p takes the candidates
+        assert torch.equal(target_probs(x, t, k, p, limits), target_probs(x, t, k, p, True))
+
+
+def test_the_candidates_are_the_first_ranks_of_the_stable_sort():
+    """sampler.ranked with largest_k: the first largest_k ids of the full stable descending sort,
+    at a real vocabulary with ties at the k-th logit."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-20, 20, (6, 151936), generator=g).float()
+    for k in (1, 20, 64):
+        assert torch.equal(sampler.ranked(logits, k), sampler.ranked(logits)[:, :k])
+
+
 def run_verify_shapes(sampler, buckets, ks, vocab=50, sampled_ks=()):
     """Call the sampler as the decode step does, for each bucket and K (greedy), and for each bucket
     and K in sampled_ks (sampling, with and without draft probabilities, truncating)."""
@@ -151,3 +178,4 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
     probs = target_probs(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1e-300], dtype=torch.float32))
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
