@@ -18,8 +18,9 @@ A decode step is, in order:
            one graph; it returns one [bucket, K + 3] int64 tensor: each row's K + 1 tokens, its
            accepted count, and a flag for non-finite logits (1: the target's, 2: the drafter's),
            which the engine reads back in its one copy. A step with a request that asks for
-           logprobs, penalties or min_p runs the same body eagerly instead (see replay), and with
-           logprobs also returns its logits, read back in a second copy.
+           logprobs, penalties or min_p replays the forward alone as a graph and runs the rest
+           (LM head, processing, sampling) eagerly: its host data go in one more copy, and with
+           logprobs it also returns its logits, read back in a second copy (see replay).
 
 Padding keeps the step lossless:
 - a bucket's rows past the batch are requests of one token at position 0 whose block-table rows are
@@ -305,11 +306,14 @@ class StepGraphs:
 
     def replay(self, key, width: int):
         """Run the body of `key`: eagerly at `width` (the widest table it reads), or as a graph."""
-        body = self.verify_body if key[0] == "verify" else self.round_body
-        # A verify with logprobs, penalties or min_p runs eagerly: as a graph it would keep its
-        # [bucket, K + 1, vocab] logits in the pool for good (one such graph per bucket, K and
-        # mode), and the penalties read the requests' tokens on the host.
-        if not self.graphed(key[1]) or (key[0] == "verify" and key[5]):
+        if key[0] == "verify" and key[5]:
+            # A verify with logprobs, penalties or min_p: its forward as the ("forward", bucket, K)
+            # graph, its tail eagerly. The whole step as a graph would keep [bucket, K + 1, vocab]
+            # logits in the pool for good (one such graph per bucket, K and mode), and the penalties
+            # read the requests' tokens on the host; the forward's outputs are a few rows a query.
+            return self.verify_tail(key, *self.replay(("forward", *key[1:3]), width))
+        body = {"verify": self.verify_body, "forward": self.forward_body, "round": self.round_body}[key[0]]
+        if not self.graphed(key[1]):
             if REHEARSE_GRAPHS:   # as capture (a warm-up) and replay would: twice, at full width
                 width = self.full_width(key)
                 body(key, width)
@@ -321,7 +325,7 @@ class StepGraphs:
         return outputs
 
     def full_width(self, key) -> int:
-        return (self.tables if key[0] == "verify" else self.draft_tables).width
+        return (self.draft_tables if key[0] == "round" else self.tables).width
 
     @torch.inference_mode()
     def capture(self, body, key):
@@ -396,13 +400,18 @@ class StepGraphs:
     def verify_body(self, key, width: int):
         """The verification on the static buffers: the metadata, the target's forward over
         [last token, d_1 .. d_K] per row, acceptance and sampling. No host data, no sync."""
-        _, bucket, k, mode, probs, eager = key
+        return self.verify_tail(key, *self.forward_body(key, width))
+
+    def forward_body(self, key, width: int):
+        """The verification's first part: the metadata and the target's forward. Returns the final
+        hidden states [T, hidden], EAGLE's features ([bucket * (K + 1), F], request b's at rows
+        b * (K + 1) ...; else None) and pick: [T, ...] -> [bucket, K + 1, ...], each row's K + 1
+        queries (past its last real query, its last again)."""
+        bucket, k = key[1], key[2]
         q_len = k + 1
-        fields, sampling = self.fields(bucket, mode)
-        table_row, cached, num_draft, last = fields[:4]
+        table_row, cached, num_draft, last = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)[:4]
         tables = self.tables.tables[table_row, :width]
-        drafts = self.drafts[:bucket, :k]
-        input_ids = torch.cat([last[:, None], drafts], dim=1).flatten()   # [bucket * q_len], row-major
+        input_ids = torch.cat([last[:, None], self.drafts[:bucket, :k]], dim=1).flatten()   # [bucket * q_len], row-major
         padded = self.padded(bucket)
         if padded:   # every row q_len queries: a graph's fixed shapes
             meta, real_offsets = self.padded_metadata(tables, cached, num_draft + 1, q_len, self.kv_cache.block_size)
@@ -425,6 +434,15 @@ class StepGraphs:
         features = proposer.features(hidden, captured) if proposer and proposer.needs_features else None
         if features is not None and not padded:
             features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
+        return hidden, features, pick
+
+    def verify_tail(self, key, hidden: torch.Tensor, features: torch.Tensor | None, pick):
+        """The verification's second part: the LM head, the logits' processing where the step has
+        it (an eager step: see replay), acceptance and sampling. Returns what run() returns."""
+        _, bucket, k, mode, probs, eager = key
+        fields, sampling = self.fields(bucket, mode)
+        cached, num_draft = fields[1], fields[2]
+        drafts = self.drafts[:bucket, :k]
         logits = self.model.logits(hidden)[:, :self.vocab]
         kept = pick(logits) if eager and self.logprobs else None   # [bucket, q_len, vocab], raw
         processed = self.process(pick(logits), drafts) if eager and self.processed else None
@@ -439,7 +457,7 @@ class StepGraphs:
             logits = pick(logits) if processed is None else processed
             row_max = logits.amax(-1)
             q = self.draft_probs[:bucket, :k] if probs else None
-            if probs and proposer.host_and_model:   # a hybrid's suffix drafts: one-hot
+            if probs and self.proposer.host_and_model:   # a hybrid's suffix drafts: one-hot
                 one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
                 q = torch.where((fields[9] == 0)[:, None, None], one_hot, q)   # first_position 0: not in the round
             tokens, num_accepted = self.sampler.rejection_sample(
@@ -450,20 +468,38 @@ class StepGraphs:
         return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features, kept
 
     def process(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """The step's logits [bucket, K + 1, vocab] in float32, each processed row's with its penalties
-        and then its min_p, as vLLM orders them (the sampler's temperature, top-k and top-p come after).
-        Eager steps only: it reads the requests' tokens on the host."""
+        """The step's logits [bucket, K + 1, vocab] in float32, the processed rows' with their
+        penalties and then their min_p, as vLLM orders them (the sampler's temperature, top-k and
+        top-p come after), all rows in one batch. Eager only (see replay): it reads the requests'
+        tokens on the host and sends them, with the rows and their parameters, in one copy."""
         logits = logits.float()
-        for b, req in self.processed:
-            p = req.params
-            if p.penalized:
-                if req.prompt_mask is None:
-                    req.prompt_mask = prompt_mask(req.prompt_ids, logits.shape[-1], logits.device)
-                logits[b] = penalize(logits[b], req.prompt_mask, req.output_ids, drafts[b], p.repetition_penalty,
-                                     p.frequency_penalty, p.presence_penalty)
-            if p.min_p > 0:
-                logits[b] = min_p_mask(logits[b], p.temperature, p.min_p)
+        vocab, reqs = logits.shape[-1], [r for _, r in self.processed]
+        for req in reqs:
+            if req.params.penalized and req.prompt_mask is None:   # made once per request: a prompt may be long
+                req.prompt_mask = prompt_mask(req.prompt_ids, vocab, logits.device)
+        n = len(reqs)
+        # a row without penalties takes neutral ones (an identity, bit for bit), a greedy row min_p 0 at T 1
+        values = np.array([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty,
+                            r.params.min_p if r.params.temperature > 0 else 0.0, r.params.temperature or 1.0]
+                           for r in reqs]).T.copy().view(np.int64)   # [5, n], float64 bits
+        outputs = [np.asarray(r.output_ids if r.params.penalized else (), dtype=np.int64) for r in reqs]
+        flat = np.concatenate([i * vocab + ids for i, ids in enumerate(outputs)])   # each output token at row * V + id
+        host = np.concatenate([[b for b, _ in self.processed], values.ravel(), flat])
+        device = upload(host, logits.device)
+        rows, (repetition, frequency, presence, min_p, temperature) = device[:n], device[n:6 * n].view(5, n).view(
+            torch.float64).float()
+        counts = torch.zeros(n * vocab, device=logits.device).index_add_(
+            0, device[6 * n:], torch.ones(len(flat), device=logits.device)).view(n, vocab)
+        in_prompt = torch.stack([r.prompt_mask if r.params.penalized else self.no_prompt(vocab) for r in reqs])
+        out = penalize(logits[rows], in_prompt, counts, drafts[rows], repetition, frequency, presence)
+        logits[rows] = min_p_mask(out, temperature, min_p)
         return logits
+
+    def no_prompt(self, vocab: int) -> torch.Tensor:
+        """[V] bool, all False: the prompt mask of a row without penalties."""
+        if getattr(self, "_no_prompt", None) is None or len(self._no_prompt) != vocab:
+            self._no_prompt = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+        return self._no_prompt
 
     def round_body(self, key, width: int) -> None:
         """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft

@@ -255,7 +255,7 @@ def pack_metadata(block_tables: list[list[int]] | None, num_cached: list[int], q
 
 
 def upload(host: list[int], device: torch.device) -> torch.Tensor:
-    """Ints to the device in one copy, pinned and non-blocking on CUDA."""
+    """Ints (a list, or an int64 array) to the device in one copy, pinned and non-blocking on CUDA."""
     packed = torch.tensor(host, dtype=torch.int64)
     if device.type == "cuda":
         packed = packed.pin_memory()

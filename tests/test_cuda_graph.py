@@ -2,6 +2,7 @@
 as a graph computes what an unpadded forward computes, and the engine through it keeps its
 invariants. On CPU the step body runs eagerly on the same buffers; the CUDA-only tests at the end
 compare graph replays with --enforce-eager and count copies on the device."""
+import dataclasses
 import random
 
 import pytest
@@ -235,14 +236,26 @@ def sampled_and_greedy(n: int) -> list[SamplingParams]:
                            ignore_eos=True) for i in range(n)]
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
-def test_graph_bodies_run_twice_equal_the_eager_step(spec_models, monkeypatch, name):
-    """Every graph body (verify, a draft round with or without its first step) run as capture and
-    replay run it, twice on the same buffers at the tables' full width, gives what the eager step
-    gives, token for token, greedy and sampled: nothing a body reads is left changed by its warm-up.
-    (Before the fix, an EAGLE round read back its own last hidden state, and sampled drafts moved.)"""
+def processed(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The same requests, some of them with penalties, min_p or logprobs (a step that replays the
+    forward graph and runs the rest eagerly)."""
+    extras = [dict(repetition_penalty=1.3, frequency_penalty=0.2), dict(min_p=0.2), dict(logprobs=2), {}]
+    return [dataclasses.replace(p, **extras[i % 4]) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("name, with_processing", [("plain", False), ("ngram", False), ("draft", False),
+                                                   ("eagle1", False), ("eagle3", False), ("ngram", True),
+                                                   ("eagle3", True)])
+def test_graph_bodies_run_twice_equal_the_eager_step(spec_models, monkeypatch, name, with_processing):
+    """Every graph body (verify, a draft round with or without its first step, the forward alone of a
+    step with penalties, min_p or logprobs) run as capture and replay run it, twice on the same
+    buffers at the tables' full width, gives what the eager step gives, token for token, greedy and
+    sampled: nothing a body reads is left changed by its warm-up. (Before the fix, an EAGLE round
+    read back its own last hidden state, and sampled drafts moved.)"""
     args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 4}
     prompts = (PROMPTS * 2)[:12]
+    params = sampled_and_greedy(len(prompts))
+    params = processed(params) if with_processing else params
 
     def outputs(rehearse: bool):
         monkeypatch.setattr(cuda_graph, "REHEARSE_GRAPHS", rehearse)
@@ -254,7 +267,7 @@ def test_graph_bodies_run_twice_equal_the_eager_step(spec_models, monkeypatch, n
             real_run_round(plan, sampling)
             rounds.append([None if t is None else t.clone() for t in (steps.drafts, steps.draft_probs)])
         monkeypatch.setattr(steps, "run_round", run_round)
-        out = [o.token_ids for o in llm.generate(prompts, sampled_and_greedy(len(prompts)))]
+        out = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         assert_no_leak(llm)
         return out, llm.stats["accepted_tokens"], llm.stats["drafted_tokens"], rounds
 
@@ -321,6 +334,30 @@ def test_cuda_graph_replay_equals_eager(spec_models, name):
         if not eager:
             assert llm.engine.step_graphs.graphs, "no graph was captured"
     assert outputs[False] == outputs[True]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["plain", "ngram", "eagle3"])
+def test_cuda_processed_steps_replay_the_forward_graph(spec_models, name):
+    """Steps with penalties, min_p or logprobs on CUDA replay the forward as a graph (one per bucket
+    and K) and run the LM head, the processing and the sampling eagerly, so that no graph keeps
+    their [bucket, K + 1, vocab] logits: the same tokens and logprobs as --enforce-eager."""
+    args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 4}
+    prompts = (PROMPTS * 3)[:19]
+    params = processed(sampled_and_greedy(len(prompts)))
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, enforce_eager=eager, **args)
+        outputs[eager] = llm.generate(prompts, params)
+        if not eager:
+            keys = list(llm.engine.step_graphs.graphs)
+            assert any(key[0] == "forward" for key in keys), keys
+            assert not any(key[0] == "verify" and key[5] for key in keys), keys
+    for graphed, eager in zip(outputs[False], outputs[True]):
+        assert graphed.token_ids == eager.token_ids
+        for got, want in zip(graphed.logprobs or (), eager.logprobs or ()):
+            assert set(got) == set(want) and all(abs(got[t] - want[t]) < 1e-4 for t in want)
 
 
 @pytest.mark.cuda

@@ -179,3 +179,51 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     probs = target_probs(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1e-300], dtype=torch.float32))
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
+
+def penalties_oracle(logits, prompt, output, drafts, rep, freq, pres):
+    """vLLM's penalties in float64, position by position: position j follows the output and d_1 .. d_j."""
+    out = torch.empty_like(logits, dtype=torch.float64)
+    for j in range(logits.shape[0]):
+        counts = torch.bincount(torch.tensor(output + drafts[:j], dtype=torch.long), minlength=logits.shape[1]).double()
+        seen = counts > 0
+        hit = seen.clone()
+        hit[prompt] = True
+        x = logits[j].double()
+        out[j] = torch.where(hit, torch.where(x > 0, x / rep, x * rep), x) - freq * counts - pres * seen.double()
+    return out
+
+
+@pytest.mark.parametrize("break_it", [False, True])
+def test_penalties_in_one_batch_are_each_rows_at_each_position(break_it):
+    """sampler.penalize over three requests at once, Qwen's vocabulary, K = 4 with tokens drafted
+    twice and drafts that are in the output or the prompt: each row, at each position, is the float64
+    definition applied to that row alone (within float32 rounding). Leaving the drafts out (every
+    position penalized as the first) fails every row."""
+    vocab, g = 151936, torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, vocab, generator=g) * 4
+    prompts, outputs = [[7, 8, 9], [10], [3, 3]], [[1, 2, 2, 5], [], [4, 4, 4, 6]]
+    drafts = [[2, 2, 7, 1], [11, 12, 11, 11], [4, 3, 9, 4]]
+    rep, freq, pres = [1.3, 0.8, 1.0], [0.4, -0.5, 0.0], [0.3, 0.0, -1.2]
+    counts = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab).float() for o in outputs])
+    masks = torch.stack([sampler.prompt_mask(p, vocab, torch.device("cpu")) for p in prompts])
+    seen_drafts = torch.tensor(drafts)[:, :0] if break_it else torch.tensor(drafts)
+    got = sampler.penalize(logits, masks, counts, seen_drafts, torch.tensor(rep), torch.tensor(freq), torch.tensor(pres))
+    wrong = 0
+    for r in range(3):
+        want = penalties_oracle(logits[r], prompts[r], outputs[r], drafts[r], rep[r], freq[r], pres[r])
+        wrong += not torch.allclose(got[r].double(), want, atol=1e-5, rtol=0)
+    assert wrong == (3 if break_it else 0)
+
+
+def test_min_p_in_one_batch_is_each_rows():
+    """sampler.min_p_mask over rows of their own temperature and min_p: a token stays where its
+    probability at the row's temperature is at least min_p x the most likely's (float64), and
+    min_p 0 keeps every token."""
+    logits = torch.randn(3, 2, 1000, generator=torch.Generator().manual_seed(1)) * 3
+    temperature, min_p = torch.tensor([0.7, 1.5, 1.0]), torch.tensor([0.1, 0.3, 0.0])
+    got = sampler.min_p_mask(logits, temperature, min_p)
+    for r in range(3):
+        probs = torch.softmax(logits[r].double() / temperature[r].item(), dim=-1)
+        keep = probs >= min_p[r].item() * probs.max(-1, keepdim=True).values
+        assert torch.equal(got[r].isfinite(), keep) and torch.equal(got[r][keep], logits[r][keep])
+    assert got[2].isfinite().all() and not got[:2].isfinite().all()
