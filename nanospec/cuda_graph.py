@@ -255,7 +255,9 @@ class StepGraphs:
         fields[7, batch:] = ONE_BITS   # top_p 1: off
         fields[:6, :batch] = [rows, [r.num_cached for r in requests], num_draft, [r.tokens[-1] for r in requests],
                               [r.seed for r in requests], [p.top_k for p in params]]
-        fields[6:8, :batch] = np.array([[p.temperature for p in params], [p.top_p for p in params]]).view(np.int64)
+        # float64 whatever the client sent: a batch of ints alone would make an int array, whose bits are no floats
+        fields[6:8, :batch] = np.array([[p.temperature for p in params], [p.top_p for p in params]],
+                                       dtype=np.float64).view(np.int64)
         fields[8, :batch], fields[9, :batch] = draft_rows, first_position
         fields[10, :batch] = [r.tokens[-2] if len(r.tokens) > 1 else 0 for r in requests]
         fields[11, :batch] = catch_up
@@ -481,7 +483,7 @@ class StepGraphs:
         # a row without penalties takes neutral ones (an identity, bit for bit), a greedy row min_p 0 at T 1
         values = np.array([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty,
                             r.params.min_p if r.params.temperature > 0 else 0.0, r.params.temperature or 1.0]
-                           for r in reqs]).T.copy().view(np.int64)   # [5, n], float64 bits
+                           for r in reqs], dtype=np.float64).T.copy().view(np.int64)   # [5, n], float64 bits
         outputs = [np.asarray(r.output_ids if r.params.penalized else (), dtype=np.int64) for r in reqs]
         flat = np.concatenate([i * vocab + ids for i, ids in enumerate(outputs)])   # each output token at row * V + id
         host = np.concatenate([[b for b, _ in self.processed], values.ravel(), flat])

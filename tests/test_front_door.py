@@ -829,3 +829,22 @@ def test_of_two_stops_one_token_completes_the_first_to_end_wins(tiny_llm):
         req.params.validate()
         assert tiny_llm.engine.hit_stop_string(req)
         assert req.text == (before + piece[:2] if include else before)
+
+
+def test_integer_sampling_values_sample_as_their_floats(tiny_llm):
+    """A client's JSON may send `"temperature": 1, "top_p": 1` or `"repetition_penalty": 2`: Python
+    ints. They travel to the device as float64 bits (cuda_graph's pack_rows and process): a batch
+    of only ints made an int array there, whose bits read as float64 are ~0, so temperature 1
+    sampled greedily and a penalty of 2 divided by 0. Each must sample as its float does."""
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    for ints, floats in ((dict(temperature=1, top_p=1), dict(temperature=1.0, top_p=1.0)),
+                         (dict(temperature=1, top_p=1, repetition_penalty=2, frequency_penalty=1, presence_penalty=0,
+                               min_p=0), dict(temperature=1.0, top_p=1.0, repetition_penalty=2.0,
+                                              frequency_penalty=1.0, presence_penalty=0.0, min_p=0.0))):
+        out = {}
+        for name, values in (("ints", ints), ("floats", floats)):
+            params = [SamplingParams(**values, seed=s, max_tokens=16, ignore_eos=True) for s in range(2)]
+            out[name] = [o.token_ids for o in tiny_llm.generate(prompts, params)]
+        assert out["ints"] == out["floats"]
+    greedy = [o.token_ids for o in tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    assert out["floats"] != greedy
