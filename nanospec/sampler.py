@@ -176,7 +176,8 @@ def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch
     """probs [N, V] cut to the top_k most likely, then to the top_p of what is left, renormalized."""
     vocab = probs.shape[-1]
     # Where every row that truncates has a top_k, only each row's largest top_k can be kept: those
-    # candidates are ranked alone, and the sums below, over ranks or ids in order, are the same.
+    # candidates are ranked alone. The sums below run over ranks or ids in order, so on a CPU (a scan
+    # in order) they are the full sort's bit for bit; a CUDA scan's grouping follows the row's length.
     candidates = limits is not None and 0 < limits.top_k <= vocab // 2 and (
         not limits.top_p or limits.top_p_within_top_k)
     order = ranked(logits, limits.top_k if candidates else None)   # [N, vocab or the largest top_k]

@@ -546,8 +546,8 @@ def main(argv=None) -> int:
         log("sampling defaults from the checkpoint's generation_config.json: " + ", ".join(llm.sampling_defaults_read)
             + " (a request's own values come first; --generation-config vllm for the neutral ones)")
         if llm.device.type == "cuda" and SamplingParams(**llm.sampling_defaults).processed:
-            log("with these defaults every decode step runs without CUDA graphs (penalties and min_p are applied "
-                "eagerly); --generation-config vllm keeps the graphs")
+            log("with these defaults every decode step replays only its forward as a CUDA graph (the LM head, "
+                "penalties or min_p and sampling run eagerly); --generation-config vllm keeps whole-step graphs")
     server = Server(llm, name, args.api_key, args.max_queue, not args.prefill_first)
     try:
         sock = socket.create_server((args.host, args.port))
