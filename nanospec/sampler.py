@@ -171,27 +171,48 @@ def top_p_keeps(mass_before: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return (mass_before < top_p[:, None]) | (mass_before == 0) | (top_p[:, None] >= 1)
 
 
+FEW_CANDIDATES = 64   # the first candidates of a top-p row without top-k (8x more while they fall short)
+
+
 def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor,
                          top_p: torch.Tensor, limits: Truncation | None = None) -> torch.Tensor:
-    """probs [N, V] cut to the top_k most likely, then to the top_p of what is left, renormalized."""
+    """probs [N, V] cut to the top_k most likely, then to the top_p of what is left, renormalized.
+
+    Ranking a row is a sort over the vocabulary, yet a row keeps at most its top_k, and top-p alone
+    only the tokens before the mass reaches top_p: where the largest few hold them, only those
+    candidates are ranked (a top-p row without top-k on a CPU: more of them until they do; the
+    check reads the device). Every sum runs in order over ranks or ids (the masses top-p measures
+    against, like renormalize's, in id order), so on a CPU, whose scans run in order, a row's
+    probabilities are the same bit for bit whatever was ranked (a CUDA scan's grouping follows the
+    row's length)."""
     vocab = probs.shape[-1]
-    # Where every row that truncates has a top_k, only each row's largest top_k can be kept: those
-    # candidates are ranked alone. The sums below run over ranks or ids in order, so on a CPU (a scan
-    # in order) they are the full sort's bit for bit; a CUDA scan's grouping follows the row's length.
-    candidates = limits is not None and 0 < limits.top_k <= vocab // 2 and (
-        not limits.top_p or limits.top_p_within_top_k)
-    order = ranked(logits, limits.top_k if candidates else None)   # [N, vocab or the largest top_k]
-    sorted_probs = probs.gather(-1, order).double()
-    rank = torch.arange(order.shape[-1], device=probs.device)[None, :]
-    in_top_k = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
-    kept = sorted_probs * in_top_k
-    kept_cdf = kept.cumsum(-1)
-    mass_before = (kept_cdf - kept) / kept_cdf[:, -1:]           # renormalized over what top-k kept
-    keep_sorted = in_top_k & top_p_keeps(mass_before, top_p)
-    if not candidates:
-        return renormalize(probs, torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted))
-    ids, at = order.sort(dim=-1)   # the candidates in id order, the order in which renormalize sums a row
-    return torch.zeros_like(probs).scatter(-1, ids, renormalize(probs.gather(-1, ids), keep_sorted.gather(-1, at)))
+    without_top_k = limits is not None and limits.top_p and not limits.top_p_within_top_k
+    size = None if limits is None or limits.top_k > vocab // 2 or (without_top_k and not probs.is_cpu) \
+        else max(limits.top_k, FEW_CANDIDATES if without_top_k else 1)
+    whole = probs.double().cumsum(-1)[:, -1:] if without_top_k or size is None else None   # a row's mass, in id order
+    while True:
+        if size is not None and size > vocab // 2:
+            size = None
+        order = ranked(logits, size)   # [N, vocab or size]
+        if size is None:   # rank -> id: a scatter over the vocabulary
+            ids, by_id = None, lambda x: torch.zeros(probs.shape, dtype=x.dtype, device=x.device).scatter(-1, order, x)
+        else:   # the candidates in id order
+            ids, at = order.sort(dim=-1)
+            by_id = lambda x: x.gather(-1, at)   # noqa: E731
+        row_probs = probs if ids is None else probs.gather(-1, ids)   # by id
+        rank = torch.arange(order.shape[-1], device=probs.device)[None, :]
+        in_top_k = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
+        top_k_mass = torch.where(by_id(in_top_k), row_probs.double(), 0.0).cumsum(-1)[:, -1:]
+        mass = top_k_mass if whole is None else torch.where((top_k > 0)[:, None], top_k_mass, whole)
+        kept = probs.gather(-1, order).double() * in_top_k
+        mass_before = (kept.cumsum(-1) - kept) / mass              # renormalized over what top-k kept
+        keep = in_top_k & top_p_keeps(mass_before, top_p)
+        # enough candidates: every top-p row without top-k cut before its last one (mass only grows)
+        if size is None or not without_top_k or bool(((top_k > 0) | (top_p >= 1) | ~keep[:, -1]).all()):
+            break
+        size *= 8
+    kept_probs = renormalize(row_probs, by_id(keep))
+    return kept_probs if ids is None else torch.zeros_like(probs).scatter(-1, ids, kept_probs)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -115,6 +115,31 @@ def test_top_p_within_top_k_sorts_only_the_candidates_and_keeps_what_the_full_so
         assert torch.equal(target_probs(x, t, k, p, limits), target_probs(x, t, k, p, True))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_top_p_without_top_k_ranks_a_few_candidates_and_keeps_what_the_full_sort_keeps(seed, monkeypatch):
+    """A top-p row without top-k (Llama's defaults) on a CPU ranks its FEW_CANDIDATES largest, and
+    more while they hold less than top_p: the same probabilities, bit for bit, as ranking the whole
+    vocabulary, for peaked and flat rows (a flat row ranks them all), beside top-k rows and rows
+    that truncate nothing. A check that stopped at the first candidates fails it."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 4096
+    scale = torch.tensor([8.0, 3.0, 0.05, 1.0, 6.0, 0.0])[:, None]   # peaked .. flat, one row all ties
+    logits = torch.randn(6, vocab, generator=g) * scale
+    logits[5, :7] = 1.0
+    top_k = torch.tensor([0, 0, 0, 40, 0, 0])
+    top_p = torch.tensor([0.9, 0.95, 0.9, 0.8, 1.0, 0.5])
+    t = torch.tensor([0.6, 1.0, 1.0, 0.7, 1.0, 1.0])
+    ranked_sizes = []
+    real_ranked = sampler.ranked
+    monkeypatch.setattr(sampler, "ranked", lambda x, k=None: (ranked_sizes.append(k), real_ranked(x, k))[1])
+    got = target_probs(logits, t, top_k, top_p, sampler.Truncation(40, True, False))
+    assert ranked_sizes[0] == sampler.FEW_CANDIDATES and None in ranked_sizes   # grew, then sorted all (the flat row)
+    assert torch.equal(got, target_probs(logits, t, top_k, top_p, True))
+    ranked_sizes.clear()
+    peaked = target_probs(logits[:1], t[:1], top_k[:1], top_p[:1], sampler.Truncation(0, True, False))
+    assert ranked_sizes == [sampler.FEW_CANDIDATES] and torch.equal(peaked, got[:1])   # the few held its top-p
+
+
 def test_the_candidates_are_the_first_ranks_of_the_stable_sort():
     """sampler.ranked with largest_k: the first largest_k ids of the full stable descending sort,
     at a real vocabulary with ties at the k-th logit."""
