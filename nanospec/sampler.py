@@ -97,9 +97,9 @@ def pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class Truncation:
     """What a batch's top-k / top-p need, known on the host: its largest top_k (0: none), whether
     any row uses top-p, and whether every row that uses top-p also has a top_k. Truncating ranks a
-    row's tokens: where each truncating row has a top_k, only its largest top_k candidates (no sort
-    over the vocabulary); else the whole vocabulary, a sort (on a CPU, of Qwen's 152,000 tokens at
-    each of a step's rows, longer than the step's forward)."""
+    row's tokens: only the largest few (truncate_top_k_top_p) where each truncating row has a top_k,
+    or, on a CPU, where the few hold what top-p keeps; else the whole vocabulary, a sort (on a CPU,
+    of Qwen's 152,000 tokens at each of a step's rows, longer than the step's forward)."""
     top_k: int
     top_p: bool
     top_p_within_top_k: bool = False
@@ -132,8 +132,9 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         limits = truncate if isinstance(truncate, Truncation) else Truncation(vocab, True)
         # A row that truncates nothing keeps its softmax bit for bit (no renormalization by a sum
         # that is 1 only up to rounding): its draws must not depend on whether another row truncates.
-        probs = torch.where(((top_k > 0) | (top_p < 1))[:, None],
-                            truncate_top_k_top_p(probs, logits, top_k, top_p, limits), probs)
+        # (A greedy row's truncation is thrown away below: at top_p 1 it ranks no more candidates.)
+        probs = torch.where(((top_k > 0) | (top_p < 1))[:, None], truncate_top_k_top_p(
+            probs, logits, top_k, torch.where(greedy, 1.0, top_p), limits), probs)
     return torch.where(greedy[:, None], one_hot, probs)
 
 
@@ -180,19 +181,21 @@ def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch
 
     Ranking a row is a sort over the vocabulary, yet a row keeps at most its top_k, and top-p alone
     only the tokens before the mass reaches top_p: where the largest few hold them, only those
-    candidates are ranked (a top-p row without top-k on a CPU: more of them until they do; the
-    check reads the device). Every sum runs in order over ranks or ids (the masses top-p measures
-    against, like renormalize's, in id order), so on a CPU, whose scans run in order, a row's
-    probabilities are the same bit for bit whatever was ranked (a CUDA scan's grouping follows the
-    row's length)."""
+    candidates are ranked (a top-p row without top-k, on a CPU: 8x more while its last candidate is
+    kept, and all past vocab / 16, where growing costs more than the sort; the check reads the
+    device). Every sum runs in order over ranks or ids (the masses top-p measures against, like
+    renormalize's, in id order), so on a CPU, whose scans run in order, a row's probabilities are
+    the same bit for bit whatever was ranked (a CUDA scan's grouping follows the row's length)."""
     vocab = probs.shape[-1]
     without_top_k = limits is not None and limits.top_p and not limits.top_p_within_top_k
-    size = None if limits is None or limits.top_k > vocab // 2 or (without_top_k and not probs.is_cpu) \
-        else max(limits.top_k, FEW_CANDIDATES if without_top_k else 1)
-    whole = probs.double().cumsum(-1)[:, -1:] if without_top_k or size is None else None   # a row's mass, in id order
+    if limits is None or (without_top_k and not probs.is_cpu):
+        size = None
+    else:
+        size = max(limits.top_k, FEW_CANDIDATES if without_top_k else 0)
+        size = size if 0 < size <= vocab // 2 else None
+    # a top-p row without top-k measures against its whole row's mass, which the candidates' falls short of
+    whole = probs.double().cumsum(-1)[:, -1:] if without_top_k and size is not None else None
     while True:
-        if size is not None and size > vocab // 2:
-            size = None
         order = ranked(logits, size)   # [N, vocab or size]
         if size is None:   # rank -> id: a scatter over the vocabulary
             ids, by_id = None, lambda x: torch.zeros(probs.shape, dtype=x.dtype, device=x.device).scatter(-1, order, x)
@@ -203,14 +206,14 @@ def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch
         rank = torch.arange(order.shape[-1], device=probs.device)[None, :]
         in_top_k = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
         top_k_mass = torch.where(by_id(in_top_k), row_probs.double(), 0.0).cumsum(-1)[:, -1:]
-        mass = top_k_mass if whole is None else torch.where((top_k > 0)[:, None], top_k_mass, whole)
+        mass = top_k_mass if ids is None or whole is None else torch.where((top_k > 0)[:, None], top_k_mass, whole)
         kept = probs.gather(-1, order).double() * in_top_k
         mass_before = (kept.cumsum(-1) - kept) / mass              # renormalized over what top-k kept
         keep = in_top_k & top_p_keeps(mass_before, top_p)
         # enough candidates: every top-p row without top-k cut before its last one (mass only grows)
         if size is None or not without_top_k or bool(((top_k > 0) | (top_p >= 1) | ~keep[:, -1]).all()):
             break
-        size *= 8
+        size = size * 8 if size * 8 <= vocab // 16 else None
     kept_probs = renormalize(row_probs, by_id(keep))
     return kept_probs if ids is None else torch.zeros_like(probs).scatter(-1, ids, kept_probs)
 

@@ -138,6 +138,10 @@ def test_top_p_without_top_k_ranks_a_few_candidates_and_keeps_what_the_full_sort
     ranked_sizes.clear()
     peaked = target_probs(logits[:1], t[:1], top_k[:1], top_p[:1], sampler.Truncation(0, True, False))
     assert ranked_sizes == [sampler.FEW_CANDIDATES] and torch.equal(peaked, got[:1])   # the few held its top-p
+    ranked_sizes.clear()   # a greedy row's top_p (a checkpoint's default) grows nothing: its truncation is unused
+    beside_greedy = target_probs(logits[[0, 2]], torch.tensor([0.6, 0.0]), top_k[[0, 2]], top_p[[0, 2]],
+                                 sampler.Truncation(0, True, False))
+    assert ranked_sizes == [sampler.FEW_CANDIDATES] and torch.equal(beside_greedy[0], got[0])
 
 
 def test_the_candidates_are_the_first_ranks_of_the_stable_sort():

@@ -1,7 +1,7 @@
 """Offline tokens/s of nanospec and vLLM on one model, prompts and machine, alternated: plain and
-n-gram K=4 decoding, greedy, the same prompt ids (the shipped prompts, a category at a time in
-turn, in the checkpoint's chat template), one request at a time (8 prompts) and 8 and 32 at once,
-64 tokens each (EOS ignored).
+n-gram K=4 decoding, greedy (or sampled alike, --sampling), the same prompt ids (the shipped prompts,
+a category at a time in turn, in the checkpoint's chat template), one request at a time (8 prompts)
+and 8 and 32 at once, 64 tokens each (EOS ignored).
 
 Each (engine, mode) runs in a process of its own that builds its engine once, warms it up and runs
 every batch row; the driver runs them in turn, nanospec then vLLM, `--rounds` times, so that a slow
@@ -53,9 +53,9 @@ def nanospec_worker(args, prompt_ids: list[list[int]]) -> list[dict]:
     set_threads(args.threads)
     proposer = {"ngram": True, "num_speculative_tokens": 4} if args.mode == "ngram" else {}
     llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=32, **proposer)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(**sampling(args), max_tokens=args.max_tokens, ignore_eos=True)
     rows = run_rows(lambda ps: [len(o.token_ids) for o in llm.generate(ps, params)], prompt_ids)
-    if args.mode == "plain":   # the roofline's own figure: decode steps alone, no prefill in them
+    if args.mode == "plain" and not args.sampling:   # the roofline's own figure: decode steps alone, no prefill
         from nanospec.measure import decoding, timed
         decoding(llm.engine, prompt_ids[:1], 300)
         step = statistics.median(timed(llm.device, llm.engine.step)[1] for _ in range(60))
@@ -68,12 +68,19 @@ def vllm_worker(args, prompt_ids: list[list[int]]) -> list[dict]:
     from vllm.inputs import TokensPrompt
     spec = {"speculative_config": NGRAM} if args.mode == "ngram" else {}
     llm = LLM(args.model, dtype="float32", max_model_len=2048, max_num_seqs=32, seed=0, **spec)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(**sampling(args), max_tokens=args.max_tokens, ignore_eos=True)
 
     def generate(ps):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]
     return run_rows(generate, prompt_ids)
+
+
+def sampling(args) -> dict:
+    """The sampling fields both engines take: greedy, or --sampling's ("temperature=0.7,top_p=0.8,top_k=20";
+    no per-request seed, in either engine)."""
+    fields = dict(pair.split("=") for pair in args.sampling.split(",")) if args.sampling else {}
+    return {"temperature": 0.0, **{k: int(v) if k == "top_k" else float(v) for k, v in fields.items()}}
 
 
 def memory_bandwidth() -> float:
@@ -141,6 +148,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="nanospec's torch threads (default: 2)")
     ap.add_argument("--modes", default="plain,ngram")
+    ap.add_argument("--sampling", default="", help='sampled instead of greedy, e.g. "temperature=0.7,top_p=0.8,top_k=20"')
     ap.add_argument("--engines", default="nanospec,vllm")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--worker", choices=["nanospec", "vllm"], help=argparse.SUPPRESS)
@@ -169,7 +177,7 @@ def main() -> None:
                 python = sys.executable if engine == "nanospec" else args.vllm_python
                 cmd = [python, os.path.abspath(__file__), "--model", args.model, "--worker", engine, "--mode", mode,
                        "--prompts", prompts_file.name, "--max-tokens", str(args.max_tokens),
-                       "--threads", str(args.threads)]
+                       "--threads", str(args.threads), "--sampling", args.sampling]
                 start = time.perf_counter()
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("ROWS ")]
@@ -189,7 +197,8 @@ def main() -> None:
     end_to_end, decode = nanospec_plain("one at a time"), nanospec_plain(DECODE_ROW)
     report = {
         "what": __doc__.splitlines()[0], "command": " ".join(["python", *sys.argv]),
-        "torch": torch.__version__, "threads": args.threads, "memory_bandwidth_gb_s": round(bandwidth, 1),
+        "sampling": sampling(args), "torch": torch.__version__, "threads": args.threads,
+        "memory_bandwidth_gb_s": round(bandwidth, 1),
         "bandwidths_gb_s": [round(b, 1) for b in bandwidths], "weight_bytes": weights,
         "roofline_tokens_per_s": round(roofline, 1),
         "nanospec_plain_batch1_decode_tokens_per_s": decode,
