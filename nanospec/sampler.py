@@ -172,7 +172,7 @@ def top_p_keeps(mass_before: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return (mass_before < top_p[:, None]) | (mass_before == 0) | (top_p[:, None] >= 1)
 
 
-FEW_CANDIDATES = 64   # the first candidates of a top-p row without top-k (8x more while they fall short)
+FEW_CANDIDATES = 64   # the first candidates of a top-p row without top-k (8x more while its last one is kept)
 
 
 def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor,
