@@ -154,6 +154,7 @@ class StepGraphs:
         self.finite = torch.ones(largest, dtype=torch.bool, device=device)   # the drafter's logits were finite
         self.logprobs = False   # the step's verify returns its logits too (a request asked for logprobs)
         self.processed: list = []   # the step's rows whose requests ask for penalties or min_p, and the requests
+        self.no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)   # the prompt mask of a row without penalties
         self.carry = proposer.carry(largest) if draft_cache else None        # EAGLE: step i's hidden states for i + 1
         self.grow(0)
 
@@ -492,16 +493,10 @@ class StepGraphs:
             torch.float64).float()
         counts = torch.zeros(n * vocab, device=logits.device).index_add_(
             0, device[6 * n:], torch.ones(len(flat), device=logits.device)).view(n, vocab)
-        in_prompt = torch.stack([r.prompt_mask if r.params.penalized else self.no_prompt(vocab) for r in reqs])
+        in_prompt = torch.stack([r.prompt_mask if r.params.penalized else self.no_prompt for r in reqs])
         out = penalize(logits[rows], in_prompt, counts, drafts[rows], repetition, frequency, presence)
         logits[rows] = min_p_mask(out, temperature, min_p)
         return logits
-
-    def no_prompt(self, vocab: int) -> torch.Tensor:
-        """[V] bool, all False: the prompt mask of a row without penalties."""
-        if getattr(self, "_no_prompt", None) is None or len(self._no_prompt) != vocab:
-            self._no_prompt = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-        return self._no_prompt
 
     def round_body(self, key, width: int) -> None:
         """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft
