@@ -53,7 +53,7 @@ def _qwen3(hidden, inter, layers, heads, tie) -> dict:
 
 
 # The shapes of the public config.json files (Llama-3.1-8B, Llama-3.2-1B, Qwen3-8B, -1.7B, -0.6B),
-# and a tiny one for quick runs on a CPU.
+# a tiny one for quick runs on a CPU, and a hollow SmolLM2.
 RANDOM_MODELS = {
     "llama3-8b": _llama3(4096, 14336, 32, 32, 8, tie=False, factor=8.0),
     "llama3.2-1b": _llama3(2048, 8192, 16, 32, 8, tie=True, factor=32.0, head_dim=64),
@@ -62,6 +62,10 @@ RANDOM_MODELS = {
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tie=True),
     "tiny": dict(_llama3(64, 136, 2, 4, 2, tie=False, factor=8.0), vocab_size=320, max_position_embeddings=2048,
                  bos_token_id=None, eos_token_id=256),   # the byte tokenizer's <|endoftext|>
+    # SmolLM2-135M's 30 layers, heads and vocabulary with its widths cut 8-fold: a step of its shape
+    # that reads almost no weights (tools/step_split.py: what a step costs beyond its weights' traffic)
+    "smollm2-hollow": dict(_llama3(72, 192, 30, 9, 3, tie=True, factor=8.0), vocab_size=49152,
+                           max_position_embeddings=8192, bos_token_id=None, eos_token_id=256),
 }
 
 

@@ -7,7 +7,11 @@ include what a call costs from Python; the step is the median of --steps, the pa
 Also the share of the keys the attention reads that are padding (each sequence's pages padded to the
 batch's longest, masked).
 
-    python tools/step_split.py [--batch-sizes 1,8,32] [--steps 20] [--no-kv-mirror] [--out FILE.json]
+With --model random:smollm2-hollow (SmolLM2's 30 layers, heads and vocabulary, its widths cut
+8-fold: 21 MB of weights, which stay in cache) the same steps read almost no weights: what a step
+costs beyond its weights' traffic. The prompts are SmolLM2's token ids whatever the model.
+
+    python tools/step_split.py [--model TARGET] [--batch-sizes 1,8,32] [--steps 20] [--no-kv-mirror] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from nanospec import LLM, kv_mirror, model  # noqa: E402
+from nanospec import LLM, gguf_file, kv_mirror, model  # noqa: E402
+from nanospec.checkpoint import default_model_path  # noqa: E402
 from nanospec.cli import set_threads  # noqa: E402
 from nanospec.measure import decoding  # noqa: E402
 from nanospec.prompts import shipped_prompts  # noqa: E402
+from nanospec.tokenizer import load_tokenizer  # noqa: E402
 
 
 def timed_parts(totals: Counter):
@@ -81,6 +87,7 @@ def split(llm: LLM, prompts: list[list[int]], batch: int, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="the target (default: the offline SmolLM2), e.g. random:smollm2-hollow")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-kv-mirror", action="store_true", help="the reference attention's gather in every layer")
@@ -89,8 +96,10 @@ def main() -> None:
     set_threads(None)
     kv_mirror.ENABLED = not args.no_kv_mirror
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(device="cpu", dtype="float32", max_num_seqs=max(batches))
-    prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()]
+    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=max(batches))
+    smollm2 = default_model_path()
+    tokenizer = load_tokenizer(smollm2, gguf_file.metadata(gguf_file.open_reader(smollm2)))
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}]) for row in shipped_prompts()]
     rows = []
     for batch in batches:
         rows.append(split(llm, prompts, batch, args.steps))
