@@ -163,8 +163,9 @@ def best(rows: list[dict]) -> list[dict]:
             ours, theirs = tops.get(("nanospec", mode, batch)), tops.get(("vllm", mode, batch))
             if ours and theirs:
                 rounds = sorted({k[3] for k in by_round if k[1:3] == (mode, batch)})
-                ratios = [round(by_round[("nanospec", mode, batch, n)] / by_round[("vllm", mode, batch, n)], 3)
-                          for n in rounds if ("nanospec", mode, batch, n) in by_round and ("vllm", mode, batch, n) in by_round]
+                pairs = [(by_round.get(("nanospec", mode, batch, n)), by_round.get(("vllm", mode, batch, n)))
+                         for n in rounds]
+                ratios = [round(a / b, 3) for a, b in pairs if a and b]
                 out.append({"mode": mode, "batch": batch, "nanospec": ours, "vllm": theirs,
                             "ratio": round(ours / theirs, 3), "ratios_by_round": ratios,
                             "median_ratio": round(statistics.median(ratios), 3)})
