@@ -230,10 +230,10 @@ def penalize(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch.Tensor
     """vLLM's penalties on R requests' logits [R, q, V] (float32) at their q verify positions:
     position j follows the request's output and its first j drafts (drafts [R, q - 1]; [R, 0]:
     every position as the first). in_prompt [R, V]: the prompt's tokens (prompt_mask); counts
-    [R, V]: each token's count in the output; the penalties [R]. Repetition divides a positive logit and multiplies a negative one of every
-    token in the prompt or the output so far, frequency subtracts frequency x the token's count in
-    it, presence subtracts presence from every token in it (OpenAI's presence_penalty and
-    frequency_penalty)."""
+    [R, V]: each token's count in the output; the penalties [R]. Repetition divides a positive
+    logit and multiplies a negative one of every token in the prompt or the output so far,
+    frequency subtracts frequency x the token's count in it, presence subtracts presence from
+    every token in it (OpenAI's presence_penalty and frequency_penalty)."""
     repetition, frequency, presence = (x[:, None, None] for x in (repetition, frequency, presence))
 
     def apply(x, count, prompt):   # x: logits of tokens seen `count` times so far, `prompt`: in the prompt
