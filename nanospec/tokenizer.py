@@ -15,6 +15,8 @@ import base64
 import codecs
 import json
 import os
+import re
+import unicodedata
 
 import numpy as np
 import tiktoken
@@ -41,6 +43,7 @@ LLAMA3_SPECIAL_TOKENS = (["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_sp
 GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                        "pad_token": "padding_token_id"}
 STOP_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")
+UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")   # the normalizers of tokenizer.json nanospec applies (Qwen's: NFC)
 
 
 def utf8_decoder():
@@ -73,10 +76,12 @@ class Tokenizer:
     def __init__(self, ranked_tokens: list[tuple[bytes, int]], special_tokens: dict[str, int],
                  pattern: str, add_bos: bool = False, bos_token: str | None = None,
                  eos_tokens: tuple[str, ...] = (), chat_template: ChatTemplate | None = None,
-                 not_skipped: set[str] = frozenset()):
+                 not_skipped: set[str] = frozenset(), normalize: tuple[str, ...] = ()):
         """ranked_tokens: (bytes, id) in merge order, so that list position is the BPE rank.
         special_tokens: the added tokens, matched literally in text; those in not_skipped (added but
         not special, as Qwen3's <think>) stay in a decode that skips special tokens.
+        normalize: Unicode forms (UNICODE_FORMS) the text between added tokens takes before BPE, in
+        order, as tokenizer.json's normalizer (Qwen's NFC: "é" typed as e + U+0301 is encoded as é).
         chat_template: the checkpoint's (chat_template.load_template), or None for the fallback
         format the special tokens name, if any."""
         mergeable = {}
@@ -96,6 +101,10 @@ class Tokenizer:
         for text, token_id in special_tokens.items():
             self.id_to_bytes[token_id] = text.encode()
         self.special_tokens = dict(special_tokens)
+        self.normalize = tuple(normalize)
+        # the added tokens, longest first (one that holds another wins), kept by split() as separators
+        self.added = re.compile("(" + "|".join(map(re.escape, sorted(special_tokens, key=len, reverse=True))) + ")") \
+            if special_tokens else None
         self.skipped_ids = frozenset(i for t, i in special_tokens.items() if t not in not_skipped)
         self.byte_in_vocab = {t[0] for t, (_, i) in mergeable.items() if len(t) == 1 and i >= 0}
         self.bos_id = special_tokens.get(bos_token) if bos_token else None
@@ -108,11 +117,22 @@ class Tokenizer:
         return len(self.id_to_bytes)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ranks = self.encoding.encode(text, allowed_special="all")
+        ranks = self.encoding.encode(self.normalized(text), allowed_special="all")
         ids = [i for i in self.rank_to_id[ranks].tolist() if i >= 0] if ranks else []
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def normalized(self, text: str) -> str:
+        """text with its normalizer's forms applied between the added tokens, which are matched first
+        and left as they are, as Hugging Face's tokenizers does: NFC would fold an added token's last
+        ">" and a combining U+0338 after it into one character, and the token would be lost."""
+        if not self.normalize:
+            return text
+        pieces = self.added.split(text) if self.added else [text]
+        for form in self.normalize:   # odd pieces are the added tokens
+            pieces = [p if i % 2 else unicodedata.normalize(form, p) for i, p in enumerate(pieces)]
+        return "".join(pieces)
 
     def decode_bytes(self, ids: list[int], skip_special: bool = False) -> bytes:
         """skip_special: without the special tokens (an output's text by default, as transformers'
@@ -199,6 +219,21 @@ def pattern_from_pre_tokenizer(pre: dict | None) -> str:
                         "(Llama 3, Qwen, SmolLM2 style) is supported")
 
 
+def normalization_forms(normalizer, source: str) -> tuple[str, ...]:
+    """The Unicode forms a tokenizer.json normalizer applies (none, one, or a Sequence of them);
+    any other normalizer is refused, not ignored: text would be encoded as the model never saw it."""
+    if normalizer is None:
+        return ()
+    steps = normalizer.get("normalizers") if isinstance(normalizer, dict) and normalizer.get("type") == "Sequence" \
+        else [normalizer]
+    kinds = [step.get("type") if isinstance(step, dict) else None for step in steps] if isinstance(steps, list) else [None]
+    if not all(kind in UNICODE_FORMS for kind in kinds):
+        raise NanospecError(f"{source}: unsupported normalizer {json.dumps(normalizer)}; nanospec applies only "
+                            f"Unicode normalization ({', '.join(UNICODE_FORMS)}), as byte-level BPE tokenizers "
+                            "(Llama 3, Qwen, SmolLM2) use")
+    return tuple(kinds)
+
+
 def from_tokenizer_json(folder: str) -> Tokenizer:
     path = os.path.join(folder, "tokenizer.json")
     data = read_json(path)
@@ -223,6 +258,7 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
                      pattern_from_pre_tokenizer(data.get("pre_tokenizer")),
                      add_bos=isinstance(bos, str) and f'"{bos}"' in post, bos_token=bos if isinstance(bos, str) else None,
                      eos_tokens=STOP_TOKEN_NAMES, not_skipped=not_special,
+                     normalize=normalization_forms(data.get("normalizer"), path),
                      chat_template=load_template(folder, config, special_tokens=named_special_tokens(config),
                                                  vocab_specials=specials))
 
@@ -267,6 +303,7 @@ def from_gguf(meta: dict) -> Tokenizer:
             and isinstance(merges, list)):
         raise NanospecError("the GGUF file lacks a complete tokenizer (tokenizer.ggml.tokens, token_type and merges); "
                             "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+    # (a GGUF names no normalizer: transformers, which builds its tokenizer from the same keys, applies none)
     normal = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (1, 6)}   # NORMAL, BYTE
     specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)}  # CONTROL, USER_DEFINED
     check_vocabulary(normal, specials, "the GGUF tokenizer")

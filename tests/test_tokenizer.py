@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanospec import gguf_file
+from nanospec.errors import NanospecError
 from nanospec.tokenizer import (LLAMA3_PATTERN, from_gguf, from_tiktoken_model, from_tokenizer_json,
                                 token_bytes)
 
@@ -78,6 +79,36 @@ def test_ranks_come_from_merge_order_not_ids(checkpoints, tmp_path):
     ours, ref = from_tokenizer_json(str(tmp_path)), Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     for text in TEXTS:
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
+
+
+NORMALIZED_TEXTS = ["he\u0301llo c\u0327a va", "héllo ça va", "ﬁne ２０２４ Ａ", "<|im_start|>e\u0301<|im_end|>\u0338 x",
+                    ">\u0338 <\u0338", "Å Å Å", "e\u0301" * 20]
+
+
+@pytest.mark.parametrize("normalizer", [
+    {"type": "NFC"}, {"type": "NFKC"}, {"type": "NFD"},
+    {"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "NFC"}]}, {"type": "Sequence", "normalizers": []}])
+def test_a_unicode_normalizer_applies_before_bpe_as_the_reference(checkpoints, tmp_path, normalizer):
+    """Qwen's tokenizer.json normalizes to NFC before BPE: "é" typed as e + U+0301 is encoded as é.
+    Added tokens are matched first and left alone (NFC would fold a token's last ">" and a combining
+    U+0338 after it into one character)."""
+    from tokenizers import Tokenizer
+    data = json.load(open(os.path.join(checkpoints["qwen2"], "tokenizer.json")))
+    data["normalizer"] = normalizer
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    ours, ref = from_tokenizer_json(str(tmp_path)), Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in NORMALIZED_TEXTS + TEXTS:
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
+
+
+@pytest.mark.parametrize("normalizer", [{"type": "Lowercase"}, {"type": "Sequence", "normalizers": [
+    {"type": "NFC"}, {"type": "Replace", "pattern": {"String": " "}, "content": "_"}]}, {"type": "Sequence"}, 7])
+def test_another_normalizer_is_refused_not_ignored(checkpoints, tmp_path, normalizer):
+    data = json.load(open(os.path.join(checkpoints["qwen2"], "tokenizer.json")))
+    data["normalizer"] = normalizer
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(NanospecError, match="unsupported normalizer"):
+        from_tokenizer_json(str(tmp_path))
 
 
 def test_tiktoken_model_file(checkpoints, tmp_path):
