@@ -556,7 +556,14 @@ class Engine:
         self.step_k, self.request_k = max(ks), {id(r): k for r, k in zip(decoding, ks)}
 
     def num_drafts(self, req: Request) -> int:
-        """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left)."""
+        """K for this request: never more than it can still emit (K accepted + 1 bonus <= what is left).
+        A request admitted by this step's scheduling with nothing to prefill (a one-token prompt, a
+        prompt the prefix cache holds) decodes in this very step, which choose_ks did not see coming:
+        the policy chooses again, with it. Else its first step would take the batch's K, 0 where no
+        other request decodes, and a seeded sample would depend on the cache and the batch (a
+        draft's step draws other noise than a plain one)."""
+        if self.proposer and id(req) not in self.request_k:
+            self.choose_ks()
         return max(0, min(own_cap(req, self.request_k.get(id(req), self.step_k)), req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:

@@ -209,6 +209,24 @@ def test_a_tight_pool_shared_prefixes_and_a_draft_model_sample_as_a_cold_cache(s
     assert_no_leak(warm)
 
 
+@pytest.mark.parametrize("proposer", ["draft", "self_draft"])
+def test_a_request_with_nothing_to_prefill_drafts_on_its_first_step(spec_models, proposer):
+    """A prompt the prefix cache holds whole (sent again) or of one token has nothing to prefill: it
+    is admitted and decodes in one step, which drafts as any other. It took K = 0 where no other
+    request decoded, so a seeded sample differed between a cold cache and a warm one, and between a
+    request alone and beside another (a helper's review)."""
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+              **proposer_args(spec_models, proposer))
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, ignore_eos=True, seed=3)
+    prompt = list(range(40, 69))
+    cold = llm.generate([prompt], params)[0].token_ids
+    assert llm.generate([prompt], params)[0].token_ids == cold
+    assert llm.stats["prefix_cache_hits"] == len(prompt) - 1   # the whole prompt but its last token
+    alone = llm.generate([[7]], params)[0].token_ids
+    assert llm.generate([[7], prompt[:9]], params)[0].token_ids == alone
+    assert_no_leak(llm)
+
+
 def test_a_proposer_pool_without_room_drafts_nothing_for_that_request(spec_models):
     """A round takes only the rows whose proposer blocks fit (ModelProposer.with_room): with the
     draft's pool full, a step drafts for no one and decodes plainly, the same tokens."""
