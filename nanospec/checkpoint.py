@@ -155,7 +155,8 @@ def read_checkpoint(target: str | None) -> Checkpoint:
     if path.endswith(".gguf"):
         reader = gguf_file.open_reader(path)
         meta = gguf_file.metadata(reader)
-        config = ModelConfig.from_hf(gguf_file.hf_config(meta, path), source=f"the metadata of {path}")
+        config = ModelConfig.from_hf(gguf_file.hf_config(meta, path, gguf_file.rope_freqs(reader)),
+                                   source=f"the metadata of {path}")
         weights = gguf_file.state_dict(reader, config)
         config.tie_word_embeddings = "lm_head.weight" not in weights
         return Checkpoint(path, config, weights, meta)

@@ -75,6 +75,95 @@ def test_llama3_rope_scaling_is_applied(checkpoints):
     assert not torch.allclose(scaled, rope_inverse_frequencies(cfg))
 
 
+def converter_rope_freqs(theta: float, head_dim: int, scaling: dict) -> list[float]:
+    """What llama.cpp's convert_hf_to_gguf.py writes as rope_freqs for a "llama3" rope_scaling
+    (LlamaModel.generate_extra_tensors): a divisor per frequency, computed in float32."""
+    import math
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high, old = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                    "original_max_position_embeddings"))
+    divisors = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        smooth = (old / wavelength - low) / (high - low)
+        divisors.append(1 if wavelength < old / high else factor if wavelength > old / low
+                        else 1 / ((1 - smooth) / factor + smooth))
+    return divisors
+
+
+def write_llama_gguf(folder: str, path: str, rope_freqs: list[float] | None) -> None:
+    """A Hugging Face Llama folder as llama.cpp's converter writes it: its metadata, q and k rows
+    permuted, rope_freqs."""
+    import json
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from nanospec.model import ModelConfig
+    cfg = ModelConfig.from_hf(json.load(open(os.path.join(folder, "config.json"))))
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg.num_layers); writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size); writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads); writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta); writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim); writer.add_value_length(cfg.head_dim); writer.add_vocab_size(cfg.vocab_size)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
+        w = w.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):   # llama.cpp's permute, pairs (0, 1), (2, 3) ...
+                heads = cfg.num_heads if module == "self_attn.q_proj" else cfg.num_kv_heads
+                w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            name = f"blk.{layer}.{names[module]}.{suffix}"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]
+        writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+
+
+def test_a_llama_gguf_keeps_its_rope_scaling(tmp_path):
+    """llama.cpp writes Llama 3.1 / 3.2's "llama3" rope scaling as a rope_freqs tensor, not as
+    metadata: the GGUF's logits are transformers' on the Hugging Face folder it came from (they were
+    computed unscaled, far off, before), and the config recovers the scaling's parameters."""
+    import numpy as np
+    from conftest import FAMILIES, write_checkpoint
+    from nanospec import gguf_file
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    # the fixture's own scaling (transformers adds the theta to the dict it is given)
+    assert {k: v for k, v in FAMILIES["llama3"]["rope_scaling"].items() if k != "rope_theta"} == scaling
+    folder = write_checkpoint(str(tmp_path / "hf"), "llama3", hidden=256)   # heads of 64: 3 frequencies in the band
+    write_llama_gguf(folder, str(tmp_path / "m.gguf"), converter_rope_freqs(500000.0, 64, scaling))
+    loaded = checkpoint.read_checkpoint(str(tmp_path / "m.gguf"))
+    assert loaded.config.rope_scaling == scaling
+    model = checkpoint.build_model(loaded, torch.device("cpu"), torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = our_logits(model, ids, [40, 30, 5] + [1] * 15)
+    assert (got.double() - reference_logits(folder, ids)).abs().max().item() < 1e-4
+    # Llama 3.1 (factor 8) and 3.2 (factor 32), head 128: the parameters come back exactly
+    for factor in (8.0, 32.0):
+        real = dict(scaling, factor=factor, original_max_position_embeddings=8192)
+        assert gguf_file.llama3_scaling(np.array(converter_rope_freqs(500000.0, 128, real)), 500000.0, 128, "x") == real
+
+
+def test_a_gguf_rope_scaling_nanospec_cannot_read_is_refused(tmp_path, checkpoints):
+    """A rope_freqs that is not Llama 3's scaling, or llama.cpp's linear / yarn scaling: one line."""
+    import gguf
+    write_llama_gguf(checkpoints["llama3"], str(tmp_path / "odd.gguf"), [1.0, 3.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0])
+    with pytest.raises(NanospecError, match="rope_freqs tensor .* is not Llama 3's RoPE scaling"):
+        checkpoint.read_checkpoint(str(tmp_path / "odd.gguf"))
+    from nanospec import gguf_file
+    meta = gguf_file.metadata(gguf.GGUFReader(str(tmp_path / "odd.gguf")))
+    with pytest.raises(NanospecError, match="scales RoPE by 'yarn'"):
+        gguf_file.hf_config({**meta, "llama.rope.scaling.type": "yarn"})
+
+
 def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf):
     """Our GGUF reader + model vs transformers' own GGUF loader + LlamaForCausalLM, 32 greedy tokens."""
     from nanospec import LLM, SamplingParams

@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     path = args.gguf or default_model_path()
     reader = gguf_file.open_reader(path)
-    config = gguf_file.hf_config(gguf_file.metadata(reader), path)
+    config = gguf_file.hf_config(gguf_file.metadata(reader), path, gguf_file.rope_freqs(reader))
     weights = gguf_file.state_dict(reader, ModelConfig.from_hf(config, source=path))
     config.update(tie_word_embeddings="lm_head.weight" not in weights, torch_dtype="float32",
                   model_type=config["architectures"][0].removesuffix("ForCausalLM").lower())
