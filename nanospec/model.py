@@ -104,7 +104,12 @@ class ModelConfig:
         if cfg.get("rope_theta") is not None and rope.get("rope_theta", cfg["rope_theta"]) != cfg["rope_theta"]:
             raise NanospecError(f"{source} has rope_theta {cfg['rope_theta']!r} and rope_parameters.rope_theta "
                                 f"{rope['rope_theta']!r}; keep one")
-        theta = real("rope_theta", rope.get("rope_theta", 10000.0))
+        # transformers 5 reads an old rope_scaling as rope_parameters, its rope_theta included
+        old = cfg.get("rope_scaling") if not rope and isinstance(cfg.get("rope_scaling"), dict) else {}
+        if cfg.get("rope_theta") is not None and old.get("rope_theta", cfg["rope_theta"]) != cfg["rope_theta"]:
+            raise NanospecError(f"{source} has rope_theta {cfg['rope_theta']!r} and rope_scaling.rope_theta "
+                                f"{old['rope_theta']!r}; keep one")
+        theta = real("rope_theta", rope.get("rope_theta", old.get("rope_theta", 10000.0)))
         return cls(
             family=SUPPORTED_ARCHITECTURES[arch], vocab_size=size("vocab_size"), hidden_size=hidden,
             intermediate_size=size("intermediate_size"), num_layers=size("num_hidden_layers"), num_heads=heads,

@@ -75,6 +75,28 @@ def test_llama3_rope_scaling_is_applied(checkpoints):
     assert not torch.allclose(scaled, rope_inverse_frequencies(cfg))
 
 
+def test_a_rope_theta_inside_rope_scaling_is_read_as_transformers_reads_it(checkpoints, tmp_path):
+    """An older config with its theta inside rope_scaling (no rope_parameters, no top-level theta):
+    transformers 5 reads rope_scaling as rope_parameters, theta included (nanospec took 10000)."""
+    import json, shutil
+    folder = tmp_path / "m"
+    shutil.copytree(checkpoints["llama3"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_scaling"], cfg["rope_parameters"] = cfg["rope_parameters"], None
+    cfg.pop("rope_theta", None)
+    assert cfg["rope_scaling"]["rope_theta"] == 500000.0
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model = checkpoint.build_model(checkpoint.read_checkpoint(str(folder)), torch.device("cpu"), torch.float32)
+    assert model.config.rope_theta == 500000.0
+    ids = torch.randint(3, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = our_logits(model, ids, [80] + [1] * 10)
+    assert (got.double() - reference_logits(str(folder), ids)).abs().max().item() < 1e-4
+    cfg["rope_theta"] = 10000.0   # and a top-level theta that disagrees: ambiguous, refused
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NanospecError, match="rope_scaling.rope_theta"):
+        checkpoint.read_checkpoint(str(folder))
+
+
 def converter_rope_freqs(theta: float, head_dim: int, scaling: dict) -> list[float]:
     """What llama.cpp's convert_hf_to_gguf.py writes as rope_freqs for a "llama3" rope_scaling
     (LlamaModel.generate_extra_tensors): a divisor per frequency, computed in float32."""
