@@ -87,10 +87,12 @@ class ModelConfig:
         if heads % kv_heads:
             raise NanospecError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
                                 f"{kv_heads}; fix the file or re-download the checkpoint")
-        if cfg.get("head_dim") is None and hidden % heads:
+        # without head_dim: hidden / heads, but Qwen3's 128 (transformers' Qwen3Config default)
+        qwen3 = SUPPORTED_ARCHITECTURES.get(arch) == "qwen3"
+        if cfg.get("head_dim") is None and hidden % heads and not qwen3:
             raise NanospecError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                                 "and no head_dim is given; fix the file or re-download the checkpoint")
-        head_dim = size("head_dim", hidden // heads)
+        head_dim = size("head_dim", 128 if qwen3 else hidden // heads)
         if head_dim % 2:
             raise NanospecError(f"{source}: head_dim {head_dim} is odd; rotary embeddings rotate pairs of dimensions")
         real = lambda name, default: check_real(value(name, default), f"{source}: {name}", above=0, fix="fix the file")

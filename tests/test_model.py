@@ -97,6 +97,25 @@ def test_a_rope_theta_inside_rope_scaling_is_read_as_transformers_reads_it(check
         checkpoint.read_checkpoint(str(folder))
 
 
+def test_a_qwen3_config_without_head_dim_takes_transformers_default(tmp_path):
+    """Qwen3Config's head_dim defaults to 128, not hidden / heads: a config.json without it loads as
+    transformers loads it (nanospec refused it, blaming the weights)."""
+    import json
+    import transformers
+    config = transformers.Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=72, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).float().save_pretrained(tmp_path, safe_serialization=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg.pop("head_dim") == 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = checkpoint.build_model(checkpoint.read_checkpoint(str(tmp_path)), torch.device("cpu"), torch.float32)
+    assert model.config.head_dim == 128
+    ids = torch.randint(3, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = our_logits(model, ids, [30] + [1] * 10)
+    assert (got.double() - reference_logits(str(tmp_path), ids)).abs().max().item() < 1e-4
+
+
 def converter_rope_freqs(theta: float, head_dim: int, scaling: dict) -> list[float]:
     """What llama.cpp's convert_hf_to_gguf.py writes as rope_freqs for a "llama3" rope_scaling
     (LlamaModel.generate_extra_tensors): a divisor per frequency, computed in float32."""
