@@ -31,8 +31,14 @@ def is_int(value) -> bool:
 
 
 def is_real(value) -> bool:
-    """A finite int or float (not a bool, not NaN, not infinite)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float (not a bool, not NaN, not infinite, not an int too large for a float:
+    JSON allows 1 followed by 400 zeros, and math.isfinite raises on it)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_int(value, name: str, low: int | None = None, high: int | None = None, fix: str = "") -> int:

@@ -211,6 +211,7 @@ def error(status_body):
     ({"prompt": "x", "\ud800": 1}, 400, "unknown field \\ud800"),    # ... quoted in the message: was a plain-text 500
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens must be an integer >= 1"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a finite number"),
+    ({"prompt": "x", "top_p": 10**400}, 400, "top_p must be in"),   # JSON's 1e400 as an integer: was a plain-text 500
     ({"prompt": "x", "stop": [""]}, 400, "stop holds an empty string"),
     ({"prompt": "x", "stop": 5}, 400, "stop must be a string or a list of strings"),
     ({"prompt": "x", "num_speculative_tokens": 2}, 400, "has no proposer"),
