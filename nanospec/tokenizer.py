@@ -104,7 +104,7 @@ class Tokenizer:
         self.normalize = tuple(normalize)
         # the added tokens, longest first (one that holds another wins), kept by split() as separators
         self.added = re.compile("(" + "|".join(map(re.escape, sorted(special_tokens, key=len, reverse=True))) + ")") \
-            if special_tokens else None
+            if special_tokens and self.normalize else None
         self.skipped_ids = frozenset(i for t, i in special_tokens.items() if t not in not_skipped)
         self.byte_in_vocab = {t[0] for t, (_, i) in mergeable.items() if len(t) == 1 and i >= 0}
         self.bos_id = special_tokens.get(bos_token) if bos_token else None
