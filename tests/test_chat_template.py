@@ -170,7 +170,8 @@ def test_llama_system_header_is_dated_today_and_bos_is_not_doubled(families):
 def test_qwen_defaults_system_prompt_and_thinking_switch(families):
     ours, _ = families["qwen2.5"]
     assert ours.decode(ours.apply_chat_template("Hi")).startswith(
-        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n")
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n")
     qwen3, _ = families["qwen3"]
     assert qwen3.decode(qwen3.apply_chat_template("Hi", enable_thinking=False)).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -265,8 +266,9 @@ def test_a_template_that_raises_is_one_line(tmp_path):
     folder = write_family_tokenizer(str(tmp_path), "qwen2.5")
     edit_json(os.path.join(folder, "tokenizer_config.json"), chat_template=(
         "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-        "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endfor %}"))
+        "{{ raise_exception('Conversation roles must alternate "
+        "user/assistant/user/assistant/...') }}{% endif %}{{ '<|im_start|>' + m.role + '\n' + m.content + "
+        "'<|im_end|>\n' }}{% endfor %}"))
     ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
     assert_same_as_transformers(ours, theirs, [USER, ASSISTANT, AGAIN])
     message = one_line_error(lambda: ours.apply_chat_template([USER, AGAIN]))

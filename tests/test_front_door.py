@@ -257,9 +257,9 @@ def gguf_meta(smollm2_gguf):
 def gguf_load(meta):
     """What read_checkpoint and load_tokenizer do with a GGUF file's metadata, before the weights."""
     from nanospec import gguf_file
-    from nanospec.model import ModelConfig
+    from nanospec.checkpoint import read_config
     from nanospec.tokenizer import from_gguf
-    ModelConfig.from_hf(gguf_file.hf_config(meta, "model.gguf"), source="the metadata of model.gguf")
+    read_config(gguf_file.hf_config(meta, "model.gguf"), source="the metadata of model.gguf")
     from_gguf(meta)
 
 

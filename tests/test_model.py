@@ -139,8 +139,7 @@ def write_llama_gguf(folder: str, path: str, rope_freqs: list[float] | None) -> 
     import gguf
     import numpy as np
     from safetensors.torch import load_file
-    from nanospec.model import ModelConfig
-    cfg = ModelConfig.from_hf(json.load(open(os.path.join(folder, "config.json"))))
+    cfg = checkpoint.read_config(json.load(open(os.path.join(folder, "config.json"))))
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(cfg.num_layers); writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size); writer.add_feed_forward_length(cfg.intermediate_size)

@@ -19,7 +19,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from nanospec import gguf_file  # noqa: E402
 from nanospec.checkpoint import default_model_path  # noqa: E402
-from nanospec.model import ModelConfig  # noqa: E402
+from nanospec.checkpoint import read_config  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     path = args.gguf or default_model_path()
     reader = gguf_file.open_reader(path)
     config = gguf_file.hf_config(gguf_file.metadata(reader), path, gguf_file.rope_freqs(reader))
-    weights = gguf_file.state_dict(reader, ModelConfig.from_hf(config, source=path))
+    weights = gguf_file.state_dict(reader, read_config(config, source=path))
     config.update(tie_word_embeddings="lm_head.weight" not in weights, torch_dtype="float32",
                   model_type=config["architectures"][0].removesuffix("ForCausalLM").lower())
     os.makedirs(args.out, exist_ok=True)
