@@ -7,7 +7,7 @@ server's own count (usage, asked for with stream_options.include_usage). Where t
 /metrics has speculative-decoding counters (vllm:spec_decode_* or nanospec:spec_decode_*), their
 change over the run gives the acceptance length. Prints a table; --out writes JSON with the command.
 
---dataset multiturn: sessions of --turns turns (nanospec/workload.py, from the shipped prompts),
+--dataset multiturn: sessions of --turns turns (multiturn_sessions, from the shipped prompts),
 each later turn the conversation so far with the server's own answers and a follow-up, sent when the
 answer before it has come; --num-prompts sessions, --max-concurrency of them in flight (default:
 all). TTFT is also reported per turn: a later turn's prompt begins with the turn before it, which a
@@ -15,8 +15,10 @@ server with prefix caching has cached.
 
 example:
   python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --num-prompts 16 --max-concurrency 4
-  python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --num-prompts 32 --request-rate 2 --out rate2.json
-  python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --dataset multiturn --num-prompts 8 --max-concurrency 4
+  python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --num-prompts 32 --request-rate 2 \\
+      --out rate2.json
+  python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --dataset multiturn --num-prompts 8 \\
+      --max-concurrency 4
 """
 from __future__ import annotations
 
@@ -35,7 +37,63 @@ from dataclasses import dataclass, field
 from nanospec.cli import log, parser
 from nanospec.errors import NanospecError, run_command
 from nanospec.prompts import by_category_in_turn, read_prompts_file, shipped_prompts
-from nanospec.workload import multiturn_sessions
+
+
+# ---- the multi-turn workload -------------------------------------------------------------------------------
+# Sessions of several turns in which later requests revisit what earlier
+# ones produced, as agents and chats do (the same code edited again, the same data in another shape,
+# a conversation continued), built from the shipped prompts and the target's own answers, so it
+# needs no download. A session's first turn is a shipped prompt; each later turn is the whole
+# conversation so far (in the checkpoint's chat template) and a follow-up of the prompt's category.
+# Sessions of one category share their follow-ups, as an agent's tasks share their scaffolding.
+#
+# Every proposer decodes greedily to the same answers, so every one of them runs the same requests
+# (benchmarks/proposers.py runs them offline).
+
+FOLLOW_UPS = {
+    "chat": ["Say that again more simply, keeping the same structure.",
+             "Thanks. Write your first answer again as a numbered list."],
+    "code": ["Add a docstring and type hints to your function and show the complete code again.",
+             "Now add a short usage example at the end and show the complete code again."],
+    "code_edit": ["Now rename the function to `compute` and return the full code again.",
+                  "Add a comment above each line of the function and return the full code again."],
+    "math": ["Check your answer: go through the same steps again and confirm the result.",
+             "Now solve the same problem with every number doubled, step by step, the same way."],
+    "creative": ["Write it again, changing only the last line.",
+                 "Now give it a title and write the whole piece out again."],
+    "summarize": ["Make the summary shorter: one sentence.",
+                  "Now write the summary as three bullet points."],
+    "extract": ["Now give the same sentences as a JSON list of strings.",
+                "Now number them, one per line, as before."],
+    "structured": ["Add one more entry in exactly the same format and show the whole thing again.",
+                   "Now give the same data as CSV with a header row."],
+}
+
+
+@dataclass(slots=True)
+class Session:
+    category: str
+    turns: list[str]                                   # the user's messages, in order
+    answers: list[str] = field(default_factory=list)   # the target's answers so far
+
+    @property
+    def done(self) -> bool:
+        return len(self.answers) == len(self.turns)
+
+    def messages(self) -> list[dict]:
+        """The conversation up to the next turn's user message."""
+        messages = []
+        for user, answer in zip(self.turns, self.answers + [None]):
+            messages.append({"role": "user", "content": user})
+            if answer is not None:
+                messages.append({"role": "assistant", "content": answer})
+        return messages
+
+
+def multiturn_sessions(rows: list[dict], turns: int = 3) -> list[Session]:
+    """A session per shipped prompt row ({"prompt", "category"}): the prompt, then turns - 1 follow-ups."""
+    return [Session(row["category"],
+                    [row["prompt"]] + FOLLOW_UPS[row["category"]][:turns - 1]) for row in rows]
 
 
 @dataclass
@@ -58,14 +116,17 @@ def build_parser():
     ap.add_argument("--model", help="the model name to send (default: the first of GET /v1/models)")
     ap.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     ap.add_argument("--dataset", default="shipped",
-                    help="shipped (nanospec's prompts), multiturn (sessions of --turns turns) or a FILE.jsonl of 'prompt's")
+                    help="shipped (nanospec's prompts), multiturn (sessions of --turns turns) or a "
+                         "FILE.jsonl of 'prompt's")
     ap.add_argument("--num-prompts", type=int, default=16, metavar="N",
                     help="requests to send (prompts cycle); with --dataset multiturn, sessions")
-    ap.add_argument("--turns", type=int, default=3, metavar="T", help="turns a session, 1..3 (--dataset multiturn)")
+    ap.add_argument("--turns", type=int, default=3, metavar="T",
+                    help="turns a session, 1..3 (--dataset multiturn)")
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
                       help="requests per second, Poisson arrivals (default: all at once)")
-    load.add_argument("--max-concurrency", type=int, default=None, metavar="C", help="requests in flight at most")
+    load.add_argument("--max-concurrency", type=int, default=None, metavar="C",
+                      help="requests in flight at most")
     ap.add_argument("--max-tokens", type=int, default=64, metavar="N", help="max_tokens of every request")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
@@ -166,7 +227,8 @@ def spec_counters(client: Client) -> dict:
         return {}
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^(?:vllm|nanospec):spec_decode_(num_drafts|num_accepted_tokens)_total(?:\{[^}]*\})? (\S+)", line)
+        m = re.match(r"^(?:vllm|nanospec):spec_decode_(num_drafts|num_accepted_tokens)_total(?:\{[^}]*\})? "
+                     r"(\S+)", line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
@@ -221,7 +283,8 @@ def shipped_sessions(count: int, turns: int, first: int = 0) -> list:
     return multiturn_sessions([rows[(first + i) % len(rows)] for i in range(count)], turns)
 
 
-def run_sessions(client: Client, body: dict, sessions: list, concurrency: int | None) -> tuple[list[Result], float]:
+def run_sessions(client: Client, body: dict, sessions: list,
+                 concurrency: int | None) -> tuple[list[Result], float]:
     """Each session's turns one after another (the conversation so far, with the answers the server
     gave), `concurrency` sessions in flight; returns every turn's result and the run's duration."""
     results: list[Result] = []
@@ -260,14 +323,15 @@ def summarize(results: list[Result], duration: float, before: dict, after: dict)
     summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
                "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
                "output_tokens": out_tokens, "prompt_tokens": sum(r.prompt_tokens for r in ok),
-               "ttft_s": percentiles([r.ttft for r in ok]), "tpot_s": percentiles(tpots), "itl_s": percentiles(itls),
-               "e2el_s": percentiles([r.latency for r in ok])}
+               "ttft_s": percentiles([r.ttft for r in ok]), "tpot_s": percentiles(tpots),
+               "itl_s": percentiles(itls), "e2el_s": percentiles([r.latency for r in ok])}
     turns = sorted({r.turn for r in ok})
     if turns != [1]:
         summary["ttft_s_by_turn"] = {str(t): percentiles([r.ttft for r in ok if r.turn == t]) for t in turns}
     drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
     if drafts > 0:
-        summary["acceptance_length"] = 1 + (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / drafts
+        summary["acceptance_length"] = 1 + (after["num_accepted_tokens"]
+                                            - before["num_accepted_tokens"]) / drafts
     errors = [r.error for r in results if not r.ok]
     if errors:
         summary["first_error"] = errors[0]
@@ -282,11 +346,12 @@ def format_row(label: str, s: dict) -> str:
             f"{s['request_throughput']:7.2f} {s['output_throughput']:8.1f} {al:>5}")
 
 
-HEADER = (f"{'run':<28} {'done':>4} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p50':>8} {'ITL p50':>8} {'ITL p99':>8} "
-          f"{'req/s':>7} {'tok/s':>8} {'AL':>5}   (times in ms)")
+HEADER = (f"{'run':<28} {'done':>4} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p50':>8} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'req/s':>7} {'tok/s':>8} {'AL':>5}   (times in ms)")
 
 
-def run(args) -> dict:
+def check_args(args) -> dict:
+    """The flags, checked before any request; returns --extra-body, parsed."""
     if args.num_prompts < 1:
         raise NanospecError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -296,15 +361,35 @@ def run(args) -> dict:
     try:
         extra = json.loads(args.extra_body)
     except json.JSONDecodeError as e:
-        raise NanospecError(f"--extra-body is not JSON ({e.msg}); give an object like '{{\"ignore_eos\": true}}'") from None
+        raise NanospecError(f"--extra-body is not JSON ({e.msg}); give an object like '{{\"ignore_eos\": "
+                            f"true}}'") from None
     if not isinstance(extra, dict):
         raise NanospecError("--extra-body must be a JSON object")
-    multiturn = args.dataset == "multiturn"
-    if multiturn and (args.endpoint != "chat" or math.isfinite(args.request_rate)):
-        raise NanospecError("--dataset multiturn sends each session's turns one after another as chat: use the chat "
-                            "endpoint and --max-concurrency (sessions in flight), not --request-rate")
-    if multiturn and not 1 <= args.turns <= 3:
+    if args.dataset == "multiturn" and (args.endpoint != "chat" or math.isfinite(args.request_rate)):
+        raise NanospecError("--dataset multiturn sends each session's turns one after another as chat: "
+                            "use the chat endpoint and --max-concurrency (sessions in flight), not "
+                            "--request-rate")
+    if args.dataset == "multiturn" and not 1 <= args.turns <= 3:
         raise NanospecError(f"--turns must be 1..3, got {args.turns}")
+    return extra
+
+
+def request_bodies(args, common: dict) -> list[dict]:
+    """One request body per prompt of the dataset: chat messages or a completion prompt."""
+    chat = args.endpoint == "chat"
+    return [{**common, **({"messages": [{"role": "user", "content": prompt}]} if chat
+                           else {"prompt": prompt})}
+            for prompt in load_prompts(args.dataset, args.num_prompts)]
+
+
+def command_line() -> str:
+    argv = sys.argv[2:] if sys.argv[1:2] == ["serve"] else sys.argv[1:]
+    return "python -m nanospec.bench serve " + " ".join(argv)
+
+
+def run(args) -> dict:
+    extra = check_args(args)
+    multiturn = args.dataset == "multiturn"
     client = Client(args.base_url, args.api_key)
     model = args.model or json.loads(client.get("/v1/models"))["data"][0]["id"]
     common = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
@@ -313,15 +398,14 @@ def run(args) -> dict:
     before = spec_counters(client)
     if multiturn:
         sessions = shipped_sessions(args.num_prompts, args.turns)
-        log(f"bench serve: {len(sessions)} sessions of {args.turns} turns to {args.base_url} ({model}), {load} ...")
+        log(f"bench serve: {len(sessions)} sessions of {args.turns} turns to {args.base_url} ({model}), "
+            f"{load} ...")
         results, duration = run_sessions(client, common, sessions, args.max_concurrency)
     else:
-        bodies = []
-        for prompt in load_prompts(args.dataset, args.num_prompts):
-            key, value = ("messages", [{"role": "user", "content": prompt}]) if args.endpoint == "chat" else ("prompt", prompt)
-            bodies.append({**common, key: value})
+        bodies = request_bodies(args, common)
         log(f"bench serve: {len(bodies)} requests to {args.base_url} ({model}), {load} ...")
-        results, duration = run_load(client, args.endpoint, bodies, args.request_rate, args.max_concurrency, args.seed)
+        results, duration = run_load(client, args.endpoint, bodies, args.request_rate, args.max_concurrency,
+                                     args.seed)
     summary = summarize(results, duration, before, spec_counters(client))
     label = args.label or load
     print(HEADER)
@@ -329,11 +413,11 @@ def run(args) -> dict:
     for turn, ttft in summary.get("ttft_s_by_turn", {}).items():
         print(f"  turn {turn}: TTFT p50 {1000 * ttft['p50']:.1f} ms, p99 {1000 * ttft['p99']:.1f} ms")
     report = {"label": label, "base_url": args.base_url, "model": model, "endpoint": args.endpoint,
-              "num_prompts": args.num_prompts, "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-              "max_concurrency": args.max_concurrency, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "extra_body": extra, "dataset": args.dataset, **({"turns": args.turns} if multiturn else {}), **summary,
-              "command": "python -m nanospec.bench serve " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["serve"]
-                                                                       else sys.argv[1:])}
+              "num_prompts": args.num_prompts,
+              "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+              "max_concurrency": args.max_concurrency, "max_tokens": args.max_tokens,
+              "temperature": args.temperature, "extra_body": extra, "dataset": args.dataset,
+              **({"turns": args.turns} if multiturn else {}), **summary, "command": command_line()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

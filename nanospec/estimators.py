@@ -38,7 +38,8 @@ class AcceptanceRates:
         """One decode step: request b asked for ks[b] drafts, got num_draft[b] (default ks[b]) and
         had num_accepted[b] accepted (whose request it was does not matter here; it does to SpanRates)."""
         n = len(self.prior)
-        for counts, per_request in ((self.offered, ks), (self.found, num_draft or ks), (self.accepted, num_accepted)):
+        for counts, per_request in ((self.offered, ks), (self.found, num_draft or ks),
+                                    (self.accepted, num_accepted)):
             counts[:] = [c * self.decay for c in counts]
             for m in per_request:
                 for i in range(min(m, n)):
@@ -95,8 +96,10 @@ class SpanRates:
         self.prior, self.decay, self.prior_weight = list(prior), decay, prior_weight
         self.prior_drafted = list(prior_drafted) if prior_drafted is not None else [1.0] * len(prior)
         self.spans = [0.0] * (16 * (len(prior) + 1) + 1)   # [L]: decayed count of spans of L tokens
-        self.open: dict[int, tuple[object, int]] = {}       # id(request) -> (request, tokens of its open span)
-        self.past_accepted = [0.0] * len(prior)             # [i]: span-ending steps that offered draft i past the accepted
+        # id(request) -> (request, tokens of its open span)
+        self.open: dict[int, tuple[object, int]] = {}
+        # [i]: span-ending steps that offered draft i past the accepted
+        self.past_accepted = [0.0] * len(prior)
         self.past_found = [0.0] * len(prior)                # ... and found it
         self.estimates = None                               # (a_i, d_i), worked out once a step
 
@@ -109,7 +112,8 @@ class SpanRates:
         for counts in (self.spans, self.past_accepted, self.past_found):
             counts[:] = [c * self.decay for c in counts]
         here = {id(r) for r in requests}
-        for key in [key for key in self.open if key not in here]:   # finished or preempted: its span ends where it is
+        # finished or preempted: its span ends where it is
+        for key in [key for key in self.open if key not in here]:
             self.end_span(self.open.pop(key)[1] - 1)
         for req, k, accepted, found in zip(requests, ks, num_accepted, num_draft or ks):
             _, span = self.open.pop(id(req), (req, 0))
@@ -143,12 +147,14 @@ class SpanRates:
 
     def acceptance_length(self, k: int, seen=None) -> float:
         seen = seen or self.seen()
-        return sum(n * (length + 1) for length, n in seen) / sum(n * (length // (k + 1) + 1) for length, n in seen)
+        return sum(n * (length + 1) for length,
+                   n in seen) / sum(n * (length // (k + 1) + 1) for length, n in seen)
 
     def drafts(self, k: int, seen=None) -> float:
         """D(k): drafts a request verifies per step at K = k."""
         m = self.prior_weight
-        found_past = [(f + m * d) / (a + m) for f, a, d in zip(self.past_found, self.past_accepted, self.prior_drafted)]
+        found_past = [(f + m * d) / (a + m) for f, a,
+                      d in zip(self.past_found, self.past_accepted, self.prior_drafted)]
         found_before = [0.0, *itertools.accumulate(found_past)]   # [i]: sum of found_past[:i]
         drafts = steps = 0.0
         for length, n in seen or self.seen():
@@ -170,7 +176,8 @@ class SpanRates:
             ks, seen = range(len(self.prior) + 1), self.seen()
             if seen:   # else nothing seen, or all of it decayed away (a long stretch of K = 0)
                 als, ds = [self.acceptance_length(k, seen) for k in ks], [self.drafts(k, seen) for k in ks]
-                rates, drafted = [b - a for a, b in itertools.pairwise(als)], [b - a for a, b in itertools.pairwise(ds)]
+                rates, drafted = [b - a for a,
+                                  b in itertools.pairwise(als)], [b - a for a, b in itertools.pairwise(ds)]
             else:
                 rates, drafted = self.prior, self.prior_drafted
             self.estimates = (list(itertools.accumulate(self.blend(rates, self.prior), min)),
@@ -202,7 +209,8 @@ class StepTimes:
         self.decay, self.prior_weight = decay, prior_weight
         self.now = 0                                    # steps observed
         self.overall = (0.0, 1.0, 0)                    # (weight, mean ratio, step of the last update)
-        self.sums: dict[int, tuple[list[float], int]] = {}   # batch -> ([w, wx, wxx, wr, wxr], step of the last update)
+        # batch -> ([w, wx, wxx, wr, wxr], step of the last update)
+        self.sums: dict[int, tuple[list[float], int]] = {}
         self.lines: dict[int, tuple[float, float, float] | None] = {}   # batch -> the line fitted this step
 
     def observe(self, batch_size: int, drafts: float, ratio: float) -> None:
@@ -224,7 +232,8 @@ class StepTimes:
         if self.lines[batch_size] is None:
             return self.overall[1]
         x_mean, r_mean, slope = self.lines[batch_size]
-        return max(r_mean + slope * (drafts - x_mean), 0.1)     # a line fitted on few points must not make a step free
+        # a line fitted on few points must not make a step free
+        return max(r_mean + slope * (drafts - x_mean), 0.1)
 
     def fit(self, batch_size: int) -> tuple[float, float, float] | None:
         """(x_mean, r_mean, slope) of the batch's line, None where no step of that batch is left."""
@@ -239,4 +248,3 @@ class StepTimes:
     def _decayed(self, batch_size: int) -> list[float]:
         sums, at = self.sums.get(batch_size, ([0.0] * 5, self.now))
         return [v * self.decay ** (self.now - at) for v in sums]
-

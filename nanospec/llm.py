@@ -16,12 +16,11 @@ import torch
 from nanospec import checkpoint
 from nanospec.chat_template import check_template_kwargs
 from nanospec.cuda_graph import step_buckets
-from nanospec.dynamic_k import DynamicK, Profile
+from nanospec.dynamic_k import DynamicK, Profile, device_name, quick_profile, step_memory
 from nanospec.eagle import load_eagle_head
 from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
 from nanospec.errors import COMMAND_LINE, NanospecError, check_int, check_real, param
 from nanospec.k_policy import KPolicy, QueueSwitch, StaticK
-from nanospec.measure import device_name, quick_profile, step_memory
 from nanospec.prompts import shipped_prompts
 from nanospec.hybrid import HybridProposer
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer

@@ -3,17 +3,18 @@ this machine with the real engine and proposer, and write it as JSON for --profi
 
 example:
   python -m nanospec.profiler --ngram --out profile.json
-  python -m nanospec.generate --ngram --dynamic-k --profile profile.json --chat --prompt "Fix the typo: def ad(a, b): return a + b"
+  python -m nanospec.generate --ngram --dynamic-k --profile profile.json --chat \\
+      --prompt "Fix the typo: def ad(a, b): return a + b"
 """
 from __future__ import annotations
 
 import sys
 
-from nanospec.cli import add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads, suffix_flags
-from nanospec.dynamic_k import Profile
+from nanospec.cli import (add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads,
+                          suffix_flags)
+from nanospec.dynamic_k import Profile, measure_profile
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.llm import LLM, MAX_SPECULATIVE_TOKENS
-from nanospec.measure import measure_profile
 from nanospec.prompts import read_prompts_file, shipped_prompts
 
 
@@ -22,13 +23,15 @@ def build_parser():
     add_model_args(ap)
     add_proposer_args(ap)
     ap.add_argument("--out", default="profile.json", help="where to write the profile")
-    ap.add_argument("--prompts", help="JSON lines with a 'prompt' field (default: the shipped benchmark prompts)")
+    ap.add_argument("--prompts",
+                    help="JSON lines with a 'prompt' field (default: the shipped benchmark prompts)")
     ap.add_argument("--no-chat", action="store_true", help="feed prompts raw instead of in the chat template")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated; must start at 1")
     ap.add_argument("--max-k", type=int, default=8, help="time every K in 0..max-k")
     ap.add_argument("--ks", default="", help="K values to time instead (must include 0)")
     ap.add_argument("--steps", type=int, default=5, help="timed decode steps per point; the median counts")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt for the acceptance rates")
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="tokens per prompt for the acceptance rates")
     return ap
 
 
@@ -42,16 +45,18 @@ def profile_command(args, command_line: str) -> Profile:
     if not batch_sizes or batch_sizes[0] != 1:
         raise NanospecError(f"--batch-sizes must include 1 and be >= 1, got {args.batch_sizes}")
     if len(ks) < 2 or ks[0] != 0 or ks[-1] > MAX_SPECULATIVE_TOKENS:
-        raise NanospecError(f"--ks must include 0 and at least one K in 1..{MAX_SPECULATIVE_TOKENS}, got {ks}")
+        raise NanospecError(f"--ks must include 0 and at least one K in 1..{MAX_SPECULATIVE_TOKENS}, "
+                            f"got {ks}")
     check_int(args.steps, "--steps", low=1)
     check_int(args.max_new_tokens, "--max-new-tokens", low=1)
     if not (args.draft or args.eagle or args.ngram or args.suffix):
-        raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH, --ngram or --suffix")
+        raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH, --ngram "
+                            "or --suffix")
     texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]
     set_threads(args.threads)
     log_loading(args.target)
-    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1], draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, **suffix_flags(args),
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1],
+              draft=args.draft, eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, **suffix_flags(args),
               num_speculative_tokens=ks[-1], enforce_eager=args.enforce_eager,
               enable_prefix_caching=args.enable_prefix_caching)
     prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]

@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanospec import bench, bench_proposers
+from benchmarks import proposers
+from benchmarks.proposers import main as proposers_main
+from nanospec import bench
 from nanospec.bench import main as bench_main, time_nanospec
 from nanospec.engine import Engine
 from nanospec.prompts import shipped_prompts
@@ -14,7 +16,8 @@ from nanospec.prompts import shipped_prompts
 
 def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
     out = tmp_path / "bench.json"
-    assert bench_main(["--target", checkpoints["llama3"], "--ngram", "--ks", "0,2,dynamic,dynamic-per-request", "--batch-sizes", "1,2",
+    assert bench_main(["--target", checkpoints["llama3"], "--ngram", "--ks",
+                       "0,2,dynamic,dynamic-per-request", "--batch-sizes", "1,2",
                        "--max-prompts", "3", "--max-new-tokens", "6", "--no-transformers", "--no-chat",
                        "--repeats", "2", "--device", "cpu", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -26,11 +29,14 @@ def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
         assert r["tokens_per_s_all_repeats"] == pytest.approx(2 / (1 / each[0] + 1 / each[1]), abs=0.01)
     dynamic = [r for r in report["results"] if r["k"] in ("dynamic", "dynamic-per-request")]
     assert all(r["chosen_k"] and r["nanospec_tokens_per_s"] > 0 for r in dynamic)
-    assert all(len(r["chosen_k_each_repeat"]) == 2 and r["chosen_k"] in r["chosen_k_each_repeat"] for r in dynamic)
-    assert report["dynamic_k_profile"]["batch_sizes"] == [1, 2] and report["dynamic_k_profile"]["ks"] == [0, 1, 2]
+    assert all(len(r["chosen_k_each_repeat"]) == 2 and r["chosen_k"] in r["chosen_k_each_repeat"]
+               for r in dynamic)
+    profile = report["dynamic_k_profile"]
+    assert profile["batch_sizes"] == [1, 2] and profile["ks"] == [0, 1, 2]
 
 
-def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoints, tmp_path, capsys, monkeypatch):
+def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoints, tmp_path, capsys,
+                                                                      monkeypatch):
     out = tmp_path / "bench.json"
     common = ["--target", checkpoints["llama3"], "--ks", "0", "--batch-sizes", "4", "--max-new-tokens", "3",
               "--no-transformers", "--no-chat", "--device", "cpu"]
@@ -53,7 +59,8 @@ def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoint
     assert "--continuous has no transformers baseline" in capsys.readouterr().err
     for ks in ("0,2", "0,dynamic"):   # without a proposer these rows would silently decode plainly
         assert bench_main([a if a != "0" else ks for a in common]) != 0
-        assert "need a proposer: add --draft PATH, --eagle PATH, --ngram, --suffix or --oracle" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "need a proposer: add --draft PATH, --eagle PATH, --ngram, --suffix or --oracle" in err
 
 
 def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models, tmp_path, capsys):
@@ -62,12 +69,14 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     out = tmp_path / "proposers.json"
     args = ["--target", spec_models["target"], "--eagle", spec_models["eagle1"], "--batch-sizes", "1,2",
             "--max-new-tokens", "12", "--max-prompts", "2", "--device", "cpu", "--out", str(out)]
-    assert bench_main(args + ["--proposers", "plain,ngram,ngram@cold,suffix+0:6,eagle,hybrid:6,hybrid:dynamic",
+    assert proposers_main(args + ["--proposers",
+                                  "plain,ngram,ngram@cold,suffix+0:6,eagle,hybrid:6,hybrid:dynamic",
                               "--workload", "multiturn"]) == 0
     report = json.loads(out.read_text())
     assert report["requests"] == 6 and report["outputs_identical_across_rows"]
     rows = {(r["batch_size"], r["row"]): r for r in report["results"]}
-    assert len(rows) == 14 and all(r["generated_tokens"] == rows[(1, "plain")]["generated_tokens"] for r in rows.values())
+    assert len(rows) == 14 and all(r["generated_tokens"] == rows[(1, "plain")]["generated_tokens"]
+                                   for r in rows.values())
     priced = rows[(2, "hybrid:dynamic")]
     assert priced["k"] == "dynamic" and sum(priced["hybrid_plans"].values()) > 0
     assert rows[(1, "plain")]["mean_acceptance_length"] == 1.0
@@ -78,46 +87,52 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert rows[(1, "ngram")]["prefix_cache_hits"] > 0 and rows[(1, "ngram")]["prefix_caching"]
     assert rows[(1, "ngram@cold")]["prefix_cache_hits"] == 0 and not rows[(1, "ngram@cold")]["prefix_caching"]
     assert rows[(1, "eagle")]["prefix_cache_hits"] > 0   # a model drafter's cache too
-    assert bench_main(args[:2] + ["--proposers", "ngram@warm"]) != 0
+    assert proposers_main(args[:2] + ["--proposers", "ngram@warm"]) != 0
     assert "'ngram@warm': the one row option after @ is cold" in capsys.readouterr().err
-    assert bench_main(args[:2] + ["--proposers", "hybrid"]) != 0
+    assert proposers_main(args[:2] + ["--proposers", "hybrid"]) != 0
     assert "--proposers hybrid needs a model drafter: add --eagle HEAD" in capsys.readouterr().err
-    assert bench_main(args[:2] + ["--proposers", "ngram", "--ks", "0,4"]) != 0
+    assert proposers_main(args[:2] + ["--proposers", "ngram", "--ks", "0,4"]) != 0
     assert "with --proposers give each row its own K (NAME:K)" in capsys.readouterr().err
-    assert bench_main(args[:2] + ["--proposers", "ngram,nope"]) != 0
+    assert proposers_main(args[:2] + ["--proposers", "ngram,nope"]) != 0
     assert "unknown proposer 'nope'" in capsys.readouterr().err
-    assert bench_main(args[:2] + ["--proposers", "ngram:fast"]) != 0
+    assert proposers_main(args[:2] + ["--proposers", "ngram:fast"]) != 0
     assert "'ngram:fast' is not NAME, NAME:K or NAME:dynamic" in capsys.readouterr().err
-    assert bench_main(args[:2] + ["--proposers", "ngram+3"]) != 0
+    assert proposers_main(args[:2] + ["--proposers", "ngram+3"]) != 0
     assert "'ngram+3': +N is a suffix or hybrid row's max_spec_offset" in capsys.readouterr().err
-    assert bench_main(args[:2] + ["--proposers", "ngram", "--suffix-max-spec-offset", "3"]) != 0
+    assert proposers_main(args[:2] + ["--proposers", "ngram", "--suffix-max-spec-offset", "3"]) != 0
     assert "--suffix-max-spec-offset is for suffix and hybrid rows" in capsys.readouterr().err
-    assert bench_main(args[:2] + ["--workload", "multiturn"]) != 0
-    assert "--workload multiturn compares proposers: add --proposers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # the rows of proposers are benchmarks.proposers', no longer bench's
+        bench_main(args[:2] + ["--workload", "multiturn"])
+    assert "unrecognized arguments: --workload multiturn" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # and there a row is required
+        proposers_main(args[:2] + ["--workload", "multiturn"])
+    assert "the following arguments are required: --proposers" in capsys.readouterr().err
 
 
 def test_rows_that_decode_different_tokens_are_counted_by_prompt():
-    """What bench --proposers compares: each row's requests (prompt and tokens) against the reference
+    """What benchmarks.proposers compares: each row's requests (prompt and tokens) against the reference
     row's, as multisets: finished in another order they are the same; one differing answer also
     changes its session's next prompt, which may sort elsewhere, and still counts as what differs."""
     req = lambda prompt, out: (None, SimpleNamespace(prompt_ids=prompt, output_ids=out))
     state = {"ngram": {"done": [req([1], [5, 6]), req([1, 5, 6, 2], [7]), req([3], [8])]},
              "suffix": {"done": [req([3], [8]), req([1, 5, 6, 2], [7]), req([1], [5, 6])]},   # another order
-             "eagle": {"done": [req([1], [5, 9]), req([1, 5, 9, 2], [7]), req([3], [8])]}}   # a turn and the next
-    assert bench_proposers.differing_requests(state, "ngram") == {"eagle": 2}
-    assert bench_proposers.differing_requests(state, "eagle") == {"ngram": 2, "suffix": 2}
+             # a turn and the next
+             "eagle": {"done": [req([1], [5, 9]), req([1, 5, 9, 2], [7]), req([3], [8])]}}
+    assert proposers.differing_requests(state, "ngram") == {"eagle": 2}
+    assert proposers.differing_requests(state, "eagle") == {"ngram": 2, "suffix": 2}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rows_that_differ_stop_a_float32_run_and_are_reported_in_lower_precision(spec_models, tmp_path, capsys,
-                                                                                 monkeypatch, dtype):
+def test_rows_that_differ_stop_a_float32_run_and_are_reported_in_lower_precision(spec_models, tmp_path,
+                                                                                 capsys, monkeypatch, dtype):
     """float32: every row must decode the same tokens (a proposer that did not would not be lossless).
     bfloat16: a verify step's products round otherwise than a one-token step's, so greedy near-ties
     may break otherwise; the run goes on and says so (GPU runs default to bfloat16)."""
-    monkeypatch.setattr(bench_proposers, "differing_requests", lambda state, reference: {"suffix": 1})
+    monkeypatch.setattr(proposers, "differing_requests", lambda state, reference: {"suffix": 1})
     out = tmp_path / "proposers.json"
-    code = bench_main(["--target", spec_models["target"], "--batch-sizes", "1", "--max-new-tokens", "4",
-                       "--max-prompts", "1", "--device", "cpu", "--dtype", dtype, "--proposers", "ngram,suffix",
+    code = proposers_main(["--target", spec_models["target"], "--batch-sizes", "1", "--max-new-tokens", "4",
+                       "--max-prompts", "1", "--device", "cpu", "--dtype", dtype, "--proposers",
+                           "ngram,suffix",
                        "--out", str(out)])
     err = capsys.readouterr().err
     if dtype == "float32":
@@ -139,7 +154,8 @@ def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_ll
     run_to_completion, step = Engine.run_to_completion, Engine.step
     monkeypatch.setattr(Engine, "run_to_completion",
                         lambda self: (runs.append(len(self.scheduler.waiting)), run_to_completion(self))[1])
-    monkeypatch.setattr(Engine, "step", lambda self: (running.append(len(self.scheduler.running)), step(self))[1])
+    monkeypatch.setattr(Engine, "step", lambda self: (running.append(len(self.scheduler.running)),
+                                                      step(self))[1])
     assert time_nanospec(tiny_llm, prompts, 4, 3)["tokens_per_s"] > 0
     assert runs == [4, 3]                  # groups of 4, one after another
     runs.clear(), running.clear()
@@ -156,8 +172,8 @@ def test_bench_rows_take_turns_step_by_step(tiny_llm, monkeypatch):
     steps, step = [], Engine.step
     monkeypatch.setattr(Engine, "step", lambda self: (steps.append(
         (self, self.k_policy.k, len(self.scheduler.waiting) + len(self.scheduler.running))), step(self))[1])
-    measured = bench.time_rows(tiny_llm, prompts, 4, [2, 0], SimpleNamespace(continuous=False, max_new_tokens=3),
-                               None, 2)
+    measured = bench.time_rows(tiny_llm, prompts, 4, [2, 0],
+                               SimpleNamespace(continuous=False, max_new_tokens=3), None, 2)
     engines = {k: e for e, k, _ in steps}
     assert len(engines) == 2 and tiny_llm.engine not in engines.values()
     assert engines[2].model is tiny_llm.model and engines[2].kv_cache is not tiny_llm.engine.kv_cache
@@ -193,7 +209,8 @@ def test_the_oracle_drafts_are_all_accepted(tiny_llm):
     accepted and each request gains K + 1 tokens a step (fewer only where max_tokens cuts K), and
     the output is plain decoding's. (Not the identity: a proposer drafting the token after the
     right one is accepted nowhere.)"""
-    from nanospec.measure import greedy_requests, oracle_proposer
+    from nanospec.bench import oracle_proposer
+    from nanospec.dynamic_k import greedy_requests
     from nanospec.k_policy import StaticK
     prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:5]]
     oracle = oracle_proposer(tiny_llm.engine, prompts, 20)
@@ -207,7 +224,8 @@ def test_the_oracle_drafts_are_all_accepted(tiny_llm):
 
 
 def test_bench_runs_random_models_with_the_oracle(capsys):
-    assert bench_main(["--target", "random:tiny", "--device", "cpu", "--oracle", "--ks", "0,4", "--batch-sizes", "2",
+    assert bench_main(["--target", "random:tiny", "--device", "cpu", "--oracle", "--ks", "0,4",
+                       "--batch-sizes", "2",
                        "--max-new-tokens", "10", "--max-prompts", "2", "--no-transformers", "--no-chat"]) == 0
     out = capsys.readouterr().out
     assert "random:tiny" in out and " 5.00 " in out   # the oracle row's acceptance length: K + 1
@@ -218,11 +236,12 @@ def test_transformers_runs_a_random_model_on_our_weights():
     our random weights (shared, not copied): greedy decoding gives the same tokens."""
     import torch
     from nanospec import LLM, SamplingParams
-    from nanospec.baseline import transformers_model
+    from nanospec.bench import transformers_model
     llm = LLM("random:tiny", device="cpu", dtype="float32", kv_cache_gb=0.01)
     hf = transformers_model("random:tiny", torch.float32, torch.device("cpu"), llm.model)
     ids = [5, 9, 100, 33, 7, 200]
-    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=256)
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                         pad_token_id=256)
     ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
     assert theirs[0, len(ids):].tolist() == ours
     assert hf.model.embed_tokens.weight.data_ptr() == llm.model.model.embed_tokens.weight.data_ptr()

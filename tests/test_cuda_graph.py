@@ -13,7 +13,7 @@ from nanospec import LLM, SamplingParams, checkpoint, cuda_graph
 from nanospec.dynamic_k import Profile
 from nanospec.engine import Request
 from nanospec.kv_cache import NULL_BLOCK, SINK_BLOCK, BlockTable, KVCache, build_metadata
-from nanospec.measure import past_prefill
+from nanospec.dynamic_k import past_prefill
 from nanospec.sampler import Sampler
 
 CPU = torch.device("cpu")
@@ -437,7 +437,7 @@ def test_the_largest_step_runs_on_a_one_block_engine(spec_models, name):
     """On CUDA the KV cache is sized after what the largest graphed step allocates (measure.step_memory):
     that step, sampling with truncation and draft probabilities at the largest bucket and K, runs on
     padding rows of a one-block engine, touching only the sink block (0 bytes counted on CPU)."""
-    from nanospec.measure import step_memory
+    from nanospec.dynamic_k import step_memory
     args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 4}
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=1, max_num_seqs=40, **args)
     assert step_memory(llm.engine, 4 if args else 0) == 0

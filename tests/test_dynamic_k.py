@@ -12,14 +12,16 @@ from hypothesis import given, settings, strategies as st
 
 from nanospec import LLM
 from conftest import PROMPTS, PROPOSERS, assert_no_leak, greedy, proposer_args
-from nanospec.dynamic_k import DynamicK, Profile, allocate, best_k, expected_time, interpolate, scaled_rates, step_cost
+from nanospec.dynamic_k import (DynamicK, Profile, allocate, best_k, expected_time, interpolate, scaled_rates,
+                                step_cost)
 from nanospec.errors import NanospecError
 from nanospec.estimators import AcceptanceRates, SpanRates, StepTimes
-from nanospec.measure import monotone_in_batch
+from nanospec.dynamic_k import monotone_in_batch
 from nanospec.profiler import main as profiler_main
 
 # Step times in ms: batch 1 barely grows with K (bound by reading weights), batch 8 grows fast.
-TABLE = Profile(batch_sizes=[1, 8], ks=[0, 2, 4], itl_s=[[10, 11, 12], [20, 40, 60]], acceptance=[0.8, 0.5, 0.4, 0.2])
+TABLE = Profile(batch_sizes=[1, 8], ks=[0, 2, 4], itl_s=[[10, 11, 12], [20, 40, 60]],
+                acceptance=[0.8, 0.5, 0.4, 0.2])
 
 
 def goodputs(profile: Profile, rates, batch: float) -> np.ndarray:
@@ -60,6 +62,7 @@ def test_drafts_the_proposer_does_not_find_cost_nothing():
     0.75 x 10 + 0.25 ITL(K) = 10, 10, 12.5, 12.5, 15 ms, goodput 0.100, 0.150, 0.152, 0.176, 0.160
     -> K = 3."""
     itl, rates = [10, 10, 20, 20, 30], [0.5, 0.4, 0.3, 0.2]
+
     def time_at(x):
         return interpolate(list(range(5)), itl, x)
     assert best_k(rates, itl) == best_k(rates, step_cost(time_at, [1.0] * 4, batch=1)) == 1
@@ -80,10 +83,12 @@ def test_step_cost_is_the_mean_over_which_requests_find_drafts():
     that finds one drafts 2. Every subset of the 3 requests finds with probability 1/8; x = 2 |S| / 3."""
     def time_at(x):
         return x * x   # any curve: the expectation is over which requests found, not the curve's shape
-    expected = sum(time_at(2 * len(found) / 3) / 8 for n in range(4) for found in itertools.combinations(range(3), n))
+    expected = sum(time_at(2 * len(found) / 3) / 8 for n in range(4)
+                   for found in itertools.combinations(range(3), n))
     assert step_cost(time_at, [0.5, 0.5], batch=3)[2] == pytest.approx(expected)
     assert expected_time(time_at, 1.0, 0.5, batch=3, most=2) == pytest.approx(expected)
-    assert expected_time(time_at, 1.0, 0.5, batch=3, most=2, exact_up_to=2) == time_at(1.0)   # a large batch: the mean
+    # a large batch: the mean
+    assert expected_time(time_at, 1.0, 0.5, batch=3, most=2, exact_up_to=2) == time_at(1.0)
 
 
 @st.composite
@@ -137,8 +142,10 @@ def test_per_request_allocation_by_hand():
     K = 1: (2 + 1.0) / 12 = 0.25; K = 2: 3.85 / 14 = 0.275."""
     cost_at = lambda x: 10 + 2 * x
     assert allocate([[0.9, 0.8], [0.1, 0.05]], [1.0, 1.0], cost_at) == [2, 0]
-    assert scaled_rates([0.6, 0.5, 0.2], [0.0, 0.0]) == [0.6, 0.5, 0.2]                 # no record: the shared rates
-    assert scaled_rates([0.6, 0.5, 0.2], [6.0, 2.0], prior_weight=2.0) == [1.0, 1.0, 0.4]   # twice as good, capped at 1
+    # no record: the shared rates
+    assert scaled_rates([0.6, 0.5, 0.2], [0.0, 0.0]) == [0.6, 0.5, 0.2]
+    # twice as good, capped at 1
+    assert scaled_rates([0.6, 0.5, 0.2], [6.0, 2.0], prior_weight=2.0) == [1.0, 1.0, 0.4]
     assert scaled_rates([0.6, 0.5, 0.2], [0.0, 2.0], prior_weight=2.0) == [0.3, 0.25, 0.1]
 
 
@@ -185,17 +192,21 @@ def test_online_rates_converge_to_what_the_proposer_accepts_and_follow_a_change(
 def test_spans_follow_each_request_across_steps_by_hand():
     rates = SpanRates([0.5] * 3, decay=1.0)
     a, b = object(), object()
-    rates.observe([3, 3], [3, 1], [3, 3], requests=[a, b])   # a: all 3 right, goes on (4 tokens); b: a span of 1
-    rates.observe([3, 3], [2, 0], [3, 0], requests=[a, b])   # a: 4 + 2 = 6, ends; b: found nothing, a span of 0
+    # a: all 3 right, goes on (4 tokens); b: a span of 1
+    rates.observe([3, 3], [3, 1], [3, 3], requests=[a, b])
+    # a: 4 + 2 = 6, ends; b: found nothing, a span of 0
+    rates.observe([3, 3], [2, 0], [3, 0], requests=[a, b])
     rates.observe([2], [2], [2], requests=[b])               # a has left (nothing open); b goes on (3 tokens)
     rates.observe([0], [0], [0], requests=[b])               # no drafts: b's span ends where it is, as 2
     assert {n: c for n, c in enumerate(rates.spans) if c} == {0: 1, 1: 1, 2: 1, 6: 1}
     # 13 tokens in 4 spans; at K = 1 they take 1 + 1 + 2 + 4 steps, at K = 3 1 + 1 + 1 + 2
     assert rates.acceptance_length(1) == 13 / 8 and rates.acceptance_length(3) == 13 / 5
-    assert rates.rates()[0] == pytest.approx((4 * (13 / 8 - 1) + 4 * 0.5) / 8)   # blended with the profile, 4 spans each
+    # blended with the profile, 4 spans each
+    assert rates.rates()[0] == pytest.approx((4 * (13 / 8 - 1) + 4 * 0.5) / 8)
     # past the accepted on span-ending steps: b offered 1, 2 (found) then 0, 1, 2 (none); a offered 2 (found)
     assert rates.past_accepted == [1, 2, 3] and rates.past_found == [0, 1, 2]
-    found_past = [(0 + 4) / (1 + 4), (1 + 4) / (2 + 4), (2 + 4) / (3 + 4)]   # blended with the profile's d_i = 1
+    # blended with the profile's d_i = 1
+    found_past = [(0 + 4) / (1 + 4), (1 + 4) / (2 + 4), (2 + 4) / (3 + 4)]
     # K = 1: spans 0, 1, 2, 6 verify e_0, 1, 1 + e_0, 3 + e_0 drafts in 8 steps
     assert rates.drafts(1) == pytest.approx((3 * found_past[0] + 5) / 8)
     rates.decay = 0.9
@@ -204,7 +215,8 @@ def test_spans_follow_each_request_across_steps_by_hand():
     assert rates.rates() == [0.5] * 3
     left = SpanRates([0.5], decay=1.0)
     left.observe([1], [1], requests=[a])
-    left.observe([1], [1], requests=[b])                     # a left with 2 tokens open: a span of 1 and its last
+    # a left with 2 tokens open: a span of 1 and its last
+    left.observe([1], [1], requests=[b])
     assert {n: c for n, c in enumerate(left.spans) if c} == {1: 1}
 
 
@@ -273,7 +285,8 @@ def test_measured_step_times_correct_a_profile_that_makes_large_k_look_cheap(pro
     it stays."""
     profile = Profile([1, 8], [0, 4], [[10, 10], [20, 24]], acceptance=[0.6, 0.4, 0.3, 0.2])
     conditional = [0.6, 0.4 / 0.6, 0.3 / 0.4, 0.2 / 0.3]
-    chosen = run_policy(DynamicK(profile, probe_every=probe_every), 600, conditional, step_ms=[20, 24, 32, 44, 60])
+    chosen = run_policy(DynamicK(profile, probe_every=probe_every), 600, conditional,
+                        step_ms=[20, 24, 32, 44, 60])
     assert chosen[0] == 4 and Counter(chosen[-100:]).most_common(1)[0][0] == expected, Counter(chosen[-100:])
 
 
@@ -304,7 +317,8 @@ def test_step_time_ratio_is_a_line_in_the_drafts_fitted_per_batch_size():
         for x in (0, 1, 2, 3, 4):
             times.observe(4, x, 1.2 + 0.3 * x)
     assert [times.ratio(4, x) for x in (0, 2.5, 4)] == pytest.approx([1.2, 1.95, 2.4], rel=0.01)
-    assert times.ratio(16, 3) == pytest.approx((1.5 + 2.5 + 400 * 5 * 1.8) / 2002)   # unseen: the mean over every step
+    # unseen: the mean over every step
+    assert times.ratio(16, 3) == pytest.approx((1.5 + 2.5 + 400 * 5 * 1.8) / 2002)
 
 
 def test_rates_blend_the_profile_with_what_is_observed_and_come_back_after_a_long_pause():
@@ -338,11 +352,13 @@ def varying_profile(tmp_path):
 
 @pytest.mark.parametrize("per_request", [False, True])
 @pytest.mark.parametrize("name", PROPOSERS)
-def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, varying_profile, name, per_request):
+def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, varying_profile, name,
+                                                     per_request):
     """The batch shrinks from 8 to 1 as requests finish, and online rates replace the profile's:
     K changes from step to step (and from request to request), output does not. The hybrid takes
     no profile and no K per request: it prices its plans (hybrid.StepPlans), which change instead."""
-    args = dict(device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True, **proposer_args(spec_models, name))
+    args = dict(device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True,
+                **proposer_args(spec_models, name))
     hybrid = name.startswith("hybrid")
     if hybrid and per_request:
         with pytest.raises(NanospecError, match="per_request_k is not for the hybrid"):
@@ -363,7 +379,8 @@ def test_queue_switch_off_turns_speculation_off_above_the_threshold_and_on_below
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, ngram=True,
               num_speculative_tokens=4, max_num_seqs=3, speculative_disable_queue_size=3)
     engine = llm.engine
-    reqs = [engine.new_request(i, p, llm.encode_prompt(p), greedy(max_tokens=4 + 2 * i)) for i, p in enumerate(PROMPTS)]
+    reqs = [engine.new_request(i, p, llm.encode_prompt(p), greedy(max_tokens=4 + 2 * i)) for i,
+            p in enumerate(PROMPTS)]
     engine.add_requests(reqs)
     seen = set()
     while engine.scheduler.has_work():
@@ -386,7 +403,8 @@ def test_profile_command_writes_a_profile_that_generate_uses(checkpoints, tmp_pa
     assert profile.batch_sizes == [1, 3] and profile.ks == [0, 1, 2, 3] and len(profile.acceptance) == 3
     assert profile.meta["target"] == checkpoints["llama3"] and profile.meta["proposer"] == "ngram"
     assert profile.meta["device"] and "--ngram" in profile.meta["command"]
-    llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, dynamic_k=True, profile=str(out), kv_cache_gb=0.05)
+    llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, dynamic_k=True, profile=str(out),
+              kv_cache_gb=0.05)
     assert llm.engine.k_policy.max_k == 3
     assert llm.generate("The quick brown", greedy(max_tokens=5))[0].token_ids
 
@@ -396,7 +414,7 @@ def test_profile_times_steps_that_verify_exactly_k_drafts(checkpoints, monkeypat
     no draft at all and every K would cost what K = 0 costs. The profiler times engines it builds
     (one per K, taking turns), and leaves the LLM's own engine untouched."""
     from nanospec.engine import Engine
-    from nanospec.measure import time_decode_steps
+    from nanospec.dynamic_k import time_decode_steps
     llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, num_speculative_tokens=3, max_num_seqs=2,
               kv_cache_gb=0.05)
     stepped, step = [], Engine.step
@@ -416,14 +434,18 @@ def test_without_a_profile_a_quick_one_is_measured(checkpoints):
               max_num_seqs=2, kv_cache_gb=0.05)
     assert llm.profile.batch_sizes == [1, 2] and llm.profile.ks == [0, 1, 2]
     assert llm.profile_seconds > 0 and llm.stats["steps"] == 0   # profiling leaves no stats behind
-    assert not llm.engine.scheduler.has_work() and llm.engine.kv_cache.allocator.num_free == llm.engine.kv_cache.allocator.num_blocks
+    allocator = llm.engine.kv_cache.allocator
+    assert not llm.engine.scheduler.has_work() and allocator.num_free == allocator.num_blocks
 
 
 @pytest.mark.parametrize("content, match", [
     ("{", "is not a dynamic-K profile"),
-    (json.dumps({"batch_sizes": [2, 4], "ks": [0, 1], "itl_s": [[1, 1], [1, 1]], "acceptance": [0.5]}), "ascend from 1"),
-    (json.dumps({"batch_sizes": [1], "ks": [1, 2], "itl_s": [[1, 1]], "acceptance": [0.5, 0.5]}), "ks must ascend from 0"),
-    (json.dumps({"batch_sizes": [1], "ks": [0, 2], "itl_s": [[1, 1]], "acceptance": [0.5]}), "acceptance must hold 2"),
+    (json.dumps({"batch_sizes": [2, 4], "ks": [0, 1], "itl_s": [[1, 1], [1, 1]], "acceptance": [0.5]}),
+     "ascend from 1"),
+    (json.dumps({"batch_sizes": [1], "ks": [1, 2], "itl_s": [[1, 1]], "acceptance": [0.5, 0.5]}),
+     "ks must ascend from 0"),
+    (json.dumps({"batch_sizes": [1], "ks": [0, 2], "itl_s": [[1, 1]], "acceptance": [0.5]}),
+     "acceptance must hold 2"),
     (json.dumps({"batch_sizes": [1], "ks": [0, 1], "itl_s": [[1, 0]], "acceptance": [0.5]}), "positive"),
 ])
 def test_bad_profile_is_one_clear_error(tmp_path, content, match):

@@ -1,4 +1,4 @@
-"""python -m nanospec.bench --gpu-check: a preflight line, then sections that each keep their own time
+"""python -m benchmarks.gpu_check: a preflight line, then sections that each keep their own time
 budget and their own failure, the report on disk rewritten after every section (and row), and a
 summary of each headline figure against its goal. On a CPU the dry run goes through every section's
 code; the CUDA tests it would run are exactly those marked @pytest.mark.cuda."""
@@ -8,30 +8,32 @@ import pathlib
 
 import pytest
 
-from nanospec import gpu_check
-from nanospec.bench import main as bench_main
+from benchmarks import gpu_check
 
 TESTS = pathlib.Path(__file__).resolve().parent
 
 
-def test_the_dry_run_goes_through_every_section_and_a_failure_loses_nothing_around_it(tmp_path, monkeypatch, capsys):
+def test_the_dry_run_goes_through_every_section_and_a_failure_loses_nothing_around_it(tmp_path, monkeypatch,
+                                                                                      capsys):
     out = tmp_path / "check.json"
     on_disk = []   # the file's sections after each save
     save = gpu_check.GpuCheck.save
     monkeypatch.setattr(gpu_check.GpuCheck, "save",
-                        lambda self: (save(self), on_disk.append(list(json.loads(out.read_text())["sections"]))))
+                        lambda self: (save(self),
+                                      on_disk.append(list(json.loads(out.read_text())["sections"]))))
 
     def broken(check, section):
         raise RuntimeError("the kernel exploded\nwith a second line")
     monkeypatch.setitem(gpu_check.SECTIONS, "attention_kernel", broken)
     monkeypatch.setitem(gpu_check.REDUCED["budgets"], "small_target", 0)   # one row, then the budget stops it
-    assert bench_main(["--gpu-check", "--device", "cpu", "--out", str(out)]) == 0
+    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert err.startswith("preflight: missing a CUDA GPU") and "Runs reduced" in err.splitlines()[0]
 
     report = json.loads(out.read_text())
     sections = report["sections"]
-    assert report["finished"] and report["mode"] == "reduced (no CUDA)" and list(sections) == list(gpu_check.SECTIONS)
+    assert report["finished"] and report["mode"] == "reduced (no CUDA)"
+    assert list(sections) == list(gpu_check.SECTIONS)
     for name, entry in sections.items():   # rows, or a reason
         assert entry["rows"] or entry.get("skipped") or entry.get("error"), name
     assert sections["attention_kernel"]["error"] == "RuntimeError: the kernel exploded"
@@ -39,7 +41,8 @@ def test_the_dry_run_goes_through_every_section_and_a_failure_loses_nothing_arou
     assert sections["copy_bandwidth"]["rows"][0]["gb_s"] > 0                 # before the failure
     assert sections["prefill_attention"]["rows"] and sections["graphs_vs_eager"]["rows"]   # and after it
     assert "no CUDA GPU" in sections["cuda_tests"]["skipped"]
-    assert len(sections["small_target"]["rows"]) == 1 and "budget of 0 s" in sections["small_target"]["stopped"]
+    small = sections["small_target"]
+    assert len(small["rows"]) == 1 and "budget of 0 s" in small["stopped"]
     for row in sections["decode"]["rows"]:   # the oracle's acceptance as measured, on its own row's engine
         assert row["mean_acceptance_length"] == row["k"] + 1 and row["oracle_tries"] == 1
         assert (row["k"] == 0) == ("fraction_of_copy_bandwidth" in row)
@@ -50,7 +53,8 @@ def test_the_dry_run_goes_through_every_section_and_a_failure_loses_nothing_arou
     assert sum(s[-1] == "decode" for s in on_disk) > len(sections["decode"]["rows"])
 
     summary = {f["figure"]: f for f in report["summary"]}
-    assert len(summary) == 9 and all(f["status"] in ("not judged (reduced run)", "unmeasured") for f in summary.values())
+    assert len(summary) == 9 and all(f["status"] in ("not judged (reduced run)",
+                                                     "unmeasured") for f in summary.values())
     kernel = next(f for name, f in summary.items() if name.startswith("attention kernel"))
     assert kernel["status"] == "unmeasured" and kernel["detail"] == "RuntimeError: the kernel exploded"
     assert "\nsummary " in err and all(name in err for name in summary)
@@ -67,7 +71,8 @@ def test_an_oracle_row_records_its_own_continuation_until_every_draft_is_accepte
     wrong = {p: c[:7] + [(c[7] + 1) % 256] + c[8:] for p, c in right.items()}   # one token off
     loaded = gpu_check.Loaded(llm, prompts, OracleProposer(wrong))
     row = gpu_check.decode_row(loaded, 2, 4, False, dict(new_tokens=15, oracle_tries=3))
-    assert row["oracle_tries"] == 2 and row["acceptance_each_try"][0] < 5 and row["mean_acceptance_length"] == 5
+    assert row["oracle_tries"] == 2 and row["acceptance_each_try"][0] < 5
+    assert row["mean_acceptance_length"] == 5
     assert loaded.oracle.continuations == wrong   # the shared oracle is left as it was
 
 
@@ -89,10 +94,11 @@ def test_pytest_output_is_read_even_when_the_run_was_cut_off():
     done = ("tests/test_a.py::test_x PASSED  [ 50%]\ntests/test_a.py::test_y FAILED  [100%]\n"
             "FAILED tests/test_a.py::test_y - AssertionError: 1 != 2\n"
             "========== 1 failed, 1 passed, 300 deselected in 12.30s ==========\n")
-    assert gpu_check.read_pytest(done) == {"summary": "1 failed, 1 passed, 300 deselected in 12.30s", "failed": 1,
-                                           "passed": 1, "deselected": 300,
-                                           "failures": ["FAILED tests/test_a.py::test_y - AssertionError: 1 != 2"]}
-    cut = "tests/test_a.py::test_x[1] PASSED  [ 10%]\ntests/test_a.py::test_x[2] PASSED  [ 20%]\ntests/test_a.py::t"
+    failure = "FAILED tests/test_a.py::test_y - AssertionError: 1 != 2"
+    assert gpu_check.read_pytest(done) == {"summary": "1 failed, 1 passed, 300 deselected in 12.30s",
+                                           "failed": 1, "passed": 1, "deselected": 300, "failures": [failure]}
+    cut = ("tests/test_a.py::test_x[1] PASSED  [ 10%]\ntests/test_a.py::test_x[2] PASSED  [ 20%]\n"
+           "tests/test_a.py::t")
     assert gpu_check.read_pytest(cut) == {"summary": None, "passed": 2, "failures": []}
 
 
@@ -111,22 +117,25 @@ def test_the_cuda_tests_run_alone_and_a_timeout_is_recorded_not_fatal(tmp_path, 
     finished, killed = rows
     assert finished["returncode"] == 0 and not finished["timed_out"]
     marked = (TESTS / "test_triton_attention.py").read_text().count("@pytest.mark.cuda")
-    assert finished["skipped"] == marked >= 2 and finished["deselected"] >= 2, finished   # the CPU tests left out
+    # the CPU tests left out
+    assert finished["skipped"] == marked >= 2 and finished["deselected"] >= 2, finished
     assert killed["timed_out"] and killed["summary"] == "timed out after 1 s" and "tail" in killed
 
 
 def test_a_kernel_is_timed_over_many_launches():
     calls = []
-    seconds, timer = gpu_check.kernel_seconds(gpu_check.torch.device("cpu"), lambda: calls.append(1), launches=30)
+    seconds, timer = gpu_check.kernel_seconds(gpu_check.torch.device("cpu"), lambda: calls.append(1),
+                                              launches=30)
     assert len(calls) == 31 and seconds >= 0 and timer == "perf_counter over 30 calls"   # 1 warm-up
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--gpu-check-sections", "decode,nothing"], "--gpu-check-sections takes names among copy_bandwidth,decode"),
+    (["--gpu-check-sections", "decode,nothing"],
+     "--gpu-check-sections takes names among copy_bandwidth,decode"),
     (["--gpu-check-seconds", "0"], "--gpu-check-seconds must be above 0"),
 ])
 def test_bad_gpu_check_flags_are_one_line(capsys, args, match):
-    assert bench_main(["--gpu-check", "--device", "cpu", *args]) == 2
+    assert gpu_check.main(["--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1, err
 
@@ -134,5 +143,6 @@ def test_bad_gpu_check_flags_are_one_line(capsys, args, match):
 def test_a_figure_with_a_ceiling_passes_at_or_under_it():
     """Kernels a layer have a ceiling (at most 15), the other figures a floor."""
     status = lambda value, **kw: gpu_check.figure("f", value, 15, "<= 15", False, "", **kw)["status"]
-    assert [status(11, at_most=True), status(15, at_most=True), status(16, at_most=True)] == ["pass", "pass", "fail"]
+    assert [status(11, at_most=True), status(15, at_most=True),
+            status(16, at_most=True)] == ["pass", "pass", "fail"]
     assert [status(16), status(11)] == ["pass", "fail"]

@@ -1,9 +1,20 @@
 """tools/gpu_kit.py: what it cuts into calls comes back whole, and a missing or damaged part is named."""
+import importlib.util
 import os
+import re
 
 import pytest
 
+from tools import gpu_kit
 from tools.gpu_kit import KitError, pack, plan_parts, unpack
+
+
+def test_the_commands_the_kit_names_exist():
+    """The kit's usage names the commands to run on the device (the GPU check, the proposers'
+    table): each is a module that can be found from the repository's root."""
+    modules = re.findall(r"python -m ([\w.]+)", gpu_kit.__doc__)
+    assert "benchmarks.gpu_check" in modules and "benchmarks.proposers" in modules
+    assert all(importlib.util.find_spec(m) is not None for m in modules), modules
 
 
 @pytest.fixture

@@ -207,7 +207,7 @@ def test_a_gguf_rope_scaling_nanospec_cannot_read_is_refused(tmp_path, checkpoin
 def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf):
     """Our GGUF reader + model vs transformers' own GGUF loader + LlamaForCausalLM, 32 greedy tokens."""
     from nanospec import LLM, SamplingParams
-    from nanospec.baseline import transformers_model   # a thin wrapper over transformers' GGUF loader
+    from nanospec.bench import transformers_model   # a thin wrapper over transformers' GGUF loader
     llm = LLM(device="cpu", dtype="float32", kv_cache_gb=0.1)
     prompt = "The three primary colors are"
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].token_ids

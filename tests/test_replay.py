@@ -1,4 +1,4 @@
-"""The replay (tools/replay.py): faithful to the engine, and the yardstick dynamic K is held to."""
+"""The replay (benchmarks/replay.py): faithful to the engine, and the yardstick dynamic K is held to."""
 import random
 
 import pytest
@@ -6,7 +6,7 @@ import pytest
 from nanospec import LLM, SamplingParams
 from nanospec.dynamic_k import DynamicK, Profile, acceptance_length
 from nanospec.errors import NanospecError
-from tools.replay import Trace, compare, ngram_trace, replay
+from benchmarks.replay import Trace, compare, ngram_trace, replay
 from conftest import PROMPTS
 
 ONE_SECOND_A_STEP = Profile([1], [0, 1], [[1.0, 1.0]], acceptance=[0.5])
@@ -78,8 +78,9 @@ CLOCK = Profile([1, 8, 16], [0, 1, 2, 4, 6], [[0.050, 0.051, 0.052, 0.055, 0.058
 @pytest.mark.parametrize("continuous", [True, False])
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 @pytest.mark.parametrize("continuation", [0.5, 0.85])
-def test_dynamic_k_is_within_3_percent_of_the_best_static_k_where_requests_accept_alike(continuation, batch_size,
-                                                                                       continuous):
+def test_dynamic_k_is_within_3_percent_of_the_best_static_k_where_requests_accept_alike(continuation,
+                                                                                        batch_size,
+                                                                                        continuous):
     """With a profile that is exactly the clock and requests that accept alike, the goodput of a step
     is the throughput, and the policy (warm-up, online rates, measured step times, probes) keeps up
     with the best K fixed in hindsight, which moves from K = 4-6 at batch 1 to 1-3 at batch 16.
@@ -92,12 +93,13 @@ def test_dynamic_k_is_within_3_percent_of_the_best_static_k_where_requests_accep
 @pytest.mark.parametrize("continuous", [True, False])
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 @pytest.mark.parametrize("copy_share, mean_span", [(0.2, 4), (0.3, 8), (0.1, 20)])
-def test_dynamic_k_keeps_up_with_the_best_static_k_on_text_that_n_gram_copies(copy_share, mean_span, batch_size,
-                                                                              continuous):
+def test_dynamic_k_keeps_up_with_the_best_static_k_on_text_that_n_gram_copies(copy_share, mean_span,
+                                                                              batch_size, continuous):
     """The same for n-gram's acceptance (spans of text, SpanRates): 0.98-1.01 of the best K at batch 4
     and 16. With per-position rates the policy got 0.92-0.985 on these: each K's own steps made it
     look best (see SpanRates)."""
-    result = compare(text_workload(copy_share, mean_span), batch_size, CLOCK, max_tokens=64, continuous=continuous)
+    result = compare(text_workload(copy_share, mean_span), batch_size, CLOCK, max_tokens=64,
+                     continuous=continuous)
     assert result["dynamic_over_best"] >= 0.97, result["tokens_per_s"]
 
 
@@ -128,7 +130,8 @@ def test_spans_seen_at_one_k_tell_what_every_k_accepts(copy_share, mean_span):
     assert acceptance_length(per_position.acceptance.rates(), 1) < 0.93 * tokens / steps
 
 
-@pytest.mark.xfail(strict=True, reason="known: per-step goodput over pooled per-position rates overvalues drafts "
+@pytest.mark.xfail(strict=True,
+                   reason="known: per-step goodput over pooled per-position rates overvalues drafts "
                                        "for a mixed batch")
 def test_per_position_rates_fall_behind_when_half_the_requests_copy_and_half_do_not():
     """Under continuous batching at batch 16, K = 0 is the best static K here (160 tokens/s against
@@ -163,15 +166,17 @@ def test_per_request_k_beats_every_static_k_when_half_the_requests_copy(batch_si
 
 
 def test_replay_command_records_a_workload_and_prints_every_row(checkpoints, tmp_path, capsys):
-    from tools.replay import main
+    from benchmarks.replay import main
     profile = tmp_path / "profile.json"
-    Profile([1, 2], [0, 1, 2], [[0.01, 0.011, 0.012], [0.02, 0.025, 0.03]], acceptance=[0.5, 0.3]).save(str(profile))
+    Profile([1, 2], [0, 1, 2], [[0.01, 0.011, 0.012], [0.02, 0.025, 0.03]],
+            acceptance=[0.5, 0.3]).save(str(profile))
     args = ["--profile", str(profile), "--target", checkpoints["qwen3"], "--categories", "code_edit",
             "--batch-sizes", "1,2", "--max-new-tokens", "8", "--device", "cpu", "--dtype", "float32"]
     assert main(args + ["--max-k", "2", "--continuous"]) == 0
     out = capsys.readouterr().out
     assert "continuous" in out and out.count("dynamic / best") == 2 and "K=2:" in out
-    for bad, message in ((["--max-k", "4"], "--max-k must be in 1..2"), (["--max-k", "0"], "--max-k must be in 1..2"),
+    for bad, message in ((["--max-k", "4"], "--max-k must be in 1..2"),
+                         (["--max-k", "0"], "--max-k must be in 1..2"),
                          (["--max-k", "2", "--num-requests", "-1"], "--num-requests must be >= 0"),
                          (["--max-k", "2", "--batch-sizes", "0,2"], "--batch-sizes takes batch sizes >= 1")):
         assert main(args + bad) == 2

@@ -9,7 +9,7 @@ import torch
 
 from conftest import PROMPTS, greedy, proposer_args
 from nanospec import LLM, kv_mirror
-from nanospec.measure import past_prefill
+from nanospec.dynamic_k import past_prefill
 
 
 def count_decode_step_copies(llm, batch: int, monkeypatch) -> tuple[int, int]:

@@ -1,16 +1,17 @@
-"""The work a decode step launches, counted with the torch profiler (nanospec/step_ops.py) and
+"""The work a decode step launches, counted with the torch profiler (benchmarks/step_ops.py) and
 pinned: a change that adds operations to a decoder layer or to a decoded token fails here. The lean
 pieces that bring the count down (rotation with tables made once per pass, the additive mask made
 once, no boolean row selection) compute what the readable references compute, bit for bit."""
 import pytest
 import torch
 
+from benchmarks.measure import decoding
+from benchmarks.step_ops import LAYER, count_step_ops
 from nanospec import LLM, model as model_module
+from nanospec.bench import oracle_proposer
 from nanospec.k_policy import StaticK
 from nanospec.kv_cache import build_metadata, paged_attention_reference
-from nanospec.measure import decoding, oracle_proposer
 from nanospec.model import RotaryEmbedding
-from nanospec.step_ops import LAYER, count_step_ops
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [3, 3, 8, 120, 64], [77, 12, 1, 9, 9, 30, 2, 5, 6], [15, 250, 4]]
 # The pinned counts (CPU, float32, torch 2.13, a 2-layer Llama-3 checkpoint): operations inside one
@@ -43,7 +44,8 @@ def llama(checkpoints):
     return LLM(checkpoints["llama3"], device="cpu", dtype="float32", kv_cache_gb=0.02)
 
 
-@pytest.mark.skipif(not torch.__version__.startswith("2.13."), reason="the pins are counted on torch 2.13 (CI's)")
+@pytest.mark.skipif(not torch.__version__.startswith("2.13."),
+                    reason="the pins are counted on torch 2.13 (CI's)")
 @pytest.mark.parametrize("batch,k", list(PINNED))
 def test_a_decode_layer_and_a_token_launch_no_more_than_the_pinned_operations(llama, batch, k):
     ops = count_step_ops(decoding_engine(llama, batch, k), steps=4)
@@ -65,8 +67,9 @@ def test_the_count_sees_one_more_operation_in_each_layer(llama, monkeypatch):
 def test_a_count_that_saw_no_layer_is_refused_not_zero(llama, monkeypatch):
     """Layers that ran outside their ranges (as a CUDA graph's replay runs them) are not 0 a layer."""
     import contextlib
-    from nanospec import step_ops
-    monkeypatch.setattr(step_ops, "layer_ranges", lambda model: contextlib.nullcontext(len(model.model.layers)))
+    from benchmarks import step_ops
+    monkeypatch.setattr(step_ops, "layer_ranges",
+                        lambda model: contextlib.nullcontext(len(model.model.layers)))
     with pytest.raises(RuntimeError, match="operations per layer unmeasured"):
         count_step_ops(decoding_engine(llama, 1, 0), steps=2)
 
@@ -102,11 +105,13 @@ def test_attention_with_uneven_rows_equals_each_sequence_alone():
     cache = torch.randn(2, 12, 4, 2, 16)   # K and V pages
     tables, cached, lens = [[2, 3], [4, 5, 6], [7]], [5, 6, 1], [1, 3, 2]
     q = torch.randn(sum(lens), 4, 16)
-    together = paged_attention_reference(q, cache, build_metadata(tables, cached, lens, 4, torch.device("cpu")),
+    together = paged_attention_reference(q, cache,
+                                         build_metadata(tables, cached, lens, 4, torch.device("cpu")),
                                          scale=0.25)
     start = 0
     for table, c, n in zip(tables, cached, lens):
         alone = paged_attention_reference(q[start:start + n], cache,
-                                          build_metadata([table], [c], [n], 4, torch.device("cpu")), scale=0.25)
+                                          build_metadata([table], [c], [n], 4, torch.device("cpu")),
+                                          scale=0.25)
         assert torch.allclose(together[start:start + n], alone, atol=1e-6)
         start += n

@@ -1,4 +1,4 @@
-"""The suffix replay (tools/suffix_replay.py): faithful to the engine, so that the draft-length
+"""The suffix replay (benchmarks/suffix_replay.py): faithful to the engine, so that the draft-length
 rules it compares are judged on what the engine would do."""
 import sys
 import types
@@ -6,7 +6,7 @@ import types
 import pytest
 
 from nanospec import LLM, SamplingParams
-from tools.suffix_replay import replay
+from benchmarks.suffix_replay import replay
 from conftest import PROMPTS
 
 

@@ -1,4 +1,4 @@
-"""tools/vllm_side_by_side.py's interleaved rounds, with nanospec alone on a tiny checkpoint (vLLM is
+"""benchmarks/vllm_side_by_side.py's interleaved rounds, with nanospec alone on a tiny checkpoint (vLLM is
 not installed beside the tests): the worker kept up answers each row it is sent, and the rounds'
 ratios pair each round's runs of a row."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tools import vllm_side_by_side as side
+from benchmarks import vllm_side_by_side as side
 
 
 def test_interleaved_rounds_keep_one_worker_up_and_time_every_row(checkpoints, tmp_path, monkeypatch):

@@ -42,15 +42,18 @@ def outputs(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
 
 
 def replay_table() -> str:
-    """The replay's printed table (its module moved from nanospec/ to tools/ in the refactor)."""
+    """The replay's printed table (benchmarks/replay.py; in older checkouts tools/ or nanospec/)."""
     try:
-        from tools import replay
+        from benchmarks import replay
     except ImportError:
-        from nanospec import replay
+        try:
+            from tools import replay
+        except ImportError:
+            from nanospec import replay
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        replay.main(["--profile", PROFILE, "--batch-sizes", "1,4", "--num-requests", "8", "--max-new-tokens", "32",
-                     "--device", "cpu", "--dtype", "float32"])
+        replay.main(["--profile", PROFILE, "--batch-sizes", "1,4", "--num-requests", "8", "--max-new-tokens",
+                     "32", "--device", "cpu", "--dtype", "float32"])
     return out.getvalue()
 
 
@@ -66,8 +69,8 @@ def main() -> None:
     runs = {"plain": {}, "ngram": dict(ngram=True, num_speculative_tokens=4),
             "draft": dict(draft=smol, num_speculative_tokens=3),
             "dynamic_k": dict(ngram=True, num_speculative_tokens=6, dynamic_k=True, profile=PROFILE),
-            "dynamic_k_per_request": dict(ngram=True, num_speculative_tokens=6, dynamic_k=True, profile=PROFILE,
-                                          per_request_k=True)}
+            "dynamic_k_per_request": dict(ngram=True, num_speculative_tokens=6, dynamic_k=True,
+                                          profile=PROFILE, per_request_k=True)}
     if args.eagle1:
         runs["eagle1"] = dict(eagle=args.eagle1, num_speculative_tokens=3)
     result = {}
@@ -78,11 +81,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target = write_checkpoint(os.path.join(tmp, "target"), "llama3", seed=3, num_layers=4)
         head = write_eagle_head(os.path.join(tmp, "eagle3"), target, 3, seed=6, draft_vocab=200)
-        for name, kwargs in {"tiny_plain": {}, "tiny_eagle3": dict(eagle=head, num_speculative_tokens=3)}.items():
+        for name, kwargs in {"tiny_plain": {},
+                             "tiny_eagle3": dict(eagle=head, num_speculative_tokens=3)}.items():
             llm = LLM(target, device="cpu", dtype="float32", kv_cache_gb=0.05, **kwargs)
-            short = [p[:200] for p in prompts[:16]]   # the small random tokenizer spends a token or more a byte
-            result[name] = [o.token_ids for o in llm.generate(short, SamplingParams(temperature=0, max_tokens=16,
-                                                                                      ignore_eos=True))]
+            # the small random tokenizer spends a token or more a byte
+            short = [p[:200] for p in prompts[:16]]
+            params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+            result[name] = [o.token_ids for o in llm.generate(short, params)]
     for name in result:
         same = result[name] == result["plain" if not name.startswith("tiny") else "tiny_plain"]
         print(f"{name}: equal to plain decoding: {same}", file=sys.stderr)

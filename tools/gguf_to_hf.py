@@ -34,12 +34,13 @@ def main() -> None:
     config.update(tie_word_embeddings="lm_head.weight" not in weights, torch_dtype="float32",
                   model_type=config["architectures"][0].removesuffix("ForCausalLM").lower())
     os.makedirs(args.out, exist_ok=True)
-    save_file({k: v.float().contiguous() for k, v in weights.items()}, os.path.join(args.out, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file({k: v.float().contiguous() for k, v in weights.items()},
+              os.path.join(args.out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     from transformers import AutoTokenizer
-    AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).save_pretrained(args.out)
+    AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                  gguf_file=os.path.basename(path)).save_pretrained(args.out)
     print(f"wrote {args.out}: {len(weights)} tensors, {sorted(os.listdir(args.out))}")
 
 

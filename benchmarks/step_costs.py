@@ -5,7 +5,7 @@ model's round (host bookkeeping, with a tiny random model so that the forward do
 and how many host-to-device copies (tensors built from host data, copies out of the step's host
 buffer) and device-to-host reads (.tolist()) a step makes.
 
-    python tools/step_costs.py [--steps 20] [--out FILE.json]
+    python -m benchmarks.step_costs [--steps 20] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -17,16 +17,14 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import torch
 
-import torch  # noqa: E402
-
-from nanospec import LLM, SamplingParams, cuda_graph, engine as engine_module, proposer as proposer_module  # noqa: E402
-from nanospec.measure import past_prefill  # noqa: E402
+from nanospec import LLM, SamplingParams, cuda_graph, engine as engine_module, proposer as proposer_module
+from nanospec.dynamic_k import past_prefill
 
 TIMED = {"scheduler": (engine_module.Scheduler, "schedule"), "policy": (engine_module.Engine, "choose_ks"),
-         "input packing": (cuda_graph.StepGraphs, "upload"), "round planning": (proposer_module.ModelProposer, "prepare")}
+         "input packing": (cuda_graph.StepGraphs, "upload"),
+         "round planning": (proposer_module.ModelProposer, "prepare")}
 
 
 def instrument(totals: collections.Counter, counts: collections.Counter, host_buffer: torch.Tensor):
@@ -50,7 +48,8 @@ def instrument(totals: collections.Counter, counts: collections.Counter, host_bu
     torch.Tensor.copy_ = lambda self, src, *a, **kw: (
         counts.update(["host to device"] if src.untyped_storage().data_ptr() == host else []),
         real_copy(self, src, *a, **kw))[1]
-    undo += [(torch, "tensor", real_tensor), (torch.Tensor, "tolist", real_tolist), (torch.Tensor, "copy_", real_copy)]
+    undo += [(torch, "tensor", real_tensor), (torch.Tensor, "tolist", real_tolist),
+             (torch.Tensor, "copy_", real_copy)]
     return undo
 
 
@@ -72,7 +71,8 @@ def measure(target: str, batch: int, steps: int, proposer: dict) -> dict:
         for owner, name, real in reversed(undo):
             setattr(owner, name, real)
     seconds = time.perf_counter() - start
-    return {"batch": batch, "proposer": "ngram" if proposer.get("ngram") else "draft" if proposer.get("draft") else "none",
+    return {"batch": batch,
+            "proposer": "ngram" if proposer.get("ngram") else "draft" if proposer.get("draft") else "none",
             "step_ms": round(1000 * seconds / steps, 3),
             **{f"{label}_ms": round(1000 * totals[label] / steps, 3) for label in TIMED},
             **{f"{kind} per step": counts[kind] / steps for kind in ("host to device", "device to host")}}
@@ -83,15 +83,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="decode steps measured per row (default: 20)")
     ap.add_argument("--out", help="write the rows as JSON there")
     args = ap.parse_args()
-    from conftest import write_checkpoint
+    from tests.conftest import write_checkpoint
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         target = write_checkpoint(os.path.join(tmp, "tiny"), "llama3", num_layers=2, hidden=64)
-        for proposer in ({}, {"ngram": True, "num_speculative_tokens": 4}, {"draft": target, "num_speculative_tokens": 4}):
+        for proposer in ({}, {"ngram": True, "num_speculative_tokens": 4},
+                         {"draft": target, "num_speculative_tokens": 4}):
             for batch in (1, 64, 256):
                 rows.append(measure(target, batch, args.steps, proposer))
                 print(json.dumps(rows[-1]), file=sys.stderr)
-    result = {"command": "python tools/step_costs.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+    result = {"command": "python -m benchmarks.step_costs " + " ".join(sys.argv[1:]),
+              "torch": torch.__version__,
               "model": "random llama3, 2 layers, hidden 64, vocab 320 (tests/conftest.py)", "rows": rows}
     if args.out:
         with open(args.out, "w") as f:

@@ -27,7 +27,8 @@ NO_WORK = {   # aten ops that only make views or allocate: no kernel, no data re
     "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::as_strided", "aten::expand", "aten::slice",
     "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::transpose", "aten::permute",
     "aten::alias", "aten::detach", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::unbind",
-    "aten::narrow", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resize_", "aten::lift_fresh",
+    "aten::narrow", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resize_",
+           "aten::lift_fresh",
     "aten::_reshape_alias", "aten::unflatten", "aten::flatten", "aten::view_as", "aten::expand_as",
     "aten::contiguous", "aten::numpy_T", "aten::result_type", "aten::is_nonzero", "aten::_local_scalar_dense",
     "aten::unfold", "aten::as_strided_", "aten::resolve_conj", "aten::resolve_neg",
@@ -44,7 +45,8 @@ class StepOps:
     per_layer: float           # inside one decoder layer's forward (the fewest of any), per step
     outside_layers: float      # per step: the rest (per-pass tables, embedding, lm_head, sampling, proposer)
     by_name: dict = field(default_factory=dict)   # per step, the most frequent first
-    time_by_name: dict = field(default_factory=dict)   # microseconds per step (CUDA: device time), the longest first
+    # microseconds per step (CUDA: device time), the longest first
+    time_by_name: dict = field(default_factory=dict)
 
     @property
     def per_token(self) -> float:
@@ -94,7 +96,8 @@ def device_ops(events) -> tuple[list, list[int]]:
     ops = [e for e in events
            if e.device_type == cuda and not getattr(e, "is_user_annotation", False) and e.name != LAYER]
     starts = sorted(op.time_range.start for op in ops)
-    layers = [bisect.bisect_right(starts, span.end) - bisect.bisect_left(starts, span.start) for span in spans]
+    layers = [bisect.bisect_right(starts, span.end) - bisect.bisect_left(starts, span.start)
+              for span in spans]
     return ops, layers
 
 
@@ -125,8 +128,9 @@ def count_step_ops(engine, steps: int) -> StepOps:
         times[op.name] += (op.time_range.elapsed_us() if cuda else op.self_cpu_time_total) / steps
     if len(layers) != num_layers * steps:   # never a silent 0: each step's forward runs each layer once
         raise RuntimeError(f"the profiler saw {len(layers)} decoder-layer ranges in {steps} steps of a "
-                           f"{num_layers}-layer model, not {num_layers * steps}: operations per layer unmeasured (a CUDA graph's replay "
-                           "runs no layer's Python: count an eager engine)")
+                           f"{num_layers}-layer model, not {num_layers * steps}: operations per layer "
+                           "unmeasured (a CUDA graph's replay runs no layer's Python: count an eager engine)")
     per_layer = min(layers)
     return StepOps(engine.device.type, steps, tokens, num_layers, len(ops) / steps, per_layer,
-                   len(ops) / steps - per_layer * num_layers, dict(names.most_common(25)), dict(times.most_common(25)))
+                   len(ops) / steps - per_layer * num_layers, dict(names.most_common(25)),
+                   dict(times.most_common(25)))

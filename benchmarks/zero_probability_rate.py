@@ -2,7 +2,7 @@
 
 Every row is a distribution over V tokens of which only the top_k = 4 are possible (the rest are
 cut by top-k: probability exactly 0); each draw uses its own (seed, position). Prints the number of
-draws that landed outside the support. Usage: python tools/zero_probability_rate.py [V] [DRAWS]
+draws that landed outside the support. Usage: python -m benchmarks.zero_probability_rate [V] [DRAWS]
 """
 import sys
 import time
@@ -19,8 +19,8 @@ def main(vocab: int = 151_936, draws: int = 4096, chunk: int = 256) -> None:
         n = min(chunk, draws - first)
         logits = torch.randn(n, vocab, generator=g) * 3
         top_k = torch.full((n,), 4)
-        tokens = sample(logits, torch.ones(n), top_k, torch.ones(n), torch.arange(first, first + n) * 7919 + 1,
-                        torch.arange(n) % 97 + 5)
+        tokens = sample(logits, torch.ones(n), top_k, torch.ones(n),
+                        torch.arange(first, first + n) * 7919 + 1, torch.arange(n) % 97 + 5)
         support = logits.topk(4, dim=-1).indices
         bad += int((support != tokens[:, None]).all(-1).sum())
     print(f"V={vocab} draws={draws}: {bad} outside the top-4 support ({bad / draws:.3%}), "

@@ -5,7 +5,7 @@ main thread did (model loading does). torch's OpenMP runs a team of threads per 
 the third case has two teams on the same cores. Each case runs in a fresh process; the cases
 alternate, `--repeats` times.
 
-    python tools/torch_thread_teams.py [--repeats 3] [--out bench_results/torch_thread_teams.json]
+    python -m benchmarks.torch_thread_teams [--repeats 3] [--out bench_results/torch_thread_teams.json]
 """
 from __future__ import annotations
 
@@ -48,11 +48,11 @@ def main() -> None:
     times = {case: [] for case in CASES}
     for _ in range(args.repeats):
         for case in CASES:
-            out = subprocess.run([sys.executable, "-c", CASE, case, str(threads)], capture_output=True, text=True,
-                                 check=True).stdout
+            out = subprocess.run([sys.executable, "-c", CASE, case, str(threads)], capture_output=True,
+                                 text=True, check=True).stdout
             times[case].append(float(out))
-    result = {"command": "python tools/torch_thread_teams.py " + " ".join(sys.argv[1:]), "torch_threads": threads,
-              "matmul": "(1536 x 576) @ (576 x 2), float32", "ms_per_matmul": times,
+    result = {"command": "python -m benchmarks.torch_thread_teams " + " ".join(sys.argv[1:]),
+              "torch_threads": threads, "matmul": "(1536 x 576) @ (576 x 2), float32", "ms_per_matmul": times,
               "median_ms": {case: statistics.median(t) for case, t in times.items()}}
     for case, t in result["median_ms"].items():
         print(f"{case:<50} {t:.3f} ms (median of {args.repeats})")

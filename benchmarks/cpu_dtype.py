@@ -1,6 +1,6 @@
 """float32 against bfloat16 on this CPU, side by side: plain decoding tokens/s of the default model
 (batch 1 and 8) and the seconds of an EAGLE-1 training step (train_eagle.py's default recipe, a few
-steps). Writes bench_results/cpu_dtype.json. Usage: python tools/cpu_dtype.py [--repeats N]"""
+steps). Writes bench_results/cpu_dtype.json. Usage: python -m benchmarks.cpu_dtype [--repeats N]"""
 import argparse
 import json
 import os
@@ -11,10 +11,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train_eagle  # noqa: E402
-from nanospec import LLM, SamplingParams  # noqa: E402
-from nanospec.llm import native_bfloat16  # noqa: E402
+import train_eagle
+from nanospec import LLM, SamplingParams
+from nanospec.llm import native_bfloat16
 
 PROMPTS = ["Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
            "List three uses of Python.", "What is the capital of France?", "Describe a cat.",
@@ -52,8 +51,10 @@ def main() -> None:
     for _ in range(args.repeats):
         for d in llms:
             train[d].append(round(train_step_seconds(d), 3))
-    result = {"command": "python tools/cpu_dtype.py " + " ".join(sys.argv[1:]), "cpu": platform.processor() or platform.machine(),
-              "native_bfloat16": native_bfloat16(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    result = {"command": "python -m benchmarks.cpu_dtype " + " ".join(sys.argv[1:]),
+              "cpu": platform.processor() or platform.machine(),
+              "native_bfloat16": native_bfloat16(), "torch": torch.__version__,
+              "threads": torch.get_num_threads(),
               "plain_tokens_per_second": rows, "train_step_seconds": train}
     print(json.dumps(result, indent=2))
     os.makedirs("bench_results", exist_ok=True)

@@ -15,26 +15,21 @@ on these, at 36bc668 with the bench's profile). Decode steps only: prefill costs
 and is left out, so the ratios between rows are those of the decode time, a little wider than a
 benchmark's.
 
-    python tools/replay.py --profile profile.json --batch-sizes 1,4,16 --num-requests 48 [--continuous]
+    python -m benchmarks.replay --profile profile.json --batch-sizes 1,4,16 --num-requests 48 [--continuous]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:   # run as a script: python tools/replay.py
-    sys.path.insert(0, ROOT)
-
-from nanospec import LLM, SamplingParams  # noqa: E402
-from nanospec.cli import HelpFormatter, add_model_args, int_list, set_threads  # noqa: E402
-from nanospec.dynamic_k import DynamicK, Profile, itl_at  # noqa: E402
-from nanospec.errors import NanospecError, run_command  # noqa: E402
-from nanospec.k_policy import KPolicy, StaticK  # noqa: E402
-from nanospec.prompts import shipped_prompts  # noqa: E402
-from nanospec.proposer import NgramIndex  # noqa: E402
+from nanospec import LLM, SamplingParams
+from nanospec.cli import HelpFormatter, add_model_args, int_list, set_threads
+from nanospec.dynamic_k import DynamicK, Profile, itl_at
+from nanospec.errors import NanospecError, run_command
+from nanospec.k_policy import KPolicy, StaticK
+from nanospec.prompts import shipped_prompts
+from nanospec.proposer import NgramIndex
 
 
 @dataclass(slots=True)
@@ -106,7 +101,8 @@ def compare(traces: list[Trace], batch_size: int, profile: Profile, max_tokens: 
     for k in range(max_k + 1):
         tokens, seconds = replay(traces, batch_size, k, profile, max_tokens, continuous)
         rows[str(k)] = tokens / seconds
-    policy_options = {"spans": True, **policy_options}   # the traces are n-gram's (Proposer.acceptance_in_spans)
+    # the traces are n-gram's (Proposer.acceptance_in_spans)
+    policy_options = {"spans": True, **policy_options}
     policy = DynamicK(policy_profile or profile, max_k, **policy_options)
     tokens, seconds = replay(traces, batch_size, policy, profile, max_tokens, continuous)
     rows["dynamic"] = tokens / seconds
@@ -124,25 +120,30 @@ def record_traces(args) -> list[Trace]:
     set_threads(args.threads)
     llm = LLM(args.target, device=args.device, dtype=args.dtype, ngram=True, max_num_seqs=len(rows))
     prompts = [llm.encode_prompt(r["prompt"], chat=True) for r in rows]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_new_tokens, ignore_eos=True))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_new_tokens,
+                                                   ignore_eos=True))
     ngram = llm.engine.proposer
-    traces = [ngram_trace(p, o.token_ids, args.max_k, ngram.min_n, ngram.max_n) for p, o in zip(prompts, outputs)]
+    traces = [ngram_trace(p, o.token_ids, args.max_k, ngram.min_n, ngram.max_n) for p,
+              o in zip(prompts, outputs)]
     return [traces[i % len(traces)] for i in range(args.num_requests or len(traces))]
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="python tools/replay.py", description=__doc__.splitlines()[0],
-                                 epilog="example:\n  python tools/replay.py --profile "
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__.splitlines()[0],
+                                 epilog="example:\n  python -m benchmarks.replay --profile "
                                         "bench_results/dynamic_k_cpu_profile_b16.json --num-requests 48",
                                  formatter_class=HelpFormatter)
-    ap.add_argument("--profile", required=True, help="step-time table (python -m nanospec.profiler): the clock")
-    ap.add_argument("--policy-profile", help="the profile the policy goes by (default: --profile, i.e. without error)")
+    ap.add_argument("--profile", required=True,
+                    help="step-time table (python -m nanospec.profiler): the clock")
+    ap.add_argument("--policy-profile",
+                    help="the profile the policy goes by (default: --profile, i.e. without error)")
     ap.add_argument("--categories", default="code_edit,summarize,extract", help="shipped prompt categories")
     ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes to replay")
     ap.add_argument("--num-requests", type=int, default=0, help="cycle the prompts to this many requests")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens every request generates")
     ap.add_argument("--max-k", type=int, default=6, help="static rows K = 0..max-k; dynamic K's largest")
-    ap.add_argument("--continuous", action="store_true", help="refill the batch as requests finish (else groups)")
+    ap.add_argument("--continuous", action="store_true",
+                    help="refill the batch as requests finish (else groups)")
     ap.add_argument("--per-request-k", action="store_true", help="dynamic K with a K per request")
     add_model_args(ap)
     return ap
@@ -156,8 +157,8 @@ def replay_command(args) -> None:
     profile = Profile.load(args.profile)
     policy_profile = Profile.load(args.policy_profile) if args.policy_profile else None
     if not 1 <= args.max_k <= profile.max_k:
-        raise NanospecError(f"--max-k must be in 1..{profile.max_k} (the profile times K up to {profile.max_k}), "
-                            f"got {args.max_k}")
+        raise NanospecError(f"--max-k must be in 1..{profile.max_k} (the profile times K up to "
+                            f"{profile.max_k}), got {args.max_k}")
     if args.num_requests < 0:
         raise NanospecError(f"--num-requests must be >= 0, got {args.num_requests}")
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
@@ -171,7 +172,8 @@ def replay_command(args) -> None:
             print(f"  (batch {batch} is beyond the profile's batch sizes: extrapolated)")
         result = compare(traces, batch, profile, args.max_new_tokens, args.continuous, args.max_k,
                          policy_profile, per_request=args.per_request_k)
-        rows = "  ".join(f"{k if k == 'dynamic' else 'K=' + k}: {v:.1f}" for k, v in result["tokens_per_s"].items())
+        rows = "  ".join(f"{k if k == 'dynamic' else 'K=' + k}: {v:.1f}" for k,
+                         v in result["tokens_per_s"].items())
         print(f"batch {batch}: {rows}  dynamic / best {result['dynamic_over_best']:.3f}")
 
 

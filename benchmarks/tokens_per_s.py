@@ -2,7 +2,7 @@
 nanospec package found at ROOT: run it for two checkouts in turn to compare them side by side.
 
     git worktree add /tmp/before COMMIT
-    for b in 1 9 16; do for root in /tmp/before .; do python tools/tokens_per_s.py $root $b; done; done
+    for b in 1 9 16; do for root in /tmp/before .; do python -m benchmarks.tokens_per_s $root $b; done; done
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default: 48)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     ap.add_argument("--pad", action="store_true",
-                    help="pad each batch to the CUDA graphs' buckets (cuda_graph.PAD_EAGER_BATCHES), as the tests do")
+                    help="pad each batch to the CUDA graphs' buckets (cuda_graph.PAD_EAGER_BATCHES), as the "
+                         "tests do")
     args = ap.parse_args()
     root = os.path.abspath(args.root)
     sys.path.insert(0, root)

@@ -8,24 +8,20 @@ The compiled forward runs nn.Linear's plain F.linear for more than two rows (ind
 the oneDNN packed product, model.Linear's fast path); decode steps of one row take the same W @ x.T
 path in both.
 
-    python tools/compiled_step.py [--steps 60] [--rounds 3] [--out FILE.json]
+    python -m benchmarks.compiled_step [--steps 60] [--rounds 3] [--out FILE.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+import torch
 
-import torch  # noqa: E402
-
-from nanospec import LLM, SamplingParams, model as model_module  # noqa: E402
-from nanospec.cli import set_threads  # noqa: E402
+from nanospec import LLM, SamplingParams, model as model_module
+from nanospec.cli import set_threads
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -35,7 +31,8 @@ def decode(llm, forward, steps: int) -> tuple[list[float], list[int]]:
     engine = llm.engine.twin(max_num_seqs=1)
     engine.model = forward
     ids = llm.encode_prompt(PROMPT, chat=True)
-    req = engine.new_request(0, PROMPT, ids, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    req = engine.new_request(0, PROMPT, ids,
+                             SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     engine.add_requests([req])
     engine.step()           # the prefill
     for _ in range(3):      # warm-up steps
@@ -70,7 +67,8 @@ def main() -> None:
                      "same_tokens": eager_out == comp_out})
         print(rows[-1], file=sys.stderr, flush=True)
     report = {"what": "SmolLM2-135M float32, plain greedy decoding at batch 1, median decode step",
-              "command": "python tools/compiled_step.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+              "command": "python -m benchmarks.compiled_step " + " ".join(sys.argv[1:]),
+              "torch": torch.__version__,
               "threads": torch.get_num_threads(), "compile_seconds": round(compile_s, 1), "rounds": rows}
     print(json.dumps(report, indent=1))
     if args.out:

@@ -10,7 +10,7 @@ seconds on untraced builds, with the process's startup heap as it is and frozen 
 freezes it (the slowest add: a seal's and a drop's copying, or a full garbage collection, which
 scans the whole unfrozen heap: torch's objects and the model's).
 
-  python tools/suffix_costs.py --out bench_results/suffix_costs_cpu.json
+  python -m benchmarks.suffix_costs --out bench_results/suffix_costs_cpu.json
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import random
 import statistics
 import sys
@@ -26,10 +25,10 @@ import time
 import tracemalloc
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.measure import decoding, drafting_seconds, perturbed_window
 from nanospec.cli import frozen_gc_heap, set_threads
 from nanospec.llm import LLM
-from nanospec.measure import decoding, device_name, drafting_seconds, perturbed_window, timed
+from nanospec.dynamic_k import device_name, timed
 from nanospec.prompts import shipped_prompts
 from nanospec.suffix import GlobalIndex, SuffixProposer
 
@@ -60,6 +59,7 @@ def timed_build(requests, frozen: bool) -> tuple[GlobalIndex, dict]:
     """An index of the requests, each add timed, and the full (generation 2) garbage collections
     that ran meanwhile; frozen: inside frozen_gc_heap(), as the server runs."""
     pauses, started = [], []
+
     def watch(phase, info):
         if info["generation"] == 2 and phase == "start":
             started.append(time.perf_counter())
@@ -76,7 +76,8 @@ def timed_build(requests, frozen: bool) -> tuple[GlobalIndex, dict]:
         finally:
             gc.callbacks.remove(watch)
     return index, {"seconds_each": sum(adds) / len(adds), "seconds_slowest": max(adds),
-                   "full_collections": len(pauses), "full_collection_seconds_slowest": max(pauses, default=0.0)}
+                   "full_collections": len(pauses),
+                   "full_collection_seconds_slowest": max(pauses, default=0.0)}
 
 
 def draft_time(index: GlobalIndex, corpus, batch: int, rng, vocab: int, repeats: int = 5) -> float:
@@ -114,9 +115,11 @@ def main() -> int:
     for batch in map(int, args.batch_sizes.split(",")):
         drafts, step = draft_time(index, corpus, batch, rng, llm.vocab_size), step_time(llm, batch)
         rows.append({"batch_size": batch, "suffix_drafts_ms": round(drafts * 1e3, 2),
-                     "plain_decode_step_ms": round(step * 1e3, 1), "drafts_over_step": round(drafts / step, 4)})
+                     "plain_decode_step_ms": round(step * 1e3, 1),
+                     "drafts_over_step": round(drafts / step, 4)})
         print(rows[-1], file=sys.stderr)
-    report = {"command": "python tools/suffix_costs.py " + " ".join(sys.argv[1:]), "device": device_name(llm.device),
+    report = {"command": "python -m benchmarks.suffix_costs " + " ".join(sys.argv[1:]),
+              "device": device_name(llm.device),
               "target": llm.target_name, "global_index": memory, "host_time_per_step": rows}
     if args.out:
         with open(args.out, "w") as f:

@@ -15,7 +15,7 @@ are given as fractions of it.
 Writes one JSON with every row, the best of each and the command.
 
 example (vLLM's CPU build in a venv of its own serving an HF folder: README's "Measured against vLLM"):
-  python tools/vllm_side_by_side.py --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \\
+  python -m benchmarks.vllm_side_by_side --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \\
       --out bench_results/vllm_side_by_side_cpu.json
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ def time_row(generate, prompt_ids: list[list[int]], name: str) -> dict:
     start = time.perf_counter()
     tokens = sum(sum(generate(prompts[i:i + at_once])) for i in range(0, count, at_once))
     seconds = time.perf_counter() - start
-    return {"batch": name, "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2)}
+    return {"batch": name, "tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 2)}
 
 
 def run_rows(generate, prompt_ids: list[list[int]]) -> list[dict]:
@@ -54,7 +55,7 @@ def run_rows(generate, prompt_ids: list[list[int]]) -> list[dict]:
 def nanospec_engine(args):
     """(generate, decode_row): decode_row(prompt_ids) times nanospec's plain decode steps at batch 1
     alone (the roofline's own figure, no prefill), None where the mode is not plain greedy."""
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, ROOT)   # a worker runs this file as a script
     from nanospec import LLM, SamplingParams
     from nanospec.cli import set_threads
     set_threads(args.threads)
@@ -63,7 +64,8 @@ def nanospec_engine(args):
     params = SamplingParams(**sampling(args), max_tokens=args.max_tokens, ignore_eos=True)
 
     def decode_row(prompt_ids):
-        from nanospec.measure import decoding, timed
+        from benchmarks.measure import decoding
+        from nanospec.dynamic_k import timed
         requests = decoding(llm.engine, prompt_ids[:1], 300)
         step = statistics.median(timed(llm.device, llm.engine.step)[1] for _ in range(60))
         llm.engine.abort(requests)
@@ -141,7 +143,6 @@ def weight_bytes(model: str) -> int:
 def prompt_ids(model: str) -> list[list[int]]:
     """The shipped prompts taken a category at a time in turn (the first 8: one of each category),
     in the checkpoint's chat template."""
-    sys.path.insert(0, ROOT)
     from nanospec.prompts import by_category_in_turn, shipped_prompts
     from nanospec.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(model)
@@ -223,9 +224,11 @@ def interleaved_rounds(args, prompts_file: str) -> tuple[list[dict], list[float]
                     proc, err = workers[engine]
                     proc.stdin.write(name + "\n")
                     proc.stdin.flush()
-                    line = next((l for l in proc.stdout if l.startswith("ROW ")), "")   # (vLLM logs to stdout)
+                    # (vLLM logs to stdout)
+                    line = next((out for out in proc.stdout if out.startswith("ROW ")), "")
                     if not line:
-                        sys.exit(f"{engine} {mode} stopped at row {name!r} (exit {proc.wait()}):\n{tail(err)}")
+                        sys.exit(f"{engine} {mode} stopped at row {name!r} "
+                                 f"(exit {proc.wait()}):\n{tail(err)}")
                     rows.append({"round": round_, "engine": engine, "mode": mode, **json.loads(line[4:])})
                     print(json.dumps(rows[-1]), flush=True)
         for proc, err in workers.values():
@@ -239,7 +242,8 @@ def start_worker(args, engine: str, mode: str, prompts_file: str):
     """(process, its stderr file): an engine built, warmed up and waiting for rows (one start at a
     time: a build is not timed, but vLLM's is heavy)."""
     err = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(worker_command(args, engine, mode, prompts_file, serve=True), stdin=subprocess.PIPE,
+    proc = subprocess.Popen(worker_command(args, engine, mode, prompts_file, serve=True),
+                            stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=err, text=True, env=WORKER_ENV)
     for line in proc.stdout:   # whatever an engine prints while it starts, then READY
         if line.strip() == "READY":
@@ -250,7 +254,6 @@ def start_worker(args, engine: str, mode: str, prompts_file: str):
 def settle(most_seconds: float = 120) -> None:
     """Wait until the machine is quiet (an engine's start may leave work going on behind it, such as
     vLLM's compile workers) before the first timed row."""
-    sys.path.insert(0, ROOT)
     from nanospec.cli import busy_cores
     start = time.perf_counter()
     while busy_cores(1.0) > 0.2 and time.perf_counter() - start < most_seconds:
@@ -273,7 +276,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="nanospec's torch threads (default: 2)")
     ap.add_argument("--modes", default="plain,ngram")
-    ap.add_argument("--sampling", default="", help='sampled instead of greedy, e.g. "temperature=0.7,top_p=0.8,top_k=20"')
+    ap.add_argument("--sampling", default="",
+                    help='sampled instead of greedy, e.g. "temperature=0.7,top_p=0.8,top_k=20"')
     ap.add_argument("--engines", default="nanospec,vllm")
     ap.add_argument("--out", help="write the JSON here")
     ap.add_argument("--worker", choices=["nanospec", "vllm"], help=argparse.SUPPRESS)

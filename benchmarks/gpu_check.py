@@ -1,4 +1,4 @@
-"""One command that validates a lent GPU: `python -m nanospec.bench --gpu-check`. A lent GPU call
+"""One command that validates a lent GPU: `python -m benchmarks.gpu_check`. A lent GPU call
 lasts at most 10 minutes, and a first run on new hardware fails somewhere: so the check is a row of
 sections, each bounded in time and caught on its own, and the report on disk
 (bench_results/gpu_check_<device>.json, or --out) is rewritten after every section and every row of
@@ -69,16 +69,19 @@ from types import SimpleNamespace
 
 import torch
 
+from benchmarks.measure import decoding, drafting_seconds, perturbed_window
+from benchmarks.step_ops import count_step_ops
 from nanospec import kv_cache, triton_attention
-from nanospec.baseline import time_transformers, transformers_model
+from nanospec.bench import (kernel_seconds, kv_bytes_per_token, oracle_proposer, time_copy, time_transformers,
+                            transformers_model, weight_bytes)
+from nanospec.cli import log as log_line, parser
+from nanospec.dynamic_k import device_name, sync, timed
 from nanospec.engine import SamplingParams
+from nanospec.errors import NanospecError, run_command
 from nanospec.k_policy import StaticK
 from nanospec.llm import LLM
-from nanospec.measure import (decoding, device_name, drafting_seconds, oracle_proposer, perturbed_window, sync,
-                              timed)
 from nanospec.prompts import shipped_prompts
 from nanospec.proposer import NgramProposer, OracleProposer
-from nanospec.step_ops import count_step_ops
 from nanospec.suffix import SuffixProposer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository (tests/ is there)
@@ -86,69 +89,27 @@ CUDA_TESTS = ["-m", "cuda", "tests/"]   # the tests marked @pytest.mark.cuda: th
 
 # new_tokens: a multiple of every K + 1, so that an oracle row gains exactly K + 1 tokens a step.
 # ks: the oracle rows' K, the headline first. Budgets in seconds (see the docstring).
-FULL = dict(target="random:llama3-8b", small_target="random:qwen3-0.6b", dtype="bfloat16", batches=[1, 16, 64, 256],
+FULL = dict(target="random:llama3-8b", small_target="random:qwen3-0.6b", dtype="bfloat16",
+            batches=[1, 16, 64, 256],
             small_batches=[1, 16, 64], ks=[4, 2], new_tokens=60, oracle_tries=3, kv_cache_gb=2,
             assisted=("random:llama3-8b", "random:llama3.2-1b"), assisted_tokens=64, copy_megabytes=1024,
             attention=dict(contexts=[1024, 4096, 16384], batches=[1, 64], ks=[0, 4]),
             prefill=[(1, 3072, 1024), (8, 0, 512)], seconds=480, cuda_tests_timeout=240,
-            budgets=dict(copy_bandwidth=20, decode=150, step_anatomy=40, graphs_vs_eager=50, attention_kernel=40,
+            budgets=dict(copy_bandwidth=20, decode=150, step_anatomy=40, graphs_vs_eager=50,
+                         attention_kernel=40,
                          draft_vs_assisted=90, cuda_tests=240, small_target=60, prefill_attention=25,
                          host_drafting=20),
             drafting=dict(index_requests=2000, context=512))
 REDUCED = dict(FULL, target="random:tiny", small_target="random:tiny", dtype="float32", batches=[1, 4],
                small_batches=[1], new_tokens=15, kv_cache_gb=0.05, assisted=("random:tiny", "random:tiny"),
-               assisted_tokens=15, copy_megabytes=64, attention=dict(contexts=[256], batches=[1, 4], ks=[0, 4]),
+               assisted_tokens=15, copy_megabytes=64,
+               attention=dict(contexts=[256], batches=[1, 4], ks=[0, 4]),
                prefill=[(1, 96, 32), (2, 0, 32)], seconds=300, drafting=dict(index_requests=50, context=128),
                budgets={name: 60 for name in FULL["budgets"]})
 START_AT_LEAST = 15   # seconds of the deadline a section needs left to start at all
 
 
-# ---- timing ---------------------------------------------------------------------------------------
-
-def kernel_seconds(device: torch.device, run, launches: int = 20) -> tuple[float, str]:
-    """Seconds one call of run() takes, over many launches, and the timer's name: on CUDA
-    triton.testing.do_bench (CUDA events, the L2 cache cleared between launches, the median), or
-    CUDA events around `launches` calls where Triton cannot run; on a CPU a perf_counter loop."""
-    run()   # warm-up: a kernel's compile
-    if device.type == "cuda":
-        try:
-            from triton.testing import do_bench
-            return do_bench(run, warmup=25, rep=100, return_mode="median") / 1000, "triton.testing.do_bench"
-        except Exception:   # no triton, or one that cannot build its launcher: CUDA events alone
-            pass
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(launches):
-            run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000 / launches, f"cuda events over {launches} launches"
-    start = time.perf_counter()
-    for _ in range(launches):
-        run()
-    return (time.perf_counter() - start) / launches, f"perf_counter over {launches} calls"
-
-
-def time_copy(device: torch.device, megabytes: int) -> tuple[float, str]:
-    """Bytes per second a device-to-device copy reads and writes, and the timer's name."""
-    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds, timer = kernel_seconds(device, lambda: dst.copy_(src), launches=5)
-    return 2 * src.numel() / seconds, timer
-
-
-def copy_bandwidth(device: torch.device, megabytes: int) -> float:
-    return time_copy(device, megabytes)[0]
-
-
-def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())   # a tied weight counts once
-
-
-def kv_bytes_per_token(model) -> int:
-    cfg, size = model.config, next(model.parameters()).element_size()
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
-
+# ---- helpers -------------------------------------------------------------------------------------
 
 def free_memory() -> None:
     gc.collect()
@@ -189,7 +150,8 @@ MISSING = {"cuda_gpu": "a CUDA GPU (torch.cuda.is_available() is False)", "trito
 def preflight_line(found: dict, reduced: bool, plan: dict) -> str:
     missing = [MISSING[name] for name, where in found.items() if where is None]
     line = "preflight: " + ("missing " + "; ".join(missing) if missing else
-                            f"found a CUDA GPU ({found['cuda_gpu']}), triton {found['triton']}, gcc, Python.h, ptxas")
+                            f"found a CUDA GPU ({found['cuda_gpu']}), triton {found['triton']}, gcc, "
+                            "Python.h, ptxas")
     if reduced:
         line += f". Runs reduced: {plan['target']} in {plan['dtype']} on the CPU, the CUDA tests skipped"
     elif missing:
@@ -283,14 +245,16 @@ class GpuCheck:
         if key not in self.models:
             plan, start = self.plan, time.perf_counter()
             # the LLM's own engine only records the oracle's continuations: no graphs of its own
-            llm = LLM(plan[key], device=str(self.device), dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
-                      kv_cache_gb=plan["kv_cache_gb"], enforce_eager=True)
+            llm = LLM(plan[key], device=str(self.device), dtype=plan["dtype"],
+                      max_num_seqs=max(plan["batches"]), kv_cache_gb=plan["kv_cache_gb"], enforce_eager=True)
             texts = [row["prompt"] for row in shipped_prompts()]
             # distinct prompts (a numbered copy where texts repeat), so that each has one continuation
-            prompts = [llm.encode_prompt(f"{i}. {texts[i % len(texts)]}")[:64] for i in range(max(plan["batches"]))]
+            prompts = [llm.encode_prompt(f"{i}. {texts[i % len(texts)]}")[:64]
+                       for i in range(max(plan["batches"]))]
             oracle = oracle_proposer(llm.engine, prompts, plan["new_tokens"] + max(plan["ks"]) + 1)
             self.models[key] = Loaded(llm, prompts, oracle)
-            self.log(f"loaded {plan[key]} and recorded its greedy continuations in {time.perf_counter() - start:.1f} s")
+            self.log(f"loaded {plan[key]} and recorded its greedy continuations in "
+                     f"{time.perf_counter() - start:.1f} s")
         return self.models[key]
 
     def drop(self, keys) -> None:
@@ -315,7 +279,8 @@ def run_once(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     # acceptance length: 1 + accepted drafts per request and step (engine.Stats), over this run
     acceptance = 1 + (stats.accepted_tokens - accepted) / max(1, stats.request_steps - request_steps)
     return {"seconds": seconds, "steps": steps, "tokens": len(prompts) * new_tokens - untimed,
-            "acceptance": round(acceptance, 4), "outputs": {tuple(r.prompt_ids): r.output_ids for r in requests}}
+            "acceptance": round(acceptance, 4),
+            "outputs": {tuple(r.prompt_ids): r.output_ids for r in requests}}
 
 
 def row_engine(loaded: Loaded, batch: int, k: int, graphs: bool, new_tokens: int):
@@ -347,7 +312,8 @@ def decode_row(loaded: Loaded, batch: int, k: int, graphs: bool, plan: dict) -> 
     return {"batch": batch, "k": k, "graphs": engine.step_graphs.use_graphs,
             "step_ms": round(1000 * run["seconds"] / max(1, run["steps"]), 3),
             "tokens_per_s": round(run["tokens"] / run["seconds"], 2) if run["seconds"] else None,
-            "mean_acceptance_length": run["acceptance"], "oracle_tries": len(tries), "acceptance_each_try": tries}
+            "mean_acceptance_length": run["acceptance"], "oracle_tries": len(tries),
+            "acceptance_each_try": tries}
 
 
 def row_line(row: dict, seconds: float) -> str:
@@ -382,7 +348,8 @@ def add_roofline(check: GpuCheck, row: dict) -> None:
     model = loaded.llm.model
     row["bytes_per_step"] = int(weight_bytes(model) + row["batch"] * context * kv_bytes_per_token(model))
     if bandwidth and row["step_ms"]:
-        row["fraction_of_copy_bandwidth"] = round(row["bytes_per_step"] / (row["step_ms"] / 1000) / bandwidth / 1e9, 3)
+        row["fraction_of_copy_bandwidth"] = round(row["bytes_per_step"] / (row["step_ms"] / 1000) / bandwidth
+                                                  / 1e9, 3)
 
 
 def measure_decode(check: GpuCheck, section: Section) -> None:
@@ -400,11 +367,14 @@ def measure_decode(check: GpuCheck, section: Section) -> None:
             add_roofline(check, row)
         elif plain and plain["tokens_per_s"] and row["tokens_per_s"]:
             row["speedup_vs_plain"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3)
-        section.add(row, row_line(row, row["seconds"]) + (f", {row.get('speedup_vs_plain')}x plain" if k else
-                                                            f", {row.get('fraction_of_copy_bandwidth')} of copy bw"))
+        section.add(row,
+                    row_line(row, row["seconds"])
+                    + (f", {row.get('speedup_vs_plain')}x plain" if k
+                       else f", {row.get('fraction_of_copy_bandwidth')} of " "copy bw"))
 
 
-def compare_graphs(check: GpuCheck, section: Section, key: str, batch: int, k: int, graph_row: dict | None) -> None:
+def compare_graphs(check: GpuCheck, section: Section, key: str, batch: int, k: int,
+                   graph_row: dict | None) -> None:
     """The same row with CUDA graphs (measured here unless given) and eagerly: their ratio."""
     if graph_row is None:
         graph_row = measure_row(check, key, batch, k, graphs=check.cuda)
@@ -412,10 +382,13 @@ def compare_graphs(check: GpuCheck, section: Section, key: str, batch: int, k: i
     eager = measure_row(check, key, batch, k, graphs=False)
     ratio = round(graph_row["tokens_per_s"] / eager["tokens_per_s"], 3) \
         if graph_row["tokens_per_s"] and eager["tokens_per_s"] else None
-    row = {"target": check.plan[key], "batch": batch, "k": k, "graphs_tokens_per_s": graph_row["tokens_per_s"],
-           "eager_tokens_per_s": eager["tokens_per_s"], "graphs_over_eager": ratio, "graphs": graph_row["graphs"],
+    row = {"target": check.plan[key], "batch": batch, "k": k,
+           "graphs_tokens_per_s": graph_row["tokens_per_s"],
+           "eager_tokens_per_s": eager["tokens_per_s"], "graphs_over_eager": ratio,
+           "graphs": graph_row["graphs"],
            "graphs_step_ms": graph_row["step_ms"], "eager_step_ms": eager["step_ms"],
-           "eager_mean_acceptance_length": eager["mean_acceptance_length"], "eager_oracle_tries": eager["oracle_tries"]}
+           "eager_mean_acceptance_length": eager["mean_acceptance_length"],
+           "eager_oracle_tries": eager["oracle_tries"]}
     if not check.cuda:
         row["note"] = "no CUDA: both rows run eagerly"
     section.add(row, row_line(eager, eager["seconds"]) + f"; graphs / eager {ratio}")
@@ -429,7 +402,8 @@ def measure_graphs_vs_eager(check: GpuCheck, section: Section) -> None:
         for k in (0, check.plan["ks"][0]):
             if not section.more():
                 return
-            compare_graphs(check, section, "target", batch, k, find(graph_rows, batch=batch, k=k, graphs=check.cuda))
+            compare_graphs(check, section, "target", batch, k,
+                           find(graph_rows, batch=batch, k=k, graphs=check.cuda))
 
 
 def measure_small_target(check: GpuCheck, section: Section) -> None:
@@ -487,7 +461,8 @@ def host_profile(engine, steps: int, top: int = 12) -> dict:
         engine.step()
     sync(engine.device)
     profiler.disable()
-    stats = pstats.Stats(profiler).stats   # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+    # (file, line, name) -> (calls, primitive, own s, cumulative s, callers)
+    stats = pstats.Stats(profiler).stats
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
     return {f"{os.path.basename(file)}:{line}({name})": round(1e6 * own / steps, 1)
             for (file, line, name), (_, _, own, _, _) in rows}
@@ -521,13 +496,15 @@ def measure_step_anatomy(check: GpuCheck, section: Section) -> None:
                 free_memory()
             eager = row["eager"]
             section.add(row, f"batch {batch:>3} K {k}: " + (
-                f"graphs step {row['graphs_step_ms']:.2f} ms, replays {row['replay_device_ms']:.2f} ms on the "
-                "device; " if check.cuda else "") + f"{ops_text(eager)}, {eager['per_token']:.0f} a token")
+                f"graphs step {row['graphs_step_ms']:.2f} ms, replays {row['replay_device_ms']:.2f} ms on "
+                "the device; " if check.cuda else "")
+                        + f"{ops_text(eager)}, {eager['per_token']:.0f} a token")
 
 
 # ---- kernels alone --------------------------------------------------------------------------------
 
-def llama8b_layer(device: torch.device, dtype: torch.dtype, batch: int, cached: int, new: int, block_size: int = 16):
+def llama8b_layer(device: torch.device, dtype: torch.dtype, batch: int, cached: int, new: int,
+                  block_size: int = 16):
     """One attention layer of Llama-3.1-8B's shape (32 query heads, 8 KV heads, head_dim 128) over
     random pages: batch sequences of `cached` tokens adding `new` each. Returns (q, kv, meta), kv the
     layer's pages [2, blocks, block_size, 8, 128]."""
@@ -544,7 +521,8 @@ def attention_kernels(device: torch.device, prefill: bool) -> dict:
     CPU under TRITON_INTERPRET=1), the PyTorch reference (SDPA over gathered pages) always."""
     scale = 128 ** -0.5
     kernels = {}
-    if triton_attention.triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if triton_attention.triton is not None and (device.type == "cuda"
+                                                or os.environ.get("TRITON_INTERPRET") == "1"):
         kernels["tiled"] = lambda q, kv, meta: triton_attention.paged_attention(q, *kv, meta, scale)
         if prefill:
             kernels["per_token"] = lambda q, kv, meta: triton_attention.paged_attention_tokens(
@@ -572,14 +550,16 @@ def measure_attention(check: GpuCheck, section: Section) -> None:
                 if not section.more():
                     return
                 q, kv, meta = llama8b_layer(check.device, dtype, batch, context - k - 1, k + 1)
-                seconds, timer = kernel_seconds(check.device, lambda: attention(q, kv, meta))
+                seconds, timer = kernel_seconds(check.device, functools.partial(attention, q, kv, meta))
                 kv_gb_s = batch * context * 2 * 8 * 128 * kv.element_size() / seconds / 1e9
-                row = {"kernel": name, "context": context, "batch": batch, "k": k, "us": round(1e6 * seconds, 1),
-                       "kv_gb_s": round(kv_gb_s, 1), "timer": timer,
+                row = {"kernel": name, "context": context, "batch": batch, "k": k,
+                       "us": round(1e6 * seconds, 1), "kv_gb_s": round(kv_gb_s, 1), "timer": timer,
                        "fraction_of_copy_bandwidth": round(kv_gb_s / bandwidth, 3) if bandwidth else None}
                 del q, kv, meta
                 free_memory()
-                section.add(row, f"{name} context {context} batch {batch} K {k}: {row['us']} us, {row['kv_gb_s']} GB/s")
+                section.add(row,
+                            f"{name} context {context} batch {batch} K {k}: {row['us']} us, {row['kv_gb_s']} "
+                            "GB/s")
 
 
 def measure_prefill(check: GpuCheck, section: Section) -> None:
@@ -592,7 +572,7 @@ def measure_prefill(check: GpuCheck, section: Section) -> None:
         q, kv, meta = llama8b_layer(check.device, dtype, batch, cached, new)
         row = {"batch": batch, "cached": cached, "new": new}
         for name, attention in kernels.items():
-            seconds, row["timer"] = kernel_seconds(check.device, lambda: attention(q, kv, meta), 5)
+            seconds, row["timer"] = kernel_seconds(check.device, functools.partial(attention, q, kv, meta), 5)
             row[f"{name}_ms"] = round(1000 * seconds, 3)
         del q, kv, meta
         free_memory()
@@ -609,8 +589,8 @@ def measure_assisted(check: GpuCheck, section: Section) -> None:
         return section.skip("transformers is not installed (pip install transformers)")
     plan, device = check.plan, check.device
     (target, draft), tokens = plan["assisted"], plan["assisted_tokens"]
-    llm = LLM(target, draft=draft, num_speculative_tokens=4, device=str(device), dtype=plan["dtype"], max_num_seqs=1,
-              kv_cache_gb=plan["kv_cache_gb"])
+    llm = LLM(target, draft=draft, num_speculative_tokens=4, device=str(device), dtype=plan["dtype"],
+              max_num_seqs=1, kv_cache_gb=plan["kv_cache_gb"])
     prompt = llm.encode_prompt(shipped_prompts()[0]["prompt"])[:64]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([prompt], params)   # warm-up: graphs, compiles
@@ -626,7 +606,8 @@ def measure_assisted(check: GpuCheck, section: Section) -> None:
     row = {"target": target, "draft": draft, "k": 4, "batch": 1, "new_tokens": tokens,
            "nanospec_tokens_per_s": round(ours, 2), "mean_acceptance_length": acceptance,
            "transformers_tokens_per_s": round(theirs, 2), "ratio": round(ours / theirs, 3)}
-    section.add(row, f"nanospec {row['nanospec_tokens_per_s']} tok/s (acceptance {acceptance:.2f}), transformers "
+    section.add(row,
+                f"nanospec {row['nanospec_tokens_per_s']} tok/s (acceptance {acceptance:.2f}), transformers "
                      f"{row['transformers_tokens_per_s']} tok/s: {row['ratio']}x")
 
 
@@ -636,9 +617,11 @@ def read_pytest(output: str) -> dict:
     """Counts from pytest -v's output: its last summary line, or (a run cut off before it) the
     per-test lines; the failures' one-line summaries."""
     lines = output.strip().splitlines()
-    summary = next((line.strip("= ") for line in reversed(lines) if re.match(r"=+ .*\d+ \w+.* in [\d.]+s", line)), None)
+    summary = next((line.strip("= ") for line in reversed(lines)
+                    if re.match(r"=+ .*\d+ \w+.* in [\d.]+s", line)), None)
     if summary:
-        counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+        counts = {word: int(n) for n,
+                  word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
     else:
         results = re.findall(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR)", output)
         counts = {word.lower(): results.count(word) for word in ("PASSED", "FAILED", "SKIPPED", "ERROR")
@@ -676,7 +659,8 @@ def run_cuda_tests(check: GpuCheck, section: Section) -> None:
         row["summary"] = f"timed out after {timeout:.0f} s"
     if returncode or timed_out:
         row["tail"] = output[-3000:]
-    counts = ", ".join(f"{row[w]} {w}" for w in ("passed", "failed", "skipped", "error", "errors") if row.get(w))
+    counts = ", ".join(f"{row[w]} {w}" for w in ("passed", "failed", "skipped", "error",
+                                                 "errors") if row.get(w))
     section.add(row, f"{row['summary']} ({counts or 'no test finished'}) [{row['seconds']} s]")
 
 
@@ -699,19 +683,52 @@ def why_missing(report: dict, name: str) -> str:
     entry = report["sections"].get(name)
     if entry is None:
         return f"section {name} has not run"
-    return entry.get("error") or entry.get("skipped") or entry.get("stopped") or f"section {name} has no such row"
+    return (entry.get("error") or entry.get("skipped") or entry.get("stopped")
+            or f"section {name} has no such row")
 
 
 def summarize(report: dict) -> list[dict]:
     """Each headline figure against its goal (DESIGN.md's targets; our own bar where it sets none)."""
-    sections, reduced, cuda = report["sections"], report["mode"] != "full", report["mode"] == "full"
-    rows = {name: entry.get("rows", []) for name, entry in sections.items()}
+    rows = {name: entry.get("rows", []) for name, entry in report["sections"].items()}
+    return [*decode_figures(report, rows), *kernel_figures(report, rows)]
+
+
+def decode_figures(report: dict, rows: dict) -> list[dict]:
+    """Plain and oracle decoding against the roofline, CUDA graphs against eager."""
+    reduced, cuda = report["mode"] != "full", report["mode"] == "full"
     plain = find(rows.get("decode", []), batch=1, k=0, graphs=cuda)
     oracle = find(rows.get("decode", []), batch=1, k=4, graphs=cuda)
     batches = sorted({r["batch"] for r in rows.get("graphs_vs_eager", []) if r["k"] == 0})
     graphs_1 = find(rows.get("graphs_vs_eager", []), batch=1, k=0)
     graphs_n = find(rows.get("graphs_vs_eager", []), batch=batches[-1], k=0) if len(batches) > 1 else None
     small = find(rows.get("small_target", []), batch=1, k=0)
+    target = report["target"]
+    return [
+        figure(f"plain decoding, {target}, batch 1: bytes read per second / copy bandwidth",
+               plain and plain.get("fraction_of_copy_bandwidth"), 0.8, ">= 0.8", reduced,
+               why_missing(report, "decode" if not plain else "copy_bandwidth"),
+               plain and f"{plain['tokens_per_s']} tok/s, step {plain['step_ms']} ms"),
+        figure(f"oracle K = 4, {target}, batch 1: speedup over plain",
+               oracle and oracle.get("speedup_vs_plain"), 4.0, ">= 4", reduced, why_missing(report, "decode"),
+               oracle
+               and f"acceptance {oracle['mean_acceptance_length']} (oracle runs: {oracle['oracle_tries']})"),
+        figure(f"CUDA graphs / eager, {target}, batch 1, K 0", graphs_1 and graphs_1["graphs_over_eager"],
+               1.0, ">= 1 (graphs never slower)", reduced, why_missing(report, "graphs_vs_eager"),
+               graphs_1 and f"step {graphs_1['graphs_step_ms']} ms against {graphs_1['eager_step_ms']} ms"),
+        figure(f"CUDA graphs / eager, {target}, batch {batches[-1] if len(batches) > 1 else 'above 1'}, K 0",
+               graphs_n and graphs_n["graphs_over_eager"], 1.0, ">= 1 (graphs never slower)", reduced,
+               why_missing(report, "graphs_vs_eager"),
+               graphs_n and f"step {graphs_n['graphs_step_ms']} ms against {graphs_n['eager_step_ms']} ms"),
+        figure(f"CUDA graphs / eager, small target {report['small_target']}, batch 1, K 0",
+               small and small["graphs_over_eager"],
+               1.0, ">= 1 (graphs never slower)", reduced, why_missing(report, "small_target"),
+               small and f"step {small['graphs_step_ms']} ms against {small['eager_step_ms']} ms"),
+    ]
+
+
+def kernel_figures(report: dict, rows: dict) -> list[dict]:
+    """The attention kernel alone, a draft model against transformers, operations a decode layer."""
+    reduced, cuda = report["mode"] != "full", report["mode"] == "full"
     kernel = max((r for r in rows.get("attention_kernel", []) if r["k"] == 0),
                  key=lambda r: r["context"] * r["batch"], default=None)
     assisted = next(iter(rows.get("draft_vs_assisted", [])), None)
@@ -719,36 +736,22 @@ def summarize(report: dict) -> list[dict]:
     small_ops = next((r["ops"] for r in rows.get("small_target", []) if "ops" in r), None)
     target = report["target"]
     return [
-        figure(f"plain decoding, {target}, batch 1: bytes read per second / copy bandwidth",
-               plain and plain.get("fraction_of_copy_bandwidth"), 0.8, ">= 0.8", reduced,
-               why_missing(report, "decode" if not plain else "copy_bandwidth"),
-               plain and f"{plain['tokens_per_s']} tok/s, step {plain['step_ms']} ms"),
-        figure(f"oracle K = 4, {target}, batch 1: speedup over plain", oracle and oracle.get("speedup_vs_plain"),
-               4.0, ">= 4", reduced, why_missing(report, "decode"),
-               oracle and f"acceptance {oracle['mean_acceptance_length']} (oracle runs: {oracle['oracle_tries']})"),
-        figure(f"CUDA graphs / eager, {target}, batch 1, K 0", graphs_1 and graphs_1["graphs_over_eager"], 1.0,
-               ">= 1 (graphs never slower)", reduced, why_missing(report, "graphs_vs_eager"),
-               graphs_1 and f"step {graphs_1['graphs_step_ms']} ms against {graphs_1['eager_step_ms']} ms"),
-        figure(f"CUDA graphs / eager, {target}, batch {batches[-1] if len(batches) > 1 else 'above 1'}, K 0",
-               graphs_n and graphs_n["graphs_over_eager"], 1.0, ">= 1 (graphs never slower)", reduced,
-               why_missing(report, "graphs_vs_eager"),
-               graphs_n and f"step {graphs_n['graphs_step_ms']} ms against {graphs_n['eager_step_ms']} ms"),
-        figure(f"CUDA graphs / eager, small target {report['small_target']}, batch 1, K 0", small and small["graphs_over_eager"],
-               1.0, ">= 1 (graphs never slower)", reduced, why_missing(report, "small_target"),
-               small and f"step {small['graphs_step_ms']} ms against {small['eager_step_ms']} ms"),
         figure("attention kernel alone: KV bytes read per second / copy bandwidth",
-               kernel and kernel["fraction_of_copy_bandwidth"], 0.5, ">= 0.5 (our bar; DESIGN.md sets none)", reduced,
-               why_missing(report, "attention_kernel" if not kernel else "copy_bandwidth"),
+               kernel and kernel["fraction_of_copy_bandwidth"], 0.5, ">= 0.5 (our bar; DESIGN.md sets none)",
+               reduced, why_missing(report, "attention_kernel" if not kernel else "copy_bandwidth"),
                kernel and f"{kernel['kv_gb_s']} GB/s ({kernel['kernel']}, context {kernel['context']}, "
                           f"batch {kernel['batch']}, K 0)"),
         figure("draft model / transformers' assisted generation (tokens/s, batch 1, K 4)",
-               assisted and assisted["ratio"], 3.0 if cuda else 1.5, ">= 3 on a GPU" if cuda else ">= 1.5 on a CPU",
+               assisted and assisted["ratio"], 3.0 if cuda else 1.5,
+               ">= 3 on a GPU" if cuda else ">= 1.5 on a CPU",
                reduced, why_missing(report, "draft_vs_assisted"),
-               assisted and f"{assisted['nanospec_tokens_per_s']} against {assisted['transformers_tokens_per_s']} "
+               assisted
+               and f"{assisted['nanospec_tokens_per_s']} against {assisted['transformers_tokens_per_s']} "
                             f"tok/s, acceptance {assisted['mean_acceptance_length']}"),
         *(figure(f"operations a decode layer, {name}, plain, batch 1 (on a GPU: kernels, a graph's nodes)",
                  ops and ops["per_layer"], 15, "<= 15", reduced, why_missing(report, section),
-                 ops and f"{ops['per_step']:.0f} a step, {ops['outside_layers']:.0f} outside the layers", at_most=True)
+                 ops and f"{ops['per_step']:.0f} a step, {ops['outside_layers']:.0f} outside the layers",
+                 at_most=True)
           for name, section, ops in ((target, "step_anatomy", anatomy and anatomy["eager"]),
                                      (f"small target {report['small_target']}", "small_target", small_ops))),
     ]
@@ -759,7 +762,8 @@ def summary_lines(summary: list[dict]) -> list[str]:
     lines = [f"{'summary':<{width}}  {'value':>7}  {'goal':<12}  status"]
     for f in summary:
         value = "-" if f["value"] is None else f"{f['value']:.3g}"
-        lines.append(f"{f['figure']:<{width}}  {value:>7}  {f['goal'].split(' (')[0]:<12}  {f['status']}: {f['detail']}")
+        goal = f["goal"].split(" (")[0]
+        lines.append(f"{f['figure']:<{width}}  {value:>7}  {goal:<12}  {f['status']}: {f['detail']}")
     return lines
 
 
@@ -771,7 +775,7 @@ def measure_host_drafting(check: GpuCheck, section: Section) -> None:
     take longer than the step the GPU idles. Suffix decoding (K 16, its global index holding earlier
     requests) and n-gram (K 4) draft for every request of the batch, over word-level token streams of
     the shipped prompts (real text's repeats, no tokenizer needed), each request a token longer each
-    step; the median of 3 steps. As tools/suffix_costs.py (there with the model's tokens), one token
+    step; the median of 3 steps. As benchmarks/suffix_costs.py (there with the model's tokens), one token
     in 8 of every window is replaced at random, so that no two requests are alike."""
     plan = check.plan["drafting"]
     ids: dict[str, int] = {}
@@ -788,13 +792,15 @@ def measure_host_drafting(check: GpuCheck, section: Section) -> None:
             return
         row = {"batch": batch, "index_requests": plan["index_requests"], "context": plan["context"]}
         for name, proposer, k in (("suffix", suffix, 16), ("ngram", NgramProposer(None), 4)):
-            requests = [SimpleNamespace(tokens=window(plan["context"]), suffix_stream=None, proposer_state=None)
+            requests = [SimpleNamespace(tokens=window(plan["context"]), suffix_stream=None,
+                                        proposer_state=None)
                         for _ in range(batch)]
             seconds = drafting_seconds(proposer, requests, k, lambda: rng.choice(corpus), repeats=3)
             row[f"{name}_ms"] = round(1000 * seconds, 3)
         row["plain_step_ms"] = steps.get(batch)
         section.add(row, f"batch {batch:>3}: suffix {row['suffix_ms']} ms, n-gram {row['ngram_ms']} ms a step"
-                    + (f", against a plain step of {row['plain_step_ms']} ms" if row["plain_step_ms"] else ""))
+                    + (f", against a plain step of {row['plain_step_ms']} ms" if row["plain_step_ms"]
+                       else ""))
 
 
 # ---- the command ----------------------------------------------------------------------------------
@@ -802,8 +808,8 @@ def measure_host_drafting(check: GpuCheck, section: Section) -> None:
 SECTIONS = {"copy_bandwidth": measure_copy_bandwidth, "decode": measure_decode,
             "step_anatomy": measure_step_anatomy, "graphs_vs_eager": measure_graphs_vs_eager,
             "attention_kernel": measure_attention, "draft_vs_assisted": measure_assisted,
-            "cuda_tests": run_cuda_tests, "small_target": measure_small_target, "prefill_attention": measure_prefill,
-            "host_drafting": measure_host_drafting}
+            "cuda_tests": run_cuda_tests, "small_target": measure_small_target,
+            "prefill_attention": measure_prefill, "host_drafting": measure_host_drafting}
 USES = {"decode": "target", "step_anatomy": "target", "graphs_vs_eager": "target",   # models kept between
         "small_target": "small_target"}
 
@@ -825,14 +831,15 @@ def gpu_check(device: str = "auto", out: str | None = None, log=None, sections: 
     line = preflight_line(found, reduced, plan)
     log(line)
     torch_device = torch.device("cpu" if reduced else "cuda")
-    command = f"python -m nanospec.bench --gpu-check --device {device}" + (
+    command = f"python -m benchmarks.gpu_check --device {device}" + (
         f" --gpu-check-sections {','.join(sections)}" if sections else "") + (
         f" --gpu-check-seconds {seconds:g}" if seconds else "")
     report = {"command": command, "device": device_name(torch_device),
               "mode": "reduced (no CUDA)" if reduced else "full", "target": plan["target"],
               "small_target": plan["small_target"], "dtype": plan["dtype"], "torch": torch.__version__,
               "python": sys.version.split()[0], "preflight": {**found, "line": line},
-              "plan": {name: plan[name] for name in ("batches", "ks", "new_tokens", "oracle_tries", "seconds", "budgets")},
+              "plan": {name: plan[name] for name in ("batches", "ks", "new_tokens", "oracle_tries", "seconds",
+                                                     "budgets")},
               "sections": {}, "summary": [], "finished": False}
     check = GpuCheck(plan, reduced, report_path(out, report["device"], reduced), report, log)
     names = [name for name in SECTIONS if sections is None or name in sections]
@@ -845,3 +852,44 @@ def gpu_check(device: str = "auto", out: str | None = None, log=None, sections: 
         log(line)
     log(f"{report['elapsed_s']:.0f} s in all; wrote {check.path}")
     return report
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+def build_parser():
+    ap = parser("python -m benchmarks.gpu_check", __doc__.split("\n\n")[0] + "\n\nexample:\n"
+                "  python -m benchmarks.gpu_check --device cuda --gpu-check-sections decode,cuda_tests")
+    ap.add_argument("--device", default="auto",
+                    help="auto, cpu or cuda (default: auto; without CUDA a reduced run)")
+    ap.add_argument("--out", metavar="FILE.json",
+                    help="where to write the report (default: bench_results/gpu_check_<device>.json), "
+                         "rewritten after every section")
+    ap.add_argument("--gpu-check-sections", metavar="NAMES",
+                    help="only these sections (comma-separated, of " + ",".join(SECTIONS)
+                         + "), e.g. to rerun one that failed")
+    ap.add_argument("--gpu-check-seconds", type=float, metavar="S",
+                    help="the run's deadline in seconds (default 480 on a GPU): no section starts after it, "
+                         "and the CUDA tests get at most what is left")
+    return ap
+
+
+def check_args(args) -> tuple[list[str] | None, float | None]:
+    """--gpu-check-sections and --gpu-check-seconds, checked: (the sections or None for all, the deadline)."""
+    if args.gpu_check_seconds is not None and args.gpu_check_seconds <= 0:
+        raise NanospecError(f"--gpu-check-seconds must be above 0, got {args.gpu_check_seconds:g}")
+    if args.gpu_check_sections is None:
+        return None, args.gpu_check_seconds
+    names = [name.strip() for name in args.gpu_check_sections.split(",") if name.strip()]
+    if not names or any(name not in SECTIONS for name in names):
+        raise NanospecError(f"--gpu-check-sections takes names among {','.join(SECTIONS)}, "
+                            f"got {args.gpu_check_sections!r}")
+    return names, args.gpu_check_seconds
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: gpu_check(args.device, args.out, log_line, *check_args(args)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

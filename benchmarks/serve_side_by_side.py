@@ -10,7 +10,7 @@ process, alternated. The running streams' ITL while long prompts arrive: decode 
 prefill chunks against --prefill-first. Writes one JSON with every row and the command.
 
 example (vLLM's CPU build in a venv of its own, serving an HF folder; see DEVELOPERS.md):
-  python tools/serve_side_by_side.py --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \
+  python -m benchmarks.serve_side_by_side --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \\
       --out bench_results/serve_cpu_smollm2.json
 """
 from __future__ import annotations
@@ -25,13 +25,11 @@ import sys
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanospec import LLM, SamplingParams  # noqa: E402
-from nanospec.bench_serve import (HEADER, Client, format_row, load_prompts, run_load, run_sessions,  # noqa: E402
+from nanospec import LLM, SamplingParams
+from nanospec.bench_serve import (HEADER, Client, format_row, load_prompts, run_load, run_sessions,
                                   shipped_sessions, spec_counters, summarize)
-from nanospec.cli import busy_cores, set_threads  # noqa: E402
-from nanospec.prompts import shipped_prompts  # noqa: E402
+from nanospec.cli import busy_cores, set_threads
+from nanospec.prompts import shipped_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 # vLLM's suffix decoding (ArcticInference's, which it imports) at nanospec's ceiling of 16 drafts; its
@@ -45,8 +43,8 @@ LOADS = [("concurrency 1", None, 1), ("concurrency 4", None, 4), ("concurrency 1
 
 
 def start(cmd: list[str], port: int, env: dict, log_path: str, timeout: float = 900) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env={**os.environ, **env},
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **env}, start_new_session=True)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -91,22 +89,23 @@ def settle(limit: float = 15.0) -> None:
         pass
 
 
-def measure(port: int, label: str, load: tuple, prompts: list[str], max_tokens: int, rows: list, round_: int) -> dict:
+def measure(port: int, label: str, load: tuple, prompts: list[str], max_tokens: int, rows: list,
+            round_: int) -> dict:
     """One load against one server, once the machine is quiet: a row of the bench serve summary."""
     name, rate, concurrency = load
     settle()
     client = Client(f"http://127.0.0.1:{port}", None)
     before = spec_counters(client)
-    results, duration = run_load(client, "chat", bodies(model_name(port), prompts, max_tokens), rate or float("inf"),
-                                 concurrency, 0)
+    results, duration = run_load(client, "chat", bodies(model_name(port), prompts, max_tokens),
+                                 rate or float("inf"), concurrency, 0)
     summary = summarize(results, duration, before, spec_counters(client))
     rows.append({"server": label, "load": name, "round": round_, **summary})
     print(format_row(f"{label}, {name}", summary), flush=True)
     return summary
 
 
-def measure_sessions(port: int, label: str, concurrency: int, first: int, count: int, max_tokens: int, rows: list,
-                     round_: int) -> dict:
+def measure_sessions(port: int, label: str, concurrency: int, first: int, count: int, max_tokens: int,
+                     rows: list, round_: int) -> dict:
     """Multi-turn sessions of the shipped prompts first .. first + count - 1 (by category in turn),
     `concurrency` at once, each turn sent with the answers this server gave: a row as measure()'s."""
     settle()
@@ -130,7 +129,8 @@ def long_prompt_itl(port: int, label: str, prompts: list[str], rows: list) -> No
     streams = bodies(model, prompts[:8], 128, {"ignore_eos": True})
     longs = bodies(model, [long_text] * 4, 1)
     out = {}
-    runner = threading.Thread(target=lambda: out.update(r=run_load(client, "chat", streams, float("inf"), 4, 0)))
+    runner = threading.Thread(
+        target=lambda: out.update(r=run_load(client, "chat", streams, float("inf"), 4, 0)))
     runner.start()
     time.sleep(3)
     run_load(client, "chat", longs, 1.0, None, 0)
@@ -160,7 +160,8 @@ def overhead(port: int, model: str, prompts: list[str], max_tokens: int, rounds:
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), chat=True)   # warm-up
     served, offline = [], []
     for round_ in range(rounds):
-        served.append(measure(port, "nanospec plain", LOADS[0], prompts, max_tokens, [], round_)["tpot_s"]["p50"])
+        served.append(measure(port, "nanospec plain", LOADS[0], prompts, max_tokens, [],
+                              round_)["tpot_s"]["p50"])
         settle()
         offline.append(offline_tpot(llm, prompts, max_tokens))
         print(f"offline generate, one prompt at a time: TPOT p50 {1000 * offline[-1]:.1f} ms", flush=True)
@@ -168,30 +169,31 @@ def overhead(port: int, model: str, prompts: list[str], max_tokens: int, rounds:
             "ratio_of_medians": statistics.median(served) / statistics.median(offline)}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="an HF folder both servers load")
     ap.add_argument("--vllm-python", help="the python of vLLM's venv (default: no vLLM rows)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2, help="times each load is run on each server, in turn")
-    ap.add_argument("--only", default="", help="comma-separated parts to run: plain, ngram, dynamic, overhead, "
-                                               "long (default: these), multiturn (its vLLM suffix server needs "
-                                               "ArcticInference in vLLM's venv)")
-    ap.add_argument("--sessions", type=int, default=8, help="multiturn: sessions of 3 turns a round (other prompts "
-                                                            "each round, so that no server finds a round cached)")
-    ap.add_argument("--nanospec-args", default="", help="more flags for nanospec's server, e.g. '--threads 1'")
+    ap.add_argument("--only", default="",
+                    help="comma-separated parts to run: plain, ngram, dynamic, overhead, long (default: "
+                         "these), multiturn (its vLLM suffix server needs ArcticInference in vLLM's venv)")
+    ap.add_argument("--sessions", type=int, default=8,
+                    help="multiturn: sessions of 3 turns a round (other prompts each round, so that no "
+                         "server finds a round cached)")
+    ap.add_argument("--nanospec-args", default="",
+                    help="more flags for nanospec's server, e.g. '--threads 1'")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    prompts = load_prompts("shipped", args.num_prompts)
-    only = set(filter(None, args.only.split(","))) or {"plain", "ngram", "dynamic", "overhead", "long"}
-    if "multiturn" in only and 2 * args.rounds * args.sessions > len(shipped_prompts()):
-        sys.exit(f"--only multiturn: {2 * args.rounds} runs of {args.sessions} new sessions need more than the "
-                 f"{len(shipped_prompts())} shipped prompts: fewer --sessions or --rounds")
+    return ap
+
+
+def server_groups(args) -> tuple[list[str], list]:
+    """nanospec's server command, and the groups of servers up together: (group, [(label, command, env)])."""
     nanospec = [sys.executable, "-m", "nanospec.serve", "--target", args.model, "--max-model-len", "2048",
                 *args.nanospec_args.split()]
-    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", "float32",
-            "--max-model-len", "2048"]
+    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype",
+            "float32", "--max-model-len", "2048"]
     vllm_env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
     groups = [("plain", [("vLLM plain", vllm, vllm_env), ("nanospec plain", nanospec, {})]),
               ("ngram", [("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], vllm_env),
@@ -201,49 +203,46 @@ def main() -> None:
                              ("vLLM suffix", vllm + ["--speculative-config", json.dumps(SUFFIX)], vllm_env),
                              ("nanospec ngram K=4", nanospec + ["--ngram"], {}),
                              ("nanospec suffix", nanospec + ["--suffix"], {}),
-                             ("nanospec suffix+0", nanospec + ["--suffix", "--suffix-max-spec-offset", "0"], {})])]
-    rows = []
-    result = {"command": "python tools/serve_side_by_side.py " + " ".join(sys.argv[1:]), "prompts": "shipped",
-              "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": 0, "endpoint": "chat",
-              "rounds": args.rounds, "rows": rows,
-              **({"multiturn_sessions": args.sessions, "multiturn_turns": 3, "multiturn_max_tokens": MULTITURN_TOKENS}
-                 if "multiturn" in only else {})}
+                             ("nanospec suffix+0", nanospec + ["--suffix", "--suffix-max-spec-offset", "0"],
+                              {})])]
+    return nanospec, groups
 
-    def save():
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
 
-    print(HEADER, flush=True)
-    port = 8200
-    for group, servers in groups:
-        servers = [s for s in servers if args.vllm_python or not s[0].startswith("vLLM")]
-        if group not in only or not servers:
-            continue
-        procs = []
-        try:
-            for label, cmd, env in servers:   # up together, measured in turn
-                port += 1
-                procs.append((label, port, start(cmd + ["--port", str(port)], port, env,
-                                                 f"/tmp/serve_{label.replace(' ', '_')}.log")))
-                # (the multi-turn sessions' servers warm up on prompts none of them sends: nothing cached)
-                warm_up(port, WARM_UP if group == "multiturn" else prompts)
-            if group == "multiturn":   # both prefix caches on (each server's default), every round new sessions
-                for concurrency in (1, 4):
-                    for round_ in range(args.rounds):
-                        first = (2 * round_ + (concurrency > 1)) * args.sessions
-                        for label, p, _ in procs:
-                            measure_sessions(p, label, concurrency, first, args.sessions, MULTITURN_TOKENS, rows,
-                                             round_)
-                        save()
-                continue
-            for load in LOADS:
+def run_group(group: str, servers: list, port: int, args, prompts, rows: list, save) -> int:
+    """The group's servers up together, measured in turn; returns the last port taken."""
+    procs = []
+    try:
+        for label, cmd, env in servers:
+            port += 1
+            procs.append((label, port, start(cmd + ["--port", str(port)], port, env,
+                                             f"/tmp/serve_{label.replace(' ', '_')}.log")))
+            # (the multi-turn sessions' servers warm up on prompts none of them sends: nothing cached)
+            warm_up(port, WARM_UP if group == "multiturn" else prompts)
+        # both prefix caches on (each server's default), every round new sessions
+        if group == "multiturn":
+            for concurrency in (1, 4):
                 for round_ in range(args.rounds):
+                    first = (2 * round_ + (concurrency > 1)) * args.sessions
                     for label, p, _ in procs:
-                        measure(p, label, load, prompts, args.max_tokens, rows, round_)
-                save()
-        finally:
-            for *_, proc in procs:
-                stop(proc)
+                        measure_sessions(p, label, concurrency, first, args.sessions, MULTITURN_TOKENS, rows,
+                                         round_)
+                    save()
+            return port
+        for load in LOADS:
+            for round_ in range(args.rounds):
+                for label, p, _ in procs:
+                    measure(p, label, load, prompts, args.max_tokens, rows, round_)
+            save()
+    finally:
+        for *_, proc in procs:
+            stop(proc)
+    return port
+
+
+def run_alone(nanospec: list[str], only: set, port: int, args, prompts, rows: list, result: dict,
+              save) -> None:
+    """nanospec's server alone: its overhead over offline decoding, and a long prompt's ITL (decoding
+    between prefill chunks, then with --prefill-first)."""
     if "overhead" in only or "long" in only:
         port += 1
         proc = start(nanospec + ["--port", str(port)], port, {}, "/tmp/serve_nanospec_overhead.log")
@@ -259,11 +258,42 @@ def main() -> None:
             stop(proc)
     if "long" in only:
         port += 1
-        proc = start(nanospec + ["--port", str(port), "--prefill-first"], port, {}, "/tmp/serve_prefill_first.log")
+        proc = start(nanospec + ["--port", str(port), "--prefill-first"], port, {},
+                     "/tmp/serve_prefill_first.log")
         try:
             long_prompt_itl(port, "nanospec plain (--prefill-first)", prompts, rows)
         finally:
             stop(proc)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    prompts = load_prompts("shipped", args.num_prompts)
+    only = set(filter(None, args.only.split(","))) or {"plain", "ngram", "dynamic", "overhead", "long"}
+    if "multiturn" in only and 2 * args.rounds * args.sessions > len(shipped_prompts()):
+        sys.exit(f"--only multiturn: {2 * args.rounds} runs of {args.sessions} new sessions need more than "
+                 f"the {len(shipped_prompts())} shipped prompts: fewer --sessions or --rounds")
+    nanospec, groups = server_groups(args)
+    rows = []
+    result = {"command": "python -m benchmarks.serve_side_by_side " + " ".join(sys.argv[1:]),
+              "prompts": "shipped",
+              "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "temperature": 0,
+              "endpoint": "chat", "rounds": args.rounds, "rows": rows,
+              **({"multiturn_sessions": args.sessions, "multiturn_turns": 3,
+                  "multiturn_max_tokens": MULTITURN_TOKENS}
+                 if "multiturn" in only else {})}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    print(HEADER, flush=True)
+    port = 8200
+    for group, servers in groups:
+        servers = [s for s in servers if args.vllm_python or not s[0].startswith("vLLM")]
+        if group in only and servers:
+            port = run_group(group, servers, port, args, prompts, rows, save)
+    run_alone(nanospec, only, port, args, prompts, rows, result, save)
     save()
 
 

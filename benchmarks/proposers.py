@@ -1,9 +1,10 @@
-"""Proposers side by side on one workload (`python -m nanospec.bench --proposers ...`): each row a
-proposer at its K, an engine of its own over the same target weights, the rows taking turns a step
-at a time (a shared machine's drift hits them alike; a row counts its own steps' time only).
+"""Proposers side by side on one workload: each row a proposer at its K, an engine of its own over the same
+target weights, the rows taking turns a step at a time (a shared machine's drift hits them alike; a row counts
+its own steps' time only).
 
   --workload shipped     each shipped prompt once, in the chat template
-  --workload multiturn   workload.py: sessions whose later turns revisit earlier answers
+  --workload multiturn   sessions whose later turns revisit earlier answers (nanospec/bench_serve.py's
+                         multiturn_sessions)
 
 Greedy, each answer ending at EOS or --max-new-tokens; every row must produce the same tokens (it
 is checked in float32: speculation is lossless), so every row does the same work. In bfloat16 or
@@ -15,7 +16,12 @@ per repeat and batch size: suffix decoding's global index starts empty each time
 from the requests of that run, and so does its prefix cache (on by default; a row NAME@cold runs
 without it, beside the same row with it).
 
-  python -m nanospec.bench --proposers ngram,suffix,eagle,hybrid --eagle HEAD --workload multiturn --batch-sizes 1,8
+example:
+  python -m benchmarks.proposers --proposers ngram,suffix,eagle,hybrid --eagle HEAD --workload multiturn \\
+      --batch-sizes 1,8
+
+The flags are nanospec.bench's (the model, the proposer flags, --batch-sizes, --max-new-tokens, ...) and
+--proposers, --workload, --turns.
 """
 from __future__ import annotations
 
@@ -25,19 +31,21 @@ from collections import Counter, defaultdict
 
 import torch
 
+from nanospec import bench
+from nanospec.bench_serve import multiturn_sessions
 from nanospec.cli import Progress, log, log_loading, set_threads, suffix_flags
+from nanospec.dynamic_k import timed
 from nanospec.engine import SamplingParams
-from nanospec.errors import NanospecError, check_int
+from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.llm import LLM
-from nanospec.measure import timed
 from nanospec.prompts import by_category_in_turn, shipped_prompts
 from nanospec.suffix import EXTRA_TOKENS
-from nanospec.workload import multiturn_sessions
 
 SUFFIX = lambda args: dict(suffix=True, **suffix_flags(args))   # its rows' settings
 KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suffix": SUFFIX,
          "eagle": lambda args: dict(eagle=args.eagle), "draft": lambda args: dict(draft=args.draft),
-         "hybrid": lambda args: dict(**SUFFIX(args), **(dict(eagle=args.eagle) if args.eagle else dict(draft=args.draft)))}
+         "hybrid": lambda args: dict(**SUFFIX(args),
+                                     **(dict(eagle=args.eagle) if args.eagle else dict(draft=args.draft)))}
 
 
 def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
@@ -49,13 +57,15 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     for item in (x.strip() for x in text.split(",") if x.strip()):
         spec, at, where = item.partition("@")
         if at and where != "cold":
-            raise NanospecError(f"--proposers: {item!r}: the one row option after @ is cold (no prefix caching)")
+            raise NanospecError(f"--proposers: {item!r}: the one row option after @ is cold (no prefix "
+                                "caching)")
         name, _, k = spec.partition(":")
         name, plus, offset = name.partition("+")
         if name not in KINDS:
             raise NanospecError(f"--proposers: unknown proposer {name!r}; use {', '.join(KINDS)} (with :K)")
         if plus and (name not in ("suffix", "hybrid") or not offset.isdigit() or int(offset) > 16):
-            raise NanospecError(f"--proposers: {item!r}: +N is a suffix or hybrid row's max_spec_offset, 0..16")
+            raise NanospecError(f"--proposers: {item!r}: +N is a suffix or hybrid row's max_spec_offset, "
+                                "0..16")
         try:
             k = 0 if name == "plain" else int(k) if k and k != "dynamic" else k or None
         except ValueError:
@@ -95,7 +105,8 @@ def new_row(llm: LLM, batch_size: int, longest: int):
     return llm.engine.twin(blocks, max_num_seqs=batch_size, k_policy=copy.deepcopy(llm.engine.k_policy))
 
 
-def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_tokens: int, longest: int) -> dict:
+def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_tokens: int,
+             longest: int) -> dict:
     """Every row's sessions, at most batch_size at a time, a session's next turn queued as soon as
     its last answer is in; rows take turns a step at a time."""
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
@@ -112,7 +123,8 @@ def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_
                 session = row["pending"].pop(0)
                 ids = llm.encode_chat(session.messages())
                 if len(ids) + max_new_tokens > longest:
-                    raise NanospecError(f"a session's turn is {len(ids)} tokens, past the {longest} sized for")
+                    raise NanospecError(f"a session's turn is {len(ids)} tokens, past the {longest} "
+                                        "sized for")
                 req = engine.new_request(len(row["done"]), session.turns[len(session.answers)], ids, params)
                 engine.add_requests([req])
                 row["active"][id(req)] = (req, session)
@@ -151,16 +163,18 @@ def summarize(name: str, row: dict) -> dict:
     stats = row["engine"].stats
     policy, max_k, proposer = row["engine"].k_policy, row["llm"].engine.max_k, row["engine"].proposer
     dynamic = not hasattr(policy, "k") or getattr(proposer, "plans", None)   # dynamic K, or a priced hybrid
-    out = {"row": name, "k": "dynamic" if dynamic else policy.k, "tokens_per_s": round(tokens / row["seconds"], 2),
-           "generated_tokens": tokens,
-           "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps, "decode_steps": stats.steps,
-           "prefix_caching": row["engine"].kv_cache.allocator.prefix_caching,
-           "prefix_cache_queries": row["engine"].scheduler.prefix_queries,   # prompt tokens, and those found cached
+    out = {"row": name, "k": "dynamic" if dynamic else policy.k,
+           "tokens_per_s": round(tokens / row["seconds"], 2), "generated_tokens": tokens,
+           "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps,
+           "decode_steps": stats.steps, "prefix_caching": row["engine"].kv_cache.allocator.prefix_caching,
+           # prompt tokens, and those found cached
+           "prefix_cache_queries": row["engine"].scheduler.prefix_queries,
            "prefix_cache_hits": row["engine"].scheduler.prefix_hits,
            "drafted_per_decode_step": round(stats.drafted_tokens / max(1, stats.steps), 3),
            "accepted_per_drafted": round(stats.accepted_tokens / max(1, stats.drafted_tokens), 3),
            "mean_acceptance_length": round(tokens / steps, 3),
-           "acceptance_length_per_category": {c: round(t / s, 3) for c, (t, s) in sorted(per_category.items())}}
+           "acceptance_length_per_category": {c: round(t / s, 3) for c,
+                                              (t, s) in sorted(per_category.items())}}
     if hasattr(proposer, "threshold"):   # the hybrid
         suffix_steps = sum(n for _, n in proposer.bins)
         out["hybrid_suffix_share"] = round(suffix_steps / max(1, suffix_steps + proposer.model_steps), 3)
@@ -174,10 +188,43 @@ def summarize(name: str, row: dict) -> dict:
     return out
 
 
+def load_rows(args, rows: list, batch_sizes: list[int]) -> dict:
+    """An LLM per row (the same target), at its K, with its settings."""
+    set_threads(args.threads)
+    log_loading(args.target)
+    return {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
+                      num_speculative_tokens=k if isinstance(k, int) and k else None,
+                      dynamic_k=k == "dynamic",
+                      log=log, enforce_eager=args.enforce_eager, **row_settings(name, args))
+            for name, k in rows}
+
+
+def measure_repeat(llms: dict, sessions_of, bs: int, repeat: int, args, longest: int) -> list[dict]:
+    """One repeat of every row at batch size bs (each repeat starts at another row), checked against
+    the first row: in float32 a row that decodes other tokens stops the run; in lower precision
+    it is counted and reported."""
+    names = list(llms)
+    order = names[repeat % len(names):] + names[:repeat % len(names)]
+    state = run_rows(llms, order, sessions_of, bs, args.max_new_tokens, longest)
+    differ = differing_requests(state, names[0])
+    dtype = llms[names[0]].dtype
+    if differ and dtype == torch.float32:
+        raise NanospecError(f"the rows decoded different tokens (requests unlike {names[0]}'s: "
+                            f"{differ}): a proposer is not lossless")
+    if differ:   # a verify step's products round otherwise than a one-token step's
+        log(f"bench: in {str(dtype).removeprefix('torch.')} the rows decoded different tokens "
+            f"(requests unlike {names[0]}'s: {differ}), as rounding breaks greedy near-ties "
+            f"otherwise in steps of other shapes; --dtype float32 checks that every row is lossless")
+    unlike = lambda name: ({"requests_unlike_reference_row": differ.get(name, 0), "reference_row": names[0]}
+                           if differ else {})
+    return [{"batch_size": bs, "repeat": repeat + 1, **summarize(name, row), **unlike(name)}
+            for name, row in state.items()]
+
+
 def run(args) -> dict:
     if args.ks != "0" or args.profile or args.oracle:
-        raise NanospecError("--ks, --profile and --oracle are for K rows of one proposer; with --proposers give "
-                            "each row its own K (NAME:K)")
+        raise NanospecError("--ks, --profile and --oracle are for K rows of one proposer; with --proposers "
+                            "give each row its own K (NAME:K)")
     rows = parse_rows(args.proposers, args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     check_int(args.turns, "--turns", low=1, high=3)
@@ -186,44 +233,30 @@ def run(args) -> dict:
     if not prompt_rows:
         raise NanospecError(f"no shipped prompt is in --categories {args.categories!r}")
     turns = args.turns if args.workload == "multiturn" else 1
-    set_threads(args.threads)
-    log_loading(args.target)
-    llms = {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
-                      num_speculative_tokens=k if isinstance(k, int) and k else None, dynamic_k=k == "dynamic", log=log,
-                      enforce_eager=args.enforce_eager, **row_settings(name, args)) for name, k in rows}
+    llms = load_rows(args, rows, batch_sizes)
     first = next(iter(llms.values()))
     longest = min(first.max_model_len, 4096)
-    results, progress, identical = [], Progress("bench", len(batch_sizes) * args.repeats), True
+    results, progress = [], Progress("bench", len(batch_sizes) * args.repeats)
     for bs in batch_sizes:
         for repeat in range(args.repeats):
-            names = list(llms)
-            order = names[repeat % len(names):] + names[:repeat % len(names)]
-            state = run_rows(llms, order, lambda: multiturn_sessions(prompt_rows, turns), bs, args.max_new_tokens,
-                             longest)
-            differ = differing_requests(state, names[0])
-            if differ and first.dtype == torch.float32:
-                raise NanospecError(f"the rows decoded different tokens (requests unlike {names[0]}'s: {differ}): "
-                                    f"a proposer is not lossless")
-            if differ:   # a verify step's products round otherwise than a one-token step's
-                identical = False
-                log(f"bench: in {str(first.dtype).removeprefix('torch.')} the rows decoded different tokens "
-                    f"(requests unlike {names[0]}'s: {differ}), as rounding breaks greedy near-ties otherwise "
-                    f"in steps of other shapes; --dtype float32 checks that every row is lossless")
-            measured = [{"batch_size": bs, "repeat": repeat + 1, **summarize(name, row),
-                         **({"requests_unlike_reference_row": differ.get(name, 0), "reference_row": names[0]}
-                            if differ else {})}
-                        for name, row in state.items()]
-            progress.step(f"batch {bs}, repeat {repeat + 1}: " + ", ".join(
-                f"{m['row']} {m['tokens_per_s']:.1f} tok/s AL {m['mean_acceptance_length']:.2f}" for m in measured))
+            measured = measure_repeat(llms, lambda: multiturn_sessions(prompt_rows, turns), bs, repeat, args,
+                                      longest)
+            line = ", ".join(f"{m['row']} {m['tokens_per_s']:.1f} tok/s AL {m['mean_acceptance_length']:.2f}"
+                             for m in measured)
+            progress.step(f"batch {bs}, repeat {repeat + 1}: {line}")
             results += measured
+    offset = EXTRA_TOKENS if args.suffix_max_spec_offset is None else args.suffix_max_spec_offset
     return {"benchmark": f"proposers side by side, greedy, answers to EOS or {args.max_new_tokens} tokens, "
                          f"{args.workload} workload" + (f" ({turns} turns a session)" if turns > 1 else ""),
-            "command": "python -m nanospec.bench " + " ".join(sys.argv[1:]), "target": first.target_name,
+            "command": "python -m benchmarks.proposers " + " ".join(sys.argv[1:]),
+            "target": first.target_name,
             "workload": args.workload, "sessions": len(prompt_rows), "turns": turns,
             "max_new_tokens": args.max_new_tokens, "eagle": args.eagle, "draft": args.draft,
-            "suffix_max_spec_offset": EXTRA_TOKENS if args.suffix_max_spec_offset is None else args.suffix_max_spec_offset,
-            **{name: value for name, value in suffix_flags(args).items() if value is not None},   # the others given
-            "requests": len(prompt_rows) * turns, "outputs_identical_across_rows": identical, "results": results}
+            "suffix_max_spec_offset": offset,
+            **{name: value for name, value in suffix_flags(args).items() if value is not None},   # the others
+            "requests": len(prompt_rows) * turns,
+            "outputs_identical_across_rows": not any("reference_row" in m for m in results),
+            "results": results}
 
 
 def print_table(report: dict) -> None:
@@ -231,5 +264,29 @@ def print_table(report: dict) -> None:
     print(f"{'batch':>5} {'row':>12} {'tok/s':>8} {'AL':>6} " + " ".join(f"{c[:9]:>9}" for c in categories))
     for r in report["results"]:
         per = r["acceptance_length_per_category"]
-        print(f"{r['batch_size']:>5} {r['row']:>12} {r['tokens_per_s']:>8.1f} {r['mean_acceptance_length']:>6.2f} "
+        print(f"{r['batch_size']:>5} {r['row']:>12} {r['tokens_per_s']:>8.1f} "
+              f"{r['mean_acceptance_length']:>6.2f} "
               + " ".join(f"{per.get(c, 0):>9.2f}" for c in categories))
+
+
+def build_parser():
+    """bench's flags, and the rows, the workload and its turns."""
+    ap = bench.build_parser("python -m benchmarks.proposers", __doc__)
+    ap.add_argument("--proposers", metavar="ROWS", required=True,
+                    help="proposers side by side: comma-separated plain, ngram, suffix, eagle, draft, "
+                         "hybrid, each with :K (default: the proposer's own, 4, or 16 for suffix and "
+                         "hybrid); suffix+N, hybrid+N: that row's --suffix-max-spec-offset; NAME@cold: "
+                         "without prefix caching; answers end at EOS")
+    ap.add_argument("--workload", choices=["shipped", "multiturn"], default="shipped",
+                    help="the shipped prompts once, or multi-turn sessions over them")
+    ap.add_argument("--turns", type=int, default=3, metavar="N", help="turns a multi-turn session has, 1..3")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: bench.report(args, run(args), print_table))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

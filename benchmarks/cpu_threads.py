@@ -2,7 +2,7 @@
 other processes each spinning a core), through the command line as a user runs it: 1 and 2
 threads, and the default (one per core that other work leaves free).
 
-    python tools/cpu_threads.py [--max-new-tokens 48]
+    python -m benchmarks.cpu_threads [--max-new-tokens 48]
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def main() -> None:
     args = ap.parse_args()
     result = {"cpu_count": os.cpu_count(), "max_new_tokens": args.max_new_tokens, "tokens_per_s": {}}
     for load in ("quiet", "busy"):
-        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if load == "busy" else 0)]
+        spinners = [subprocess.Popen([sys.executable, "-c",
+                                      "while True: pass"]) for _ in range(2 if load == "busy" else 0)]
         time.sleep(1 if spinners else 0)
         try:
             for threads in ("1", "2", None):
