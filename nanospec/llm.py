@@ -37,7 +37,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise NanospecError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu or auto")
+        raise NanospecError("--device cuda was asked for but no CUDA GPU is visible; "
+                            "use --device cpu or auto")
     if device.split(":")[0] not in ("cpu", "cuda"):
         raise NanospecError(f"unknown device {device!r}; use auto, cpu or cuda")
     return torch.device(device)
@@ -67,25 +68,27 @@ DEFAULT_DYNAMIC_MAX_K = 8     # the largest K dynamic K may choose, unless told
 
 
 def kv_block_bytes(config, dtype: torch.dtype, block_size: int, num_layers: int | None = None) -> int:
-    return 2 * (num_layers or config.num_layers) * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    layers = num_layers or config.num_layers
+    return 2 * layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
-@dataclass
+@dataclass(slots=True)
 class SpeculativeConfig:
     """Which proposer drafts, and how many drafts a step verifies; validate() checks the whole and
-    returns K (messages name Python parameters to library callers, flags on the command line)."""
+    returns K (messages name Python parameters to library callers, flags on the command line). The
+    fields are LLM's keyword arguments and the command line's flags, by the same names."""
     draft: str | None = None                # a draft model (folder, hub id or .gguf)
     eagle: str | None = None                # an EAGLE-1 / EAGLE-3 head: a folder or a hub id
     ngram: bool = False                     # prompt lookup
     num_speculative_tokens: int | None = None   # K (default 4; with dynamic K its largest, default 8)
     dynamic_k: bool = False
-    profile: str | None = None              # dynamic K's step-time table (default: a quick one measured at start-up)
+    profile: str | None = None              # dynamic K's step-time table (default: measured at start-up)
     per_request_k: bool = False             # dynamic K: a K per request
-    disable_queue_size: int | None = None   # no speculation while more requests than this wait or run
+    speculative_disable_queue_size: int | None = None   # no speculation while more than this wait or run
     ngram_min: int = 1
     ngram_max: int = 4
     suffix: bool = False                    # suffix decoding; with draft or eagle, the hybrid of both
-    suffix_max_spec_offset: int | None = None   # suffix drafts: at most L + this many after a match of L (default 3)
+    suffix_max_spec_offset: int | None = None   # drafts at most L + this after a match of L (default 3)
     # vLLM's suffix_decoding_* settings: requests the global index holds (0: none, only each request's
     # own), drafts at most L * factor (+ the offset) after a match of L, a draft stops below this probability
     suffix_max_cached_requests: int | None = None   # default 10,000
@@ -94,7 +97,8 @@ class SpeculativeConfig:
 
     def suffix_settings(self) -> dict:
         """SuffixProposer's keyword arguments for the settings given."""
-        return {arg: getattr(self, name) for name, arg in LLM_SETTINGS.items() if getattr(self, name) is not None}
+        return {arg: getattr(self, name) for name, arg in LLM_SETTINGS.items()
+                if getattr(self, name) is not None}
 
     @property
     def hybrid(self) -> bool:
@@ -107,8 +111,37 @@ class SpeculativeConfig:
             return f"hybrid: suffix + {model}" if model else "suffix"
         return "ngram" if self.ngram else model
 
+    @property
+    def default_k(self) -> int:
+        """K when none is given: dynamic K's largest; suffix decoding's ceiling, as it drafts as far as
+        its match is strong (vLLM's default too: the tree depth; the hybrid under dynamic K prices its
+        own plans, K their ceiling); else 4."""
+        if self.dynamic_k and not self.hybrid:
+            return DEFAULT_DYNAMIC_MAX_K
+        return MAX_SPECULATIVE_TOKENS if self.suffix else 4
+
     def validate(self) -> int:
         """K for the chosen proposer, or 0 without one."""
+        self.check_types()
+        self.check_suffix_settings()
+        chosen = self.chosen_proposer()
+        self.check_dynamic_k_settings()
+        queue = param("disable_queue_size", "--speculative-disable-queue-size")
+        if self.speculative_disable_queue_size is not None:
+            check_int(self.speculative_disable_queue_size, queue, low=0)
+        k_name = param("num_speculative_tokens")
+        if not chosen:
+            for name, on in ((k_name, self.num_speculative_tokens is not None),
+                             (param("dynamic_k"), self.dynamic_k),
+                             (queue, self.speculative_disable_queue_size is not None)):
+                if on:
+                    raise NanospecError(f"{name} needs a proposer: set {param('draft')}, {param('eagle')}, "
+                                        f"{param('ngram')} or {param('suffix')}")
+            return 0
+        k = self.default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
+        return check_int(k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
+
+    def check_types(self) -> None:
         for name in ("draft", "eagle", "profile"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
@@ -117,80 +150,122 @@ class SpeculativeConfig:
             if not isinstance(getattr(self, name), bool):
                 raise NanospecError(f"{param(name)} must be True or False, got {getattr(self, name)!r}")
         check_int(self.ngram_min, param("ngram_min"), low=1)
-        check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min, fix=f"it is at least {param('ngram_min')}")
+        check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min,
+                  fix=f"it is at least {param('ngram_min')}")
+
+    def check_suffix_settings(self) -> None:
         for name in LLM_SETTINGS:
             if getattr(self, name) is not None and not self.suffix:
                 raise NanospecError(f"{param(name)} is a setting of suffix decoding: add {param('suffix')}")
         if self.suffix_max_spec_offset is not None:
-            check_int(self.suffix_max_spec_offset, param("suffix_max_spec_offset"), low=0, high=MAX_SPECULATIVE_TOKENS)
+            check_int(self.suffix_max_spec_offset, param("suffix_max_spec_offset"), low=0,
+                      high=MAX_SPECULATIVE_TOKENS)
         if self.suffix_max_cached_requests is not None:
             check_int(self.suffix_max_cached_requests, param("suffix_max_cached_requests"), low=0)
-        if self.suffix_max_spec_factor is not None:   # (a match of 1 at factor 16 already reaches the largest K)
-            check_real(self.suffix_max_spec_factor, param("suffix_max_spec_factor"), low=0, high=MAX_SPECULATIVE_TOKENS)
+        if self.suffix_max_spec_factor is not None:   # (a match of 1 at factor 16 reaches the largest K)
+            check_real(self.suffix_max_spec_factor, param("suffix_max_spec_factor"), low=0,
+                       high=MAX_SPECULATIVE_TOKENS)
         if self.suffix_min_token_prob is not None:
             check_real(self.suffix_min_token_prob, param("suffix_min_token_prob"), low=0, high=1)
+
+    def chosen_proposer(self) -> list[str]:
+        """The one proposer asked for (suffix with a model: the model's name), or none."""
         chosen = [name for name in ("draft", "eagle", "ngram") if getattr(self, name)]
         if len(chosen) > 1 or (self.suffix and self.ngram):
             both = chosen + ["suffix"] * self.suffix
             raise NanospecError(f"choose one proposer, got {' and '.join(map(param, both))}: use "
-                                f"{param('draft')}, {param('eagle')}, {param('ngram')} or {param('suffix')} alone "
-                                f"(or {param('suffix')} with {param('draft')} or {param('eagle')}: the hybrid)")
-        chosen += ["suffix"] * (self.suffix and not chosen)
+                                f"{param('draft')}, {param('eagle')}, {param('ngram')} or {param('suffix')} "
+                                f"alone (or {param('suffix')} with {param('draft')} or {param('eagle')}: "
+                                "the hybrid)")
+        return chosen + ["suffix"] * (self.suffix and not chosen)
+
+    def check_dynamic_k_settings(self) -> None:
         for name in ("profile", "per_request_k"):
             if getattr(self, name) and not self.dynamic_k:
                 raise NanospecError(f"{param(name)} is a setting of dynamic K: add {param('dynamic_k')}")
             if getattr(self, name) and self.hybrid:
-                raise NanospecError(f"{param(name)} is not for the hybrid: under {param('dynamic_k')} it prices its "
-                                    "plans per step and request by the step times it measures (hybrid.py)")
-        queue = param("disable_queue_size", "--speculative-disable-queue-size")
-        if self.disable_queue_size is not None:
-            check_int(self.disable_queue_size, queue, low=0)
-        k_name = param("num_speculative_tokens")
-        if not chosen:
-            for name, on in ((k_name, self.num_speculative_tokens is not None), (param("dynamic_k"), self.dynamic_k),
-                             (queue, self.disable_queue_size is not None)):
-                if on:
-                    raise NanospecError(f"{name} needs a proposer: set {param('draft')}, {param('eagle')}, "
-                                        f"{param('ngram')} or {param('suffix')}")
-            return 0
-        # Suffix decoding drafts as far as its match is strong, K its ceiling (vLLM's default too: the tree depth)
-        # (the hybrid under dynamic K prices its own plans: K stays its ceiling)
-        default = DEFAULT_DYNAMIC_MAX_K if self.dynamic_k and not self.hybrid else MAX_SPECULATIVE_TOKENS \
-            if self.suffix else 4
-        k = default if self.num_speculative_tokens is None else self.num_speculative_tokens
-        return check_int(k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
+                raise NanospecError(f"{param(name)} is not for the hybrid: under {param('dynamic_k')} it "
+                                    "prices its plans per step and request by the step times it measures "
+                                    "(hybrid.py)")
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineSizes:
     """The KV pool and the scheduler's limits; validate() checks them before anything loads."""
-    max_model_len: int | None = None        # the longest prompt + output (default: the model's positions,
-                                            # or what the KV cache holds if less)
-    kv_cache_gb: float | None = None        # the KV pool's memory (default: 1 GiB on CPU, 0.8 of free GPU memory)
-    num_kv_blocks: int | None = None        # an exact pool size, in blocks (wins over kv_cache_gb)
+    max_model_len: int | None = None   # the longest prompt + output (default: the model's positions, or
+    #                                    what the KV cache holds if less)
+    kv_cache_gb: float | None = None   # the KV pool's memory (default: 1 GiB on CPU, 0.8 of free GPU memory)
+    num_kv_blocks: int | None = None   # an exact pool size, in blocks (wins over kv_cache_gb)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
 
     def validate(self) -> None:
         if self.max_model_len is not None:
-            check_int(self.max_model_len, param("max_model_len"), low=2, fix="it is the longest prompt + output")
+            check_int(self.max_model_len, param("max_model_len"), low=2,
+                      fix="it is the longest prompt + output")
         if self.kv_cache_gb is not None:
             check_real(self.kv_cache_gb, param("kv_cache_gb"), above=0)
         if self.num_kv_blocks is not None:
-            check_int(self.num_kv_blocks, param("num_kv_blocks"), low=1, fix="or leave it unset to size the pool by "
-                      + param("kv_cache_gb"))
+            check_int(self.num_kv_blocks, param("num_kv_blocks"), low=1,
+                      fix="or leave it unset to size the pool by " + param("kv_cache_gb"))
         check_int(self.block_size, param("block_size"), low=1, high=1024)
         check_int(self.max_num_seqs, param("max_num_seqs"), low=1)
         check_int(self.max_num_batched_tokens, param("max_num_batched_tokens"), low=1)
 
+    def pool_blocks(self, budget_gb: float | None, block_bytes: int) -> int:
+        """The pool's blocks: num_kv_blocks when given (an exact count wins), else as many blocks of
+        `block_bytes` as `budget_gb` holds, at least one."""
+        return self.num_kv_blocks or max(1, int(budget_gb * 2**30 // block_bytes))
 
-def check_prefix_caching(enable: bool | None) -> bool:
-    """Whether the engine caches prefixes (the target's cache and a model proposer's): as asked, by default on."""
-    if enable is not None and not isinstance(enable, bool):
-        raise NanospecError(f"{param('enable_prefix_caching')} must be True, False or None (the default: on), "
-                            f"got {enable!r}")
-    return enable is not False
+
+@dataclass(slots=True)
+class EngineOptions:
+    """How the engine runs its steps and where a request's sampling defaults come from; validate()
+    checks them before anything loads. compile_sampler: torch.compile the sampler (default: on CUDA).
+    enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the same step,
+    on the same buffers). enable_prefix_caching: reuse the K/V of a prompt's leading blocks that an
+    earlier request computed, the target's and a model proposer's (kv_cache.py; default: on, as in
+    vLLM). generation_config: "auto", the sampling defaults of a request that does not set its own
+    are those of the checkpoint's generation_config.json (vLLM's default; `sampling_defaults`), or
+    "vllm", the neutral ones."""
+    compile_sampler: bool | None = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool | None = None
+    generation_config: str = "auto"
+
+    def validate(self) -> None:
+        if self.compile_sampler is not None and not isinstance(self.compile_sampler, bool):
+            raise NanospecError(f"compile_sampler must be True or False, got {self.compile_sampler!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise NanospecError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise NanospecError(f"{param('enable_prefix_caching')} must be True, False or None "
+                                f"(the default: on), got {self.enable_prefix_caching!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise NanospecError(f"{param('generation_config')} must be auto (the checkpoint's "
+                                "generation_config.json sets the sampling defaults) or vllm (the neutral "
+                                f"ones), got {self.generation_config!r}")
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the engine caches prefixes (the target's cache and a model proposer's): as asked, by
+        default on."""
+        return self.enable_prefix_caching is not False
+
+
+@dataclass(slots=True)
+class DraftModels:
+    """The proposer's models, loaded once: every engine built (those that measure, the one that runs)
+    gets proposers over them."""
+    draft: torch.nn.Module | None = None        # a draft model
+    head: torch.nn.Module | None = None         # an EAGLE head
+    aux_layers: list[int] | None = None         # the target layers whose hidden states the head reads
+
+
+def check_target(target) -> None:
+    if target is not None and not isinstance(target, (str, os.PathLike)):
+        raise NanospecError(f"{param('target')} must be a path or a hub id (a string), got {target!r}")
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft: str) -> None:
@@ -253,8 +328,9 @@ def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str]]:
 class LLM:
     def __init__(self, target: str | None = None, device: str = "auto", dtype: str = "auto",
                  max_model_len: int | None = None, kv_cache_gb: float | None = None, block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, compile_sampler: bool | None = None,
-                 draft: str | None = None, eagle: str | None = None, ngram: bool = False, suffix: bool = False,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                 compile_sampler: bool | None = None, draft: str | None = None, eagle: str | None = None,
+                 ngram: bool = False, suffix: bool = False,
                  num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
                  num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
@@ -262,131 +338,180 @@ class LLM:
                  suffix_max_spec_factor: float | None = None, suffix_min_token_prob: float | None = None,
                  enforce_eager: bool = False, enable_prefix_caching: bool | None = None,
                  generation_config: str = "auto", log=None):
-        """enforce_eager: on CUDA, run decode steps eagerly instead of replaying CUDA graphs (the
-        same step, on the same buffers). enable_prefix_caching: reuse the K/V of a prompt's leading
-        blocks that an earlier request computed, the target's and a model proposer's (kv_cache.py;
-        default: on, as in vLLM). generation_config: "auto", the sampling defaults of a request that
-        does not set its own are those of the checkpoint's generation_config.json (vLLM's default;
-        `sampling_defaults`), or "vllm", the neutral ones. log: a callable given a line about long
-        work (the quick dynamic-K profile), or None."""
+        """Load the target, its tokenizer and proposer, and build an engine sized for them. The keyword
+        arguments fill three records, each checked before anything loads: EngineOptions (how steps
+        run), EngineSizes (the KV pool and the scheduler's limits) and SpeculativeConfig (the proposer
+        and K). log: a callable given a line about long work (the quick dynamic-K profile), or None."""
         self.log = log or (lambda line: None)
-        if target is not None and not isinstance(target, (str, os.PathLike)):
-            raise NanospecError(f"{param('target')} must be a path or a hub id (a string), got {target!r}")
-        if compile_sampler is not None and not isinstance(compile_sampler, bool):
-            raise NanospecError(f"compile_sampler must be True or False, got {compile_sampler!r}")
-        if not isinstance(enforce_eager, bool):
-            raise NanospecError(f"enforce_eager must be True or False, got {enforce_eager!r}")
-        prefix_caching = check_prefix_caching(enable_prefix_caching)
-        if generation_config not in ("auto", "vllm"):
-            raise NanospecError(f"{param('generation_config')} must be auto (the checkpoint's generation_config.json "
-                                f"sets the sampling defaults) or vllm (the neutral ones), got {generation_config!r}")
-        sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs, max_num_batched_tokens)
-        sizes.validate()
-        spec = SpeculativeConfig(draft, eagle, ngram, num_speculative_tokens, dynamic_k, profile, per_request_k,
-                                 speculative_disable_queue_size, ngram_min, ngram_max, suffix, suffix_max_spec_offset,
-                                 suffix_max_cached_requests, suffix_max_spec_factor, suffix_min_token_prob)
-        k = spec.validate()
+        check_target(target)
+        self.options = EngineOptions(compile_sampler, enforce_eager, enable_prefix_caching, generation_config)
+        self.options.validate()
+        self.sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs,
+                                 max_num_batched_tokens)
+        self.sizes.validate()
+        self.spec = SpeculativeConfig(
+            draft=draft, eagle=eagle, ngram=ngram, num_speculative_tokens=num_speculative_tokens,
+            dynamic_k=dynamic_k, profile=profile, per_request_k=per_request_k,
+            speculative_disable_queue_size=speculative_disable_queue_size, ngram_min=ngram_min,
+            ngram_max=ngram_max, suffix=suffix, suffix_max_spec_offset=suffix_max_spec_offset,
+            suffix_max_cached_requests=suffix_max_cached_requests,
+            suffix_max_spec_factor=suffix_max_spec_factor, suffix_min_token_prob=suffix_min_token_prob)
+        k = self.spec.validate()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.proposer_name = self.spec.proposer_name
+        reachable = self.load_target(target)
+        self.draft_models = self.load_draft_models(reachable)
+        num_blocks = self.size_kv_pool(k)
+        policy = self.k_policy(k)
+        # the hybrid under dynamic K: K its ceiling, and each step's plan priced by the hybrid itself
+        self.engine = self.make_engine(num_blocks, policy, priced=self.spec.dynamic_k)
+        self.engine.max_k = k   # a request may ask for less (SamplingParams.num_speculative_tokens), not more
+        self.engine.step_graphs.capture_all(range(k + 1))   # CUDA graphs of every K the policy can choose
+
+    def load_target(self, target: str | None) -> int:
+        """The target model, its tokenizer and the checkpoint's sampling defaults. Returns the positions
+        a request can reach: no request outlives the KV pool, so no model needs position tables past
+        it (a config may claim billions of positions); measured before the weights load, the budget
+        bounds the pool."""
         ckpt = checkpoint.read_checkpoint(target)
         self.target_name = target or checkpoint.DEFAULT_MODEL_FILE
-        self.proposer_name = spec.proposer_name
         self.config = ckpt.config
+        generation = ckpt.generation if self.options.generation_config == "auto" else {}
         self.sampling_defaults, self.sampling_defaults_read = sampling_defaults(
-            ckpt.generation if generation_config == "auto" else {}, os.path.join(ckpt.path, "generation_config.json"))
-        positions = self.config.max_position_embeddings
-        if max_model_len is not None and max_model_len > positions:
-            raise NanospecError(f"{param('max_model_len')} {max_model_len} is above the {positions} positions the "
-                                f"model has (max_position_embeddings); lower it")
-        self.max_model_len = max_model_len or positions
-        # No request outlives the KV pool, so no model needs position tables past it (a config may
-        # claim billions of positions). Measured before the weights load, the budget bounds the pool.
-        target_block = kv_block_bytes(self.config, self.dtype, block_size)
-        budget_gb = kv_cache_gb or self.default_kv_cache_gb()
-        pool_tokens = block_size * (num_kv_blocks or max(1, int(budget_gb * 2**30 // target_block)))
+            generation, os.path.join(ckpt.path, "generation_config.json"))
+        self.max_model_len = self.context_length()
+        sizes = self.sizes
+        target_block = kv_block_bytes(self.config, self.dtype, sizes.block_size)
+        pool_tokens = sizes.block_size * sizes.pool_blocks(sizes.kv_cache_gb or self.default_kv_cache_gb(),
+                                                           target_block)
         reachable = min(self.max_model_len, pool_tokens)
         self.model = checkpoint.build_model(ckpt, self.device, self.dtype, reachable)
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.gguf_metadata)
         self.vocab_size = emittable_vocab(self.config, self.tokenizer)   # the ids a request may hold
-        draft_model = self.load_draft(draft, reachable) if draft else None
-        head, aux_layers = load_eagle_head(eagle, self.model, self.device, self.dtype) if eagle else (None, None)
+        return reachable
 
-        def make_proposer(blocks: int, priced: bool = False) -> Proposer | None:
-            if ngram:
-                return NgramProposer(self.device, ngram_min, ngram_max)
-            model_drafter = None
-            if draft_model is not None:
-                model_drafter = DraftModelProposer(draft_model, blocks, block_size, self.vocab_size, self.device)
-            if head is not None:
-                model_drafter = EagleProposer(head, self.model, aux_layers, blocks, block_size, self.vocab_size,
-                                              self.device)
-            if suffix:
-                suffix_proposer = SuffixProposer(self.device, **spec.suffix_settings())
-                return HybridProposer(suffix_proposer, model_drafter, priced=priced) if model_drafter else suffix_proposer
+    def context_length(self) -> int:
+        """max_model_len as asked, within the model's positions; by default the positions (size_kv_pool
+        lowers it to what the KV cache holds, if less)."""
+        asked, positions = self.sizes.max_model_len, self.config.max_position_embeddings
+        if asked is not None and asked > positions:
+            raise NanospecError(f"{param('max_model_len')} {asked} is above the {positions} positions the "
+                                f"model has (max_position_embeddings); lower it")
+        return asked or positions
+
+    def load_draft_models(self, max_len: int) -> DraftModels:
+        spec = self.spec
+        draft = self.load_draft(spec.draft, max_len) if spec.draft else None
+        head, aux_layers = load_eagle_head(spec.eagle, self.model, self.device, self.dtype) if spec.eagle \
+            else (None, None)
+        return DraftModels(draft, head, aux_layers)
+
+    @property
+    def use_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs: on CUDA, unless enforce_eager."""
+        return self.device.type == "cuda" and not self.options.enforce_eager
+
+    def make_proposer(self, blocks: int, priced: bool = False) -> Proposer | None:
+        """The proposer asked for, over the loaded draft models, with `blocks` KV blocks for a model's
+        cache; priced: the hybrid prices each step's plan by the step times it measures."""
+        spec, models, block_size = self.spec, self.draft_models, self.sizes.block_size
+        if spec.ngram:
+            return NgramProposer(self.device, spec.ngram_min, spec.ngram_max)
+        model_drafter = None
+        if models.draft is not None:
+            model_drafter = DraftModelProposer(models.draft, blocks, block_size, self.vocab_size, self.device)
+        if models.head is not None:
+            model_drafter = EagleProposer(models.head, self.model, models.aux_layers, blocks, block_size,
+                                          self.vocab_size, self.device)
+        if not spec.suffix:
             return model_drafter
+        suffix_proposer = SuffixProposer(self.device, **spec.suffix_settings())
+        if model_drafter is None:
+            return suffix_proposer
+        return HybridProposer(suffix_proposer, model_drafter, priced=priced)
 
-        graphs = self.device.type == "cuda" and not enforce_eager
+    def make_engine(self, blocks: int, policy: KPolicy, priced: bool = False) -> Engine:
+        """An engine of `blocks` KV blocks (the target's and its proposer's each) under `policy`."""
+        sizes, options = self.sizes, self.options
+        return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, sizes.block_size,
+                      sizes.max_num_seqs, sizes.max_num_batched_tokens, options.compile_sampler,
+                      self.make_proposer(blocks, priced), policy, use_graphs=self.use_graphs,
+                      prefix_caching=options.prefix_caching)
 
-        def make_engine(blocks: int, policy: KPolicy, priced: bool = False) -> Engine:
-            proposer = make_proposer(blocks, priced)
-            return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, block_size,
-                          max_num_seqs, max_num_batched_tokens, compile_sampler, proposer, policy, use_graphs=graphs,
-                          prefix_caching=prefix_caching)
+    def block_bytes(self) -> int:
+        """One block's bytes in every KV pool: the target's, and the draft model's or the EAGLE head's
+        (one layer)."""
+        block_size, models = self.sizes.block_size, self.draft_models
+        total = kv_block_bytes(self.config, self.dtype, block_size)
+        if models.draft is not None:
+            total += kv_block_bytes(models.draft.config, self.dtype, block_size)
+        if models.head is not None:
+            total += kv_block_bytes(models.head.config, self.dtype, block_size, num_layers=1)
+        return total
 
-        if kv_cache_gb is None and num_kv_blocks is None:   # on a GPU: a share of what the weights and the graphs leave free
-            kv_cache_gb = self.default_kv_cache_gb(step_memory(make_engine(1, StaticK(0)), k) if graphs else 0)
-        # Target and proposer get the same number of blocks (see proposer.py), from one memory budget.
-        block_bytes = target_block
-        if draft_model is not None:
-            block_bytes += kv_block_bytes(draft_model.config, self.dtype, block_size)
-        if head is not None:
-            block_bytes += kv_block_bytes(head.config, self.dtype, block_size, num_layers=1)
-        num_blocks = num_kv_blocks or max(1, int(kv_cache_gb * 2**30 // block_bytes))   # an exact count wins
-        self.check_pool(num_blocks, block_size, block_bytes, max_model_len)
-        if max_model_len is None and self.max_model_len > num_blocks * block_size:
-            # by default the context is what the KV cache holds, if less than the model's positions: else a
-            # request asking for the whole context (a chat's default max_tokens) would be refused
-            self.max_model_len = num_blocks * block_size
+    def size_kv_pool(self, k: int) -> int:
+        """The KV pool's blocks: target and proposer get the same number (see proposer.py), from one
+        memory budget. By default the context is what the pool holds, if less than the model's
+        positions: else a request asking for the whole context (a chat's default max_tokens) would
+        be refused."""
+        sizes = self.sizes
+        budget_gb = sizes.kv_cache_gb
+        if budget_gb is None and sizes.num_kv_blocks is None:   # on a GPU: a share of what is left free
+            graphs = step_memory(self.make_engine(1, StaticK(0)), k) if self.use_graphs else 0
+            budget_gb = self.default_kv_cache_gb(graphs)
+        block_bytes = self.block_bytes()
+        num_blocks = sizes.pool_blocks(budget_gb, block_bytes)
+        self.check_pool(num_blocks, block_bytes)
+        if sizes.max_model_len is None and self.max_model_len > num_blocks * sizes.block_size:
+            self.max_model_len = num_blocks * sizes.block_size
             self.log(f"max_model_len: {self.max_model_len} tokens, what the KV cache holds (the model has "
-                     f"{positions} positions; raise {param('kv_cache_gb')} for more)")
+                     f"{self.config.max_position_embeddings} positions; raise {param('kv_cache_gb')} "
+                     "for more)")
+        return num_blocks
 
+    def k_policy(self, k: int) -> KPolicy:
+        """Static K, or dynamic K by a profile of step times (the hybrid prices its own plans instead);
+        either switched off past a queue size."""
+        spec = self.spec
         self.profile = None           # the dynamic-K profile in use
         self.profile_seconds = None   # how long the built-in dynamic-K profile took at start-up
         policy = StaticK(k)
-        if dynamic_k and not spec.hybrid:   # a quick profile is measured on engines of its own, from a one-block one
-            self.profile = self.dynamic_k_profile(profile, k, lambda: make_engine(1, StaticK(0)))
-            spans = make_proposer(1).acceptance_in_spans   # n-gram's and suffix's drafts: spans of text
-            policy = DynamicK(self.profile, k, per_request=per_request_k, spans=spans,
-                              buckets=step_buckets(max_num_seqs, graphs))
-        if speculative_disable_queue_size is not None:
-            policy = QueueSwitch(policy, speculative_disable_queue_size)
-        # the hybrid under dynamic K: K its ceiling, and each step's plan priced by the hybrid itself
-        self.engine = make_engine(num_blocks, policy, priced=dynamic_k)
-        self.engine.max_k = k   # a request may ask for less (SamplingParams.num_speculative_tokens), never more
-        self.engine.step_graphs.capture_all(range(k + 1))   # CUDA graphs of every K the policy can choose
+        if spec.dynamic_k and not spec.hybrid:
+            self.profile = self.dynamic_k_profile(spec.profile, k)
+            spans = self.make_proposer(1).acceptance_in_spans   # n-gram's and suffix's drafts: spans of text
+            policy = DynamicK(self.profile, k, per_request=spec.per_request_k, spans=spans,
+                              buckets=step_buckets(self.sizes.max_num_seqs, self.use_graphs))
+        if spec.speculative_disable_queue_size is not None:
+            policy = QueueSwitch(policy, spec.speculative_disable_queue_size)
+        return policy
 
-    def check_pool(self, num_blocks: int, block_size: int, block_bytes: int, max_model_len: int | None) -> None:
+    def check_pool(self, num_blocks: int, block_bytes: int) -> None:
         """The KV pool fits in the device's free memory, and holds an asked-for context: refused
         here, not found by an allocation that fails (or, on CPU, by the kernel killing the process)."""
         need, free = num_blocks * block_bytes, available_memory(self.device)
         if need > free:
-            raise NanospecError(f"a KV cache of {num_blocks} blocks needs {need / 2**30:.2f} GiB but {self.device} has "
-                                f"{free / 2**30:.2f} GiB free; lower {param('kv_cache_gb')} or {param('num_kv_blocks')}")
-        if max_model_len is not None and max_model_len > num_blocks * block_size:
-            raise NanospecError(f"{param('max_model_len')} {max_model_len} does not fit in the KV cache, which holds "
-                                f"{num_blocks * block_size} tokens; lower it or raise {param('kv_cache_gb')}")
+            raise NanospecError(f"a KV cache of {num_blocks} blocks needs {need / 2**30:.2f} GiB but "
+                                f"{self.device} has {free / 2**30:.2f} GiB free; lower "
+                                f"{param('kv_cache_gb')} or {param('num_kv_blocks')}")
+        max_model_len, tokens = self.sizes.max_model_len, num_blocks * self.sizes.block_size
+        if max_model_len is not None and max_model_len > tokens:
+            raise NanospecError(f"{param('max_model_len')} {max_model_len} does not fit in the KV cache, "
+                                f"which holds {tokens} tokens; lower it or raise {param('kv_cache_gb')}")
 
-    def dynamic_k_profile(self, path: str | None, max_k: int, measuring_engine):
-        """The profile at `path`, or the quick built-in one measured now on engines built for it."""
+    def dynamic_k_profile(self, path: str | None, max_k: int):
+        """The profile at `path`, or the quick built-in one measured now on engines built for it (from
+        a one-block one)."""
         if path:
             profile = Profile.load(path)
             self.check_profile_matches(profile)
             return profile
         prompts = [self.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]]
-        engine = measuring_engine()
+        engine = self.make_engine(1, StaticK(0))
         self.log("dynamic K: measuring a quick profile of this machine (measure one once with "
                  "`python -m nanospec.profiler --out profile.json` and pass it as --profile / profile=)")
-        profile = quick_profile(engine, prompts, max_k, self.profile_meta(), engine.scheduler.max_num_seqs, self.log)
+        profile = quick_profile(engine, prompts, max_k, self.profile_meta(), engine.scheduler.max_num_seqs,
+                                self.log)
         self.profile_seconds = profile.meta["seconds"]
         self.log(f"dynamic K: quick profile measured in {self.profile_seconds:.0f} s")
         return profile
@@ -397,7 +522,8 @@ class LLM:
         return {"dtype": str(self.dtype), "target": self.target_name, "proposer": self.proposer_name}
 
     def check_profile_matches(self, profile) -> None:
-        mine = {"target": self.target_name, "proposer": self.proposer_name, "device": device_name(self.device)}
+        mine = {"target": self.target_name, "proposer": self.proposer_name,
+                "device": device_name(self.device)}
         differ = [f"{key} {profile.meta.get(key)!r} (running {value!r})" for key, value in mine.items()
                   if profile.meta.get(key) not in (None, value)]
         if differ:
@@ -408,8 +534,9 @@ class LLM:
         ckpt = checkpoint.read_checkpoint(draft)
         check_same_tokenizer(self.tokenizer, load_tokenizer(ckpt.path, ckpt.gguf_metadata), draft)
         if ckpt.config.vocab_size < self.vocab_size:   # the target could emit an id the draft cannot embed
-            raise NanospecError(f"draft model {draft} embeds {ckpt.config.vocab_size} token ids but the target "
-                                f"can emit {self.vocab_size}; use a draft whose embedding covers the tokenizer")
+            raise NanospecError(f"draft model {draft} embeds {ckpt.config.vocab_size} token ids but the "
+                                f"target can emit {self.vocab_size}; use a draft whose embedding covers the "
+                                "tokenizer")
         return checkpoint.build_model(ckpt, self.device, self.dtype, max_len)
 
     def default_kv_cache_gb(self, reserve: int = 0) -> float:
@@ -428,7 +555,9 @@ class LLM:
             return list(prompt)
         if not isinstance(prompt, str):
             raise NanospecError(f"prompt {index} must be text or a list of token ids, got {prompt!r}")
-        return self.encode_chat([{"role": "user", "content": prompt}]) if chat else self.tokenizer.encode(prompt)
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
 
     def encode_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None,
                     add_generation_prompt: bool = True) -> list[int]:
@@ -446,7 +575,8 @@ class LLM:
         """vLLM's LLM.chat: reply to one conversation (a list of message dicts) or to each of a list
         of them. Each is rendered by the chat template and generated as generate() does with token-id
         prompts; an output's prompt is the rendered text."""
-        many = isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], (list, tuple))
+        many = (isinstance(messages, (list, tuple)) and len(messages) > 0
+                and isinstance(messages[0], (list, tuple)))
         conversations = list(messages) if many else [messages]
         prompt_ids = []
         for i, conversation in enumerate(conversations):
@@ -455,7 +585,8 @@ class LLM:
             except NanospecError as e:
                 raise NanospecError(f"conversation {i}: {e}" if many else str(e)) from None
         outputs = self.generate(prompt_ids, params, on_step=on_step)
-        return [dataclasses.replace(out, prompt=self.tokenizer.decode(ids)) for out, ids in zip(outputs, prompt_ids)]
+        return [dataclasses.replace(out, prompt=self.tokenizer.decode(ids))
+                for out, ids in zip(outputs, prompt_ids)]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's sampling defaults (generation_config), as vLLM's
@@ -468,13 +599,15 @@ class LLM:
         params gives each its own). `on_step(requests)` is called after each step with the requests
         that got new tokens (for streaming)."""
         if not isinstance(prompts, (str, list, tuple)):
-            raise NanospecError(f"prompts must be a string, a list of token ids or a list of either, got {prompts!r}")
+            raise NanospecError("prompts must be a string, a list of token ids or a list of either, "
+                                f"got {prompts!r}")
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         params = self.get_default_sampling_params() if params is None else params
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
-            raise NanospecError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; give one, or one each")
+            raise NanospecError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts; "
+                                "give one, or one each")
         if not all(isinstance(sp, SamplingParams) for sp in per_prompt):
             raise NanospecError(f"params must be a SamplingParams or a list of them, got {params!r}")
         requests = [self.engine.new_request(i, p, self.encode_prompt(p, chat, i), sp)
@@ -494,5 +627,5 @@ class LLM:
         except BaseException:   # an error, or Ctrl-C: this call's requests leave with their blocks
             self.engine.abort(requests)
             raise
-        return [RequestOutput(r.index, r.prompt, r.text, r.output_ids, r.finish_reason, r.prompt_ids, r.logprobs)
-                for r in requests]
+        return [RequestOutput(r.index, r.prompt, r.text, r.output_ids, r.finish_reason, r.prompt_ids,
+                              r.logprobs) for r in requests]

@@ -40,7 +40,8 @@ class Metrics:
                              ["finished_reason"])
         self.prompt_tokens = make(prom.Counter, "prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = make(prom.Counter, "generation_tokens", "Tokens generated.")
-        self.preemptions = make(prom.Counter, "num_preemptions", "Requests preempted (their cache recomputed).")
+        self.preemptions = make(prom.Counter, "num_preemptions",
+                                "Requests preempted (their cache recomputed).")
         self.prefix_queries = make(prom.Counter, "prefix_cache_queries",
                                    "Prompt tokens looked up in the prefix cache, as requests were scheduled.")
         self.prefix_hits = make(prom.Counter, "prefix_cache_hits", "Of those, the tokens found cached.")
@@ -49,7 +50,8 @@ class Metrics:
         self.itl = make(prom.Histogram, "inter_token_latency_seconds",
                         "Time between two steps that gave a request tokens.", buckets=ITL_BUCKETS)
         self.tpot = make(prom.Histogram, "request_time_per_output_token_seconds",
-                         "A finished request's (end-to-end - TTFT) / (output tokens - 1).", buckets=ITL_BUCKETS)
+                         "A finished request's (end-to-end - TTFT) / (output tokens - 1).",
+                         buckets=ITL_BUCKETS)
         self.e2e = make(prom.Histogram, "e2e_request_latency_seconds", "Arrival to the last token.",
                         buckets=LATENCY_BUCKETS)
         self.kv_usage = make(prom.Gauge, "kv_cache_usage_perc", "The target KV pool's used share (0..1).")
@@ -59,8 +61,10 @@ class Metrics:
         self.draft_tokens = make(prom.Counter, "spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.accepted = make(prom.Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = make(prom.Counter, "spec_decode_num_accepted_tokens_per_pos",
-                                     "Draft tokens accepted, by draft position (0 is the first).", ["position"])
-        self.chosen_k = make(prom.Counter, "spec_decode_chosen_k", "Decode steps, by the K they verified.", ["k"])
+                                     "Draft tokens accepted, by draft position (0 is the first).",
+                                     ["position"])
+        self.chosen_k = make(prom.Counter, "spec_decode_chosen_k", "Decode steps, by the K they verified.",
+                             ["k"])
         self.update_queues()
 
     def pools(self) -> dict:
@@ -100,12 +104,14 @@ class Metrics:
         self.prefix_hits.inc(scheduler.prefix_hits - seen.prefix_cache_hits)
         self.seen = Stats(generated_tokens=stats.generated_tokens, drafted_tokens=stats.drafted_tokens,
                           accepted_tokens=stats.accepted_tokens, preemptions=scheduler.num_preemptions,
-                          prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits,
+                          prefix_cache_queries=scheduler.prefix_queries,
+                          prefix_cache_hits=scheduler.prefix_hits,
                           drafted_per_position=stats.drafted_per_position[:1],
                           accepted_per_position=list(stats.accepted_per_position))
         self.update_queues()
 
-    def finished_request(self, req: Request, reason: str, arrival: float, first: float | None, last: float) -> None:
+    def finished_request(self, req: Request, reason: str, arrival: float, first: float | None,
+                         last: float) -> None:
         self.finished.labels(finished_reason=reason, **self.label).inc()
         self.prompt_tokens.inc(len(req.prompt_ids))
         self.e2e.observe(last - arrival)

@@ -47,9 +47,11 @@ def read_prompts_file(path: str) -> list[str]:
     except IsADirectoryError:
         raise NanospecError(f"prompts file {path} is a folder; give a .jsonl file") from None
     except UnicodeDecodeError:
-        raise NanospecError(f"prompts file {path} is not UTF-8 text; give JSON lines with a 'prompt' field") from None
+        raise NanospecError(f"prompts file {path} is not UTF-8 text; give JSON lines with a 'prompt' "
+                            "field") from None
     except OSError as e:
         raise NanospecError(f"cannot read prompts file {path} ({e.strerror})") from None
     if not prompts:
-        raise NanospecError(f"prompts file {path} holds no prompt; write one {{\"prompt\": \"...\"}} per line")
+        raise NanospecError(f"prompts file {path} holds no prompt; write one {{\"prompt\": \"...\"}} "
+                            "per line")
     return prompts

@@ -29,7 +29,8 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanospec.cli import add_model_args, add_speculation_args, frozen_gc_heap, load_llm, log, parser
+from nanospec.cli import (DEFAULT_MODEL, add_max_model_len, add_model_args, add_speculation_args,
+                          frozen_gc_heap, load_llm, log, parser)
 from nanospec.engine import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
 from nanospec.errors import NanospecError, is_int, run_command
@@ -49,7 +50,8 @@ class ApiError(Exception):
     def body(self) -> dict:
         # (both may quote the request, whose JSON can hold lone surrogates, which UTF-8 cannot encode)
         safe = lambda text: text and text.encode("utf-8", "backslashreplace").decode("utf-8")
-        return {"error": {"message": safe(self.message), "type": self.kind, "param": safe(self.param), "code": self.code}}
+        return {"error": {"message": safe(self.message), "type": self.kind, "param": safe(self.param),
+                          "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -57,12 +59,13 @@ class ApiError(Exception):
 
 # The fields a request may hold. Those of the OpenAI API nanospec does not implement are refused
 # unless they hold their neutral value (best_of = 1, no echo, no tools), never silently ignored.
-COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos", "skip_special_tokens", "stop_token_ids", "include_stop_str_in_output", "num_speculative_tokens",
-          "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"}
+COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
+          "stream_options", "ignore_eos", "skip_special_tokens", "stop_token_ids",
+          "include_stop_str_in_output", "num_speculative_tokens", "user", "presence_penalty",
+          "frequency_penalty", "repetition_penalty", "min_p"}
 FIELDS = {"completions": COMMON | {"prompt", "logprobs"},
-          "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
-                            "logprobs", "top_logprobs"}}
+          "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs",
+                            "add_generation_prompt", "logprobs", "top_logprobs"}}
 NEUTRAL = {"best_of": (1,), "echo": (False,), "logit_bias": ({},), "suffix": ("",),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "functions": ([],),
            "response_format": ({"type": "text"},)}
@@ -75,8 +78,10 @@ def check_fields(body: dict, endpoint: str) -> None:
                             f"remove {'them' if len(unknown) > 1 else 'it'}", param=unknown[0])
     for key, neutral in NEUTRAL.items():
         value = body.get(key)
-        if key in body and key not in FIELDS[endpoint] and value is not None and not is_neutral(value, neutral):
-            raise ApiError(400, f"{key}={json.dumps(value)} is not supported by nanospec; remove it", param=key)
+        if (key in body and key not in FIELDS[endpoint] and value is not None
+                and not is_neutral(value, neutral)):
+            raise ApiError(400, f"{key}={json.dumps(value)} is not supported by nanospec; remove it",
+                           param=key)
 
 
 def is_neutral(value, neutral: tuple) -> bool:
@@ -99,25 +104,29 @@ def logprobs_asked(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict, chat: bool = False) -> SamplingParams:
+def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict,
+                    chat: bool = False) -> SamplingParams:
     """The request's SamplingParams, checked (a NanospecError names the field). A field the request
     leaves out (or null) takes the checkpoint's default (LLM.sampling_defaults), else the API's."""
     max_tokens = body.get("max_tokens")
     if body.get("max_completion_tokens") is not None:
         if max_tokens is not None:
-            raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+            raise ApiError(400, "give max_tokens or max_completion_tokens, not both",
+                           param="max_completion_tokens")
         max_tokens = body["max_completion_tokens"]
     given = lambda key, neutral: body[key] if body.get(key) is not None else defaults.get(key, neutral)
     top_k = given("top_k", 0)
     params = SamplingParams(
         temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
-        repetition_penalty=given("repetition_penalty", 1.0), frequency_penalty=given("frequency_penalty", 0.0),
+        repetition_penalty=given("repetition_penalty", 1.0),
+        frequency_penalty=given("frequency_penalty", 0.0),
         presence_penalty=given("presence_penalty", 0.0), min_p=given("min_p", 0.0),
         top_k=0 if top_k == -1 else top_k,   # -1 is "off" in vLLM, 0 in nanospec
         max_tokens=default_max_tokens if max_tokens is None else max_tokens,
         seed=body.get("seed"), stop=body.get("stop"), ignore_eos=bool_field(body, "ignore_eos", False),
         num_speculative_tokens=body.get("num_speculative_tokens"),
-        skip_special_tokens=bool_field(body, "skip_special_tokens", True), logprobs=logprobs_asked(body, chat),
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
+        logprobs=logprobs_asked(body, chat),
         stop_token_ids=[] if body.get("stop_token_ids") is None else body["stop_token_ids"],
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False))
     params.validate()
@@ -146,7 +155,8 @@ def include_usage(body: dict) -> bool:
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError(400, 'stream_options must be {"include_usage": true or false}', param="stream_options")
     if not body.get("stream"):
-        raise ApiError(400, "stream_options is only for streamed requests (stream: true)", param="stream_options")
+        raise ApiError(400, "stream_options is only for streamed requests (stream: true)",
+                       param="stream_options")
     return bool_field(options, "include_usage", False)
 
 
@@ -176,7 +186,8 @@ def usage(reqs: list, n: int, speculation: bool) -> dict:
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if speculation:
         steps, accepted = sum(r.spec_steps for r in reqs), sum(r.accepted for r in reqs)
-        per_position = lambda name: [sum(c) for c in itertools.zip_longest(*(getattr(r, name) for r in reqs), fillvalue=0)]
+        per_position = lambda name: [sum(c) for c in itertools.zip_longest(*(getattr(r, name) for r in reqs),
+                                                                          fillvalue=0)]
         drafted_at, accepted_at = per_position("drafted_per_position"), per_position("accepted_per_position")
         out["speculation"] = {
             "draft_steps": steps, "draft_tokens": sum(r.drafted for r in reqs), "accepted_tokens": accepted,
@@ -250,11 +261,13 @@ class Server:
             reply = Reply(self, reqs, n, endpoint, body)   # checks stream_options
             updates: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()   # (choice, update)
             loop = asyncio.get_running_loop()
-            self.loop.submit([(req, functools.partial(post_update, loop, updates, i)) for i, req in enumerate(reqs)])
+            self.loop.submit([(req, functools.partial(post_update, loop, updates, i))
+                              for i, req in enumerate(reqs)])
         except ApiError as e:
             return e.response()
         except QueueFull as e:
-            return ApiError(503, str(e), kind="server_error", code="queue_full", headers={"Retry-After": "1"}).response()
+            return ApiError(503, str(e), kind="server_error", code="queue_full",
+                            headers={"Retry-After": "1"}).response()
         except NanospecError as e:   # a bad value, a prompt over the context: the engine's own one line
             return ApiError(400, str(e)).response()
         if body.get("stream"):
@@ -276,32 +289,35 @@ class Server:
         check_fields(body, endpoint)
         model = body.get("model")
         if model is not None and model != self.name:
-            raise ApiError(404, f"the model {json.dumps(model)} is not served here; use {json.dumps(self.name)} "
-                                "(GET /v1/models)", param="model", code="model_not_found")
+            raise ApiError(404, f"the model {json.dumps(model)} is not served here; use "
+                                f"{json.dumps(self.name)} (GET /v1/models)", param="model",
+                           code="model_not_found")
         bool_field(body, "stream", False)
         n, most = 1 if body.get("n") is None else body["n"], max(1, self.loop.max_waiting)
         if not (is_int(n) and 1 <= n <= most):   # (more than may wait could never be queued)
-            raise ApiError(400, f"n must be an integer in 1..{most} (the server's --max-queue), got {json.dumps(n)}",
-                           param="n")
+            raise ApiError(400, f"n must be an integer in 1..{most} (the server's --max-queue), got "
+                                f"{json.dumps(n)}", param="n")
         llm = self.llm
         if endpoint == "chat":
             messages = body.get("messages")
             if not (isinstance(messages, list) and messages):
-                raise ApiError(400, 'messages must be a non-empty list of {"role", "content"} objects', param="messages")
+                raise ApiError(400, 'messages must be a non-empty list of {"role", "content"} objects',
+                               param="messages")
             ids = llm.encode_chat(messages, chat_template_kwargs=body.get("chat_template_kwargs"),
                                   add_generation_prompt=bool_field(body, "add_generation_prompt", True))
             # chat: up to the context, or the checkpoint's max_new_tokens if less (vLLM's choice)
-            prompts, default_max = [("", ids)], min(max(1, llm.max_model_len - len(ids)),
-                                                    llm.sampling_defaults.get("max_tokens", llm.max_model_len))
+            prompts = [("", ids)]
+            default_max = min(max(1, llm.max_model_len - len(ids)),
+                              llm.sampling_defaults.get("max_tokens", llm.max_model_len))
         else:
             prompts, default_max = completion_prompts(llm, body), 16     # completions: the API's 16
         if len(prompts) * n > most:
-            raise ApiError(400, f"{len(prompts)} prompts x n = {n} are more requests than may wait ({most}, the "
-                                "server's --max-queue); send fewer", param="prompt")
+            raise ApiError(400, f"{len(prompts)} prompts x n = {n} are more requests than may wait ({most}, "
+                                "the server's --max-queue); send fewer", param="prompt")
         params = sampling_params(body, default_max, llm.sampling_defaults, chat=endpoint == "chat")
         if params.seed is not None and params.seed + n - 1 > MAX_SEED:
-            raise ApiError(400, f"with n = {n}, seed may be at most 2**63 - {n} (choice i is seeded seed + i), got "
-                                f"{params.seed}", param="seed")
+            raise ApiError(400, f"with n = {n}, seed may be at most 2**63 - {n} (choice i is seeded "
+                                f"seed + i), got {params.seed}", param="seed")
         # choice p * n + i: prompt p's i-th, as vLLM numbers them; an error names the prompt by its place
         return [llm.engine.new_request(p, text, ids, dataclasses.replace(
                     params, seed=None if params.seed is None else params.seed + i))
@@ -350,7 +366,8 @@ class Server:
                     pending.discard(i)
                 choice = reply.choices[i]
                 delta = choice.text.push(update)
-                if delta or update.finish_reason or (update.logprobs and update.new_ids):   # logprobs: as tokens come
+                # logprobs come with their tokens
+                if delta or update.finish_reason or (update.logprobs and update.new_ids):
                     yield reply.sse(reply.chunk(choice, delta, update.finish_reason, update.logprobs))
             if not pending and not failed and reply.include_usage:
                 yield reply.sse(reply.usage_chunk())
@@ -407,8 +424,8 @@ class Reply:
         choices = []
         for c in self.choices:
             text, logprobs = c.last.text or "", self.logprobs(c, c.req.output_ids, c.req.logprobs)
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": text}} if self.chat else
-                           {"index": c.index, "text": text})
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": text}}
+                           if self.chat else {"index": c.index, "text": text})
             choices[-1].update(logprobs=logprobs, finish_reason=c.last.finish_reason)
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self.head(kind), "choices": choices, "usage": self.usage()}
@@ -417,18 +434,21 @@ class Reply:
         if not self.chat:
             return []
         return [{**self.head("chat.completion.chunk"),
-                 "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]} for c in self.choices]
+                 "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]} for c in self.choices]
 
     def chunk(self, choice: Choice, delta: str, finish_reason: str | None,
               logprobs: list[tuple[int, dict]] | None = None) -> dict:
-        logprobs = self.logprobs(choice, [t for t, _ in logprobs], [e for _, e in logprobs]) if logprobs else None
+        if logprobs:
+            logprobs = self.logprobs(choice, [t for t, _ in logprobs], [e for _, e in logprobs])
+        else:
+            logprobs = None
         if self.chat:
-            body = {"index": choice.index, "delta": {"content": delta} if delta or logprobs else {}, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
+            body = {"index": choice.index, "delta": {"content": delta} if delta or logprobs else {},
+                    "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self.head("chat.completion.chunk"), "choices": [body]}
-        return {**self.head("text_completion"),
-                "choices": [{"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        body = {"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {**self.head("text_completion"), "choices": [body]}
 
     def logprobs(self, choice: Choice, ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
         """The OpenAI shape of these tokens' logprobs (None where not asked): chat's content list
@@ -449,14 +469,17 @@ class Reply:
             steps.append((choice.decoder.decode(raw(t)), alternatives))
         if self.chat:
             item = lambda u, text, v: {"token": text, "logprob": value(v), "bytes": list(raw(u))}
+            top = choice.req.params.logprobs
             return {"content": [{**item(t, text, e[t]),
-                                 "top_logprobs": [item(u, alternatives[u], v) for u, v in most_likely(e, choice.req.params.logprobs)]}
+                                 "top_logprobs": [item(u, alternatives[u], v)
+                                                  for u, v in most_likely(e, top)]}
                                 for t, e, (text, alternatives) in zip(ids, entries, steps)]}
         tokens = [text for text, _ in steps]
         offsets = list(itertools.accumulate(map(len, tokens), initial=choice.text_offset))
         choice.text_offset = offsets.pop()
         return {"tokens": tokens, "token_logprobs": [value(e[t]) for t, e in zip(ids, entries)],
-                "top_logprobs": [{alternatives[u]: value(v) for u, v in e.items()} for e, (_, alternatives) in zip(entries, steps)],
+                "top_logprobs": [{alternatives[u]: value(v) for u, v in e.items()}
+                                 for e, (_, alternatives) in zip(entries, steps)],
                 "text_offset": offsets}
 
     def usage_chunk(self) -> dict:
@@ -507,21 +530,21 @@ def build_parser():
     add_speculation_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: --target)")
+    ap.add_argument("--served-model-name", metavar="NAME",
+                    help="the model's name in the API (default: --target)")
     ap.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 requests")
     ap.add_argument("--max-queue", type=int, default=1024, metavar="N",
                     help="requests that may wait; past it a request gets 503 with Retry-After")
-    ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                    help="the longest prompt + answer (default: the model's context length, or what the KV "
-                         "cache holds if less)")
-    ap.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="requests in the running batch at most")
+    add_max_model_len(ap)
+    ap.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
+                    help="requests in the running batch at most")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
                     help="prompt tokens per prefill chunk; a decode step runs between chunks")
     ap.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                     help="auto: a request's sampling fields left out take the values of the checkpoint's "
                          "generation_config.json (temperature, top_p, top_k, min_p, the penalties; chat's "
-                         "max_tokens from max_new_tokens), as vLLM's default does; vllm: the API's neutral ones "
-                         "(default: auto)")
+                         "max_tokens from max_new_tokens), as vLLM's default does; vllm: the API's neutral "
+                         "ones (default: auto)")
     ap.add_argument("--prefill-first", action="store_true",
                     help="run every prefill chunk before any decode step, as offline generate does "
                          "(running streams stall while a long prompt is prefilled)")
@@ -535,24 +558,28 @@ def main(argv=None) -> int:
     def load():
         if args.max_queue < 1 or not 0 <= args.port < 65536:
             raise NanospecError("--max-queue must be >= 1 and --port in 0..65535")
-        loaded["llm"] = load_llm(args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        loaded["llm"] = load_llm(args, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens)
 
     status = run_command(load)
     if status:
         return status
-    name = args.served_model_name or args.target or "SmolLM2-135M-Instruct"
+    name = args.served_model_name or args.target or DEFAULT_MODEL
     llm = loaded["llm"]
     if llm.sampling_defaults:
-        log("sampling defaults from the checkpoint's generation_config.json: " + ", ".join(llm.sampling_defaults_read)
+        log("sampling defaults from the checkpoint's generation_config.json: "
+            + ", ".join(llm.sampling_defaults_read)
             + " (a request's own values come first; --generation-config vllm for the neutral ones)")
         if llm.device.type == "cuda" and SamplingParams(**llm.sampling_defaults).processed:
-            log("with these defaults every decode step replays only its forward as a CUDA graph (the LM head, "
-                "penalties or min_p and sampling run eagerly); --generation-config vllm keeps whole-step graphs")
+            log("with these defaults every decode step replays only its forward as a CUDA graph (the LM "
+                "head, penalties or min_p and sampling run eagerly); --generation-config vllm keeps "
+                "whole-step graphs")
     server = Server(llm, name, args.api_key, args.max_queue, not args.prefill_first)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port", file=sys.stderr)
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port",
+              file=sys.stderr)
         return 2
     log(f"serving {name!r} on http://{args.host}:{sock.getsockname()[1]}/v1 (Ctrl-C to stop)")
     with frozen_gc_heap():   # the startup heap out of every full collection's scan, as vLLM's server keeps it

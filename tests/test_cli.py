@@ -12,7 +12,8 @@ import pytest
 def one_error_line(err: str) -> bool:
     """stderr ends in exactly one error line; before it, at most the progress lines of loading."""
     lines = err.strip().splitlines()
-    return lines[-1].startswith("error: ") and all(line.startswith(("loading ", "loaded in ")) for line in lines[:-1])
+    return (lines[-1].startswith("error: ")
+            and all(line.startswith(("loading ", "loaded in ")) for line in lines[:-1]))
 
 
 def run_cli(*args):
@@ -23,9 +24,11 @@ def run_cli(*args):
 
 def test_json_output(checkpoints, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "The quick brown", "id": 7}) + "\n" + json.dumps({"prompt": "def add"}) + "\n")
-    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompts-file", str(prompts), "--prompt", "12345",
-                             "--max-new-tokens", "5", "--json", "--temperature", "0.5", "--top-k", "20")
+    prompts.write_text(json.dumps({"prompt": "The quick brown", "id": 7}) + "\n"
+                       + json.dumps({"prompt": "def add"}) + "\n")
+    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompts-file", str(prompts),
+                             "--prompt", "12345", "--max-new-tokens", "5", "--json", "--temperature", "0.5",
+                             "--top-k", "20")
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["prompt"] for r in rows[:3]] == ["12345", "The quick brown", "def add"]
@@ -39,7 +42,8 @@ def test_json_output(checkpoints, tmp_path):
 
 
 def test_streaming_text_and_stats_line(checkpoints):
-    code, out, err = run_cli("--target", checkpoints["qwen2"], "--prompt", "Hello", "--max-new-tokens", "6", "--chat")
+    code, out, err = run_cli("--target", checkpoints["qwen2"], "--prompt", "Hello", "--max-new-tokens", "6",
+                             "--chat")
     assert code == 0, err
     assert "tokens/s" in out.splitlines()[-1]
 
@@ -51,7 +55,8 @@ def test_streamed_text_never_shows_part_of_a_stop_string(capsys):
     from nanospec import SamplingParams
     from nanospec.generate import Streamer
     from nanospec.tokenizer import byte_tokenizer
-    streamer, req = Streamer(byte_tokenizer(), SamplingParams(stop=["stop"])), SimpleNamespace(index=0, output_ids=[], finish_reason=None, text=None)
+    streamer = Streamer(byte_tokenizer(), SamplingParams(stop=["stop"]))
+    req = SimpleNamespace(index=0, output_ids=[], finish_reason=None, text=None)
     printed = ""
     for piece in (b"caf\xc3", b"\xa9 st", b"op"):
         req.output_ids = req.output_ids + list(piece)
@@ -114,11 +119,16 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
     (["--ngram", "--draft", "x"], "choose one proposer"),
     (["--ngram", "--per-request-k"], "--per-request-k is a setting of dynamic K: add --dynamic-k"),
     (["--suffix", "--draft", "x", "--dynamic-k", "--profile", "p.json"], "--profile is not for the hybrid"),
-    (["--ngram", "--suffix-max-spec-offset", "3"], "--suffix-max-spec-offset is a setting of suffix decoding: add --suffix"),
-    (["--suffix-max-cached-requests", "5"], "--suffix-max-cached-requests is a setting of suffix decoding: add --suffix"),
-    (["--suffix", "--suffix-min-token-prob", "2"], "--suffix-min-token-prob must be a finite number in [0, 1], got 2.0"),
-    (["--suffix", "--suffix-max-spec-factor", "-1"], "--suffix-max-spec-factor must be a finite number in [0, 16]"),
-    (["--ngram", "--suffix-max-spec-factor", "-1"], "--suffix-max-spec-factor is a setting of suffix decoding: add --suffix"),
+    (["--ngram", "--suffix-max-spec-offset", "3"],
+     "--suffix-max-spec-offset is a setting of suffix decoding: add --suffix"),
+    (["--suffix-max-cached-requests", "5"],
+     "--suffix-max-cached-requests is a setting of suffix decoding: add --suffix"),
+    (["--suffix", "--suffix-min-token-prob", "2"],
+     "--suffix-min-token-prob must be a finite number in [0, 1], got 2.0"),
+    (["--suffix", "--suffix-max-spec-factor", "-1"],
+     "--suffix-max-spec-factor must be a finite number in [0, 16]"),
+    (["--ngram", "--suffix-max-spec-factor", "-1"],
+     "--suffix-max-spec-factor is a setting of suffix decoding: add --suffix"),
     (["--eagle", "/no/such/head"], "EAGLE head '/no/such/head' not found"),
     (["--max-model-len", "0"], "--max-model-len must be an integer >= 2"),
     (["--stop", ""], "--stop holds an empty string"),
@@ -133,10 +143,11 @@ def test_bad_arguments_are_one_clear_line(checkpoints, args, match):
 
 def test_speculative_flags(checkpoints):
     """--ngram and --draft run, print the same greedy text as plain decoding, and report acceptance."""
-    base = ["--target", checkpoints["llama3"], "--prompt", "The quick brown fox. The quick brown", "--max-new-tokens", "12",
-            "--json"]
-    runs = [run_cli(*base, *extra) for extra in ([], ["--ngram", "--num-speculative-tokens", "3"],
-                                                 ["--draft", checkpoints["llama3"], "--num-speculative-tokens", "2"])]
+    base = ["--target", checkpoints["llama3"], "--prompt", "The quick brown fox. The quick brown",
+            "--max-new-tokens", "12", "--json"]
+    extras = ([], ["--ngram", "--num-speculative-tokens", "3"],
+              ["--draft", checkpoints["llama3"], "--num-speculative-tokens", "2"])
+    runs = [run_cli(*base, *extra) for extra in extras]
     assert all(code == 0 for code, _, _ in runs), [err for _, _, err in runs]
     rows = [[json.loads(line) for line in out.splitlines()] for _, out, _ in runs]
     assert rows[1][0]["token_ids"] == rows[0][0]["token_ids"] == rows[2][0]["token_ids"]
@@ -180,19 +191,21 @@ def bad_prompts_file(tmp_path, kind):
 ])
 def test_bad_input_is_one_line_before_the_model_loads(tmp_path, args, match):
     """The target does not exist: each of these is found before anything loads, as one line."""
-    args = [bad_prompts_file(tmp_path, a.lower()) if a in ("FOLDER", "BINARY", "EMPTY", "LINE 3") else a for a in args]
+    args = [bad_prompts_file(tmp_path, a.lower()) if a in ("FOLDER", "BINARY", "EMPTY", "LINE 3") else a
+            for a in args]
     code, out, err = run_cli("--target", str(tmp_path / "never_loaded"), *args)
     assert code == 2 and "Traceback" not in err and err.startswith("error: "), err
     assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err), err
 
 
 def test_output_speaks_of_speculation_only_where_there_was_some(checkpoints):
-    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompt", "The quick brown", "--max-new-tokens", "4")
+    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompt", "The quick brown",
+                             "--max-new-tokens", "4")
     assert code == 0 and out.rstrip().endswith("tokens/s]"), out           # plain: no acceptance figures
     assert "(stopped at max tokens)" in out                                # cut at 4 tokens, and says so
     assert err.startswith("loading ") and "loaded in" in err              # progress on stderr, not stdout
-    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompt", "The quick brown. The quick brown",
-                             "--max-new-tokens", "6", "--ngram")
+    code, out, err = run_cli("--target", checkpoints["llama3"], "--prompt",
+                             "The quick brown. The quick brown", "--max-new-tokens", "6", "--ngram")
     assert code == 0 and "drafts accepted by position" in out.splitlines()[-1], out
 
 
@@ -200,8 +213,9 @@ def all_parsers():
     import train_eagle
     from nanospec import bench, generate, profiler
     from tools import replay
-    return {"generate": generate.build_parser(), "bench": bench.build_parser(), "profiler": profiler.build_parser(),
-            "train_eagle": train_eagle.build_parser(), "replay": replay.build_parser()}
+    return {"generate": generate.build_parser(), "bench": bench.build_parser(),
+            "profiler": profiler.build_parser(), "train_eagle": train_eagle.build_parser(),
+            "replay": replay.build_parser()}
 
 
 @pytest.mark.parametrize("name", ["generate", "bench", "profiler", "train_eagle", "replay"])
@@ -215,12 +229,14 @@ def test_help_explains_every_flag_and_shows_every_default(name):
         assert action.help, f"{name}: {action.option_strings} has no help"
         default = action.default
         if not (default is None or default is False or default == []):
-            assert "default" in HelpFormatter(name)._get_help_string(action), f"{name}: {action.option_strings}"
+            assert "default" in HelpFormatter(name)._get_help_string(action), \
+                f"{name}: {action.option_strings}"
     ap.format_help()   # and it formats
 
 
 @pytest.mark.parametrize("args, match", [(["--steps", "0"], "--steps must be an integer >= 1"),
-                                         (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+                                         (["--max-new-tokens", "0"],
+                                          "--max-new-tokens must be an integer >= 1"),
                                          (["--batch-sizes", "2,4"], "--batch-sizes must include 1"),
                                          ([], "needs a proposer")])
 def test_bad_profiler_flags_are_one_line_before_loading(capsys, args, match):

@@ -26,7 +26,8 @@ def test_logprobs_are_the_targets_at_every_emitted_position(spec_models, propose
     accepted drafts' positions included (self-drafting accepts every draft at T = 0)."""
     from transformers import AutoModelForCausalLM
     reference = AutoModelForCausalLM.from_pretrained(spec_models["target"], dtype=torch.float32)
-    llm = LLM(spec_models["target"], **KV, **({} if proposer == "plain" else proposer_args(spec_models, proposer)))
+    proposer_kwargs = {} if proposer == "plain" else proposer_args(spec_models, proposer)
+    llm = LLM(spec_models["target"], **KV, **proposer_kwargs)
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
               SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=1),
               SamplingParams(temperature=0.8, top_k=5, max_tokens=12, ignore_eos=True, seed=2, logprobs=0),
