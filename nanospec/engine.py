@@ -18,101 +18,20 @@ import functools
 import itertools
 import random
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.errors import NanospecError, check_int, check_real, is_int, is_real, param
+from nanospec.errors import NanospecError, param
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
-from nanospec.proposer import Proposer
+from nanospec.proposer import Proposal, Proposer
 from nanospec.sampler import Sampler
-
-
-# Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
-MIN_TEMPERATURE = 1e-5
-MAX_SEED = 2**63 - 1
-MAX_LOGPROBS = 20   # the most likely tokens a request may ask logprobs of: vLLM's max_logprobs default, the API's top_logprobs
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0     # 0 = greedy
-    top_p: float = 1.0           # nucleus sampling; 1 = off
-    top_k: int = 0               # 0 = off
-    max_tokens: int = 64
-    seed: int | None = None      # None: a random seed per request; else 0 .. 2**63 - 1
-    stop: list[str] = field(default_factory=list)   # stop strings (one string: one stop); the text ends before the first
-    ignore_eos: bool = False
-    num_speculative_tokens: int | None = None   # at most this K for this request (0: no speculation); None: the engine's
-    skip_special_tokens: bool = True   # the text leaves out special tokens (token_ids keep them), as in vLLM
-    logprobs: int | None = None  # the log-probability of each output token and of the N most likely (0: its own only)
-    repetition_penalty: float = 1.0   # vLLM's: > 1 makes tokens of the prompt and output less likely; 1 = off
-    frequency_penalty: float = 0.0    # OpenAI's: minus this x a token's count in the output; 0 = off
-    presence_penalty: float = 0.0     # OpenAI's: minus this for a token in the output; 0 = off
-    min_p: float = 0.0                # vLLM's: drop tokens less likely than min_p x the most likely's probability
-    stop_token_ids: list[int] = field(default_factory=list)   # tokens that end it as EOS does (kept in token_ids)
-    include_stop_str_in_output: bool = False   # the text keeps the stop string or stop token that ended it
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-
-    @property
-    def processed(self) -> bool:
-        """Whether its logits take penalties or min_p before sampling (sampler.penalize, min_p_mask;
-        greedy keeps the argmax whatever min_p drops)."""
-        return self.penalized or (self.min_p > 0 and self.temperature > 0)
-
-    def validate(self) -> None:
-        """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
-        temperature = param("temperature")
-        check_real(self.temperature, temperature, low=0, fix="0 is greedy")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise NanospecError(f"{temperature} {self.temperature} is too small to sample with (the logits divided "
-                                f"by it overflow); use 0 for greedy, or at least {MIN_TEMPERATURE}")
-        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
-            raise NanospecError(f"{param('top_p')} must be in (0, 1] (1 is off), got {self.top_p!r}")
-        check_int(self.top_k, param("top_k"), low=0, high=2**63 - 1, fix="0 is off")
-        check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
-        if self.seed is not None:
-            check_int(self.seed, param("seed"), low=0, high=MAX_SEED)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise NanospecError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.num_speculative_tokens is not None:
-            check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0, fix="0 turns speculation off")
-        if self.logprobs is not None:
-            check_int(self.logprobs, param("logprobs"), low=0, high=MAX_LOGPROBS)
-        # (bounded: a logit divided by 1e-40 overflows float32, and the step would blame the model)
-        check_real(self.repetition_penalty, param("repetition_penalty"), low=0.01, high=100, fix="1 is off")
-        for name in ("frequency_penalty", "presence_penalty"):
-            check_real(getattr(self, name), param(name), low=-2, high=2, fix="0 is off")
-        check_real(self.min_p, param("min_p"), low=0, high=1, fix="0 is off")
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise NanospecError(f"{param('stop_token_ids')} must be a list of token ids, got {self.stop_token_ids!r}")
-        for token in self.stop_token_ids:
-            if not (is_int(token) and token >= 0):
-                raise NanospecError(f"{param('stop_token_ids')} must hold token ids (integers >= 0), got {token!r}")
-        self.stop = stop_strings(self.stop)
-
-
-def stop_strings(stop) -> list[str]:
-    """A list of non-empty strings; one string is one stop (not its characters)."""
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) for s in stops)):
-        raise NanospecError(f"{param('stop')} must be a string or a list of strings, got {stop!r}")
-    if "" in stops:
-        raise NanospecError(f"{param('stop')} holds an empty string, which would stop before any text; remove it")
-    for s in stops:   # (JSON may hold lone surrogates: no text decodes to them, and the stop check encodes)
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:
-            raise NanospecError(f"{param('stop')} holds {ascii(s)}, which is not valid text (a lone UTF-16 "
-                                "surrogate); remove it") from None
-    return list(stops)
+from nanospec.sampling_params import (MAX_LOGPROBS, MAX_SEED, MIN_TEMPERATURE,  # noqa: F401 (the API)
+                                      SamplingParams)
+from nanospec.stats import Stats, note_speculation
 
 
 @dataclass(slots=True)
@@ -287,83 +206,6 @@ class Scheduler:
             self.on_free(req)
 
 
-@dataclass
-class Stats:
-    generated_tokens: int = 0
-    steps: int = 0                # decode / verify steps
-    request_steps: int = 0        # sum over those steps of the requests in the step
-    prefill_steps: int = 0
-    preemptions: int = 0
-    elapsed_s: float = 0.0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache (every token but the last)
-    prefix_cache_hits: int = 0      # of those, the tokens found cached
-    # Per draft position i, counted over request-steps: K asked of the proposer > i (offered), a draft
-    # found there (drafted; an n-gram miss drafts less than offered), that draft accepted.
-    offered_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    chosen_k: dict[int, dict[int, int]] = field(default_factory=dict)   # batch size -> K -> decode steps
-    # batch size -> K a request asked for -> request-steps (the step's K, or less near max_tokens;
-    # with per-request K, each request's own)
-    request_k: dict[int, dict[int, int]] = field(default_factory=dict)
-
-    def record(self, k: int, ks: list[int], num_draft: list[int], num_accepted: list[int]) -> None:
-        """A decode step that chose K = k for a batch whose request b asked for ks[b] <= k drafts
-        (fewer near its max_tokens), got num_draft[b] and had num_accepted[b] accepted."""
-        self.steps += 1
-        self.request_steps += len(num_draft)
-        self.drafted_tokens += sum(num_draft)
-        self.accepted_tokens += sum(num_accepted)
-        count_in(self.chosen_k, len(ks), {k: 1})
-        count_in(self.request_k, len(ks), Counter(ks))
-        for counts, per_position in ((ks, self.offered_per_position), (num_draft, self.drafted_per_position),
-                                     (num_accepted, self.accepted_per_position)):
-            for n in counts:
-                per_position.extend([0] * (n - len(per_position)))
-                for i in range(n):
-                    per_position[i] += 1
-
-    def add(self, other: Stats) -> None:
-        """Count another run's steps and tokens in this one (stats over several generate calls)."""
-        for name in ("generated_tokens", "steps", "request_steps", "prefill_steps", "preemptions", "elapsed_s",
-                     "drafted_tokens", "accepted_tokens", "prefix_cache_queries", "prefix_cache_hits"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("offered_per_position", "drafted_per_position", "accepted_per_position"):
-            pairs = itertools.zip_longest(getattr(self, name), getattr(other, name), fillvalue=0)
-            setattr(self, name, [a + b for a, b in pairs])
-        for mine, theirs in ((self.chosen_k, other.chosen_k), (self.request_k, other.request_k)):
-            for batch_size, ks in theirs.items():
-                count_in(mine, batch_size, ks)
-
-    def as_dict(self) -> dict:
-        tps = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
-        # Acceptance length: the tokens a request gains in a step, 1 (the target's own: recovered or
-        # bonus) plus its accepted drafts. Plain decoding has 1; K drafts all accepted give K + 1.
-        mean_al = 1 + self.accepted_tokens / self.request_steps if self.request_steps else 0.0
-        drafted = self.drafted_per_position
-        accepted = self.accepted_per_position + [0] * (len(drafted) - len(self.accepted_per_position))
-        rates = [round(a / d, 4) for a, d in zip(accepted, drafted)]
-        return {"generated_tokens": self.generated_tokens, "steps": self.steps,
-                "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
-                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
-                "mean_acceptance_length": round(mean_al, 4), "acceptance_rate_per_position": rates,
-                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
-                "chosen_k": histogram(self.chosen_k), "request_k": histogram(self.request_k),
-                "elapsed_s": round(self.elapsed_s, 4), "tokens_per_second": round(tps, 2)}
-
-
-def count_in(per_batch: dict[int, dict[int, int]], batch_size: int, counts) -> None:
-    per_k = per_batch.setdefault(batch_size, {})
-    for k, n in counts.items():
-        per_k[k] = per_k.get(k, 0) + n
-
-
-def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]:
-    return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
-
-
 class NonFiniteLogits(Exception):
     """A decode step found NaN / inf logits: failed holds (request, message) for each request hit."""
 
@@ -405,17 +247,6 @@ def own_cap(req: Request, k: int) -> int:
     """k, at most the request's own num_speculative_tokens (0: no speculation for it)."""
     cap = req.params.num_speculative_tokens
     return k if cap is None else min(k, cap)
-
-
-def note_speculation(req: Request, num_draft: int, num_accepted: int) -> None:
-    """Count a decode step's drafts in the request's own figures (its usage, in the server)."""
-    req.spec_steps += 1
-    req.drafted += num_draft
-    req.accepted += num_accepted
-    for per_position, n in ((req.drafted_per_position, num_draft), (req.accepted_per_position, num_accepted)):
-        per_position.extend([0] * (n - len(per_position)))
-        for i in range(n):
-            per_position[i] += 1
 
 
 def emittable_vocab(config, tokenizer) -> int:
@@ -620,24 +451,11 @@ class Engine:
         start = time.perf_counter()
         reqs = batch.requests
         ks = [n - 1 for n in batch.query_lens]
-        host_drafts = plan = None
-        if max(ks) and self.proposer.drafts_on_host:   # n-gram, suffix: drafts made on the host ride in the upload
-            proposal = self.proposer.propose(reqs, ks)
-            num_draft, host_drafts = proposal.num_draft, proposal.host_drafts
-        else:
-            num_draft = [min(k, self.proposer.max_drafts(r)) for r, k in zip(reqs, ks)] if max(ks) else [0] * len(reqs)
-            model_ks = num_draft
-            if max(num_draft) and self.proposer.host_and_model:   # hybrid: suffix drafts first
-                host_drafts, model_ks = self.proposer.choose(reqs, num_draft)
-                num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
-            plan = self.proposer.prepare(reqs, model_ks) if max(model_ks) else None
-            if max(model_ks):   # a row its pool had no room for drafts nothing (ModelProposer.with_room)
-                kept = set(plan.rows) if plan else set()
-                num_draft = [d if not model_ks[b] or b in kept else 0 for b, d in enumerate(num_draft)]
-        steps = self.step_graphs
-        sampling = steps.upload(reqs, num_draft, host_drafts, plan)
-        if plan:   # a model proposer's round, on the device
-            steps.run_round(plan, sampling)
+        proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal.none(len(reqs))
+        num_draft, steps = proposal.num_draft, self.step_graphs
+        sampling = steps.upload(reqs, num_draft, proposal.host_drafts, proposal.round)
+        if proposal.round:   # a model proposer's draft steps, on the device
+            steps.run_round(proposal.round, sampling)
         out, features, logits = steps.run(sampling)
         out = out[:len(reqs)]
         host_out = out.tolist()   # the one copy back

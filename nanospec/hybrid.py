@@ -27,7 +27,7 @@ Everything else (the round's steps, the caches, EAGLE's features) is the model d
 from __future__ import annotations
 
 from nanospec.estimators import StepTimes
-from nanospec.proposer import ModelProposer
+from nanospec.proposer import ModelProposer, Proposal
 from nanospec.suffix import SuffixProposer
 
 BIN_WIDTH = 0.5
@@ -76,9 +76,8 @@ class StepPlans:
 
 
 class HybridProposer:
-    drafts_on_host = False
     acceptance_in_spans = False   # model drafts: dynamic K counts acceptance per step
-    host_and_model = True         # the engine asks choose() first, then runs a round for the rest
+    host_and_model = True         # suffix drafts on the host beside the model's round, in one step
 
     def __init__(self, suffix: SuffixProposer, model: ModelProposer, model_k: int = 4, priced: bool = False):
         self.suffix, self.model, self.model_k = suffix, model, model_k   # the model drafts at most model_k
@@ -115,6 +114,21 @@ class HybridProposer:
     @staticmethod
     def bin(score: float) -> int:
         return min(int(score / BIN_WIDTH), NUM_BINS - 1)
+
+    def propose(self, requests, ks: list[int]) -> Proposal:
+        """The suffix drafts of the rows choose() gives them, a round of the model's for the others
+        (a row its pool has no room for drafts nothing)."""
+        num_draft = [min(k, self.model.max_drafts(r)) for r, k in zip(requests, ks)]
+        if not max(num_draft):
+            return Proposal(num_draft)
+        host_drafts, model_ks = self.choose(requests, num_draft)
+        num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
+        if not max(model_ks):
+            return Proposal(num_draft, host_drafts)
+        plan = self.model.prepare(requests, model_ks)
+        kept = set(plan.rows) if plan else set()
+        return Proposal([d if not model_ks[b] or b in kept else 0 for b, d in enumerate(num_draft)],
+                        host_drafts, plan)
 
     def choose(self, requests, ks: list[int]) -> tuple[list[list[int]], list[int]]:
         """(the suffix drafts, [] where the model drafts; the model's K per request, 0 where not).

@@ -1,12 +1,13 @@
 """Proposers: who guesses the next K tokens that the target then verifies in one forward pass.
 
-One interface for every kind of guesser:
+One interface for every kind of guesser; the engine asks for one Proposal per decode step and
+treats every proposal alike, whoever made it:
+  propose(requests, ks) -> Proposal   up to ks[b] drafts for request b: made on the host (n-gram,
+                               suffix: lists, sent with the step's other host data), or planned as a
+                               round of draft steps that cuda_graph.StepGraphs runs on the device
+                               (draft model, EAGLE: first_step or catch_up_step, then next_step),
+                               or both (the hybrid)
   max_drafts(request)          the most drafts it can make for the request now
-  propose(requests, ks) -> Proposal   (drafts_on_host: n-gram) up to ks[b] drafts for request b, as
-                               lists on the host, which the step sends with its other host data
-  prepare(requests, ks) -> Round   (model proposers) plan a round of draft steps, which the step
-                               (cuda_graph.StepGraphs) runs on the device with first_step (or
-                               catch_up_step) and next_step
   observe(request, features)   the target's features for positions it just cached for good (EAGLE)
   rollback(request)            forget what the proposer cached past the request's committed tokens
   free(request)                the request finished or was preempted: release the proposer's state
@@ -48,27 +49,28 @@ from nanospec.sampler import DRAFT, SamplingBatch, pick, target_probs, uniform_n
 
 @dataclass
 class Proposal:
-    """Drafts made on the host (n-gram): the engine sends them in the step's one copy."""
-    num_draft: list[int]                    # drafts per request
-    host_drafts: list[list[int]]            # request b's drafts
+    """One step's drafts for its batch. Drafts made on the host ride in the step's one copy; a
+    round's are drawn on the device before the verify reads them. No drafts at all: plain decoding."""
+    num_draft: list[int]                             # drafts request b verifies (0: none)
+    host_drafts: list[list[int]] | None = None       # request b's drafts made on the host ([]: none)
+    round: Round | None = None                       # a model proposer's round of draft steps
+
+    @staticmethod
+    def none(batch: int) -> Proposal:
+        return Proposal([0] * batch)
 
 
 class Proposer:
     capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
     needs_features = False
-    drafts_on_host = False                  # propose returns host_drafts, before the step's upload
     acceptance_in_spans = False             # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
-    host_and_model = False                  # choose() splits a step's drafts between the host and a round (the hybrid)
+    host_and_model = False                  # host drafts beside a round in one step (the hybrid)
 
     def max_drafts(self, request) -> int:
         return request.max_len
 
-    def prepare(self, requests, ks: list[int]):
-        """A model proposer's plan of its round (see ModelProposer.prepare)."""
-        raise NotImplementedError
-
     def propose(self, requests, ks: list[int]) -> Proposal:
-        """Drafts made on the host (drafts_on_host)."""
+        """Up to ks[b] drafts for request b (some ks[b] > 0)."""
         raise NotImplementedError
 
     def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor | None:
@@ -125,7 +127,6 @@ class NgramProposer(Proposer):
     (code edits, summaries, extraction). Drafts are one-hot: q(d) = 1."""
 
     acceptance_in_spans = True   # its drafts are the text after a match: right for a span, however split into steps
-    drafts_on_host = True
 
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
         self.device, self.min_n, self.max_n = device, min_n, max_n
@@ -147,8 +148,6 @@ class OracleProposer(Proposer):
     decoding (continuations: prompt ids -> output ids): at T = 0 every draft is accepted, so it
     measures the ceiling of the speculative machinery (acceptance length K + 1) on any model,
     random weights included. For benchmarks only."""
-
-    drafts_on_host = True
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
         self.continuations = continuations
@@ -272,6 +271,14 @@ class ModelProposer(Proposer):
                     rows.append(b)
                     free -= need
         return rows
+
+    def propose(self, requests, ks) -> Proposal:
+        """A round of draft steps for the rows it can draft for (max_drafts) and has room for
+        (with_room); the rows left out draft nothing this step."""
+        num_draft = [min(k, self.max_drafts(r)) for r, k in zip(requests, ks)]
+        plan = self.prepare(requests, num_draft) if max(num_draft) else None
+        kept = set(plan.rows) if plan else set()
+        return Proposal([d if b in kept else 0 for b, d in enumerate(num_draft)], round=plan)
 
     def prepare(self, requests, ks) -> Round | None:
         """Plan a round of draft steps (request b drafts ks[b]) and grow every block it will write,
