@@ -46,19 +46,22 @@ class Request:
     block_table: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0
     finish_reason: str | None = None
-    text: str | None = None       # set when it finishes: the output before any stop (through it: include_stop_str_in_output)
+    # set when it finishes: the output before any stop (through it: include_stop_str_in_output)
+    text: str | None = None
     error: str | None = None      # why it failed (finish_reason "error"): its own logits were not finite
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
     suffix_stream: object = None   # suffix decoding's index of its tokens (beside a hybrid's model state)
     # Its own speculation: decode steps with drafts, drafts found and accepted (in all, per draft position).
-    decode_steps: int = 0         # decode steps it took part in (its acceptance length: output tokens / these)
+    # decode steps it took part in (its acceptance length: output tokens / these)
+    decode_steps: int = 0
     spec_steps: int = 0
     drafted: int = 0
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None   # per output token, when asked: its own and the top N's
-    prompt_mask: object = None    # with penalties: its prompt's tokens on the device [V] (sampler.prompt_mask)
+    # with penalties: its prompt's tokens on the device [V] (sampler.prompt_mask)
+    prompt_mask: object = None
     step_logprobs: list[dict[int, float]] | None = None   # those of the last step's tokens, until committed
 
     @property
@@ -78,7 +81,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str            # "stop" (EOS or a stop string) or "length"
     prompt_token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None   # per token of token_ids, when asked: {id: logprob}, its own first
+    # per token of token_ids, when asked: {id: logprob}, its own first
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -96,12 +100,13 @@ class Scheduler:
     requests already decoding, so that a long prompt arriving does not stall the running streams
     for all its chunks; offline, every prefill goes first (the largest decode batches)."""
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, on_free=None,
-                 decode_between_prefills: bool = False, cached_prefix=None):
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 on_free=None, decode_between_prefills: bool = False, cached_prefix=None):
         self.allocator = allocator
         self.on_free = on_free or (lambda request: None)   # the proposer releases its state too
         # a waiting request's cached positions: the prefix cache's (engine.cached_prefix: the proposer's too)
-        self.cached_prefix = cached_prefix or (lambda req: allocator.cached_prefix(req.block_table, req.tokens[:-1]))
+        self.cached_prefix = cached_prefix or (
+            lambda req: allocator.cached_prefix(req.block_table, req.tokens[:-1]))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_between_prefills = decode_between_prefills
@@ -221,26 +226,30 @@ def note_logprobs(reqs: list[Request], emitted: list[list[int]], logits: torch.T
     of the target's logits in float32, before temperature, top-k or top-p. logits: [bucket, K + 1,
     vocab], row b's queries in order; in one copy back."""
     rows = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
-    n = min(max(reqs[b].params.logprobs for b in rows), logits.shape[-1])   # (a toy vocabulary may hold fewer)
+    # (a toy vocabulary may hold fewer)
+    n = min(max(reqs[b].params.logprobs for b in rows), logits.shape[-1])
     q = max(len(emitted[b]) for b in rows)
     logprobs = torch.log_softmax(logits[rows, :q].float(), dim=-1)   # [R, q, vocab]
     ids = torch.tensor([emitted[b] + [0] * (q - len(emitted[b])) for b in rows], device=logits.device)
     own = logprobs.gather(-1, ids[..., None])
     top = logprobs.topk(n, dim=-1)
-    host = torch.cat([own.double(), top.values.double(), top.indices.double()], dim=-1).tolist()   # ids exact in float64
+    # ids exact in float64
+    host = torch.cat([own.double(), top.values.double(), top.indices.double()], dim=-1).tolist()
     for i, b in enumerate(rows):
         keep = reqs[b].params.logprobs
-        reqs[b].step_logprobs = [{token: row[0], **{int(t): v for t, v in zip(row[1 + n:1 + n + keep], row[1:1 + keep])
-                                                   if int(t) != token}}
+        top_n = lambda row: zip(row[1 + n:1 + n + keep], row[1:1 + keep])   # (id, logprob) pairs
+        reqs[b].step_logprobs = [{token: row[0], **{int(t): v for t, v in top_n(row) if int(t) != token}}
                                  for token, row in zip(emitted[b], host[i])]
 
 
 def non_finite_error(req: Request, flag: int, proposer, what: str = "logits") -> str:
-    """flag: 1 where the target's logits (or `what`) for the request held NaN or +inf, 2 the drafter's (3 both)."""
+    """flag: 1 where the target's logits (or `what`) for the request held NaN or +inf, 2 the
+    drafter's (3 both)."""
     who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
-    return (f"the {who} produced NaN or infinite {what} for request {req.index} at position {len(req.tokens)}: "
-            "its weights hold NaN/inf, its config.json has a broken value (rope_theta, rms_norm_eps), or float16 "
-            "overflowed; check the checkpoint, or run in float32 (--dtype float32, dtype='float32')")
+    return (f"the {who} produced NaN or infinite {what} for request {req.index} at position "
+            f"{len(req.tokens)}: its weights hold NaN/inf, its config.json has a broken value (rope_theta, "
+            "rms_norm_eps), or float16 overflowed; check the checkpoint, or run in float32 (--dtype float32, "
+            "dtype='float32')")
 
 
 def own_cap(req: Request, k: int) -> int:
@@ -277,7 +286,8 @@ def release(step_graphs: StepGraphs, proposer: Proposer | None, req: Request) ->
 
 
 class Engine:
-    """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request.
+    """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every
+    request.
 
     K per decode step comes from the KPolicy it is built with (k_policy.py: static K, the queue-size
     switch-off, dynamic K): a K per request, never more than the request can still emit; the step
@@ -302,13 +312,14 @@ class Engine:
         # An embedding padded past the tokenizer (Qwen: 151,936 rows, 151,665 tokens) never emits
         # its padding: the logits are cut to this size before sampling.
         self.vocab_size = emittable_vocab(cfg, tokenizer)
-        self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len, device,
-                                      self.sampler, proposer, use_graphs)
+        self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len,
+                                      device, self.sampler, proposer, use_graphs)
         # on_free is not a bound method of the engine: a scheduler holding the engine would make a
         # reference cycle, and a dead engine's graphs and KV cache would wait for the garbage collector.
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
                                    on_free=functools.partial(release, self.step_graphs, proposer),
-                                   cached_prefix=functools.partial(cached_prefix, self.kv_cache.allocator, proposer))
+                                   cached_prefix=functools.partial(cached_prefix, self.kv_cache.allocator,
+                                                                   proposer))
         self.stats = Stats()
         self.max_k = 0           # the largest K a request may ask for (the LLM sets it: its graphs' K)
         self.step_k = 0          # the current decode step's K (the largest of its requests')
@@ -326,8 +337,9 @@ class Engine:
         num_blocks = num_kv_blocks or cache.allocator.num_blocks
         if proposer is None and self.proposer is not None:
             proposer = self.proposer.twin(num_blocks)
-        twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
-                      max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
+        twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
+                      cache.block_size, max_num_seqs or scheduler.max_num_seqs,
+                      scheduler.max_num_batched_tokens, False,
                       proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs,
                       cache.allocator.prefix_caching)
         twin.sampler = twin.step_graphs.sampler = self.sampler   # compiled once (on CUDA), shared
@@ -351,24 +363,25 @@ class Engine:
             raise NanospecError(f"prompt {index} is empty; give at least one token of text")
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise NanospecError(f"prompt {index} holds token id {bad[0]!r}, outside this model and tokenizer's "
-                                f"ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
+            raise NanospecError(f"prompt {index} holds token id {bad[0]!r}, outside this model and "
+                                f"tokenizer's ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
         outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if outside:
-            raise NanospecError(f"{param('stop_token_ids')} holds {outside[0]}, outside this model and tokenizer's "
-                                f"ids 0..{self.vocab_size - 1}")
+            raise NanospecError(f"{param('stop_token_ids')} holds {outside[0]}, outside this model and "
+                                f"tokenizer's ids 0..{self.vocab_size - 1}")
         if len(prompt_ids) >= self.max_model_len:
             raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "
                                 f"{self.max_model_len}; shorten the prompt or raise {param('max_model_len')}")
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         allocator = self.kv_cache.allocator
         if allocator.blocks_for(max_len) > allocator.num_blocks:
-            raise NanospecError(f"request {index} needs up to {max_len} tokens of KV cache but the pool holds "
-                                f"{allocator.num_blocks * allocator.block_size}; raise the KV cache size "
-                                "or lower max_tokens")
+            raise NanospecError(f"request {index} needs up to {max_len} tokens of KV cache but the pool "
+                                f"holds {allocator.num_blocks * allocator.block_size}; raise the KV cache "
+                                "size or lower max_tokens")
         asked = params.num_speculative_tokens
         if asked is not None and asked > self.max_k:
-            raise NanospecError(f"request {index} asks for {param('num_speculative_tokens')} {asked} but this engine "
+            raise NanospecError(f"request {index} asks for {param('num_speculative_tokens')} {asked} but "
+                                "this engine "
                                 + (f"drafts at most {self.max_k}; ask for 0..{self.max_k}" if self.proposer
                                    else "has no proposer; ask for 0 or leave it unset"))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -395,7 +408,8 @@ class Engine:
         draft's step draws other noise than a plain one)."""
         if self.proposer and id(req) not in self.request_k:
             self.choose_ks()
-        return max(0, min(own_cap(req, self.request_k.get(id(req), self.step_k)), req.max_len - len(req.tokens) - 1))
+        return max(0, min(own_cap(req, self.request_k.get(id(req), self.step_k)),
+                          req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:
         """One forward pass over the scheduled batch; returns the requests that got new tokens (none,
@@ -410,7 +424,8 @@ class Engine:
         except NonFiniteLogits as e:
             return self.fail(e.failed)
         except BaseException:   # an error, or Ctrl-C, midway: the pass may have written part of its K/V
-            with contextlib.suppress(Exception):   # (a device failed for good: its own error is the one raised)
+            # (a device failed for good: its own error is the one raised)
+            with contextlib.suppress(Exception):
                 self.clear_caches()
             raise
         for req, tokens, features in results:
@@ -429,13 +444,14 @@ class Engine:
         reqs, lens = batch.requests, batch.query_lens
         input_ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
         meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], lens,
-                              self.kv_cache.block_size, self.device, extra=input_ids)   # the ids ride in its one copy
+                              # the ids ride in its one copy
+                              self.kv_cache.block_size, self.device, extra=input_ids)
         capture = self.proposer.capture_layers if self.proposer else ()
         hidden, captured = self.model(meta.extra, meta.positions, self.kv_cache, meta, capture)
         for req, n in zip(reqs, lens):
             req.num_cached += n
         self.check_prefilled(reqs, lens)
-        features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None
+        features = self.proposer.features(hidden, captured) if self.proposer else None
         self.stats.prefill_steps += 1
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
         return [(r, [], None if features is None else features[starts[b]:starts[b] + lens[b]])
@@ -474,7 +490,8 @@ class Engine:
             if d:
                 note_speculation(req, d, a)
         self.stats.record(self.step_k, ks, num_draft, accepted)
-        seconds = time.perf_counter() - start   # timed after the one copy above, so the device's work is in it
+        # timed after the one copy above, so the device's work is in it
+        seconds = time.perf_counter() - start
         if max(ks):
             self.proposer.verified(num_draft, accepted, seconds)
         self.k_policy.observe(ks, accepted, num_draft, seconds=seconds, requests=reqs)
@@ -516,8 +533,10 @@ class Engine:
             if req.logprobs is not None:
                 req.logprobs.append(req.step_logprobs[i])
             self.stats.generated_tokens += 1
-            stop_token = (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids
-            end = (("stop", not req.params.include_stop_str_in_output) if stop_token else   # (reason, drop_last)
+            stop_token = (token in self.eos_ids
+                          and not req.params.ignore_eos) or token in req.params.stop_token_ids
+            # (reason, drop_last)
+            end = (("stop", not req.params.include_stop_str_in_output) if stop_token else
                    ("stop", False) if req.params.stop and self.hit_stop_string(req) else
                    ("length", False) if len(req.tokens) >= req.max_len else None)
             if end:
@@ -547,7 +566,8 @@ class Engine:
         blocks would go back to the pool with their NaN if it were preempted or aborted first, and a
         request given them would read those slots masked (0 * NaN is NaN)."""
         size = self.kv_cache.block_size
-        written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)] for r, n in zip(reqs, lens)]
+        written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)] for r, n in zip(reqs,
+                                                                                                      lens)]
         if not bool(torch.isfinite(self.kv_cache.pool[:, :, [b for bs in written for b in bs]]).all()):
             raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer, "K/V"))
                                    for r, bs in zip(reqs, written)
@@ -560,7 +580,8 @@ class Engine:
         tok, skip = self.tokenizer, req.params.skip_special_tokens
         # A stop string the newest token completed lies in the newest token's bytes and the
         # longest stop's before them.
-        num_bytes = max(len(s.encode()) for s in req.params.stop) + len(tok.decode_bytes(req.output_ids[-1:], skip))
+        num_bytes = max(len(s.encode()) for s in req.params.stop) + len(tok.decode_bytes(req.output_ids[-1:],
+                                                                                         skip))
         tail = tok.output_text(tok.tail(req.output_ids, num_bytes, skip), skip)
         if not any(s in tail for s in req.params.stop):
             return False
@@ -568,13 +589,15 @@ class Engine:
         # The stop that ends first (a step's token may complete two), the first listed of a tie, as
         # vLLM chooses; the text ends before it, or after it. (A stop holding U+FFFD may match only
         # the tail's cut start: none found then.)
-        found = [(start + len(s), i, start) for i, s in enumerate(req.params.stop) if (start := text.find(s)) >= 0]
+        found = [(start + len(s), i, start) for i,
+                 s in enumerate(req.params.stop) if (start := text.find(s)) >= 0]
         if found:
             end, _, start = min(found)
             req.text = text[:end if req.params.include_stop_str_in_output else start]
         return bool(found)
 
-    def finish(self, req: Request, reason: str, drop_last: bool = False, features: torch.Tensor | None = None) -> None:
+    def finish(self, req: Request, reason: str, drop_last: bool = False,
+               features: torch.Tensor | None = None) -> None:
         req.finish_reason = reason
         if self.proposer:
             if features is not None:

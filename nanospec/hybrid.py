@@ -37,7 +37,8 @@ PRIOR_RATE = 0.5       # the model's acceptance rate per position before it has 
 PROBE_EVERY = 16       # priced: every this many steps at a batch size, a plan not chosen runs once
 
 
-PLANS = ("plain", "suffix", "mixed")   # a priced step's plans: no drafts; suffix drafts only; the acceptance's
+# a priced step's plans: no drafts; suffix drafts only; the acceptance's
+PLANS = ("plain", "suffix", "mixed")
 
 
 class StepPlans:
@@ -66,7 +67,8 @@ class StepPlans:
         if unmeasured:
             plan = unmeasured[0]
         else:
-            ranked = sorted(expected, key=lambda p: expected[p][0] / self.seconds[p].ratio(batch, expected[p][1]),
+            ranked = sorted(expected, key=lambda p: expected[p][0] / self.seconds[p].ratio(batch,
+                                                                                           expected[p][1]),
                             reverse=True)
             self.steps[batch] = self.steps.get(batch, 0) + 1
             probe, turn = divmod(self.steps[batch], PROBE_EVERY)
@@ -86,7 +88,8 @@ class HybridProposer:
         self.bins = [[0.0, 0] for _ in range(NUM_BINS)]   # per score bin: accepted tokens, drafts
         self.model_drafted: list[int] = []                # per position: the model's drafts there
         self.model_accepted: list[int] = []               # and how many were accepted
-        self.chosen: list[int | None] = []                # per row of the last step: the suffix draft's bin, or None
+        # per row of the last step: the suffix draft's bin, or None
+        self.chosen: list[int | None] = []
         self.model_steps = 0                              # request-steps the model drafted for
 
     def __getattr__(self, name):   # only for what HybridProposer itself does not define
@@ -155,7 +158,9 @@ class HybridProposer:
             batch = len(requests)
             suffix_tokens = sum(len(d.tokens) for d in suffix_drafts)
             plans = dict(plain=(batch, 0.0), suffix=(batch + expected["suffix"], suffix_tokens / batch),
-                         mixed=(batch + expected["mixed"], sum(len(d) or k for d, k in zip(drafts, model_ks)) / batch))
+                         mixed=(batch + expected["mixed"], sum(len(d) or k for d, k in zip(drafts,
+                                                                                           model_ks))
+                                / batch))
             if not any(model_ks):   # the acceptance's plan is the suffix drafts' own
                 del plans["mixed"]
             if not suffix_tokens:
@@ -164,7 +169,8 @@ class HybridProposer:
             if plan != "mixed":
                 drafts = [d.tokens if plan == "suffix" else [] for d in suffix_drafts]
                 model_ks = [0] * batch
-                self.chosen = [self.bin(d.score) if d.tokens and plan == "suffix" else None for d in suffix_drafts]
+                self.chosen = [self.bin(d.score) if d.tokens and plan == "suffix" else None
+                               for d in suffix_drafts]
         self.plan = "mixed" if any(model_ks) else "suffix" if any(drafts) else "plain"
         return drafts, model_ks
 
@@ -189,7 +195,8 @@ class HybridProposer:
 
     def finished(self, request) -> None:
         self.suffix.finished(request)
-        self.model.finished(request)   # EAGLE: what its head was not fed, as the request's rows took suffix drafts
+        # EAGLE: what its head was not fed, as the request's rows took suffix drafts
+        self.model.finished(request)
 
     def free(self, request) -> None:
         self.model.free(request)   # its suffix stream (Request.suffix_stream) only depends on tokens

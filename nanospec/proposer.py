@@ -63,7 +63,8 @@ class Proposal:
 class Proposer:
     capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
     needs_features = False
-    acceptance_in_spans = False             # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
+    # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
+    acceptance_in_spans = False
     host_and_model = False                  # host drafts beside a round in one step (the hybrid)
 
     def max_drafts(self, request) -> int:
@@ -126,7 +127,8 @@ class NgramProposer(Proposer):
     """Prompt lookup (Saxena 2023): no model, and very good when the answer copies its context
     (code edits, summaries, extraction). Drafts are one-hot: q(d) = 1."""
 
-    acceptance_in_spans = True   # its drafts are the text after a match: right for a span, however split into steps
+    # its drafts are the text after a match: right for a span, however split into steps
+    acceptance_in_spans = True
 
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
         self.device, self.min_n, self.max_n = device, min_n, max_n
@@ -167,7 +169,8 @@ class OracleProposer(Proposer):
 class Round:
     """A model proposer's round of draft steps, planned on the host before the decode step's upload
     (cuda_graph.StepGraphs runs it)."""
-    host: list[int]                       # the first step's lengths, input ids and batch rows: sent in the step's copy
+    # the first step's lengths, input ids and batch rows: sent in the step's copy
+    host: list[int]
     rows: list[int]                       # the batch rows that draft (K > 0), in the first step's order
     shape: MetadataShape                  # of the first step's metadata at the start of `host`
     first_position: list[int]             # per batch row: the proposer's position for d_1 (0: no round)
@@ -176,8 +179,8 @@ class Round:
     width: int                            # blocks of the longest table by the end of the round
     features: torch.Tensor | None = None  # EAGLE: the target features the first step feeds
     device: torch.Tensor | None = None    # `host` on the device, once sent
-    k: int = 0                            # draft steps: the most drafts a row asks of it (a hybrid's
-                                          # suffix rows may verify more)
+    # draft steps: the most drafts a row asks of it (a hybrid's suffix rows may verify more)
+    k: int = 0
 
 
 @dataclass(slots=True)
@@ -291,7 +294,8 @@ class ModelProposer(Proposer):
         states = [self.state(requests[b]) for b in rows]
         inputs, lens, features = self.catch_up([requests[b] for b in rows], states)
         host, shape = pack_metadata(None, [s.num_cached for s in states], lens, inputs)
-        allocator, first_position, catch_up = self.kv_cache.allocator, [0] * len(requests), [0] * len(requests)
+        allocator = self.kv_cache.allocator
+        first_position, catch_up = [0] * len(requests), [0] * len(requests)
         first_width = width = 1
         for b, st, n in zip(rows, states, lens):   # the round feeds n positions, then ks[b] - 1 drafts
             first_width = max(first_width, allocator.blocks_for(st.num_cached + n))
@@ -364,7 +368,8 @@ class DraftModelProposer(ModelProposer):
         self.publish(request)
 
 
-ABSORB_AT = 256   # EAGLE: the target's features a request may hold back from the head (then fed without drafting)
+# EAGLE: the target's features a request may hold back from the head (then fed without drafting)
+ABSORB_AT = 256
 
 
 class EagleProposer(ModelProposer):
@@ -379,13 +384,15 @@ class EagleProposer(ModelProposer):
     needs_features = True
     shift = 1
 
-    def __init__(self, head, target, aux_layers, num_blocks: int, block_size: int, vocab: int, device: torch.device):
+    def __init__(self, head, target, aux_layers, num_blocks: int, block_size: int, vocab: int,
+                 device: torch.device):
         cfg = head.config
         dtype = next(head.parameters()).dtype
         super().__init__(KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device),
                          vocab, cfg.max_position_embeddings, device)
         self.head, self.target = head, target
-        self.embed = getattr(head, "embed_tokens", target.model.embed_tokens)   # a head's own, else the target's
+        # a head's own, else the target's
+        self.embed = getattr(head, "embed_tokens", target.model.embed_tokens)
         self.capture_layers = tuple(aux_layers or ())
 
     def features(self, hidden, captured):
@@ -416,7 +423,8 @@ class EagleProposer(ModelProposer):
         """None before the target has given a feature to start from: a one-token prompt before its
         first step (the target caches all but the last token, so has computed no feature yet)."""
         st = self.state(request)
-        return super().max_drafts(request) if (st.num_real or any(len(f) for f in st.pending)) and not st.failed else 0
+        fed = st.num_real or any(len(f) for f in st.pending)
+        return super().max_drafts(request) if fed and not st.failed else 0
 
     def catch_up_len(self, request, state) -> int:
         """How many elements its next first step feeds: those with real features not fed yet."""
@@ -427,7 +435,8 @@ class EagleProposer(ModelProposer):
         is (f_i, t_{i+1}): as many tokens as features), but for each request's last with keep_last
         (absorb's: a round's first step must feed one, whose output gives d_1)."""
         lens = [self.catch_up_len(r, s) - keep_last for r, s in zip(requests, states)]
-        token_ids = [t for r, s, n in zip(requests, states, lens) for t in r.tokens[s.num_real + 1:s.num_real + 1 + n]]
+        token_ids = [t for r, s, n in zip(requests, states,
+                                          lens) for t in r.tokens[s.num_real + 1:s.num_real + 1 + n]]
         fed = [s.pending[:-1] + [s.pending[-1][:-1]] if keep_last else s.pending for s in states]
         features = torch.cat([f for parts in fed for f in parts])
         for s, n in zip(states, lens):
@@ -459,8 +468,8 @@ class EagleProposer(ModelProposer):
         token_ids, lens, features = self.catch_up(rows, states, keep_last)
         for st, n in zip(states, lens):
             allocator.grow(st.block_table, st.num_cached + n)
-        meta = build_metadata([s.block_table for s in states], cached, lens, self.kv_cache.block_size, self.device,
-                              extra=token_ids)
+        meta = build_metadata([s.block_table for s in states], cached, lens, self.kv_cache.block_size,
+                              self.device, extra=token_ids)
         self.forward(meta, meta.extra, features)
         for st in states:
             st.num_cached = st.num_real

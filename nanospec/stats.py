@@ -47,7 +47,8 @@ class Stats:
 
     def add(self, other: Stats) -> None:
         """Count another run's steps and tokens in this one (stats over several generate calls)."""
-        for name in ("generated_tokens", "steps", "request_steps", "prefill_steps", "preemptions", "elapsed_s",
+        for name in ("generated_tokens", "steps", "request_steps", "prefill_steps", "preemptions",
+                     "elapsed_s",
                      "drafted_tokens", "accepted_tokens", "prefix_cache_queries", "prefix_cache_hits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("offered_per_position", "drafted_per_position", "accepted_per_position"):
@@ -67,7 +68,8 @@ class Stats:
         rates = [round(a / d, 4) for a, d in zip(accepted, drafted)]
         return {"generated_tokens": self.generated_tokens, "steps": self.steps,
                 "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
-                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
+                "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits,
                 "mean_acceptance_length": round(mean_al, 4), "acceptance_rate_per_position": rates,
                 "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
                 "chosen_k": histogram(self.chosen_k), "request_k": histogram(self.request_k),
@@ -84,7 +86,7 @@ def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]
     return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
 
 
-def note_speculation(req: Request, num_draft: int, num_accepted: int) -> None:
+def note_speculation(req, num_draft: int, num_accepted: int) -> None:
     """Count a decode step's drafts in the request's own figures (its usage, in the server)."""
     req.spec_steps += 1
     req.drafted += num_draft
