@@ -313,9 +313,11 @@ def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_mod
     monkeypatch.setattr(proposer, "ABSORB_AT", absorb_at)
     warm = LLM(spec_models["target"], **sizes, **proposer_args(spec_models, name), dynamic_k=True)   # priced
     held, choose, model = [], HybridProposer.choose, warm.engine.proposer.model
-    monkeypatch.setattr(HybridProposer, "choose", lambda self, requests, ks: (choose(self, requests, ks),
-                                                                              held.extend(
-        model.catch_up_len(r, model.state(r)) for r in requests))[0])   # what a step leaves held back
+    def choose_and_note(self, requests, ks):   # and note what a step leaves held back
+        chosen = choose(self, requests, ks)
+        held.extend(model.catch_up_len(r, model.state(r)) for r in requests)
+        return chosen
+    monkeypatch.setattr(HybridProposer, "choose", choose_and_note)
     first, later, hits = conversations(warm, max_tokens=40)
     assert warm.engine.proposer.model_steps == 0 and warm.stats["drafted_tokens"] > 0
     assert 0 < max(held) < absorb_at

@@ -100,8 +100,8 @@ def test_twin_engines_decode_side_by_side(spec_models, plain_greedy, name):
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
               num_speculative_tokens=3, **proposer_args(spec_models, name))
     twins = [llm.engine.twin(k_policy=StaticK(3)), llm.engine.twin(k_policy=StaticK(1))]
-    requests = [[e.new_request(i, p, llm.encode_prompt(p), greedy()) for i,
-                 p in enumerate(PROMPTS)] for e in twins]
+    requests = [[e.new_request(i, p, llm.encode_prompt(p), greedy()) for i, p in enumerate(PROMPTS)]
+                for e in twins]
     for engine, reqs in zip(twins, requests):
         engine.add_requests(reqs)
     while any(e.scheduler.has_work() for e in twins):
@@ -168,10 +168,12 @@ def small_vocab_llm(small_vocab, name: str, k: int | str):
             "eagle1": dict(eagle=small_vocab["eagle1"]), "eagle3": dict(eagle=small_vocab["eagle3"]),
             "suffix": dict(suffix=True), "hybrid_draft": dict(suffix=True, draft=small_vocab["draft"]),
             "hybrid_eagle3": dict(suffix=True, eagle=small_vocab["eagle3"])}[name]
-    k_args = dict(num_speculative_tokens=k) if isinstance(k,
-                                                          int) else dict(dynamic_k=True) if name.startswith(
-        "hybrid") else dict(dynamic_k=True, profile=small_vocab["profile"],
-                            per_request_k=k == "dynamic-per-request")
+    if isinstance(k, int):
+        k_args = dict(num_speculative_tokens=k)
+    elif name.startswith("hybrid"):
+        k_args = dict(dynamic_k=True)
+    else:
+        k_args = dict(dynamic_k=True, profile=small_vocab["profile"], per_request_k=k == "dynamic-per-request")
     return LLM(small_vocab["target"], device="cpu", dtype="float32", kv_cache_gb=0.2, max_num_seqs=512,
                max_num_batched_tokens=4096, **k_args, **args)
 

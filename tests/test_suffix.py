@@ -155,8 +155,8 @@ def test_each_sealed_run_is_every_bigram_of_its_segments_sorted_by_key_then_posi
                            for j, (a, b) in enumerate(zip(tokens, tokens[1:]), 1) if a >= 0)
             assert [(key, at) for key, at in zip(run.keys.tolist(),
                                                  run.follows.tolist()) if key >= 0] == pairs
-            assert len(run.tokens) == sum(size for size,
-                                          _ in run.segments) and 0 < len(run.segments) <= RUN_SEGMENTS
+            assert len(run.tokens) == sum(size for size, _ in run.segments)
+            assert 0 < len(run.segments) <= RUN_SEGMENTS
         assert index.num_requests == sum(n for _, n in index.segments) + index.open_requests
         assert index.num_tokens == sum(size for size, _ in index.segments) + index.open_size
 
