@@ -313,6 +313,7 @@ def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_mod
     monkeypatch.setattr(proposer, "ABSORB_AT", absorb_at)
     warm = LLM(spec_models["target"], **sizes, **proposer_args(spec_models, name), dynamic_k=True)   # priced
     held, choose, model = [], HybridProposer.choose, warm.engine.proposer.model
+
     def choose_and_note(self, requests, ks):   # and note what a step leaves held back
         chosen = choose(self, requests, ks)
         held.extend(model.catch_up_len(r, model.state(r)) for r in requests)

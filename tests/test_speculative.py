@@ -173,7 +173,8 @@ def small_vocab_llm(small_vocab, name: str, k: int | str):
     elif name.startswith("hybrid"):
         k_args = dict(dynamic_k=True)
     else:
-        k_args = dict(dynamic_k=True, profile=small_vocab["profile"], per_request_k=k == "dynamic-per-request")
+        k_args = dict(dynamic_k=True, profile=small_vocab["profile"],
+                      per_request_k=k == "dynamic-per-request")
     return LLM(small_vocab["target"], device="cpu", dtype="float32", kv_cache_gb=0.2, max_num_seqs=512,
                max_num_batched_tokens=4096, **k_args, **args)
 
