@@ -18,101 +18,20 @@ import functools
 import itertools
 import random
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.errors import NanospecError, check_int, check_real, is_int, is_real, param
+from nanospec.errors import NanospecError, param
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
-from nanospec.proposer import Proposer
+from nanospec.proposer import Proposal, Proposer
 from nanospec.sampler import Sampler
-
-
-# Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
-MIN_TEMPERATURE = 1e-5
-MAX_SEED = 2**63 - 1
-MAX_LOGPROBS = 20   # the most likely tokens a request may ask logprobs of: vLLM's max_logprobs default, the API's top_logprobs
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0     # 0 = greedy
-    top_p: float = 1.0           # nucleus sampling; 1 = off
-    top_k: int = 0               # 0 = off
-    max_tokens: int = 64
-    seed: int | None = None      # None: a random seed per request; else 0 .. 2**63 - 1
-    stop: list[str] = field(default_factory=list)   # stop strings (one string: one stop); the text ends before the first
-    ignore_eos: bool = False
-    num_speculative_tokens: int | None = None   # at most this K for this request (0: no speculation); None: the engine's
-    skip_special_tokens: bool = True   # the text leaves out special tokens (token_ids keep them), as in vLLM
-    logprobs: int | None = None  # the log-probability of each output token and of the N most likely (0: its own only)
-    repetition_penalty: float = 1.0   # vLLM's: > 1 makes tokens of the prompt and output less likely; 1 = off
-    frequency_penalty: float = 0.0    # OpenAI's: minus this x a token's count in the output; 0 = off
-    presence_penalty: float = 0.0     # OpenAI's: minus this for a token in the output; 0 = off
-    min_p: float = 0.0                # vLLM's: drop tokens less likely than min_p x the most likely's probability
-    stop_token_ids: list[int] = field(default_factory=list)   # tokens that end it as EOS does (kept in token_ids)
-    include_stop_str_in_output: bool = False   # the text keeps the stop string or stop token that ended it
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-
-    @property
-    def processed(self) -> bool:
-        """Whether its logits take penalties or min_p before sampling (sampler.penalize, min_p_mask;
-        greedy keeps the argmax whatever min_p drops)."""
-        return self.penalized or (self.min_p > 0 and self.temperature > 0)
-
-    def validate(self) -> None:
-        """Refuse what cannot be sampled, naming the parameter; a single stop string becomes a list of one."""
-        temperature = param("temperature")
-        check_real(self.temperature, temperature, low=0, fix="0 is greedy")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise NanospecError(f"{temperature} {self.temperature} is too small to sample with (the logits divided "
-                                f"by it overflow); use 0 for greedy, or at least {MIN_TEMPERATURE}")
-        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
-            raise NanospecError(f"{param('top_p')} must be in (0, 1] (1 is off), got {self.top_p!r}")
-        check_int(self.top_k, param("top_k"), low=0, high=2**63 - 1, fix="0 is off")
-        check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
-        if self.seed is not None:
-            check_int(self.seed, param("seed"), low=0, high=MAX_SEED)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise NanospecError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.num_speculative_tokens is not None:
-            check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0, fix="0 turns speculation off")
-        if self.logprobs is not None:
-            check_int(self.logprobs, param("logprobs"), low=0, high=MAX_LOGPROBS)
-        # (bounded: a logit divided by 1e-40 overflows float32, and the step would blame the model)
-        check_real(self.repetition_penalty, param("repetition_penalty"), low=0.01, high=100, fix="1 is off")
-        for name in ("frequency_penalty", "presence_penalty"):
-            check_real(getattr(self, name), param(name), low=-2, high=2, fix="0 is off")
-        check_real(self.min_p, param("min_p"), low=0, high=1, fix="0 is off")
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise NanospecError(f"{param('stop_token_ids')} must be a list of token ids, got {self.stop_token_ids!r}")
-        for token in self.stop_token_ids:
-            if not (is_int(token) and token >= 0):
-                raise NanospecError(f"{param('stop_token_ids')} must hold token ids (integers >= 0), got {token!r}")
-        self.stop = stop_strings(self.stop)
-
-
-def stop_strings(stop) -> list[str]:
-    """A list of non-empty strings; one string is one stop (not its characters)."""
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) for s in stops)):
-        raise NanospecError(f"{param('stop')} must be a string or a list of strings, got {stop!r}")
-    if "" in stops:
-        raise NanospecError(f"{param('stop')} holds an empty string, which would stop before any text; remove it")
-    for s in stops:   # (JSON may hold lone surrogates: no text decodes to them, and the stop check encodes)
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError:
-            raise NanospecError(f"{param('stop')} holds {ascii(s)}, which is not valid text (a lone UTF-16 "
-                                "surrogate); remove it") from None
-    return list(stops)
+from nanospec.sampling_params import (MAX_LOGPROBS, MAX_SEED, MIN_TEMPERATURE,  # noqa: F401 (the API)
+                                      SamplingParams)
+from nanospec.stats import Stats, note_speculation
 
 
 @dataclass(slots=True)
@@ -127,19 +46,22 @@ class Request:
     block_table: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0
     finish_reason: str | None = None
-    text: str | None = None       # set when it finishes: the output before any stop (through it: include_stop_str_in_output)
+    # set when it finishes: the output before any stop (through it: include_stop_str_in_output)
+    text: str | None = None
     error: str | None = None      # why it failed (finish_reason "error"): its own logits were not finite
     proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
     suffix_stream: object = None   # suffix decoding's index of its tokens (beside a hybrid's model state)
     # Its own speculation: decode steps with drafts, drafts found and accepted (in all, per draft position).
-    decode_steps: int = 0         # decode steps it took part in (its acceptance length: output tokens / these)
+    # decode steps it took part in (its acceptance length: output tokens / these)
+    decode_steps: int = 0
     spec_steps: int = 0
     drafted: int = 0
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None   # per output token, when asked: its own and the top N's
-    prompt_mask: object = None    # with penalties: its prompt's tokens on the device [V] (sampler.prompt_mask)
+    # with penalties: its prompt's tokens on the device [V] (sampler.prompt_mask)
+    prompt_mask: object = None
     step_logprobs: list[dict[int, float]] | None = None   # those of the last step's tokens, until committed
 
     @property
@@ -159,7 +81,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str            # "stop" (EOS or a stop string) or "length"
     prompt_token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None   # per token of token_ids, when asked: {id: logprob}, its own first
+    # per token of token_ids, when asked: {id: logprob}, its own first
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -177,12 +100,13 @@ class Scheduler:
     requests already decoding, so that a long prompt arriving does not stall the running streams
     for all its chunks; offline, every prefill goes first (the largest decode batches)."""
 
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int, on_free=None,
-                 decode_between_prefills: bool = False, cached_prefix=None):
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 on_free=None, decode_between_prefills: bool = False, cached_prefix=None):
         self.allocator = allocator
         self.on_free = on_free or (lambda request: None)   # the proposer releases its state too
         # a waiting request's cached positions: the prefix cache's (engine.cached_prefix: the proposer's too)
-        self.cached_prefix = cached_prefix or (lambda req: allocator.cached_prefix(req.block_table, req.tokens[:-1]))
+        self.cached_prefix = cached_prefix or (
+            lambda req: allocator.cached_prefix(req.block_table, req.tokens[:-1]))
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_between_prefills = decode_between_prefills
@@ -287,83 +211,6 @@ class Scheduler:
             self.on_free(req)
 
 
-@dataclass
-class Stats:
-    generated_tokens: int = 0
-    steps: int = 0                # decode / verify steps
-    request_steps: int = 0        # sum over those steps of the requests in the step
-    prefill_steps: int = 0
-    preemptions: int = 0
-    elapsed_s: float = 0.0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache (every token but the last)
-    prefix_cache_hits: int = 0      # of those, the tokens found cached
-    # Per draft position i, counted over request-steps: K asked of the proposer > i (offered), a draft
-    # found there (drafted; an n-gram miss drafts less than offered), that draft accepted.
-    offered_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    chosen_k: dict[int, dict[int, int]] = field(default_factory=dict)   # batch size -> K -> decode steps
-    # batch size -> K a request asked for -> request-steps (the step's K, or less near max_tokens;
-    # with per-request K, each request's own)
-    request_k: dict[int, dict[int, int]] = field(default_factory=dict)
-
-    def record(self, k: int, ks: list[int], num_draft: list[int], num_accepted: list[int]) -> None:
-        """A decode step that chose K = k for a batch whose request b asked for ks[b] <= k drafts
-        (fewer near its max_tokens), got num_draft[b] and had num_accepted[b] accepted."""
-        self.steps += 1
-        self.request_steps += len(num_draft)
-        self.drafted_tokens += sum(num_draft)
-        self.accepted_tokens += sum(num_accepted)
-        count_in(self.chosen_k, len(ks), {k: 1})
-        count_in(self.request_k, len(ks), Counter(ks))
-        for counts, per_position in ((ks, self.offered_per_position), (num_draft, self.drafted_per_position),
-                                     (num_accepted, self.accepted_per_position)):
-            for n in counts:
-                per_position.extend([0] * (n - len(per_position)))
-                for i in range(n):
-                    per_position[i] += 1
-
-    def add(self, other: Stats) -> None:
-        """Count another run's steps and tokens in this one (stats over several generate calls)."""
-        for name in ("generated_tokens", "steps", "request_steps", "prefill_steps", "preemptions", "elapsed_s",
-                     "drafted_tokens", "accepted_tokens", "prefix_cache_queries", "prefix_cache_hits"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("offered_per_position", "drafted_per_position", "accepted_per_position"):
-            pairs = itertools.zip_longest(getattr(self, name), getattr(other, name), fillvalue=0)
-            setattr(self, name, [a + b for a, b in pairs])
-        for mine, theirs in ((self.chosen_k, other.chosen_k), (self.request_k, other.request_k)):
-            for batch_size, ks in theirs.items():
-                count_in(mine, batch_size, ks)
-
-    def as_dict(self) -> dict:
-        tps = self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
-        # Acceptance length: the tokens a request gains in a step, 1 (the target's own: recovered or
-        # bonus) plus its accepted drafts. Plain decoding has 1; K drafts all accepted give K + 1.
-        mean_al = 1 + self.accepted_tokens / self.request_steps if self.request_steps else 0.0
-        drafted = self.drafted_per_position
-        accepted = self.accepted_per_position + [0] * (len(drafted) - len(self.accepted_per_position))
-        rates = [round(a / d, 4) for a, d in zip(accepted, drafted)]
-        return {"generated_tokens": self.generated_tokens, "steps": self.steps,
-                "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
-                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
-                "mean_acceptance_length": round(mean_al, 4), "acceptance_rate_per_position": rates,
-                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
-                "chosen_k": histogram(self.chosen_k), "request_k": histogram(self.request_k),
-                "elapsed_s": round(self.elapsed_s, 4), "tokens_per_second": round(tps, 2)}
-
-
-def count_in(per_batch: dict[int, dict[int, int]], batch_size: int, counts) -> None:
-    per_k = per_batch.setdefault(batch_size, {})
-    for k, n in counts.items():
-        per_k[k] = per_k.get(k, 0) + n
-
-
-def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]:
-    return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
-
-
 class NonFiniteLogits(Exception):
     """A decode step found NaN / inf logits: failed holds (request, message) for each request hit."""
 
@@ -379,43 +226,36 @@ def note_logprobs(reqs: list[Request], emitted: list[list[int]], logits: torch.T
     of the target's logits in float32, before temperature, top-k or top-p. logits: [bucket, K + 1,
     vocab], row b's queries in order; in one copy back."""
     rows = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
-    n = min(max(reqs[b].params.logprobs for b in rows), logits.shape[-1])   # (a toy vocabulary may hold fewer)
+    # (a toy vocabulary may hold fewer)
+    n = min(max(reqs[b].params.logprobs for b in rows), logits.shape[-1])
     q = max(len(emitted[b]) for b in rows)
     logprobs = torch.log_softmax(logits[rows, :q].float(), dim=-1)   # [R, q, vocab]
     ids = torch.tensor([emitted[b] + [0] * (q - len(emitted[b])) for b in rows], device=logits.device)
     own = logprobs.gather(-1, ids[..., None])
     top = logprobs.topk(n, dim=-1)
-    host = torch.cat([own.double(), top.values.double(), top.indices.double()], dim=-1).tolist()   # ids exact in float64
+    # ids exact in float64
+    host = torch.cat([own.double(), top.values.double(), top.indices.double()], dim=-1).tolist()
     for i, b in enumerate(rows):
         keep = reqs[b].params.logprobs
-        reqs[b].step_logprobs = [{token: row[0], **{int(t): v for t, v in zip(row[1 + n:1 + n + keep], row[1:1 + keep])
-                                                   if int(t) != token}}
+        top_n = lambda row: zip(row[1 + n:1 + n + keep], row[1:1 + keep])   # (id, logprob) pairs
+        reqs[b].step_logprobs = [{token: row[0], **{int(t): v for t, v in top_n(row) if int(t) != token}}
                                  for token, row in zip(emitted[b], host[i])]
 
 
 def non_finite_error(req: Request, flag: int, proposer, what: str = "logits") -> str:
-    """flag: 1 where the target's logits (or `what`) for the request held NaN or +inf, 2 the drafter's (3 both)."""
+    """flag: 1 where the target's logits (or `what`) for the request held NaN or +inf, 2 the
+    drafter's (3 both)."""
     who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
-    return (f"the {who} produced NaN or infinite {what} for request {req.index} at position {len(req.tokens)}: "
-            "its weights hold NaN/inf, its config.json has a broken value (rope_theta, rms_norm_eps), or float16 "
-            "overflowed; check the checkpoint, or run in float32 (--dtype float32, dtype='float32')")
+    return (f"the {who} produced NaN or infinite {what} for request {req.index} at position "
+            f"{len(req.tokens)}: its weights hold NaN/inf, its config.json has a broken value (rope_theta, "
+            "rms_norm_eps), or float16 overflowed; check the checkpoint, or run in float32 (--dtype float32, "
+            "dtype='float32')")
 
 
 def own_cap(req: Request, k: int) -> int:
     """k, at most the request's own num_speculative_tokens (0: no speculation for it)."""
     cap = req.params.num_speculative_tokens
     return k if cap is None else min(k, cap)
-
-
-def note_speculation(req: Request, num_draft: int, num_accepted: int) -> None:
-    """Count a decode step's drafts in the request's own figures (its usage, in the server)."""
-    req.spec_steps += 1
-    req.drafted += num_draft
-    req.accepted += num_accepted
-    for per_position, n in ((req.drafted_per_position, num_draft), (req.accepted_per_position, num_accepted)):
-        per_position.extend([0] * (n - len(per_position)))
-        for i in range(n):
-            per_position[i] += 1
 
 
 def emittable_vocab(config, tokenizer) -> int:
@@ -446,7 +286,8 @@ def release(step_graphs: StepGraphs, proposer: Proposer | None, req: Request) ->
 
 
 class Engine:
-    """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every request.
+    """Owns the model, its KV cache, the scheduler, the sampler and the proposer; `step` advances every
+    request.
 
     K per decode step comes from the KPolicy it is built with (k_policy.py: static K, the queue-size
     switch-off, dynamic K): a K per request, never more than the request can still emit; the step
@@ -471,13 +312,14 @@ class Engine:
         # An embedding padded past the tokenizer (Qwen: 151,936 rows, 151,665 tokens) never emits
         # its padding: the logits are cut to this size before sampling.
         self.vocab_size = emittable_vocab(cfg, tokenizer)
-        self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len, device,
-                                      self.sampler, proposer, use_graphs)
+        self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len,
+                                      device, self.sampler, proposer, use_graphs)
         # on_free is not a bound method of the engine: a scheduler holding the engine would make a
         # reference cycle, and a dead engine's graphs and KV cache would wait for the garbage collector.
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
                                    on_free=functools.partial(release, self.step_graphs, proposer),
-                                   cached_prefix=functools.partial(cached_prefix, self.kv_cache.allocator, proposer))
+                                   cached_prefix=functools.partial(cached_prefix, self.kv_cache.allocator,
+                                                                   proposer))
         self.stats = Stats()
         self.max_k = 0           # the largest K a request may ask for (the LLM sets it: its graphs' K)
         self.step_k = 0          # the current decode step's K (the largest of its requests')
@@ -495,8 +337,9 @@ class Engine:
         num_blocks = num_kv_blocks or cache.allocator.num_blocks
         if proposer is None and self.proposer is not None:
             proposer = self.proposer.twin(num_blocks)
-        twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks, cache.block_size,
-                      max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens, False,
+        twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
+                      cache.block_size, max_num_seqs or scheduler.max_num_seqs,
+                      scheduler.max_num_batched_tokens, False,
                       proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs,
                       cache.allocator.prefix_caching)
         twin.sampler = twin.step_graphs.sampler = self.sampler   # compiled once (on CUDA), shared
@@ -520,24 +363,25 @@ class Engine:
             raise NanospecError(f"prompt {index} is empty; give at least one token of text")
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise NanospecError(f"prompt {index} holds token id {bad[0]!r}, outside this model and tokenizer's "
-                                f"ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
+            raise NanospecError(f"prompt {index} holds token id {bad[0]!r}, outside this model and "
+                                f"tokenizer's ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
         outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if outside:
-            raise NanospecError(f"{param('stop_token_ids')} holds {outside[0]}, outside this model and tokenizer's "
-                                f"ids 0..{self.vocab_size - 1}")
+            raise NanospecError(f"{param('stop_token_ids')} holds {outside[0]}, outside this model and "
+                                f"tokenizer's ids 0..{self.vocab_size - 1}")
         if len(prompt_ids) >= self.max_model_len:
             raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "
                                 f"{self.max_model_len}; shorten the prompt or raise {param('max_model_len')}")
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         allocator = self.kv_cache.allocator
         if allocator.blocks_for(max_len) > allocator.num_blocks:
-            raise NanospecError(f"request {index} needs up to {max_len} tokens of KV cache but the pool holds "
-                                f"{allocator.num_blocks * allocator.block_size}; raise the KV cache size "
-                                "or lower max_tokens")
+            raise NanospecError(f"request {index} needs up to {max_len} tokens of KV cache but the pool "
+                                f"holds {allocator.num_blocks * allocator.block_size}; raise the KV cache "
+                                "size or lower max_tokens")
         asked = params.num_speculative_tokens
         if asked is not None and asked > self.max_k:
-            raise NanospecError(f"request {index} asks for {param('num_speculative_tokens')} {asked} but this engine "
+            raise NanospecError(f"request {index} asks for {param('num_speculative_tokens')} {asked} but "
+                                "this engine "
                                 + (f"drafts at most {self.max_k}; ask for 0..{self.max_k}" if self.proposer
                                    else "has no proposer; ask for 0 or leave it unset"))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -564,7 +408,8 @@ class Engine:
         draft's step draws other noise than a plain one)."""
         if self.proposer and id(req) not in self.request_k:
             self.choose_ks()
-        return max(0, min(own_cap(req, self.request_k.get(id(req), self.step_k)), req.max_len - len(req.tokens) - 1))
+        return max(0, min(own_cap(req, self.request_k.get(id(req), self.step_k)),
+                          req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:
         """One forward pass over the scheduled batch; returns the requests that got new tokens (none,
@@ -579,7 +424,8 @@ class Engine:
         except NonFiniteLogits as e:
             return self.fail(e.failed)
         except BaseException:   # an error, or Ctrl-C, midway: the pass may have written part of its K/V
-            with contextlib.suppress(Exception):   # (a device failed for good: its own error is the one raised)
+            # (a device failed for good: its own error is the one raised)
+            with contextlib.suppress(Exception):
                 self.clear_caches()
             raise
         for req, tokens, features in results:
@@ -598,13 +444,14 @@ class Engine:
         reqs, lens = batch.requests, batch.query_lens
         input_ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
         meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], lens,
-                              self.kv_cache.block_size, self.device, extra=input_ids)   # the ids ride in its one copy
+                              # the ids ride in its one copy
+                              self.kv_cache.block_size, self.device, extra=input_ids)
         capture = self.proposer.capture_layers if self.proposer else ()
         hidden, captured = self.model(meta.extra, meta.positions, self.kv_cache, meta, capture)
         for req, n in zip(reqs, lens):
             req.num_cached += n
         self.check_prefilled(reqs, lens)
-        features = self.proposer.features(hidden, captured) if self.proposer and self.proposer.needs_features else None
+        features = self.proposer.features(hidden, captured) if self.proposer else None
         self.stats.prefill_steps += 1
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
         return [(r, [], None if features is None else features[starts[b]:starts[b] + lens[b]])
@@ -620,24 +467,11 @@ class Engine:
         start = time.perf_counter()
         reqs = batch.requests
         ks = [n - 1 for n in batch.query_lens]
-        host_drafts = plan = None
-        if max(ks) and self.proposer.drafts_on_host:   # n-gram, suffix: drafts made on the host ride in the upload
-            proposal = self.proposer.propose(reqs, ks)
-            num_draft, host_drafts = proposal.num_draft, proposal.host_drafts
-        else:
-            num_draft = [min(k, self.proposer.max_drafts(r)) for r, k in zip(reqs, ks)] if max(ks) else [0] * len(reqs)
-            model_ks = num_draft
-            if max(num_draft) and self.proposer.host_and_model:   # hybrid: suffix drafts first
-                host_drafts, model_ks = self.proposer.choose(reqs, num_draft)
-                num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
-            plan = self.proposer.prepare(reqs, model_ks) if max(model_ks) else None
-            if max(model_ks):   # a row its pool had no room for drafts nothing (ModelProposer.with_room)
-                kept = set(plan.rows) if plan else set()
-                num_draft = [d if not model_ks[b] or b in kept else 0 for b, d in enumerate(num_draft)]
-        steps = self.step_graphs
-        sampling = steps.upload(reqs, num_draft, host_drafts, plan)
-        if plan:   # a model proposer's round, on the device
-            steps.run_round(plan, sampling)
+        proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal.none(len(reqs))
+        num_draft, steps = proposal.num_draft, self.step_graphs
+        sampling = steps.upload(reqs, num_draft, proposal.host_drafts, proposal.round)
+        if proposal.round:   # a model proposer's draft steps, on the device
+            steps.run_round(proposal.round, sampling)
         out, features, logits = steps.run(sampling)
         out = out[:len(reqs)]
         host_out = out.tolist()   # the one copy back
@@ -656,7 +490,8 @@ class Engine:
             if d:
                 note_speculation(req, d, a)
         self.stats.record(self.step_k, ks, num_draft, accepted)
-        seconds = time.perf_counter() - start   # timed after the one copy above, so the device's work is in it
+        # timed after the one copy above, so the device's work is in it
+        seconds = time.perf_counter() - start
         if max(ks):
             self.proposer.verified(num_draft, accepted, seconds)
         self.k_policy.observe(ks, accepted, num_draft, seconds=seconds, requests=reqs)
@@ -698,8 +533,10 @@ class Engine:
             if req.logprobs is not None:
                 req.logprobs.append(req.step_logprobs[i])
             self.stats.generated_tokens += 1
-            stop_token = (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids
-            end = (("stop", not req.params.include_stop_str_in_output) if stop_token else   # (reason, drop_last)
+            stop_token = (token in self.eos_ids
+                          and not req.params.ignore_eos) or token in req.params.stop_token_ids
+            # (reason, drop_last)
+            end = (("stop", not req.params.include_stop_str_in_output) if stop_token else
                    ("stop", False) if req.params.stop and self.hit_stop_string(req) else
                    ("length", False) if len(req.tokens) >= req.max_len else None)
             if end:
@@ -729,7 +566,8 @@ class Engine:
         blocks would go back to the pool with their NaN if it were preempted or aborted first, and a
         request given them would read those slots masked (0 * NaN is NaN)."""
         size = self.kv_cache.block_size
-        written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)] for r, n in zip(reqs, lens)]
+        written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)] for r, n in zip(reqs,
+                                                                                                      lens)]
         if not bool(torch.isfinite(self.kv_cache.pool[:, :, [b for bs in written for b in bs]]).all()):
             raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer, "K/V"))
                                    for r, bs in zip(reqs, written)
@@ -742,7 +580,8 @@ class Engine:
         tok, skip = self.tokenizer, req.params.skip_special_tokens
         # A stop string the newest token completed lies in the newest token's bytes and the
         # longest stop's before them.
-        num_bytes = max(len(s.encode()) for s in req.params.stop) + len(tok.decode_bytes(req.output_ids[-1:], skip))
+        num_bytes = max(len(s.encode()) for s in req.params.stop) + len(tok.decode_bytes(req.output_ids[-1:],
+                                                                                         skip))
         tail = tok.output_text(tok.tail(req.output_ids, num_bytes, skip), skip)
         if not any(s in tail for s in req.params.stop):
             return False
@@ -750,13 +589,15 @@ class Engine:
         # The stop that ends first (a step's token may complete two), the first listed of a tie, as
         # vLLM chooses; the text ends before it, or after it. (A stop holding U+FFFD may match only
         # the tail's cut start: none found then.)
-        found = [(start + len(s), i, start) for i, s in enumerate(req.params.stop) if (start := text.find(s)) >= 0]
+        found = [(start + len(s), i, start) for i,
+                 s in enumerate(req.params.stop) if (start := text.find(s)) >= 0]
         if found:
             end, _, start = min(found)
             req.text = text[:end if req.params.include_stop_str_in_output else start]
         return bool(found)
 
-    def finish(self, req: Request, reason: str, drop_last: bool = False, features: torch.Tensor | None = None) -> None:
+    def finish(self, req: Request, reason: str, drop_last: bool = False,
+               features: torch.Tensor | None = None) -> None:
         req.finish_reason = reason
         if self.proposer:
             if features is not None:

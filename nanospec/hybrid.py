@@ -27,7 +27,7 @@ Everything else (the round's steps, the caches, EAGLE's features) is the model d
 from __future__ import annotations
 
 from nanospec.estimators import StepTimes
-from nanospec.proposer import ModelProposer
+from nanospec.proposer import ModelProposer, Proposal
 from nanospec.suffix import SuffixProposer
 
 BIN_WIDTH = 0.5
@@ -37,7 +37,8 @@ PRIOR_RATE = 0.5       # the model's acceptance rate per position before it has 
 PROBE_EVERY = 16       # priced: every this many steps at a batch size, a plan not chosen runs once
 
 
-PLANS = ("plain", "suffix", "mixed")   # a priced step's plans: no drafts; suffix drafts only; the acceptance's
+# a priced step's plans: no drafts; suffix drafts only; the acceptance's
+PLANS = ("plain", "suffix", "mixed")
 
 
 class StepPlans:
@@ -66,7 +67,8 @@ class StepPlans:
         if unmeasured:
             plan = unmeasured[0]
         else:
-            ranked = sorted(expected, key=lambda p: expected[p][0] / self.seconds[p].ratio(batch, expected[p][1]),
+            ranked = sorted(expected, key=lambda p: expected[p][0] / self.seconds[p].ratio(batch,
+                                                                                           expected[p][1]),
                             reverse=True)
             self.steps[batch] = self.steps.get(batch, 0) + 1
             probe, turn = divmod(self.steps[batch], PROBE_EVERY)
@@ -76,9 +78,8 @@ class StepPlans:
 
 
 class HybridProposer:
-    drafts_on_host = False
     acceptance_in_spans = False   # model drafts: dynamic K counts acceptance per step
-    host_and_model = True         # the engine asks choose() first, then runs a round for the rest
+    host_and_model = True         # suffix drafts on the host beside the model's round, in one step
 
     def __init__(self, suffix: SuffixProposer, model: ModelProposer, model_k: int = 4, priced: bool = False):
         self.suffix, self.model, self.model_k = suffix, model, model_k   # the model drafts at most model_k
@@ -87,7 +88,8 @@ class HybridProposer:
         self.bins = [[0.0, 0] for _ in range(NUM_BINS)]   # per score bin: accepted tokens, drafts
         self.model_drafted: list[int] = []                # per position: the model's drafts there
         self.model_accepted: list[int] = []               # and how many were accepted
-        self.chosen: list[int | None] = []                # per row of the last step: the suffix draft's bin, or None
+        # per row of the last step: the suffix draft's bin, or None
+        self.chosen: list[int | None] = []
         self.model_steps = 0                              # request-steps the model drafted for
 
     def __getattr__(self, name):   # only for what HybridProposer itself does not define
@@ -116,6 +118,21 @@ class HybridProposer:
     def bin(score: float) -> int:
         return min(int(score / BIN_WIDTH), NUM_BINS - 1)
 
+    def propose(self, requests, ks: list[int]) -> Proposal:
+        """The suffix drafts of the rows choose() gives them, a round of the model's for the others
+        (a row its pool has no room for drafts nothing)."""
+        num_draft = [min(k, self.model.max_drafts(r)) for r, k in zip(requests, ks)]
+        if not max(num_draft):
+            return Proposal(num_draft)
+        host_drafts, model_ks = self.choose(requests, num_draft)
+        num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
+        if not max(model_ks):
+            return Proposal(num_draft, host_drafts)
+        plan = self.model.prepare(requests, model_ks)
+        kept = set(plan.rows) if plan else set()
+        return Proposal([d if not model_ks[b] or b in kept else 0 for b, d in enumerate(num_draft)],
+                        host_drafts, plan)
+
     def choose(self, requests, ks: list[int]) -> tuple[list[list[int]], list[int]]:
         """(the suffix drafts, [] where the model drafts; the model's K per request, 0 where not).
         Priced: the drafts of the plan that pays (StepPlans)."""
@@ -141,7 +158,9 @@ class HybridProposer:
             batch = len(requests)
             suffix_tokens = sum(len(d.tokens) for d in suffix_drafts)
             plans = dict(plain=(batch, 0.0), suffix=(batch + expected["suffix"], suffix_tokens / batch),
-                         mixed=(batch + expected["mixed"], sum(len(d) or k for d, k in zip(drafts, model_ks)) / batch))
+                         mixed=(batch + expected["mixed"], sum(len(d) or k for d, k in zip(drafts,
+                                                                                           model_ks))
+                                / batch))
             if not any(model_ks):   # the acceptance's plan is the suffix drafts' own
                 del plans["mixed"]
             if not suffix_tokens:
@@ -150,7 +169,8 @@ class HybridProposer:
             if plan != "mixed":
                 drafts = [d.tokens if plan == "suffix" else [] for d in suffix_drafts]
                 model_ks = [0] * batch
-                self.chosen = [self.bin(d.score) if d.tokens and plan == "suffix" else None for d in suffix_drafts]
+                self.chosen = [self.bin(d.score) if d.tokens and plan == "suffix" else None
+                               for d in suffix_drafts]
         self.plan = "mixed" if any(model_ks) else "suffix" if any(drafts) else "plain"
         return drafts, model_ks
 
@@ -175,7 +195,8 @@ class HybridProposer:
 
     def finished(self, request) -> None:
         self.suffix.finished(request)
-        self.model.finished(request)   # EAGLE: what its head was not fed, as the request's rows took suffix drafts
+        # EAGLE: what its head was not fed, as the request's rows took suffix drafts
+        self.model.finished(request)
 
     def free(self, request) -> None:
         self.model.free(request)   # its suffix stream (Request.suffix_stream) only depends on tokens

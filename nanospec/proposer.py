@@ -1,12 +1,13 @@
 """Proposers: who guesses the next K tokens that the target then verifies in one forward pass.
 
-One interface for every kind of guesser:
+One interface for every kind of guesser; the engine asks for one Proposal per decode step and
+treats every proposal alike, whoever made it:
+  propose(requests, ks) -> Proposal   up to ks[b] drafts for request b: made on the host (n-gram,
+                               suffix: lists, sent with the step's other host data), or planned as a
+                               round of draft steps that cuda_graph.StepGraphs runs on the device
+                               (draft model, EAGLE: first_step or catch_up_step, then next_step),
+                               or both (the hybrid)
   max_drafts(request)          the most drafts it can make for the request now
-  propose(requests, ks) -> Proposal   (drafts_on_host: n-gram) up to ks[b] drafts for request b, as
-                               lists on the host, which the step sends with its other host data
-  prepare(requests, ks) -> Round   (model proposers) plan a round of draft steps, which the step
-                               (cuda_graph.StepGraphs) runs on the device with first_step (or
-                               catch_up_step) and next_step
   observe(request, features)   the target's features for positions it just cached for good (EAGLE)
   rollback(request)            forget what the proposer cached past the request's committed tokens
   free(request)                the request finished or was preempted: release the proposer's state
@@ -48,27 +49,29 @@ from nanospec.sampler import DRAFT, SamplingBatch, pick, target_probs, uniform_n
 
 @dataclass
 class Proposal:
-    """Drafts made on the host (n-gram): the engine sends them in the step's one copy."""
-    num_draft: list[int]                    # drafts per request
-    host_drafts: list[list[int]]            # request b's drafts
+    """One step's drafts for its batch. Drafts made on the host ride in the step's one copy; a
+    round's are drawn on the device before the verify reads them. No drafts at all: plain decoding."""
+    num_draft: list[int]                             # drafts request b verifies (0: none)
+    host_drafts: list[list[int]] | None = None       # request b's drafts made on the host ([]: none)
+    round: Round | None = None                       # a model proposer's round of draft steps
+
+    @staticmethod
+    def none(batch: int) -> Proposal:
+        return Proposal([0] * batch)
 
 
 class Proposer:
     capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
     needs_features = False
-    drafts_on_host = False                  # propose returns host_drafts, before the step's upload
-    acceptance_in_spans = False             # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
-    host_and_model = False                  # choose() splits a step's drafts between the host and a round (the hybrid)
+    # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
+    acceptance_in_spans = False
+    host_and_model = False                  # host drafts beside a round in one step (the hybrid)
 
     def max_drafts(self, request) -> int:
         return request.max_len
 
-    def prepare(self, requests, ks: list[int]):
-        """A model proposer's plan of its round (see ModelProposer.prepare)."""
-        raise NotImplementedError
-
     def propose(self, requests, ks: list[int]) -> Proposal:
-        """Drafts made on the host (drafts_on_host)."""
+        """Up to ks[b] drafts for request b (some ks[b] > 0)."""
         raise NotImplementedError
 
     def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor | None:
@@ -124,8 +127,8 @@ class NgramProposer(Proposer):
     """Prompt lookup (Saxena 2023): no model, and very good when the answer copies its context
     (code edits, summaries, extraction). Drafts are one-hot: q(d) = 1."""
 
-    acceptance_in_spans = True   # its drafts are the text after a match: right for a span, however split into steps
-    drafts_on_host = True
+    # its drafts are the text after a match: right for a span, however split into steps
+    acceptance_in_spans = True
 
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
         self.device, self.min_n, self.max_n = device, min_n, max_n
@@ -148,8 +151,6 @@ class OracleProposer(Proposer):
     measures the ceiling of the speculative machinery (acceptance length K + 1) on any model,
     random weights included. For benchmarks only."""
 
-    drafts_on_host = True
-
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
         self.continuations = continuations
 
@@ -168,7 +169,8 @@ class OracleProposer(Proposer):
 class Round:
     """A model proposer's round of draft steps, planned on the host before the decode step's upload
     (cuda_graph.StepGraphs runs it)."""
-    host: list[int]                       # the first step's lengths, input ids and batch rows: sent in the step's copy
+    # the first step's lengths, input ids and batch rows: sent in the step's copy
+    host: list[int]
     rows: list[int]                       # the batch rows that draft (K > 0), in the first step's order
     shape: MetadataShape                  # of the first step's metadata at the start of `host`
     first_position: list[int]             # per batch row: the proposer's position for d_1 (0: no round)
@@ -177,8 +179,8 @@ class Round:
     width: int                            # blocks of the longest table by the end of the round
     features: torch.Tensor | None = None  # EAGLE: the target features the first step feeds
     device: torch.Tensor | None = None    # `host` on the device, once sent
-    k: int = 0                            # draft steps: the most drafts a row asks of it (a hybrid's
-                                          # suffix rows may verify more)
+    # draft steps: the most drafts a row asks of it (a hybrid's suffix rows may verify more)
+    k: int = 0
 
 
 @dataclass(slots=True)
@@ -273,6 +275,14 @@ class ModelProposer(Proposer):
                     free -= need
         return rows
 
+    def propose(self, requests, ks) -> Proposal:
+        """A round of draft steps for the rows it can draft for (max_drafts) and has room for
+        (with_room); the rows left out draft nothing this step."""
+        num_draft = [min(k, self.max_drafts(r)) for r, k in zip(requests, ks)]
+        plan = self.prepare(requests, num_draft) if max(num_draft) else None
+        kept = set(plan.rows) if plan else set()
+        return Proposal([d if b in kept else 0 for b, d in enumerate(num_draft)], round=plan)
+
     def prepare(self, requests, ks) -> Round | None:
         """Plan a round of draft steps (request b drafts ks[b]) and grow every block it will write,
         before it runs; None when no row fits in the pool (with_room: the rows left out draft
@@ -284,7 +294,8 @@ class ModelProposer(Proposer):
         states = [self.state(requests[b]) for b in rows]
         inputs, lens, features = self.catch_up([requests[b] for b in rows], states)
         host, shape = pack_metadata(None, [s.num_cached for s in states], lens, inputs)
-        allocator, first_position, catch_up = self.kv_cache.allocator, [0] * len(requests), [0] * len(requests)
+        allocator = self.kv_cache.allocator
+        first_position, catch_up = [0] * len(requests), [0] * len(requests)
         first_width = width = 1
         for b, st, n in zip(rows, states, lens):   # the round feeds n positions, then ks[b] - 1 drafts
             first_width = max(first_width, allocator.blocks_for(st.num_cached + n))
@@ -357,7 +368,8 @@ class DraftModelProposer(ModelProposer):
         self.publish(request)
 
 
-ABSORB_AT = 256   # EAGLE: the target's features a request may hold back from the head (then fed without drafting)
+# EAGLE: the target's features a request may hold back from the head (then fed without drafting)
+ABSORB_AT = 256
 
 
 class EagleProposer(ModelProposer):
@@ -372,13 +384,15 @@ class EagleProposer(ModelProposer):
     needs_features = True
     shift = 1
 
-    def __init__(self, head, target, aux_layers, num_blocks: int, block_size: int, vocab: int, device: torch.device):
+    def __init__(self, head, target, aux_layers, num_blocks: int, block_size: int, vocab: int,
+                 device: torch.device):
         cfg = head.config
         dtype = next(head.parameters()).dtype
         super().__init__(KVCache(1, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device),
                          vocab, cfg.max_position_embeddings, device)
         self.head, self.target = head, target
-        self.embed = getattr(head, "embed_tokens", target.model.embed_tokens)   # a head's own, else the target's
+        # a head's own, else the target's
+        self.embed = getattr(head, "embed_tokens", target.model.embed_tokens)
         self.capture_layers = tuple(aux_layers or ())
 
     def features(self, hidden, captured):
@@ -409,7 +423,8 @@ class EagleProposer(ModelProposer):
         """None before the target has given a feature to start from: a one-token prompt before its
         first step (the target caches all but the last token, so has computed no feature yet)."""
         st = self.state(request)
-        return super().max_drafts(request) if (st.num_real or any(len(f) for f in st.pending)) and not st.failed else 0
+        fed = st.num_real or any(len(f) for f in st.pending)
+        return super().max_drafts(request) if fed and not st.failed else 0
 
     def catch_up_len(self, request, state) -> int:
         """How many elements its next first step feeds: those with real features not fed yet."""
@@ -420,7 +435,8 @@ class EagleProposer(ModelProposer):
         is (f_i, t_{i+1}): as many tokens as features), but for each request's last with keep_last
         (absorb's: a round's first step must feed one, whose output gives d_1)."""
         lens = [self.catch_up_len(r, s) - keep_last for r, s in zip(requests, states)]
-        token_ids = [t for r, s, n in zip(requests, states, lens) for t in r.tokens[s.num_real + 1:s.num_real + 1 + n]]
+        token_ids = [t for r, s, n in zip(requests, states,
+                                          lens) for t in r.tokens[s.num_real + 1:s.num_real + 1 + n]]
         fed = [s.pending[:-1] + [s.pending[-1][:-1]] if keep_last else s.pending for s in states]
         features = torch.cat([f for parts in fed for f in parts])
         for s, n in zip(states, lens):
@@ -452,8 +468,8 @@ class EagleProposer(ModelProposer):
         token_ids, lens, features = self.catch_up(rows, states, keep_last)
         for st, n in zip(states, lens):
             allocator.grow(st.block_table, st.num_cached + n)
-        meta = build_metadata([s.block_table for s in states], cached, lens, self.kv_cache.block_size, self.device,
-                              extra=token_ids)
+        meta = build_metadata([s.block_table for s in states], cached, lens, self.kv_cache.block_size,
+                              self.device, extra=token_ids)
         self.forward(meta, meta.extra, features)
         for st in states:
             st.num_cached = st.num_real

@@ -49,30 +49,36 @@ MIN_TOKEN_PROB = 0.1      # a draft stops where its path's probability falls bel
 MAX_SPEC_FACTOR = 1.0     # a match of L tokens drafts at most L * factor + offset tokens
 MAX_SPEC_OFFSET = 0.0     # the walk's (vLLM's); the proposer's is EXTRA_TOKENS
 MAX_CANDIDATES = 256      # the most recent occurrences of a key a draft reads (bounds its host time)
-RUN_SEGMENTS = 4          # sealed segments merged into one sorted run (GlobalIndex): fewer searches, small copies
+# sealed segments merged into one sorted run (GlobalIndex): fewer searches, small copies
+RUN_SEGMENTS = 4
 SEPARATOR = -1            # between requests in the global stream: no match or draft crosses it
-EXTRA_TOKENS = 3          # the proposer's max_spec_offset: at most this many extra tokens, each priced (ExtraTokens)
+# the proposer's max_spec_offset: at most this many extra tokens, each priced (ExtraTokens)
+EXTRA_TOKENS = 3
 EXTRA_PRIOR = 0.5         # an extra token's chance to be accepted before any has been verified
 EXTRA_PRIOR_WEIGHT = 8.0  # the drafts its measurement must see to outweigh the prior
-EXTRA_PROBE_EVERY = 64    # every this many steps the extra tokens are drafted whatever their price (kept measured)
+# every this many steps the extra tokens are drafted whatever their price (kept measured)
+EXTRA_PROBE_EVERY = 64
 DECAY = 0.97              # per step, of the tokens a request gains a step (AL) and its drafts
 
 # LLM(...)'s suffix settings (vLLM's suffix_decoding_* three and the offset) -> SuffixProposer's arguments
 LLM_SETTINGS = dict(suffix_max_spec_offset="max_spec_offset", suffix_max_cached_requests="max_requests",
                     suffix_max_spec_factor="max_spec_factor", suffix_min_token_prob="min_token_prob")
 
+
 @dataclass
 class Draft:
     tokens: list[int]
     score: float = 0.0       # expected accepted tokens: the sum of the path's probabilities
-    extra: int = 0           # its last tokens that are past the length its match earns (L * factor): the offset's
+    # its last tokens that are past the length its match earns (L * factor): the offset's
+    extra: int = 0
 
 
 NO_DRAFT = Draft([])
 OFF_THE_END = -2             # a window's entry past its stream's ends
 
 
-def windows(stream: np.ndarray, positions: np.ndarray, depth: int, ahead: int) -> tuple[np.ndarray, np.ndarray]:
+def windows(stream: np.ndarray, positions: np.ndarray, depth: int, ahead: int) -> tuple[np.ndarray,
+                                                                                        np.ndarray]:
     """For each position p (where a continuation starts): the `depth` tokens before it, nearest
     first, and the `ahead` tokens from it: [m, depth] and [m, ahead] (views of one gather),
     OFF_THE_END outside stream."""
@@ -92,10 +98,12 @@ def walk(after: np.ndarray, limit: int, min_prob: float) -> Draft:
         if (column == column[0]).all():
             token, count = int(column[0]), len(column)
         else:
-            counts = Counter(t for t in column.tolist() if t >= 0)   # (a Counter beats np.unique on the few rows)
+            # (a Counter beats np.unique on the few rows)
+            counts = Counter(t for t in column.tolist() if t >= 0)
             if not counts:
                 break
-            token, count = max(counts.items(), key=lambda tc: (tc[1], -tc[0]))   # most frequent, then smallest id
+            # most frequent, then smallest id
+            token, count = max(counts.items(), key=lambda tc: (tc[1], -tc[0]))
         prob *= count / len(column)
         if token < 0 or prob < min_prob:
             break
@@ -145,8 +153,10 @@ class RequestStream:
         stream = self.tokens[:self.size]
         if self.size < 2:
             return NO_DRAFT
-        positions = np.flatnonzero(stream[:-1] == stream[-1])[-MAX_CANDIDATES:] + 1   # after each earlier last token
-        return best_draft(*windows(stream, positions, MAX_DEPTH, k), stream[-MAX_DEPTH:].tolist(), k, 1, **walk_args)
+        # after each earlier last token
+        positions = np.flatnonzero(stream[:-1] == stream[-1])[-MAX_CANDIDATES:] + 1
+        return best_draft(*windows(stream, positions, MAX_DEPTH, k), stream[-MAX_DEPTH:].tolist(), k, 1,
+                          **walk_args)
 
 
 def bigram_keys(tokens: np.ndarray) -> np.ndarray:
@@ -170,14 +180,16 @@ class Run:
         that each key's stretch stays in order of position. O(the run)."""
         keys = bigram_keys(stream)
         order = np.argsort(keys, kind="stable")
-        keys, follows = keys[order], (order + 2 + len(self.tokens)).astype(np.int32)   # the bigram ending at order + 1
+        # the bigram ending at order + 1
+        keys, follows = keys[order], (order + 2 + len(self.tokens)).astype(np.int32)
         at = np.searchsorted(self.keys, keys, "right")
         self.keys, self.follows = np.insert(self.keys, at, keys), np.insert(self.follows, at, follows)
         self.tokens = np.concatenate([self.tokens, stream])
         self.segments.append((len(stream), requests))
 
     def drop_oldest(self) -> tuple[int, int]:
-        """Drop the oldest segment, its tokens and every bigram ending in it; returns its (tokens, requests)."""
+        """Drop the oldest segment, its tokens and every bigram ending in it; returns its (tokens,
+        requests)."""
         size, requests = self.segments.popleft()
         kept = self.follows > size   # the bigram ending at follows - 1 >= size
         self.keys, self.follows = self.keys[kept], self.follows[kept] - size
@@ -261,7 +273,8 @@ class GlobalIndex:
         occurrences of its last two tokens: the open segment's, then the sealed ones' (each
         occurrence's windows read from its own stream; counts add up over all of them)."""
         keys = [int(bigram_keys(np.array(c[-2:]))[0]) if len(c) >= 2 else 0 for c in contexts]
-        searched = np.array(keys + [key + 1 for key in keys], dtype=np.int64)   # each key's stretch ends at key + 1's
+        # each key's stretch ends at key + 1's
+        searched = np.array(keys + [key + 1 for key in keys], dtype=np.int64)
         stretches = [(run, *run.lookup(searched)) for run in reversed(self.runs)]   # newest first
         out = []
         for i, (context, key, k) in enumerate(zip(contexts, keys, ks)):
@@ -334,7 +347,8 @@ class ExtraTokens:
             n += 1
         return n
 
-    def observe(self, drafts: list[Draft], num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
+    def observe(self, drafts: list[Draft], num_draft: list[int], num_accepted: list[int],
+                seconds: float) -> None:
         """The step the drafts were made for: what was accepted, and its seconds."""
         self.unit = self.unit or seconds
         self.times.observe(len(num_draft), sum(num_draft) / len(num_draft), seconds / self.unit)
@@ -354,7 +368,6 @@ class SuffixProposer(Proposer):
     step by step (ExtraTokens); a hybrid that drafts with it (drafts(), not propose()) takes them all."""
 
     acceptance_in_spans = True   # its drafts are the text after a match, as n-gram's
-    drafts_on_host = True
 
     def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
                  min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR,
@@ -389,7 +402,8 @@ class SuffixProposer(Proposer):
         return drafts
 
     def propose(self, requests, ks) -> Proposal:
-        self.drafts_made = self.drafts(requests, ks, self.extras.allowed(len(requests)) if self.extras else None)
+        self.drafts_made = self.drafts(requests, ks,
+                                       self.extras.allowed(len(requests)) if self.extras else None)
         return Proposal([len(d.tokens) for d in self.drafts_made], [d.tokens for d in self.drafts_made])
 
     def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:

@@ -77,10 +77,11 @@ def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 
     arch = fam.pop("architectures")[0]
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                   "qwen3": transformers.Qwen3Config}[fam.pop("model_type")]
-    config = config_cls(vocab_size=model_vocab or tok.get_vocab_size(), hidden_size=hidden, intermediate_size=2 * hidden + 8,
+    config = config_cls(vocab_size=model_vocab or tok.get_vocab_size(), hidden_size=hidden,
+                        intermediate_size=2 * hidden + 8,
                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=max_positions, rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None,
-                        **fam)
+                        max_position_embeddings=max_positions, rms_norm_eps=1e-6, eos_token_id=2,
+                        bos_token_id=None, **fam)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).float()
     with torch.no_grad():   # larger than default init, so that logits are far from uniform
@@ -123,7 +124,8 @@ def tiny_llm(checkpoints):
     return LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05)
 
 
-def write_eagle_head(folder: str, target: str, version: int, seed: int = 0, draft_vocab: int | None = None) -> str:
+def write_eagle_head(folder: str, target: str, version: int, seed: int = 0,
+                     draft_vocab: int | None = None) -> str:
     """A random EAGLE head for the checkpoint in `target`, in the public layout: EAGLE-1 (`fc` over
     [embedding, hidden] with bias, `layers.0.*` without input norm) or EAGLE-3 (`midlayer.*`, `fc`
     over three hidden states, `norm`, `lm_head` over a reduced vocabulary, `d2t`, `t2d`)."""
@@ -142,7 +144,8 @@ def write_eagle_head(folder: str, target: str, version: int, seed: int = 0, draf
          f"{prefix}.self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
          f"{prefix}.self_attn.o_proj.weight": rand(h, heads * head_dim),
          f"{prefix}.mlp.gate_proj.weight": rand(inter, h), f"{prefix}.mlp.up_proj.weight": rand(inter, h),
-         f"{prefix}.mlp.down_proj.weight": rand(h, inter), f"{prefix}.post_attention_layernorm.weight": norm()}
+         f"{prefix}.mlp.down_proj.weight": rand(h, inter),
+         f"{prefix}.post_attention_layernorm.weight": norm()}
     head_cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": inter,
                 "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
                 "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": cfg.get("rope_theta", 10000.0),
@@ -151,7 +154,8 @@ def write_eagle_head(folder: str, target: str, version: int, seed: int = 0, draf
         w.update({"fc.weight": rand(h, 2 * h), "fc.bias": 0.1 * torch.randn(h, generator=g)})
     else:
         draft_vocab = draft_vocab or vocab
-        kept = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values   # draft id i -> target id kept[i]
+        # draft id i -> target id kept[i]
+        kept = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
         w.update({"fc.weight": rand(h, 3 * h), "midlayer.hidden_norm.weight": norm(),
                   "midlayer.input_layernorm.weight": norm(), "norm.weight": norm(),
                   "lm_head.weight": rand(draft_vocab, h), "d2t": kept - torch.arange(draft_vocab),
@@ -203,7 +207,8 @@ def assert_no_leak(llm):
     """Nothing queued or running, and every block of the target's and the proposer's pools free."""
     engine = llm.engine
     assert not engine.scheduler.has_work()
-    for pool in [engine.kv_cache] + ([engine.proposer.kv_cache] if hasattr(engine.proposer, "kv_cache") else []):
+    for pool in [engine.kv_cache] + ([engine.proposer.kv_cache] if hasattr(engine.proposer,
+                                                                           "kv_cache") else []):
         assert pool.allocator.num_free == pool.allocator.num_blocks
 
 

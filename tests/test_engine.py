@@ -31,7 +31,8 @@ def test_preemption_under_a_tiny_pool_changes_nothing(checkpoints):
     tiny = LLM(checkpoints["qwen3"], device="cpu", kv_cache_gb=12 * 4 * 2 * 2 * 2 * 32 * 4 / 2**30,
                block_size=4, max_num_batched_tokens=16)
     assert tiny.engine.kv_cache.allocator.num_blocks == 12
-    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i, ignore_eos=True) for i in range(8)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i,
+                             ignore_eos=True) for i in range(8)]
     expected = ample.generate(PROMPTS, params)
     got = tiny.generate(PROMPTS, params)
     assert tiny.stats["preemptions"] > 0
@@ -43,7 +44,8 @@ def test_chunked_prefill_equals_whole_prefill(checkpoints):
     whole = LLM(checkpoints["qwen2"], device="cpu", kv_cache_gb=0.05)
     chunked = LLM(checkpoints["qwen2"], device="cpu", kv_cache_gb=0.05, max_num_batched_tokens=3)
     long_prompt = " ".join(PROMPTS)
-    assert whole.generate([long_prompt], greedy())[0].token_ids == chunked.generate([long_prompt], greedy())[0].token_ids
+    assert whole.generate([long_prompt], greedy())[0].token_ids == chunked.generate([long_prompt],
+                                                                                    greedy())[0].token_ids
     assert chunked.stats["prefill_steps"] > 5
 
 
@@ -51,7 +53,8 @@ def test_seeded_sampling_reproduces_and_seeds_differ(tiny_llm):
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=42, ignore_eos=True)
     a = tiny_llm.generate(PROMPTS[:3], params)
     b = tiny_llm.generate(PROMPTS[:3], params)
-    c = tiny_llm.generate(PROMPTS[:3], SamplingParams(temperature=1.0, max_tokens=16, seed=43, ignore_eos=True))
+    c = tiny_llm.generate(PROMPTS[:3], SamplingParams(temperature=1.0, max_tokens=16, seed=43,
+                                                      ignore_eos=True))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
@@ -146,7 +149,8 @@ def held_tensors(root) -> list[tuple[str, torch.Tensor]]:
             todo += [(f"{path}.{n}", t) for n, t in [*obj.named_parameters(), *obj.named_buffers()]]
             todo += [(f"{path}.{n}", v) for n, v in vars(obj).items() if not n.startswith("_")]
         elif type(obj).__module__.startswith("nanospec"):
-            names = list(getattr(obj, "__dict__", {})) + [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+            slots = [n for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+            names = list(getattr(obj, "__dict__", {})) + slots
             todo += [(f"{path}.{n}", getattr(obj, n)) for n in names if hasattr(obj, n)]
     return found
 

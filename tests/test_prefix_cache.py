@@ -39,9 +39,11 @@ def test_published_blocks_are_shared_until_their_last_holder_frees_them():
 def test_a_block_is_found_only_after_the_same_tokens_before_it():
     alloc = BlockAllocator(num_blocks=8, block_size=2, prefix_caching=True)
     published([1, 2, 3, 4, 5], alloc)
-    assert alloc.cached_prefix(BlockTable(), [9, 9, 3, 4, 5]) == 0     # the second block's tokens, another first
+    # the second block's tokens, another first
+    assert alloc.cached_prefix(BlockTable(), [9, 9, 3, 4, 5]) == 0
     assert alloc.cached_prefix(BlockTable(), [1, 2, 3, 5, 5]) == 2     # the first block only
-    published([7, 7, 7, 7], alloc, num_tokens=3)                      # only whole blocks of the cached positions
+    # only whole blocks of the cached positions
+    published([7, 7, 7, 7], alloc, num_tokens=3)
     assert alloc.cached_prefix(BlockTable(), [7, 7, 7, 7, 1]) == 2
 
 
@@ -71,7 +73,8 @@ def conversations(llm, num=4, turns=3, max_tokens=24):
     first, later, hits = prompts, [], 0
     for _ in range(turns - 1):
         outs = llm.generate(prompts, params)
-        prompts = [p + o.token_ids + llm.tokenizer.encode("\nUser: and then?\nAssistant:") for p, o in zip(prompts, outs)]
+        turn = llm.tokenizer.encode("\nUser: and then?\nAssistant:")
+        prompts = [p + o.token_ids + turn for p, o in zip(prompts, outs)]
         later.append(prompts)
         hits += llm.stats["prefix_cache_hits"]
     llm.generate(prompts, params)
@@ -105,7 +108,8 @@ def assert_published_blocks_hold_their_tokens_kv(warm, cold, prompts):
 @pytest.mark.parametrize("proposer", [{}, dict(ngram=True), dict(suffix=True)])
 @pytest.mark.parametrize("temperature", [0, 0.9])
 @pytest.mark.parametrize("num_blocks", [40, 160])
-def test_cached_prefixes_decode_what_a_cold_cache_decodes(checkpoints, family, proposer, temperature, num_blocks):
+def test_cached_prefixes_decode_what_a_cold_cache_decodes(checkpoints, family, proposer, temperature,
+                                                          num_blocks):
     """Later turns hit the cache (in a pool of 40 blocks of 4, after preemptions and evictions), their
     published blocks hold the K/V a cold prefill computes, and they give the tokens an engine without
     prefix caching gives, greedy and seeded sampling alike."""
@@ -158,7 +162,8 @@ def proposer_blocks_hold_their_kv(warm, cold, prompts):
             if key not in alloc.published:
                 break
             torch.testing.assert_close(proposer.kv_cache.pool[:, :, alloc.published[key]],
-                                       engine.proposer.kv_cache.pool[:, :, state.block_table[i]], atol=1e-4, rtol=1e-4)
+                                       engine.proposer.kv_cache.pool[:, :, state.block_table[i]], atol=1e-4,
+                                       rtol=1e-4)
             most = max(most, i + 1)
         engine.abort([req])
     return most
@@ -178,14 +183,17 @@ def test_model_proposers_cache_prefixes_beside_the_target(spec_models, name):
     cold = LLM(spec_models["target"], enable_prefix_caching=False, **sizes)
     first, later, hits = conversations(warm)
     assert warm.engine.proposer.kv_cache.allocator.published
-    if name.endswith("draft"):   # the target skips only what the draft's cache holds too: its last tokens were never fed
+    # the target skips only what the draft's cache holds too: its last tokens were never fed
+    if name.endswith("draft"):
         assert 0.9 * plain_hits <= hits <= plain_hits
     else:   # EAGLE's head was fed as far, up to a request's end
         assert hits == plain_hits
     if not name.startswith("hybrid"):   # a hybrid's first round may be the suffix draft's: nothing fed yet
         assert proposer_blocks_hold_their_kv(warm, cold, later[-1]) * 4 > max(map(len, first)) + 4
-    # sampled, the hybrid's tokens depend on its choices, which learn from every request (docs/suffix_decoding.md)
-    params = SamplingParams(temperature=0 if name.startswith("hybrid") else 0.9, max_tokens=24, ignore_eos=True, seed=7)
+    # sampled, the hybrid's tokens depend on its choices, which learn from every request
+    # (docs/suffix_decoding.md)
+    params = SamplingParams(temperature=0 if name.startswith("hybrid") else 0.9, max_tokens=24,
+                            ignore_eos=True, seed=7)
     for prompts in later:
         assert ([o.token_ids for o in warm.generate(prompts, params)]
                 == [o.token_ids for o in cold.generate(prompts, params)])
@@ -202,7 +210,8 @@ def test_a_tight_pool_shared_prefixes_and_a_draft_model_sample_as_a_cold_cache(s
     shared = list(range(50, 75))
     prompts = [shared + [3 + i] * i for i in range(4)] + [shared[:13], shared[:12]]
     params = SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=4)
-    warm, cold = LLM(spec_models["target"], **sizes), LLM(spec_models["target"], enable_prefix_caching=False, **sizes)
+    warm, cold = LLM(spec_models["target"], **sizes), LLM(spec_models["target"], enable_prefix_caching=False,
+                                                          **sizes)
     assert ([o.token_ids for o in warm.generate(prompts, params)]
             == [o.token_ids for o in cold.generate(prompts, params)])
     assert warm.stats["prefix_cache_hits"] > 0
@@ -230,8 +239,8 @@ def test_a_request_with_nothing_to_prefill_drafts_on_its_first_step(spec_models,
 def test_a_proposer_pool_without_room_drafts_nothing_for_that_request(spec_models):
     """A round takes only the rows whose proposer blocks fit (ModelProposer.with_room): with the
     draft's pool full, a step drafts for no one and decodes plainly, the same tokens."""
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", draft=spec_models["draft"], num_kv_blocks=64,
-              block_size=4)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", draft=spec_models["draft"],
+              num_kv_blocks=64, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = llm.generate(PROMPTS[:2], params)
     allocator = llm.engine.proposer.kv_cache.allocator
@@ -286,23 +295,30 @@ def test_a_prefill_that_wrote_non_finite_kv_publishes_nothing(checkpoints):
 
 @pytest.mark.parametrize("name", ["hybrid_eagle1", "hybrid_eagle3"])
 @pytest.mark.parametrize("absorb_at", [8, proposer.ABSORB_AT])   # the default: more than these requests hold
-def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_models, monkeypatch, name, absorb_at):
+def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_models, monkeypatch, name,
+                                                                        absorb_at):
     """Where the priced hybrid runs no round (a slow head: its steps take the suffix drafts or none), its
     head is fed none of the target's features, which pile up:
     each row's are fed to it without drafting once ABSORB_AT are held back (their memory bounded),
     and a finishing request's are fed too, so that its head's cache is published as far as EAGLE
     alone's: later turns find what they find with EAGLE alone (without the feeding, far fewer), the
     head's published blocks hold what a cold EAGLE computes there, and the tokens are plain decoding's."""
-    monkeypatch.setattr(StepPlans, "choose", lambda self, batch, expected: self.chosen.update(  # no round ever
+    # no round ever
+    monkeypatch.setattr(StepPlans, "choose", lambda self, batch, expected: self.chosen.update(
         suffix=self.chosen["suffix"] + 1) or "suffix" if "suffix" in expected else "plain")
-    sizes = dict(device="cpu", dtype="float32", num_kv_blocks=1024, block_size=4)   # no preemption: hits comparable
+    # no preemption: hits comparable
+    sizes = dict(device="cpu", dtype="float32", num_kv_blocks=1024, block_size=4)
     eagle = proposer_args(spec_models, name.removeprefix("hybrid_"))
     eagle_hits = conversations(LLM(spec_models["target"], **sizes, **eagle), max_tokens=40)[2]
     monkeypatch.setattr(proposer, "ABSORB_AT", absorb_at)
     warm = LLM(spec_models["target"], **sizes, **proposer_args(spec_models, name), dynamic_k=True)   # priced
     held, choose, model = [], HybridProposer.choose, warm.engine.proposer.model
-    monkeypatch.setattr(HybridProposer, "choose", lambda self, requests, ks: (choose(self, requests, ks), held.extend(
-        model.catch_up_len(r, model.state(r)) for r in requests))[0])   # what a step leaves held back
+
+    def choose_and_note(self, requests, ks):   # and note what a step leaves held back
+        chosen = choose(self, requests, ks)
+        held.extend(model.catch_up_len(r, model.state(r)) for r in requests)
+        return chosen
+    monkeypatch.setattr(HybridProposer, "choose", choose_and_note)
     first, later, hits = conversations(warm, max_tokens=40)
     assert warm.engine.proposer.model_steps == 0 and warm.stats["drafted_tokens"] > 0
     assert 0 < max(held) < absorb_at

@@ -48,7 +48,8 @@ def record_proposals(llm):
 
 
 def test_draft_model_drafts_its_own_greedy_continuation(spec_models):
-    llm = LLM(spec_models["target"], device="cpu", kv_cache_gb=0.05, draft=spec_models["draft"], num_speculative_tokens=5)
+    llm = LLM(spec_models["target"], device="cpu", kv_cache_gb=0.05, draft=spec_models["draft"],
+              num_speculative_tokens=5)
     calls = record_proposals(llm)
     llm.generate(PROMPTS, greedy())
     plain_draft = LLM(spec_models["draft"], device="cpu", kv_cache_gb=0.05)
@@ -68,11 +69,13 @@ def eagle_reference_drafts(llm, hf_model, tokens: list[int], k: int) -> list[int
         else:
             features = torch.cat([out.hidden_states[i][0] for i in llm.engine.proposer.capture_layers], -1)
         n = len(tokens) - 1
-        cache = KVCache(1, (n + k) // 16 + 1, 16, head.config.num_kv_heads, head.config.head_dim, torch.float32, "cpu")
+        cache = KVCache(1, (n + k) // 16 + 1, 16, head.config.num_kv_heads, head.config.head_dim,
+                        torch.float32, "cpu")
         table = []
         cache.allocator.grow(table, n + k)   # (ids past the null and sink blocks, which no table holds)
         meta = build_metadata([table], [0], [n], 16, torch.device("cpu"))
-        x = head(target.model.embed_tokens(torch.tensor(tokens[1:])), features, torch.arange(n), cache, meta)[-1:]
+        x = head(target.model.embed_tokens(torch.tensor(tokens[1:])), features, torch.arange(n), cache,
+                 meta)[-1:]
         drafts = []
         for j in range(k):
             d = head.logits(x, target).argmax(-1)
@@ -111,7 +114,8 @@ def test_not_an_eagle_head_is_refused(spec_models):
 def test_stops_inside_an_accepted_run(spec_models, plain_greedy):
     """The target as its own draft accepts all K = 8 drafts, so each limit falls inside a run:
     nothing generated past it is returned."""
-    llm = LLM(spec_models["target"], device="cpu", kv_cache_gb=0.05, draft=spec_models["target"], num_speculative_tokens=8)
+    llm = LLM(spec_models["target"], device="cpu", kv_cache_gb=0.05, draft=spec_models["target"],
+              num_speculative_tokens=8)
     prompt = PROMPTS[0]
     expected = plain_greedy[prompt]
     out = llm.generate([prompt], greedy(5))[0]
@@ -119,7 +123,8 @@ def test_stops_inside_an_accepted_run(spec_models, plain_greedy):
     j = next(i for i in range(3, len(expected)) if expected[i] not in expected[:i])
     llm.engine.eos_ids = {expected[j]}
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
-    assert out.token_ids == expected[:j + 1] and out.finish_reason == "stop"   # EOS is the last id, not in text
+    # EOS is the last id, not in text
+    assert out.token_ids == expected[:j + 1] and out.finish_reason == "stop"
     assert out.text == llm.tokenizer.decode(expected[:j])
     llm.engine.eos_ids = set()
     stop = llm.tokenizer.decode(expected[4:6])
@@ -130,8 +135,10 @@ def test_stops_inside_an_accepted_run(spec_models, plain_greedy):
 
 
 def test_seeded_speculative_runs_reproduce(spec_models):
-    llm = LLM(spec_models["target"], device="cpu", kv_cache_gb=0.05, draft=spec_models["draft"], num_speculative_tokens=3)
-    params = lambda seed: [SamplingParams(temperature=0.8, max_tokens=16, seed=seed + i, ignore_eos=True) for i in range(4)]
+    llm = LLM(spec_models["target"], device="cpu", kv_cache_gb=0.05, draft=spec_models["draft"],
+              num_speculative_tokens=3)
+    params = lambda seed: [SamplingParams(temperature=0.8, max_tokens=16, seed=seed + i,
+                                          ignore_eos=True) for i in range(4)]
     a, b, c = (llm.generate(PROMPTS[:4], params(s)) for s in (1, 1, 2))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]

@@ -7,7 +7,8 @@ from nanospec.kv_cache import BlockAllocator
 
 def request(index: int, prompt_len: int, max_tokens: int = 8) -> Request:
     ids = list(range(1, prompt_len + 1))
-    return Request(index, "", ids, SamplingParams(max_tokens=max_tokens), 0, prompt_len + max_tokens, tokens=list(ids))
+    return Request(index, "", ids, SamplingParams(max_tokens=max_tokens), 0, prompt_len + max_tokens,
+                   tokens=list(ids))
 
 
 def scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=8) -> Scheduler:
@@ -32,7 +33,8 @@ def test_prefill_chunks_fit_the_token_budget_and_cache_all_but_the_last_token():
     assert batch.is_prefill and batch.requests == [a] and batch.query_lens == [8]   # a's 10 tokens do not fit
     a.num_cached += 8
     batch = s.schedule()
-    assert batch.requests == [a, b] and batch.query_lens == [2, 5]                   # then a's rest, b in the room
+    # then a's rest, b in the room
+    assert batch.requests == [a, b] and batch.query_lens == [2, 5]
     a.num_cached, b.num_cached = 10, 5
     assert not a.in_prefill and not b.in_prefill
     decode = s.schedule(lambda r: 0)

@@ -13,6 +13,7 @@ from nanospec import LLM, SamplingParams, proposer, sampler
 from nanospec.dynamic_k import Profile
 from nanospec.k_policy import StaticK
 
+
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_greedy_output_equals_plain_greedy(spec_models, plain_greedy, name):
     """K = 1..8, each with its own batch size (together 1..8), prompts of mixed lengths."""
@@ -41,8 +42,10 @@ def test_a_head_that_runs_no_round_holds_back_few_features(spec_models, plain_gr
     held, observe = [], type(eagle).observe
     monkeypatch.setattr(type(eagle), "observe", lambda self, request, features: (
         observe(self, request, features), held.append(self.catch_up_len(request, self.state(request))))[0])
-    fed, catch_up = [], type(eagle).catch_up   # each row's elements a catch-up feeds: a round's d_1 reads the last
-    monkeypatch.setattr(type(eagle), "catch_up", lambda self, *args: (out := catch_up(self, *args), fed.extend(out[1]))[0])
+    # each row's elements a catch-up feeds: a round's d_1 reads the last
+    fed, catch_up = [], type(eagle).catch_up
+    monkeypatch.setattr(type(eagle), "catch_up", lambda self, *args: (out := catch_up(self, *args),
+                                                                      fed.extend(out[1]))[0])
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == [plain_greedy[p] for p in PROMPTS]
     assert llm.stats["drafted_tokens"] == 0 and 0 < max(held) < 6
     llm.engine.k_policy.max_queue = len(PROMPTS)   # the switch-off lifted
@@ -51,7 +54,8 @@ def test_a_head_that_runs_no_round_holds_back_few_features(spec_models, plain_gr
     assert_no_leak(llm)
 
 
-def test_a_head_fed_without_a_round_that_writes_nan_drafts_nothing_more(spec_models, plain_greedy, monkeypatch):
+def test_a_head_fed_without_a_round_that_writes_nan_drafts_nothing_more(spec_models, plain_greedy,
+                                                                        monkeypatch):
     """No logits tell whether absorb's K/V are finite: it reads them. A head that writes NaN there
     (its weights poisoned after loading) has them zeroed (no slot another request may read holds
     them) and publishes nothing, and that request's head drafts nothing more: plain greedy output."""
@@ -78,8 +82,11 @@ def test_preemption_changes_nothing(spec_models, plain_greedy, name):
     assert tiny.stats["preemptions"] > 0
     if name.startswith("hybrid"):   # its choice of drafts follows the run's history, so sampled tokens
         return                      # (not their distribution) do: see test_exact_sampling_end_to_end
-    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=i, ignore_eos=True) for i in range(8)]
-    assert [o.token_ids for o in tiny.generate(PROMPTS, params)] == [o.token_ids for o in ample.generate(PROMPTS, params)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=i,
+                             ignore_eos=True) for i in range(8)]
+    assert [o.token_ids for o in tiny.generate(PROMPTS,
+                                               params)] == [o.token_ids for o in ample.generate(PROMPTS,
+                                                                                                params)]
     assert tiny.stats["preemptions"] > 0
     assert_no_leak(tiny)
     assert_no_leak(ample)
@@ -90,10 +97,11 @@ def test_twin_engines_decode_side_by_side(spec_models, plain_greedy, name):
     """Engine.twin (the benchmark's rows): two engines over one model and proposer, at K = 3 and
     K = 1, stepped in turn, each decode as plain greedy decoding does, in caches of their own (a
     draft's or EAGLE head's pool has as many blocks as the target's, so it cannot be shared)."""
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=3,
-              **proposer_args(spec_models, name))
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              num_speculative_tokens=3, **proposer_args(spec_models, name))
     twins = [llm.engine.twin(k_policy=StaticK(3)), llm.engine.twin(k_policy=StaticK(1))]
-    requests = [[e.new_request(i, p, llm.encode_prompt(p), greedy()) for i, p in enumerate(PROMPTS)] for e in twins]
+    requests = [[e.new_request(i, p, llm.encode_prompt(p), greedy()) for i, p in enumerate(PROMPTS)]
+                for e in twins]
     for engine, reqs in zip(twins, requests):
         engine.add_requests(reqs)
     while any(e.scheduler.has_work() for e in twins):
@@ -160,8 +168,13 @@ def small_vocab_llm(small_vocab, name: str, k: int | str):
             "eagle1": dict(eagle=small_vocab["eagle1"]), "eagle3": dict(eagle=small_vocab["eagle3"]),
             "suffix": dict(suffix=True), "hybrid_draft": dict(suffix=True, draft=small_vocab["draft"]),
             "hybrid_eagle3": dict(suffix=True, eagle=small_vocab["eagle3"])}[name]
-    k_args = dict(num_speculative_tokens=k) if isinstance(k, int) else dict(dynamic_k=True) if name.startswith(
-        "hybrid") else dict(dynamic_k=True, profile=small_vocab["profile"], per_request_k=k == "dynamic-per-request")
+    if isinstance(k, int):
+        k_args = dict(num_speculative_tokens=k)
+    elif name.startswith("hybrid"):
+        k_args = dict(dynamic_k=True)
+    else:
+        k_args = dict(dynamic_k=True, profile=small_vocab["profile"],
+                      per_request_k=k == "dynamic-per-request")
     return LLM(small_vocab["target"], device="cpu", dtype="float32", kv_cache_gb=0.2, max_num_seqs=512,
                max_num_batched_tokens=4096, **k_args, **args)
 

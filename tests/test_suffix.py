@@ -13,8 +13,8 @@ import pytest
 
 from nanospec import LLM, SamplingParams
 from nanospec.hybrid import PROBE_EVERY, StepPlans
-from nanospec.suffix import (EXTRA_PROBE_EVERY, EXTRA_TOKENS, MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB, RUN_SEGMENTS,
-                             Draft, ExtraTokens, GlobalIndex, RequestStream)
+from nanospec.suffix import (EXTRA_PROBE_EVERY, EXTRA_TOKENS, MAX_DEPTH, MAX_SPEC_FACTOR, MIN_TOKEN_PROB,
+                             RUN_SEGMENTS, Draft, ExtraTokens, GlobalIndex, RequestStream)
 
 from conftest import PROMPTS, greedy
 
@@ -127,7 +127,8 @@ def test_a_token_bound_below_a_segment_drops_the_oldest_requests_not_all(max_tok
     for i in range(60):
         index.add(marked(i))
         assert index.num_tokens <= max_tokens and index.num_requests >= 1
-        kept = lambda r: marked(r)[-(index.segment_tokens - 1):]   # a request longer than a segment keeps its end
+        # a request longer than a segment keeps its end
+        kept = lambda r: marked(r)[-(index.segment_tokens - 1):]
         if len(kept(i)) >= 4:
             newest, oldest = kept(i), kept(i - index.num_requests + 1)
             assert index.draft(newest[-4:-2], 2).tokens == newest[-2:]
@@ -149,10 +150,13 @@ def test_each_sealed_run_is_every_bigram_of_its_segments_sorted_by_key_then_posi
         index.add(random_stream(rng, rng.randrange(1, 30), rng.choice([3, 20])))
         for run in index.runs:
             tokens = run.tokens.tolist()   # bigrams that start at a separator are never looked up: left out
-            pairs = sorted((a << 32 | b & 0xFFFFFFFF, j + 1)   # (key, the position after the bigram ending at j)
+            # (key, the position after the bigram ending at j)
+            pairs = sorted((a << 32 | b & 0xFFFFFFFF, j + 1)
                            for j, (a, b) in enumerate(zip(tokens, tokens[1:]), 1) if a >= 0)
-            assert [(key, at) for key, at in zip(run.keys.tolist(), run.follows.tolist()) if key >= 0] == pairs
-            assert len(run.tokens) == sum(size for size, _ in run.segments) and 0 < len(run.segments) <= RUN_SEGMENTS
+            assert [(key, at) for key, at in zip(run.keys.tolist(),
+                                                 run.follows.tolist()) if key >= 0] == pairs
+            assert len(run.tokens) == sum(size for size, _ in run.segments)
+            assert 0 < len(run.segments) <= RUN_SEGMENTS
         assert index.num_requests == sum(n for _, n in index.segments) + index.open_requests
         assert index.num_tokens == sum(size for size, _ in index.segments) + index.open_size
 
@@ -194,8 +198,8 @@ def test_suffix_sampled_output_is_plain_sampling_output_whatever_the_index_holds
     output is still plain sampling's token for token, and greedy output plain greedy's, whatever
     the drafts' length rule (the offset: more drafts after a short match)."""
     plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=6,
-              suffix=True, suffix_max_spec_offset=offset)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              num_speculative_tokens=6, suffix=True, suffix_max_spec_offset=offset)
     assert llm.engine.proposer.walk_args["offset"] == offset
     llm.generate(PROMPTS, greedy(30))
     assert llm.engine.proposer.global_index.num_requests == len(PROMPTS)
@@ -224,7 +228,8 @@ def test_vllms_suffix_settings_reach_the_index_and_the_walk(spec_models):
     cached = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
                  suffix_max_cached_requests=3)
     cached.generate(PROMPTS * 2, greedy(10))
-    assert cached.engine.proposer.global_index.max_requests == 3 and cached.engine.proposer.global_index.num_requests
+    index = cached.engine.proposer.global_index
+    assert index.max_requests == 3 and index.num_requests
 
 
 def test_the_hybrid_threshold_follows_measured_acceptance(spec_models):
@@ -233,8 +238,8 @@ def test_the_hybrid_threshold_follows_measured_acceptance(spec_models):
     wins. Neither threshold is set by hand: both come from what the run accepted."""
     thresholds = {}
     for name, draft in (("self", spec_models["target"]), ("random", spec_models["draft"])):
-        llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=4,
-                  suffix=True, draft=draft)
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+                  num_speculative_tokens=4, suffix=True, draft=draft)
         llm.generate(PROMPTS * 2, greedy(30))
         thresholds[name] = llm.engine.proposer.threshold(4)
     assert thresholds["self"] is None or thresholds["self"] >= 3.5
@@ -253,7 +258,8 @@ def test_step_plans_choose_by_goodput_and_probe_the_others():
         plans.observe(2, "mixed", 4.0, 4.0)
     pick = functools.partial(plans.choose, 2)
     assert pick(dict(plain=(2, 0), suffix=(3.5, 1.0), mixed=(6, 4))) == "suffix"   # 3.5 / 1.5; 2 / 1, 6 / 4
-    assert pick(dict(plain=(2, 0), suffix=(3.5, 5.0), mixed=(6, 4))) == "plain"    # 3.5 / 3.5: a long draft costs
+    # 3.5 / 3.5: a long draft costs
+    assert pick(dict(plain=(2, 0), suffix=(3.5, 5.0), mixed=(6, 4))) == "plain"
     assert pick(dict(plain=(2, 0), suffix=(3.5, 5.0), mixed=(10, 4))) == "mixed"   # 10 / 4
     runs = [pick(dict(plain=(2, 0), suffix=(3.5, 1.0), mixed=(6, 4))) for _ in range(2 * PROBE_EVERY)]
     assert Counter(runs) == {"suffix": 2 * PROBE_EVERY - 2, "plain": 1, "mixed": 1}
@@ -296,7 +302,8 @@ def test_extra_tokens_count_only_what_a_step_verified_of_them():
     accepted as far as the acceptance reached."""
     extras = ExtraTokens(3)
     draft = Draft([5, 6, 7, 8, 9], extra=3)   # 2 earned, 3 extra
-    extras.observe([draft], [7], [5], 1.0)    # padded to K = 7, all 5 accepted: each extra drafted and accepted
+    # padded to K = 7, all 5 accepted: each extra drafted and accepted
+    extras.observe([draft], [7], [5], 1.0)
     assert extras.drafted == [1, 1, 1] and extras.accepted == [1, 1, 1]
     extras.observe([draft], [3], [3], 1.0)    # cut to 3: only the first extra verified, and accepted
     assert extras.drafted == [2, 1, 1] and extras.accepted == [2, 1, 1]
