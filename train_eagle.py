@@ -49,7 +49,7 @@ from nanospec.checkpoint import read_config, unpack_weights
 from nanospec.cli import HelpFormatter, add_model_args, log_loading, set_threads
 from nanospec.eagle import Eagle1Head, Eagle3Head, default_aux_layers
 from nanospec.errors import NanospecError, check_int, check_real, run_command
-from nanospec.engine import Stats
+from nanospec.stats import Stats
 from nanospec.kv_cache import KVCache, build_metadata
 from nanospec.model import ModelConfig
 

@@ -29,7 +29,7 @@ import urllib.request
 
 from nanospec import LLM, SamplingParams
 from nanospec.bench_serve import Client
-from nanospec.engine import Stats
+from nanospec.stats import Stats
 from nanospec.prompts import read_prompts_file
 from benchmarks.serve_side_by_side import start, stop
 

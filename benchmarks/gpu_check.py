@@ -76,7 +76,7 @@ from nanospec.bench import (kernel_seconds, kv_bytes_per_token, oracle_proposer,
                             transformers_model, weight_bytes)
 from nanospec.cli import log as log_line, parser
 from nanospec.dynamic_k import device_name, sync, timed
-from nanospec.engine import SamplingParams
+from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError, run_command
 from nanospec.k_policy import StaticK
 from nanospec.llm import LLM

@@ -35,7 +35,7 @@ from nanospec import bench
 from nanospec.bench_serve import multiturn_sessions
 from nanospec.cli import Progress, log, log_loading, set_threads, suffix_flags
 from nanospec.dynamic_k import timed
-from nanospec.engine import SamplingParams
+from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.llm import LLM
 from nanospec.prompts import by_category_in_turn, shipped_prompts

@@ -30,7 +30,8 @@ from nanospec.cli import (Progress, add_model_args, add_proposer_args, int_list,
                           set_threads, suffix_flags)
 from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile, device_name, greedy_requests, quick_profile, timed
-from nanospec.engine import Engine, Stats
+from nanospec.engine import Engine
+from nanospec.stats import Stats
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.k_policy import StaticK
 from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS

@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 import torch
 
 from nanospec.cuda_graph import MAX_GRAPH_BATCH
-from nanospec.engine import Engine, SamplingParams
+from nanospec.engine import Engine
+from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError
 from nanospec.estimators import AcceptanceRates, SpanRates, StepTimes
 from nanospec.k_policy import KPolicy, StaticK

@@ -29,8 +29,7 @@ from nanospec.cuda_graph import StepGraphs
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
 from nanospec.sampler import Sampler
-from nanospec.sampling_params import (MAX_LOGPROBS, MAX_SEED, MIN_TEMPERATURE,  # noqa: F401 (the API)
-                                      SamplingParams)
+from nanospec.sampling_params import SamplingParams
 from nanospec.stats import Stats, note_speculation
 
 

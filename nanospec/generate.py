@@ -14,7 +14,7 @@ import json
 import sys
 
 from nanospec.cli import add_max_model_len, add_model_args, add_speculation_args, load_llm, parser
-from nanospec.engine import SamplingParams
+from nanospec.sampling_params import SamplingParams
 from nanospec.engine_loop import TextStream, Update
 from nanospec.errors import NanospecError, run_command
 from nanospec.prompts import read_prompts_file

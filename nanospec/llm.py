@@ -18,7 +18,9 @@ from nanospec.chat_template import check_template_kwargs
 from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile, device_name, quick_profile, step_memory
 from nanospec.eagle import load_eagle_head
-from nanospec.engine import Engine, RequestOutput, SamplingParams, Stats, emittable_vocab
+from nanospec.engine import Engine, RequestOutput, emittable_vocab
+from nanospec.sampling_params import SamplingParams
+from nanospec.stats import Stats
 from nanospec.errors import COMMAND_LINE, NanospecError, check_int, check_real, param
 from nanospec.k_policy import KPolicy, QueueSwitch, StaticK
 from nanospec.prompts import shipped_prompts

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import prometheus_client as prom
 
-from nanospec.engine import Engine, Request, Stats
+from nanospec.engine import Engine, Request
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
+from nanospec.stats import Stats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
 prom.disable_created_metrics()   # no *_created series, as vLLM

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 
 from nanospec.cli import (DEFAULT_MODEL, add_max_model_len, add_model_args, add_speculation_args,
                           frozen_gc_heap, load_llm, log, parser)
-from nanospec.engine import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from nanospec.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
 from nanospec.errors import NanospecError, is_int, run_command
 from nanospec.metrics import Metrics

@@ -5,7 +5,7 @@ import torch
 
 from conftest import assert_no_leak, proposer_args
 from nanospec import LLM, NanospecError, SamplingParams
-from nanospec.engine import Stats
+from nanospec.stats import Stats
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return", "1234567890 numbers 3.14159 and",
            "héllo wörld, ça va?", "User: hello there!\nAssistant:", "It was the best of times. It was",

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import Planted, assert_no_leak
 from nanospec import LLM, NanospecError, SamplingParams
-from nanospec.engine import MIN_TEMPERATURE
+from nanospec.sampling_params import MIN_TEMPERATURE
 
 PROMPT = "The quick brown fox"
 KV = dict(device="cpu", dtype="float32", kv_cache_gb=0.02)

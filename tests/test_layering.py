@@ -16,7 +16,7 @@ ABOVE = ("benchmarks", "tools")   # the folders of harnesses and utilities besid
 LAYERS = [
     {"errors"},
     {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy",
-     "chat_template"},
+     "chat_template", "sampling_params", "stats"},
     {"kv_mirror"},
     {"model", "proposer"},
     {"checkpoint", "suffix"},
