@@ -70,7 +70,7 @@ RANDOM_MODELS = {
                  max_position_embeddings=2048,
                  bos_token_id=None, eos_token_id=256),   # the byte tokenizer's <|endoftext|>
     # SmolLM2-135M's 30 layers, heads and vocabulary with its widths cut 8-fold: a step of its shape
-    # that reads almost no weights (tools/step_split.py: what a step costs beyond its weights' traffic)
+    # that reads almost no weights (benchmarks/step_split.py: what a step costs beyond its weights' traffic)
     "smollm2-hollow": dict(_llama3(72, 192, 30, 9, 3, tie=True, factor=8.0), vocab_size=49152,
                            max_position_embeddings=8192, bos_token_id=None, eos_token_id=256),
 }

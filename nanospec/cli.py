@@ -131,8 +131,8 @@ def frozen_gc_heap():
     """Inside: everything alive on entry (torch's objects, the model, the tokenizer: the startup heap)
     is out of the garbage collector's sight, as vLLM's engine and server keep it after start-up: a
     full collection scans what serving made since (suffix decoding's index, the requests), not the
-    startup heap again (`tools/suffix_costs.py` measures the pauses). On exit it is back in sight, so
-    that the process's exit finalizes it (frozen, extensions report leaks)."""
+    startup heap again (`python -m benchmarks.suffix_costs` measures the pauses). On exit it is back
+    in sight, so that the process's exit finalizes it (frozen, extensions report leaks)."""
     gc.collect()
     gc.freeze()
     try:

@@ -9,7 +9,7 @@ tokens, and once at the end; it must not block (the server's posts the update to
 
 The loop runs on the thread that built the model (`run()`; the server's main thread): torch's CPU
 ops run their OpenMP teams per calling thread, and a second thread's team on cores that the first
-team's threads also wait on slows every parallel op (tools/torch_thread_teams.py measures it).
+team's threads also wait on slows every parallel op (python -m benchmarks.torch_thread_teams measures it).
 `start()`, a thread of its own, is for tests.
 
 TextStream turns a request's tokens into text deltas as a client should see them: whole UTF-8

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:   # train_eagle.py and tools/ live at the repository root
+if ROOT not in sys.path:   # train_eagle.py, benchmarks/ and tools/ live at the repository root
     sys.path.insert(0, ROOT)
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. It was the best of times.",
