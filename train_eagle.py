@@ -81,42 +81,45 @@ DTYPE = "auto"
 # Subjects of the generated prompts. None is the subject of a held-out (shipped benchmark) prompt.
 TOPICS = ["photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning",
           "compound interest", "the immune system", "volcanoes", "the printing press", "supply and demand",
-          "the human heart", "electric cars", "the Roman Empire", "recycling", "vaccines",
-          "the internet", "earthquakes", "sleep", "coffee", "chess", "the Olympic Games", "rainbows", "democracy",
-          "plate tectonics", "antibiotics", "renewable energy", "the moon landing", "inflation", "DNA", "tides",
-          "penguins", "jazz music", "the stock market", "rain forests", "ancient Egypt", "the Great Wall of China",
-          "the Renaissance", "the Industrial Revolution", "the Cold War", "the Silk Road", "the Vikings",
-          "ancient Greece", "the steam engine", "the telephone", "electricity", "magnets", "gravity",
-          "nuclear power", "solar panels", "wind turbines", "batteries", "semiconductors", "smartphones",
-          "cloud computing", "cybersecurity", "encryption", "open-source software", "databases", "spreadsheets",
-          "email", "social media", "video games", "virtual reality", "3D printing", "robots", "drones",
-          "self-driving cars", "airplanes", "high-speed trains", "container ships", "rockets", "satellites", "GPS",
-          "the periodic table", "atoms", "chemical reactions", "acids and bases", "evolution", "cells",
-          "bacteria", "viruses", "fungi", "the human brain", "memory", "muscles", "bones", "nutrition",
-          "vitamins", "meditation", "stress", "friendship", "teamwork", "public speaking", "time management",
-          "credit cards", "taxes", "banks", "cryptocurrency", "startups", "marketing",
-          "negotiation", "job interviews", "remote work", "learning a new language", "museums", "photography",
-          "painting", "sculpture", "classical music", "the guitar", "the piano", "opera", "film making",
-          "theater", "poetry", "comic books", "board games", "football", "basketball", "tennis", "swimming",
-          "deserts", "oceans", "coral reefs", "rivers", "glaciers", "hurricanes", "tornadoes", "lightning",
-          "wolves", "elephants", "whales", "octopuses", "ants", "butterflies", "bird migration", "dogs", "cats",
-          "horses", "gardening", "composting", "rice", "chocolate", "tea", "cheese", "spices", "Mars", "comets",
-          "galaxies", "telescopes", "time zones", "maps", "writing systems", "prime numbers", "probability",
-          "statistics", "geometry", "fractions", "architecture", "bridges", "skyscrapers", "public transport",
+          "the human heart", "electric cars", "the Roman Empire", "recycling", "vaccines", "the internet",
+          "earthquakes", "sleep", "coffee", "chess", "the Olympic Games", "rainbows", "democracy",
+          "plate tectonics", "antibiotics", "renewable energy", "the moon landing", "inflation", "DNA",
+          "tides", "penguins", "jazz music", "the stock market", "rain forests", "ancient Egypt",
+          "the Great Wall of China", "the Renaissance", "the Industrial Revolution", "the Cold War",
+          "the Silk Road", "the Vikings", "ancient Greece", "the steam engine", "the telephone",
+          "electricity", "magnets", "gravity", "nuclear power", "solar panels", "wind turbines", "batteries",
+          "semiconductors", "smartphones", "cloud computing", "cybersecurity", "encryption",
+          "open-source software", "databases", "spreadsheets", "email", "social media", "video games",
+          "virtual reality", "3D printing", "robots", "drones", "self-driving cars", "airplanes",
+          "high-speed trains", "container ships", "rockets", "satellites", "GPS", "the periodic table",
+          "atoms", "chemical reactions", "acids and bases", "evolution", "cells", "bacteria", "viruses",
+          "fungi", "the human brain", "memory", "muscles", "bones", "nutrition", "vitamins", "meditation",
+          "stress", "friendship", "teamwork", "public speaking", "time management", "credit cards", "taxes",
+          "banks", "cryptocurrency", "startups", "marketing", "negotiation", "job interviews", "remote work",
+          "learning a new language", "museums", "photography", "painting", "sculpture", "classical music",
+          "the guitar", "the piano", "opera", "film making", "theater", "poetry", "comic books",
+          "board games", "football", "basketball", "tennis", "swimming", "deserts", "oceans", "coral reefs",
+          "rivers", "glaciers", "hurricanes", "tornadoes", "lightning", "wolves", "elephants", "whales",
+          "octopuses", "ants", "butterflies", "bird migration", "dogs", "cats", "horses", "gardening",
+          "composting", "rice", "chocolate", "tea", "cheese", "spices", "Mars", "comets", "galaxies",
+          "telescopes", "time zones", "maps", "writing systems", "prime numbers", "probability", "statistics",
+          "geometry", "fractions", "architecture", "bridges", "skyscrapers", "public transport",
           "plastic pollution", "air pollution", "deforestation", "endangered species", "national parks",
           "tourism", "festivals", "volunteering", "elections", "the United Nations", "human rights",
           "newspapers", "advertising", "fashion", "cotton", "glass", "steel", "concrete", "salt", "sugar"]
 TASKS = ["reverses a string", "checks whether a number is prime", "returns the largest element of a list",
          "computes the factorial of n", "removes duplicates from a list", "converts Celsius to Fahrenheit",
-         "sums the digits of an integer", "finds the average of a list", "capitalizes every word in a sentence",
-         "counts the vowels in a string", "flattens a nested list", "returns the even numbers of a list",
-         "sorts a list of dictionaries by a key", "validates an email address", "groups words by their first letter",
+         "sums the digits of an integer", "finds the average of a list",
+         "capitalizes every word in a sentence", "counts the vowels in a string", "flattens a nested list",
+         "returns the even numbers of a list", "sorts a list of dictionaries by a key",
+         "validates an email address", "groups words by their first letter",
          "computes the greatest common divisor of two numbers", "checks whether two strings are anagrams",
          "rotates a list by k positions", "finds the second smallest number in a list",
-         "converts a binary string to an integer", "splits a list into chunks of size n", "transposes a matrix",
-         "computes the dot product of two vectors", "checks whether the brackets in a string are balanced",
-         "finds the longest word in a sentence", "converts an integer to Roman numerals",
-         "generates all subsets of a list", "performs a binary search on a sorted list", "implements bubble sort",
+         "converts a binary string to an integer", "splits a list into chunks of size n",
+         "transposes a matrix", "computes the dot product of two vectors",
+         "checks whether the brackets in a string are balanced", "finds the longest word in a sentence",
+         "converts an integer to Roman numerals", "generates all subsets of a list",
+         "performs a binary search on a sorted list", "implements bubble sort",
          "counts the lines in a text file", "writes a list of dictionaries to a JSON file",
          "computes the median of a list", "finds the common elements of two lists",
          "removes the punctuation from a string", "converts seconds to hours, minutes and seconds",
@@ -149,9 +152,12 @@ STAGE1 = {
 }
 STAGE1_SHARE = {"explain": 0.4, "creative": 0.15, "structured": 0.1, "code": 0.2, "math": 0.15}
 # Stage 2: the target's own stage-1 answers become the context of tasks that copy from it.
-ON_TEXT = ["Summarize the text below in two sentences.\n\n{text}", "Give the text below a title and a one-line summary.\n\n{text}",
-           "Rewrite the text below as a bulleted list.\n\n{text}", "Copy the first and the last sentence of the text below.\n\n{text}",
-           "List the key terms in the text below, one per line.\n\n{text}", "Fix any grammar mistakes in the text below and return it in full.\n\n{text}"]
+ON_TEXT = ["Summarize the text below in two sentences.\n\n{text}",
+           "Give the text below a title and a one-line summary.\n\n{text}",
+           "Rewrite the text below as a bulleted list.\n\n{text}",
+           "Copy the first and the last sentence of the text below.\n\n{text}",
+           "List the key terms in the text below, one per line.\n\n{text}",
+           "Fix any grammar mistakes in the text below and return it in full.\n\n{text}"]
 ON_CODE = ["Add a docstring and type hints to this code. Return the full code:\n\n{code}",
            "Rename the variables in this code to be more descriptive. Return the full code:\n\n{code}",
            "Add a comment above each step of this code. Return the full code:\n\n{code}",
@@ -165,7 +171,8 @@ def stage1_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
     random (one repeats only once all of its kind are used), math with random numbers."""
     counts = {kind: round(n * share) for kind, share in STAGE1_SHARE.items()}
     counts["math"] = max(0, n - sum(c for kind, c in counts.items() if kind != "math"))
-    prompts = [("math", rng.choice(STAGE1["math"]).format(**math_numbers(rng))) for _ in range(counts["math"])]
+    prompts = [("math", rng.choice(STAGE1["math"]).format(**math_numbers(rng)))
+               for _ in range(counts["math"])]
     for kind in ("explain", "creative", "structured", "code"):
         subjects = [{"task": t} for t in TASKS] if kind == "code" else [{"topic": t} for t in TOPICS]
         pairs, drawn = [t.format(**s) for t in STAGE1[kind] for s in subjects], []
@@ -203,9 +210,11 @@ def code_block(answer: str) -> str:
 
 def self_distill(llm: LLM, prompts: list[str], max_tokens: int, temperature: float, seed: int = 0):
     """(prompt + the target's own answer, prompt length) per prompt, generated by nanospec."""
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+              for i in range(len(prompts))]
     outputs = llm.generate(prompts, params, chat=True)
-    return [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outputs], [o.text for o in outputs]
+    return ([(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outputs],
+            [o.text for o in outputs])
 
 
 def training_sequences(llm: LLM, data_file: str | None, n: int, max_tokens: int, temperature: float):
@@ -225,7 +234,8 @@ def training_sequences(llm: LLM, data_file: str | None, n: int, max_tokens: int,
 # ---- 2. features, cached ----
 
 @torch.inference_mode()
-def target_features(llm: LLM, sequences: list[list[int]], aux_layers: tuple[int, ...], batch_tokens: int = 4096):
+def target_features(llm: LLM, sequences: list[list[int]], aux_layers: tuple[int, ...],
+                    batch_tokens: int = 4096):
     """For each sequence: its final hidden states [n, H] and, for EAGLE-3, the concatenated hidden
     states entering aux_layers [n, 3H], from one prefill forward of the target (float16 on the host)."""
     model, cfg, device = llm.model, llm.config, llm.device
@@ -267,8 +277,9 @@ def build_dataset(args, llm: LLM, aux_layers) -> dict:
     """Self-distilled sequences and their target features, from OUT/cache when already computed."""
     # The built-in prompts' recipe is part of the key: a cache from another recipe is not these data.
     recipe = None if args.data else [TOPICS, TASKS, STAGE1, STAGE1_SHARE, ON_TEXT, ON_CODE, STAGE2_SHARE]
-    key = hashlib.sha256(json.dumps([llm.target_name, str(llm.dtype), args.data, recipe, args.num_prompts, args.response_tokens,
-                                     args.data_temperature, args.seq_len, list(aux_layers)]).encode()).hexdigest()[:16]
+    key_fields = [llm.target_name, str(llm.dtype), args.data, recipe, args.num_prompts, args.response_tokens,
+                  args.data_temperature, args.seq_len, list(aux_layers)]
+    key = hashlib.sha256(json.dumps(key_fields).encode()).hexdigest()[:16]
     path = os.path.join(args.out, "cache", f"features-{key}.pt")
     if os.path.exists(path):
         print(f"features: cached in {path}")
@@ -282,7 +293,8 @@ def build_dataset(args, llm: LLM, aux_layers) -> dict:
                             f"{args.seq_len}; raise it")
     seqs = [s for s, _ in kept]
     print(f"data: {len(pairs)} prompts answered by the target, {sum(map(len, seqs))} tokens in {gen_s:.0f} s"
-          + (f" ({len(pairs) - len(kept)} left out: their prompt fills --seq-len)" if len(kept) < len(pairs) else ""))
+          + (f" ({len(pairs) - len(kept)} left out: their prompt fills --seq-len)"
+             if len(kept) < len(pairs) else ""))
     start = time.perf_counter()
     finals, auxes = target_features(llm, seqs, aux_layers)
     print(f"features: {time.perf_counter() - start:.0f} s")
@@ -305,14 +317,15 @@ ARCHITECTURES = {("eagle1", "vllm"): "LlamaForCausalLM", ("eagle1", "sglang"): "
                  ("eagle3", "vllm"): "LlamaForCausalLMEagle3", ("eagle3", "sglang"): "LlamaForCausalLMEagle3"}
 
 
-def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers, trained_dtype: str | None = None) -> dict:
+def head_config(target: ModelConfig, arch: str, draft_vocab: int, aux_layers,
+                trained_dtype: str | None = None) -> dict:
     """config.json of the head: a one-layer Llama with the target's shapes (the public layouts), and
     the dtype of the target whose features it learned (the engine warns when it serves another).
     EAGLE-3's layers are written in both engines' fields, each in its own meaning (eagle.py's
     aux_layers): top-level for vLLM (the states entering them), eagle_config for SGLang (the
     outputs of the layers before)."""
-    cfg = {"architectures": [ARCHITECTURES[arch, "vllm"]],
-           "model_type": "llama", "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+    cfg = {"architectures": [ARCHITECTURES[arch, "vllm"]], "model_type": "llama",
+           "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
            "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
            "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
            "rope_theta": target.rope_theta, "max_position_embeddings": target.max_position_embeddings,
@@ -340,8 +353,9 @@ def project(attn, x, rotary, positions):
     """q, k, v of the head's attention for x [B, T, in]: [B, heads, T, head_dim] (k, v: kv heads)."""
     b, t, _ = x.shape
     q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = rotary(q.reshape(b * t, attn.num_heads, attn.head_dim), positions).view(b, t, attn.num_heads, -1)
-    k = rotary(k.reshape(b * t, attn.num_kv_heads, attn.head_dim), positions).view(b, t, attn.num_kv_heads, -1)
+    q = rotary(q.reshape(b * t, attn.num_heads, attn.head_dim), positions)
+    k = rotary(k.reshape(b * t, attn.num_kv_heads, attn.head_dim), positions)
+    q, k = q.view(b, t, attn.num_heads, -1), k.view(b, t, attn.num_kv_heads, -1)
     v = v.reshape(b, t, attn.num_kv_heads, attn.head_dim)
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -363,7 +377,8 @@ def ttt_attention(attn, x, rotary, positions, past: list):
     k0, v0 = (k, v) if j == 0 else past[0]
     idx = torch.arange(t, device=x.device)
     scale = attn.head_dim ** -0.5
-    scores = [(q @ widen(k0).transpose(-1, -2) * scale).masked_fill(idx[None, :] > idx[:, None] - j, float("-inf"))]
+    unseen = idx[None, :] > idx[:, None] - j   # [T, T]: the real elements after i - j
+    scores = [(q @ widen(k0).transpose(-1, -2) * scale).masked_fill(unseen, float("-inf"))]
     chain = []   # step s's keys / values moved j - s places later: index i holds step s's element i - j + s
     for s, (ks, vs) in enumerate(past[1:] + [(k, v)] if j else [], start=1):
         ks, vs = shift(ks, j - s), shift(vs, j - s)
@@ -478,14 +493,18 @@ def eagle1_loss(head, llm, batch: Batch, noise: float, ttt_steps: int, vocab_wei
         return regression + 0.1 * ce, agree
 
     step = lambda feats, past: eagle1_forward(head, batch.embeds, feats, batch.positions, past)
-    return training_time_test(step, batch, features, ttt_steps, target_distribution(llm, batch, vocab_weight), loss_of)
+    target_probs = target_distribution(llm, batch, vocab_weight)
+    return training_time_test(step, batch, features, ttt_steps, target_probs, loss_of)
 
 
 def eagle3_loss(head, llm, batch: Batch, ttt_steps: int, vocab_weight):
     """Cross-entropy of the head's own LM head (the draft vocabulary) at every TTT step."""
-    loss_of = lambda predicted, target_probs, mask: soft_cross_entropy(head.lm_head(head.norm(predicted)).float(), target_probs)
+    def loss_of(predicted, target_probs, mask):
+        return soft_cross_entropy(head.lm_head(head.norm(predicted)).float(), target_probs)
+
     step = lambda feats, past: eagle3_forward(head, batch.embeds, feats, batch.positions, past)
-    return training_time_test(step, batch, batch.features, ttt_steps, target_distribution(llm, batch, vocab_weight), loss_of)
+    target_probs = target_distribution(llm, batch, vocab_weight)
+    return training_time_test(step, batch, batch.features, ttt_steps, target_probs, loss_of)
 
 
 def draft_vocabulary(data, vocab_size: int, size: int) -> torch.Tensor:
@@ -505,7 +524,8 @@ def learning_rate(step: int, args) -> float:
 
 def train(args, llm: LLM, head, data, vocab_ids) -> dict:
     device = llm.device
-    vocab_weight = llm.model.lm_head.weight.detach()[vocab_ids].float()   # the target's LM head over the loss vocabulary
+    # the target's LM head over the loss vocabulary
+    vocab_weight = llm.model.lm_head.weight.detach()[vocab_ids].float()
     train_rows = list(range(len(data["tokens"])))
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
@@ -544,11 +564,13 @@ def train(args, llm: LLM, head, data, vocab_ids) -> dict:
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         opt.step()
         step += 1
-        history.append({"step": step, "loss": round(loss.item(), 5), **{k: round(v, 4) for k, v in stats.items()}})
+        history.append({"step": step, "loss": round(loss.item(), 5),
+                        **{k: round(v, 4) for k, v in stats.items()}})
         progress(step, args.steps, history, start)
         if step % args.save_every == 0 or step == args.steps:
-            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history,
-                        "args": training_args(args), "torch_rng": torch.get_rng_state()}, ckpt_path)
+            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "history": history, "args": training_args(args),
+                        "torch_rng": torch.get_rng_state()}, ckpt_path)
     print()
     return {"steps": step, "seconds_this_run": round(time.perf_counter() - start, 1), "history": history}
 
@@ -560,7 +582,8 @@ def load_training_checkpoint(path: str) -> dict:
     except Exception as e:
         raise NanospecError(f"{path} is not a training checkpoint of train_eagle.py ({type(e).__name__}); "
                             "delete it to start over, or use another --out") from e
-    if not (isinstance(state, dict) and {"head", "optimizer", "step", "history", "args", "torch_rng"} <= set(state)):
+    required = {"head", "optimizer", "step", "history", "args", "torch_rng"}
+    if not (isinstance(state, dict) and required <= set(state)):
         raise NanospecError(f"{path} is not a training checkpoint of train_eagle.py; "
                             "delete it or use another --out")
     return state
@@ -586,8 +609,9 @@ def progress(step, total, history, start):
 
 
 def training_args(args) -> dict:
-    keys = ["arch", "num_prompts", "response_tokens", "data_temperature", "seq_len", "batch_size", "steps", "lr",
-            "warmup", "weight_decay", "grad_clip", "feature_noise", "ttt_steps", "draft_vocab", "seed", "data", "target", "dtype"]
+    keys = ["arch", "num_prompts", "response_tokens", "data_temperature", "seq_len", "batch_size", "steps",
+            "lr", "warmup", "weight_decay", "grad_clip", "feature_noise", "ttt_steps", "draft_vocab", "seed",
+            "data", "target", "dtype"]
     return {k: getattr(args, k) for k in keys}
 
 
@@ -597,14 +621,16 @@ def save_head(args, head, cfg: dict) -> None:
     """OUT: the head as vLLM (and nanospec) read it; for EAGLE-1 with --export sglang or both, also
     SGLang's layout (in OUT itself for --export sglang, else in OUT/sglang). No embedding: every
     engine takes the target's (vLLM would keep a saved one apart unless equal to the target's)."""
-    state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in   # d2t, t2d: ints
+    # floating tensors in float32; d2t, t2d (ints) as they are
+    state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in
              unpack_weights(head.state_dict(), head.config).items() if not k.startswith("rotary.")}
     writes = []   # (folder, tensors, config)
     if args.arch == "eagle3" or args.export != "sglang":   # vLLM's, and for EAGLE-3 every engine's
         writes.append((args.out, state, cfg))
     if args.arch == "eagle1" and args.export != "vllm":
         folder = os.path.join(args.out, "sglang") if args.export == "both" else args.out
-        writes.append((folder, {**state, "fc.bias": torch.zeros(head.config.hidden_size)},   # its fc has a bias: a zero one
+        # SGLang's fc has a bias: a zero one
+        writes.append((folder, {**state, "fc.bias": torch.zeros(head.config.hidden_size)},
                        {**cfg, "architectures": [ARCHITECTURES["eagle1", "sglang"]]}))
     for folder, files, config in writes:
         os.makedirs(folder, exist_ok=True)
@@ -613,8 +639,8 @@ def save_head(args, head, cfg: dict) -> None:
             json.dump(config, f, indent=2)
 
 
-def acceptance_length(target: str | None, prompts: list[dict], k: int, max_tokens: int, device: str, dtype: str,
-                      **proposer) -> dict:
+def acceptance_length(target: str | None, prompts: list[dict], k: int, max_tokens: int, device: str,
+                      dtype: str, **proposer) -> dict:
     """Mean acceptance length at K = k, T = 0 with the real engine, over the prompts ({"prompt",
     "category"}) and per category: one generate call per category, their stats added up."""
     llm = LLM(target, device=device, dtype=dtype, num_speculative_tokens=k, **proposer)
@@ -638,10 +664,10 @@ def evaluate(args, dtype: str) -> dict:
     from nanospec.prompts import shipped_prompts
     held_out = shipped_prompts()
     start = time.perf_counter()
-    run = lambda **proposer: acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens, args.device,
-                                               dtype, **proposer)
-    result = {"held_out_prompts": len(held_out), "k": args.eval_k, "max_tokens": args.eval_tokens, "dtype": dtype,
-              "eagle": run(eagle=args.out), "ngram": run(ngram=True)}
+    run = lambda **proposer: acceptance_length(args.target, held_out, args.eval_k, args.eval_tokens,
+                                               args.device, dtype, **proposer)
+    result = {"held_out_prompts": len(held_out), "k": args.eval_k, "max_tokens": args.eval_tokens,
+              "dtype": dtype, "eagle": run(eagle=args.out), "ngram": run(ngram=True)}
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -656,7 +682,8 @@ def teacher_forced_agreement(llm: LLM, head, arch: str, aux_layers, prompts: lis
     pairs = self_distill(llm, prompts, max_tokens, temperature=0.0)[0]
     seqs = [s for s, _ in pairs]
     finals, auxes = target_features(llm, seqs, aux_layers)
-    data = {"tokens": [torch.tensor(s) for s in seqs], "prompt_lens": [p for _, p in pairs], "final": finals, "aux": auxes}
+    data = {"tokens": [torch.tensor(s) for s in seqs], "prompt_lens": [p for _, p in pairs],
+            "final": finals, "aux": auxes}
     forward = eagle3_forward if arch == "eagle3" else eagle1_forward
     hits = counted = hits_after_miss = after_miss = 0
     for first in range(0, len(seqs), 8):
@@ -685,7 +712,8 @@ def held_out_gap(llm: LLM, head, args, aux_layers, evaluation: dict, history: li
     from nanospec.prompts import shipped_prompts
     head.eval()
     prompts = [r["prompt"] for r in shipped_prompts()]
-    teacher, after_miss = teacher_forced_agreement(llm, head, args.arch, aux_layers, prompts, args.eval_tokens)
+    teacher, after_miss = teacher_forced_agreement(llm, head, args.arch, aux_layers, prompts,
+                                                   args.eval_tokens)
     engine = evaluation["eagle"]["acceptance_rate_per_position"][0]
     last = history[-20:]
     return {"training_top1_step0_loss_vocabulary": round(sum(h["acc0"] for h in last) / len(last), 4),
@@ -731,8 +759,10 @@ def build_parser():
                     help="tokens of the target's answer per prompt")
     ap.add_argument("--data-temperature", type=float, default=DATA_TEMPERATURE, metavar="T",
                     help="how the target answers (0: greedy, the decoding the head will serve)")
-    ap.add_argument("--seq-len", type=int, default=SEQ_LEN, metavar="N", help="prompt + answer tokens, truncated")
-    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="N", help="sequences per optimizer step")
+    ap.add_argument("--seq-len", type=int, default=SEQ_LEN, metavar="N",
+                    help="prompt + answer tokens, truncated")
+    ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="N",
+                    help="sequences per optimizer step")
     ap.add_argument("--steps", type=int, default=STEPS, metavar="N", help="optimizer steps")
     ap.add_argument("--lr", type=float, default=LR, help="peak learning rate (AdamW)")
     ap.add_argument("--warmup", type=int, default=WARMUP, metavar="N",
@@ -747,7 +777,8 @@ def build_parser():
                     help="EAGLE-3's reduced draft vocabulary; for both, the cross-entropy's vocabulary")
     ap.add_argument("--save-every", type=int, default=SAVE_EVERY, metavar="N",
                     help="write OUT/checkpoint.pt every N steps (the same command resumes)")
-    ap.add_argument("--eval-k", type=int, default=EVAL_K, metavar="K", help="K of the held-out acceptance measurement")
+    ap.add_argument("--eval-k", type=int, default=EVAL_K, metavar="K",
+                    help="K of the held-out acceptance measurement")
     ap.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, metavar="N",
                     help="tokens per held-out prompt in the acceptance measurement")
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance measurement")
@@ -761,7 +792,8 @@ def parse_args(argv=None):
 
 
 def check_args(args) -> None:
-    for name in ("num_prompts", "response_tokens", "seq_len", "batch_size", "steps", "save_every", "ttt_steps", "draft_vocab"):
+    for name in ("num_prompts", "response_tokens", "seq_len", "batch_size", "steps", "save_every",
+                 "ttt_steps", "draft_vocab"):
         if getattr(args, name) < 1:
             raise NanospecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.warmup < args.steps:
@@ -797,15 +829,17 @@ def run(args) -> dict:
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids), device=llm.device))
         head.t2d.zero_()
         head.t2d[draft_ids] = True
-    report = {"command": "python train_eagle.py " + " ".join(sys.argv[1:]), "args": training_args(args), "dtype": dtype,
-              "sequences": len(data["tokens"]), "tokens": int(sum(len(t) for t in data["tokens"]))}
+    report = {"command": "python train_eagle.py " + " ".join(sys.argv[1:]), "args": training_args(args),
+              "dtype": dtype, "sequences": len(data["tokens"]),
+              "tokens": int(sum(len(t) for t in data["tokens"]))}
     report["training"] = train(args, llm, head, data, vocab_ids)
     save_head(args, head, cfg)
     print(f"wrote the EAGLE-{args.arch[-1]} head to {args.out} (use it with --eagle {args.out})")
     report["train_wall_seconds"] = round(time.perf_counter() - wall, 1)
     if not args.no_eval:
         report["eval"] = evaluate(args, dtype)
-        report["eval"]["gap"] = held_out_gap(llm, head, args, aux_layers, report["eval"], report["training"]["history"])
+        report["eval"]["gap"] = held_out_gap(llm, head, args, aux_layers, report["eval"],
+                                             report["training"]["history"])
         print_evaluation(report["eval"])
     with open(os.path.join(args.out, "train_report.json"), "w") as f:
         json.dump(report, f, indent=2)

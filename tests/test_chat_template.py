@@ -28,20 +28,28 @@ ASSISTANT = {"role": "assistant", "content": " Forty-two.\n"}
 THINKING = {"role": "assistant", "content": "<think>\nAdd the tens, then the ones.\n</think>\n\nForty-two."}
 AGAIN = {"role": "user", "content": "And in French?"}
 CONVERSATIONS = {"single turn": [USER], "single turn, system": [SYSTEM, USER],
-                 "multi-turn": [USER, ASSISTANT, AGAIN], "multi-turn, system": [SYSTEM, USER, ASSISTANT, AGAIN],
+                 "multi-turn": [USER, ASSISTANT, AGAIN],
+                 "multi-turn, system": [SYSTEM, USER, ASSISTANT, AGAIN],
                  "multi-turn, reasoning": [SYSTEM, USER, THINKING, AGAIN]}
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                    "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
-FAMILIES = {   # template file, special tokens added to the tiny tokenizer, tokenizer_config.json's named tokens
-    "llama3.1": ("llama3.1-instruct.jinja", LLAMA3_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
-    "llama3.2": ("llama3.2-instruct.jinja", LLAMA3_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
-    "qwen2.5": ("qwen2.5-instruct.jinja", [], {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
-    "qwen3": ("qwen3.jinja", [], {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
-    "glm4.5": ("glm4.5.jinja", ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+# template file, special tokens added to the tiny tokenizer, tokenizer_config.json's named tokens
+FAMILIES = {
+    "llama3.1": ("llama3.1-instruct.jinja", LLAMA3_SPECIALS,
+                 {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    "llama3.2": ("llama3.2-instruct.jinja", LLAMA3_SPECIALS,
+                 {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    "qwen2.5": ("qwen2.5-instruct.jinja", [],
+                {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "qwen3": ("qwen3.jinja", [],
+              {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "glm4.5": ("glm4.5.jinja",
+               ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
                {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}),
 }
-THINKING_FAMILIES = ("qwen3", "glm4.5")   # read enable_thinking, <think> tags are tokens, content may be text parts
+# their templates read enable_thinking, <think> tags are tokens, content may be text parts
+THINKING_FAMILIES = ("qwen3", "glm4.5")
 PARTS = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
 
 
@@ -112,10 +120,12 @@ def families(tmp_path_factory):
     from transformers import AutoTokenizer
     root = tmp_path_factory.mktemp("chat")
     folders = {family: write_family_tokenizer(str(root / family), family) for family in FAMILIES}
-    return {family: (load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)) for family, folder in folders.items()}
+    return {family: (load_tokenizer(folder), AutoTokenizer.from_pretrained(folder))
+            for family, folder in folders.items()}
 
 
-CONVERSATIONS_WITH_PARTS = {**CONVERSATIONS, "text parts": PARTS, "text parts, multi-turn": [SYSTEM, *PARTS, ASSISTANT, AGAIN]}
+CONVERSATIONS_WITH_PARTS = {**CONVERSATIONS, "text parts": PARTS,
+                            "text parts, multi-turn": [SYSTEM, *PARTS, ASSISTANT, AGAIN]}
 CASES = ([(family, name, {}) for family in FAMILIES for name in CONVERSATIONS]
          + [(family, name, {"enable_thinking": on}) for family in THINKING_FAMILIES
             for name in CONVERSATIONS_WITH_PARTS for on in (True, False)])
@@ -140,7 +150,8 @@ PARTS_READ = ("glm4.5",)   # the templates that loop over a message's parts
 
 def joined_parts(message: dict) -> dict:
     content = message.get("content")
-    return {**message, "content": "\n".join(p["text"] for p in content)} if isinstance(content, list) else message
+    return ({**message, "content": "\n".join(p["text"] for p in content)} if isinstance(content, list)
+            else message)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in THINKING_FAMILIES])
@@ -162,8 +173,8 @@ def test_llama_system_header_is_dated_today_and_bos_is_not_doubled(families):
     ours, _ = families["llama3.2"]
     ids = ours.apply_chat_template([USER])
     text = ours.decode(ids)
-    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
-                           "December 2023\nToday Date: " + datetime.now().strftime("%d %b %Y"))
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge "
+                           "Date: December 2023\nToday Date: " + datetime.now().strftime("%d %b %Y"))
     assert ids.count(ours.bos_id) == 1 and ours.add_bos
 
 
@@ -187,7 +198,8 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     layout whose template nanospec used to miss), tokenizer_config.json's chat_template (a string,
     or a list of named templates), and both (the .jinja file wins)."""
     from transformers import AutoTokenizer
-    theirs = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf),
+                                           gguf_file=os.path.basename(smollm2_gguf))
     ours = from_gguf(gguf_file.metadata(gguf_file.open_reader(smollm2_gguf)))
     root = tmp_path_factory.mktemp("smollm2")
     saved = str(root / "saved")
@@ -196,7 +208,8 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     assert "chat_template" not in json.load(open(os.path.join(saved, "tokenizer_config.json")))
     layouts = {"chat_template.jinja": saved}
     for layout, value in (("tokenizer_config.json", template),
-                          ("named templates", [{"name": "tool_use", "template": "{{ raise_exception('not me') }}"},
+                          ("named templates", [{"name": "tool_use",
+                                                "template": "{{ raise_exception('not me') }}"},
                                                {"name": "default", "template": template}]),
                           ("both", "{{ raise_exception('the .jinja file wins') }}")):
         folder = layouts[layout] = str(root / layout.replace(" ", "_"))
@@ -280,7 +293,8 @@ def test_a_template_that_raises_is_one_line(tmp_path):
 @pytest.mark.parametrize("template, messages, says", [
     ("{% for m in messages %}{{ m.content }}", [USER], "is not valid Jinja"),
     ("{{ messages[0].content + 1 }}", [USER], "failed on the conversation (TypeError"),
-    ("{{ messages.__class__ }}{{ ''.__class__.__mro__ }}", [USER], "failed on the conversation"),   # the sandbox
+    # escaping the sandbox
+    ("{{ messages.__class__ }}{{ ''.__class__.__mro__ }}", [USER], "failed on the conversation"),
 ])
 def test_a_broken_template_is_one_line(tmp_path, template, messages, says):
     folder = write_family_tokenizer(str(tmp_path), "qwen2.5")
@@ -293,7 +307,8 @@ def test_a_broken_template_is_one_line(tmp_path, template, messages, says):
 
 def test_named_templates_without_a_default_fail_only_when_chatting(tmp_path):
     folder = write_family_tokenizer(str(tmp_path), "qwen2.5")
-    edit_json(os.path.join(folder, "tokenizer_config.json"), chat_template=[{"name": "tool_use", "template": "x"}])
+    edit_json(os.path.join(folder, "tokenizer_config.json"),
+              chat_template=[{"name": "tool_use", "template": "x"}])
     ours = load_tokenizer(folder)
     assert "none named 'default'" in one_line_error(lambda: ours.apply_chat_template("Hi"))
 
@@ -308,14 +323,17 @@ def test_llm_chat_is_generate_on_the_rendered_prompt(tiny_llm):
     [reference] = tiny_llm.generate([ids], greedy(8))
     assert out.prompt_token_ids == ids and out.token_ids == reference.token_ids
     assert out.prompt == tiny_llm.tokenizer.decode(ids)
-    outs = tiny_llm.chat([[USER], conversation], greedy(8))   # a list of conversations: one output each, in order
+    # a list of conversations: one output each, in order
+    outs = tiny_llm.chat([[USER], conversation], greedy(8))
     assert [o.prompt_token_ids for o in outs] == [tiny_llm.encode_chat([USER]), ids]
     assert outs[1].token_ids == reference.token_ids
 
 
 def test_llm_chat_errors_name_the_conversation(tiny_llm):
-    assert one_line_error(lambda: tiny_llm.chat([[USER], [{"role": 1}]], greedy(2))).startswith("conversation 1: ")
-    assert "cannot set 'messages'" in one_line_error(lambda: tiny_llm.chat([USER], chat_template_kwargs={"messages": []}))
+    assert one_line_error(
+        lambda: tiny_llm.chat([[USER], [{"role": 1}]], greedy(2))).startswith("conversation 1: ")
+    assert "cannot set 'messages'" in one_line_error(
+        lambda: tiny_llm.chat([USER], chat_template_kwargs={"messages": []}))
     assert "chat_template_kwargs must be a dict" in one_line_error(
         lambda: tiny_llm.encode_chat([USER], chat_template_kwargs=["enable_thinking"]))
 
@@ -325,8 +343,10 @@ def test_llm_chat_template_kwargs_reach_the_template(checkpoints, tmp_path):
     shutil.copytree(checkpoints["qwen3"], folder)
     edit_json(os.path.join(folder, "tokenizer_config.json"), chat_template=read("qwen3.jinja"))
     llm = LLM(folder, device="cpu", dtype="float32", kv_cache_gb=0.02)
-    thinking_off = llm.tokenizer.decode(llm.encode_chat([USER], chat_template_kwargs={"enable_thinking": False}))
+    thinking_off = llm.tokenizer.decode(
+        llm.encode_chat([USER], chat_template_kwargs={"enable_thinking": False}))
     assert thinking_off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     [out] = llm.chat([USER], greedy(4), chat_template_kwargs={"enable_thinking": False})
     assert out.prompt == thinking_off and len(out.token_ids) == 4
-    assert not llm.tokenizer.decode(llm.encode_chat([USER], add_generation_prompt=False)).endswith("assistant\n")
+    without_prompt = llm.tokenizer.decode(llm.encode_chat([USER], add_generation_prompt=False))
+    assert not without_prompt.endswith("assistant\n")

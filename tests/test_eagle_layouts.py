@@ -27,7 +27,8 @@ DEFAULT = (2, L // 2, L - 3)  # the states entering these: where the EAGLE autho
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return write_checkpoint(str(tmp_path_factory.mktemp("eagle_target") / "t"), "llama3", seed=11, num_layers=L)
+    folder = tmp_path_factory.mktemp("eagle_target") / "t"
+    return write_checkpoint(str(folder), "llama3", seed=11, num_layers=L)
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +50,23 @@ LAYOUTS = {
     # SafeAILab EAGLE-3: reduced vocabulary with d2t / t2d, no layer ids, no rope_theta
     "eagle3": dict(version=3, fmt="bin", draft_vocab=200, cfg={}, no_rope=True),
     # SpecForge: model.safetensors, its own head_dim, ids in eagle_config as the outputs of layers
-    "eagle3-specforge": dict(version=3, fmt="safetensors", draft_vocab=200, head_dim=24, arch="LlamaForCausalLMEagle3",
-                             cfg={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, L // 2 - 1, L - 4]}}),
+    "eagle3-specforge": dict(version=3, fmt="safetensors", draft_vocab=200, head_dim=24,
+                             arch="LlamaForCausalLMEagle3",
+                             cfg={"eagle_config":
+                                  {"eagle_aux_hidden_state_layer_ids": [1, L // 2 - 1, L - 4]}}),
     # vLLM's field: top-level ids, the states entering those layers
     "eagle3-vllm-ids": dict(version=3, fmt="safetensors", draft_vocab=200, layers=(1, 3, 6),
                             cfg={"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}),
     # the full vocabulary: the EAGLE authors delete d2t and t2d
     "eagle3-full-vocab": dict(version=3, fmt="bin", draft_vocab=None, cfg={}),
     # AngelSlim: its architecture name, its own (here: not the target's) embedding, its own ids field
-    "eagle3-angelslim": dict(version=3, fmt="safetensors", draft_vocab=200, embed="own", arch="Eagle3LlamaForCausalLM",
-                             layers=(2, 5, 6), cfg={"aux_hidden_states_layer_ids": [1, 4, 5]}),
+    "eagle3-angelslim": dict(version=3, fmt="safetensors", draft_vocab=200, embed="own",
+                             arch="Eagle3LlamaForCausalLM", layers=(2, 5, 6),
+                             cfg={"aux_hidden_states_layer_ids": [1, 4, 5]}),
     # variants (vLLM 0.32's llama_eagle3.py flags; fc_norm is SpecForge's EAGLE-3.1)
     "eagle3-fc-norm": dict(version=3, fmt="safetensors", draft_vocab=200, cfg={"fc_norm": True}),
-    "eagle3-norm-before-fc": dict(version=3, fmt="safetensors", draft_vocab=200, cfg={"norm_before_fc": True}),
+    "eagle3-norm-before-fc": dict(version=3, fmt="safetensors", draft_vocab=200,
+                                  cfg={"norm_before_fc": True}),
     "eagle3-norm-before-residual": dict(version=3, fmt="safetensors", draft_vocab=200,
                                         cfg={"norm_before_residual": True}),
     "eagle3-norm-output": dict(version=3, fmt="safetensors", draft_vocab=200, cfg={"norm_output": True}),
@@ -72,40 +77,46 @@ def build_layout(folder: str, target: str, name: str, seed: int = 0) -> dict:
     """Write the layout's config.json and weights; returns its tensors (float64) and config."""
     spec = LAYOUTS[name]
     tcfg = json.load(open(os.path.join(target, "config.json")))
+    d = spec.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"]
+    w = layout_weights(spec, tcfg, d, target, seed)
+    cfg = layout_config(spec, tcfg, d)
+    files = write_layout(folder, spec["fmt"], w, cfg)
+    tensors = {k: (v.double() if v.is_floating_point() else v) for k, v in files.items()}
+    return {"w": tensors, "cfg": cfg, "d": d}
+
+
+def layout_weights(spec: dict, tcfg: dict, d: int, target: str, seed: int) -> dict:
+    """The head's random tensors (float64), under the names the layout gives them."""
     h, inter, vocab = tcfg["hidden_size"], tcfg["intermediate_size"], tcfg["vocab_size"]
     heads, kv = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
-    d = spec.get("head_dim") or h // heads
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5 * 1.5
     norm = lambda n=h: 1 + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
     v3 = spec["version"] == 3
     p = "midlayer" if v3 else "layers.0"
     attn_in = 2 * h if v3 else h
-    w = {f"{p}.self_attn.q_proj.weight": rand(heads * d, attn_in), f"{p}.self_attn.k_proj.weight": rand(kv * d, attn_in),
-         f"{p}.self_attn.v_proj.weight": rand(kv * d, attn_in), f"{p}.self_attn.o_proj.weight": rand(h, heads * d),
+    w = {f"{p}.self_attn.q_proj.weight": rand(heads * d, attn_in),
+         f"{p}.self_attn.k_proj.weight": rand(kv * d, attn_in),
+         f"{p}.self_attn.v_proj.weight": rand(kv * d, attn_in),
+         f"{p}.self_attn.o_proj.weight": rand(h, heads * d),
          f"{p}.mlp.gate_proj.weight": rand(inter, h), f"{p}.mlp.up_proj.weight": rand(inter, h),
          f"{p}.mlp.down_proj.weight": rand(h, inter), f"{p}.post_attention_layernorm.weight": norm()}
     if spec.get("qkv_bias"):
         w.update({f"{p}.self_attn.{x}_proj.bias": 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
                   for x, n in (("q", heads * d), ("k", kv * d), ("v", kv * d))})
-    cfg = {"architectures": [spec.get("arch", "LlamaForCausalLM")], "model_type": "llama", "hidden_size": h,
-           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 1,
-           "rms_norm_eps": 1e-6, "vocab_size": vocab, "hidden_act": "silu", "max_position_embeddings": 2048,
-           **({} if spec.get("no_rope") else {"rope_theta": target_theta(tcfg)}),
-           **({"head_dim": d} if "head_dim" in spec else {}), **spec["cfg"]}
     if not v3:
         w["fc.weight"] = rand(h, 2 * h)
         if spec["fc_bias"]:
             w["fc.bias"] = 0.1 * torch.randn(h, generator=g, dtype=torch.float64)
     else:
         dv = spec["draft_vocab"] or vocab
-        w.update({"fc.weight": rand(h, 3 * h), f"{p}.hidden_norm.weight": norm(), f"{p}.input_layernorm.weight": norm(),
-                  "norm.weight": norm(), "lm_head.weight": rand(dv, h)})
+        w.update({"fc.weight": rand(h, 3 * h), f"{p}.hidden_norm.weight": norm(),
+                  f"{p}.input_layernorm.weight": norm(), "norm.weight": norm(),
+                  "lm_head.weight": rand(dv, h)})
         if spec["draft_vocab"]:
             kept = torch.randperm(vocab, generator=g)[:dv].sort().values
             w["d2t"] = kept - torch.arange(dv)
             w["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)
-        cfg["draft_vocab_size"] = dv
         if spec["cfg"].get("fc_norm"):
             w.update({f"fc_norm.{i}.weight": norm() for i in range(3)})
         if spec["cfg"].get("norm_before_fc"):
@@ -114,15 +125,35 @@ def build_layout(folder: str, target: str, name: str, seed: int = 0) -> dict:
         w["embed_tokens.weight"] = load_target_embedding(target)
     elif spec.get("embed") == "own":
         w["embed_tokens.weight"] = rand(vocab, h)
+    return w
+
+
+def layout_config(spec: dict, tcfg: dict, d: int) -> dict:
+    """The head's config.json: a one-layer Llama of the target's shapes, with the layout's fields."""
+    cfg = {"architectures": [spec.get("arch", "LlamaForCausalLM")], "model_type": "llama",
+           "hidden_size": tcfg["hidden_size"], "intermediate_size": tcfg["intermediate_size"],
+           "num_attention_heads": tcfg["num_attention_heads"],
+           "num_key_value_heads": tcfg["num_key_value_heads"], "num_hidden_layers": 1,
+           "rms_norm_eps": 1e-6, "vocab_size": tcfg["vocab_size"], "hidden_act": "silu",
+           "max_position_embeddings": 2048,
+           **({} if spec.get("no_rope") else {"rope_theta": target_theta(tcfg)}),
+           **({"head_dim": d} if "head_dim" in spec else {}), **spec["cfg"]}
+    if spec["version"] == 3:
+        cfg["draft_vocab_size"] = spec["draft_vocab"] or tcfg["vocab_size"]
+    return cfg
+
+
+def write_layout(folder: str, fmt: str, w: dict, cfg: dict) -> dict:
+    """Save the tensors (in float32) as `fmt` ("bin" or "safetensors") and config.json; returns them."""
     os.makedirs(folder, exist_ok=True)
     files = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in w.items()}
-    if spec["fmt"] == "bin":
+    if fmt == "bin":
         torch.save(files, os.path.join(folder, "pytorch_model.bin"))
     else:
         save_file(files, os.path.join(folder, "model.safetensors"))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
-    return {"w": {k: (v.double() if v.is_floating_point() else v) for k, v in files.items()}, "cfg": cfg, "d": d}
+    return files
 
 
 def target_theta(tcfg: dict) -> float:
@@ -226,32 +257,36 @@ def nanospec_first_logits(llm, tokens: list[int]) -> torch.Tensor:
     proposer, target = llm.engine.proposer, llm.model
     n = len(tokens) - 1
     with torch.no_grad():
-        cache = KVCache(target.config.num_layers, n // 16 + 1, 16, target.config.num_kv_heads, target.config.head_dim, torch.float32, "cpu")
+        cache = KVCache(target.config.num_layers, n // 16 + 1, 16, target.config.num_kv_heads,
+                        target.config.head_dim, torch.float32, "cpu")
         table = []
         cache.allocator.grow(table, n)   # (ids past the null and sink blocks, which no table holds)
         meta = build_metadata([table], [0], [n], 16, torch.device("cpu"))
-        hidden, captured = target(torch.tensor(tokens[:-1]), torch.arange(n), cache, meta, proposer.capture_layers)
+        hidden, captured = target(torch.tensor(tokens[:-1]), torch.arange(n),
+                                  cache, meta, proposer.capture_layers)
         head = proposer.head
-        hcache = KVCache(1, n // 16 + 1, 16, head.config.num_kv_heads, head.config.head_dim, torch.float32, "cpu")
-        x = head(proposer.embed(torch.tensor(tokens[1:])), proposer.features(hidden, captured), torch.arange(n),
-                 hcache, meta)[-1:]
+        hcache = KVCache(1, n // 16 + 1, 16, head.config.num_kv_heads, head.config.head_dim,
+                         torch.float32, "cpu")
+        x = head(proposer.embed(torch.tensor(tokens[1:])), proposer.features(hidden, captured),
+                 torch.arange(n), hcache, meta)[-1:]
         return head.logits(x, target)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_public_layout_loads_and_drafts_its_reference(target, hf_target, tmp_path, name):
     spec = LAYOUTS[name]
+    layers = expected_layers(spec)
     layout = build_layout(str(tmp_path / name), target, name, seed=len(name))
     warns = {"eagle3": "no rope_theta", "eagle3-norm-output": "norm_output", "eagle3-angelslim": "AngelSlim"}
     with pytest.warns(UserWarning, match=warns[name]) if name in warns else contextlib.nullcontext():
         llm = LLM(target, device="cpu", dtype="float32", kv_cache_gb=0.05, eagle=str(tmp_path / name),
                   num_speculative_tokens=2)
-    assert llm.engine.proposer.capture_layers == expected_layers(spec)
+    assert llm.engine.proposer.capture_layers == layers
     calls = record_proposals(llm)
     llm.generate(PROMPTS[:3], greedy(4))
     checked = 0
-    for tokens, drafts in calls:                                  # every round: from scratch, the same head state
-        ref_logits, ref_drafts = reference_drafts(layout, spec, hf_target, tokens, expected_layers(spec), len(drafts))
+    for tokens, drafts in calls:   # every round checked from scratch, with the same head state
+        ref_logits, ref_drafts = reference_drafts(layout, spec, hf_target, tokens, layers, len(drafts))
         ours = nanospec_first_logits(llm, tokens)
         finite = torch.isfinite(ref_logits)
         assert torch.equal(finite, torch.isfinite(ours))          # the draft vocabulary, mapped by d2t
@@ -270,29 +305,38 @@ def test_a_head_given_as_a_hub_id_loads_from_the_local_cache(target, tmp_path, m
     import huggingface_hub.constants as hc
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
-    llm = LLM(target, device="cpu", dtype="float32", kv_cache_gb=0.05, eagle="org/head", num_speculative_tokens=2)
+    llm = LLM(target, device="cpu", dtype="float32", kv_cache_gb=0.05, eagle="org/head",
+              num_speculative_tokens=2)
     assert llm.engine.proposer.head.version == 1
     with pytest.raises(NanospecError, match="could not get 'org/other'"):
         LLM(target, device="cpu", dtype="float32", kv_cache_gb=0.05, eagle="org/other")
 
 
 @pytest.mark.parametrize("cfg, layers", [
-    ({}, DEFAULT),                                                                        # the EAGLE authors' capture
-    ({"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}, (2, 4, 5)),                         # vLLM's: entering
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}, (2, 4, 5)),       # SGLang's: outputs
-    ({"aux_hidden_states_layer_ids": [1, 3, 4]}, (2, 4, 5)),                              # AngelSlim's: outputs
+    # the EAGLE authors' capture
+    ({}, DEFAULT),
+    # vLLM's: the states entering the layers
+    ({"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}, (2, 4, 5)),
+    # SGLang's: the outputs of the layers before
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}, (2, 4, 5)),
+    # AngelSlim's: outputs
+    ({"aux_hidden_states_layer_ids": [1, 3, 4]}, (2, 4, 5)),
+    # both, agreeing
     ({"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
-      "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}, (2, 4, 5)),       # both, agreeing
+      "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}, (2, 4, 5)),
+    # an older nanospec head
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]},
-      "trained_target_dtype": "float32"}, (2, 4, 5)),                                     # an older nanospec head
-    ({"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}, (2, 4, 5)),                         # concatenated in layer order
+      "trained_target_dtype": "float32"}, (2, 4, 5)),
+    # concatenated in layer order
+    ({"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}, (2, 4, 5)),
 ])
 def test_layer_ids_are_read_as_their_writers_mean_them(cfg, layers):
     assert aux_layers(cfg, L, "config.json") == layers
 
 
 def test_layer_ids_that_disagree_get_a_warning_that_names_the_fix():
-    cfg = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}
+    cfg = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}
     with pytest.warns(UserWarning, match="disagree.*delete the top-level field"):
         assert aux_layers(cfg, L, "config.json") == (2, 4, 5)
     with pytest.raises(NanospecError, match="three layer numbers"):
@@ -306,7 +350,8 @@ def test_layer_ids_that_disagree_get_a_warning_that_names_the_fix():
     (lambda cfg, w: cfg.update(norm_output="yes"), "norm_output must be true or false"),
     (lambda cfg, w: w.pop("d2t"), "drafts over 200 tokens, not the target's 320, but has no d2t"),
 ])
-def test_variants_and_vocabularies_that_cannot_be_run_are_refused_in_one_line(target, tmp_path, mutate, match):
+def test_variants_and_vocabularies_that_cannot_be_run_are_refused_in_one_line(target, tmp_path,
+                                                                              mutate, match):
     name = "eagle1-sglang" if "EAGLE-1" in match else "eagle3-specforge"
     layout = build_layout(str(tmp_path / "h"), target, name)
     cfg, w = layout["cfg"], {k: (v.float() if v.is_floating_point() else v) for k, v in layout["w"].items()}

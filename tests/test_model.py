@@ -37,7 +37,8 @@ def our_logits(model, ids: list[int], chunks: list[int]) -> torch.Tensor:
 def test_logits_match_transformers_float64(checkpoints, family):
     folder = checkpoints[family]
     model = checkpoint.build_model(checkpoint.read_checkpoint(folder), torch.device("cpu"), torch.float32)
-    ids = torch.randint(3, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(3, model.config.vocab_size, (90,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
     expected = reference_logits(folder, ids)
     # prefill in uneven chunks, then a 5-token (verify-like) step and single-token decode steps
     got = our_logits(model, ids, [37, 40, 5, 1, 1, 1, 1, 1, 1, 1, 1])
@@ -52,7 +53,8 @@ def test_the_fused_pieces_compiled_compute_what_the_eager_ones_do(checkpoints, f
     own within float32 rounding."""
     folder = checkpoints[family]
     model = checkpoint.build_model(checkpoint.read_checkpoint(folder), torch.device("cpu"), torch.float32)
-    ids = torch.randint(3, model.config.vocab_size, (50,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(3, model.config.vocab_size, (50,),
+                        generator=torch.Generator().manual_seed(2)).tolist()
     chunks = [37, 5, 1, 1, 1, 1, 1, 1, 1, 1]
     eager = our_logits(model, ids, chunks)
     pieces = [model_module.rms_norm, model_module.add_rms_norm, model_module.RotaryEmbedding.rotate,
@@ -78,7 +80,8 @@ def test_llama3_rope_scaling_is_applied(checkpoints):
 def test_a_rope_theta_inside_rope_scaling_is_read_as_transformers_reads_it(checkpoints, tmp_path):
     """An older config with its theta inside rope_scaling (no rope_parameters, no top-level theta):
     transformers 5 reads rope_scaling as rope_parameters, theta included (nanospec took 10000)."""
-    import json, shutil
+    import json
+    import shutil
     folder = tmp_path / "m"
     shutil.copytree(checkpoints["llama3"], folder)
     cfg = json.loads((folder / "config.json").read_text())
@@ -86,9 +89,11 @@ def test_a_rope_theta_inside_rope_scaling_is_read_as_transformers_reads_it(check
     cfg.pop("rope_theta", None)
     assert cfg["rope_scaling"]["rope_theta"] == 500000.0
     (folder / "config.json").write_text(json.dumps(cfg))
-    model = checkpoint.build_model(checkpoint.read_checkpoint(str(folder)), torch.device("cpu"), torch.float32)
+    model = checkpoint.build_model(checkpoint.read_checkpoint(str(folder)),
+                                   torch.device("cpu"), torch.float32)
     assert model.config.rope_theta == 500000.0
-    ids = torch.randint(3, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(3, model.config.vocab_size, (90,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
     got = our_logits(model, ids, [80] + [1] * 10)
     assert (got.double() - reference_logits(str(folder), ids)).abs().max().item() < 1e-4
     cfg["rope_theta"] = 10000.0   # and a top-level theta that disagrees: ambiguous, refused
@@ -102,14 +107,16 @@ def test_a_qwen3_config_without_head_dim_takes_transformers_default(tmp_path):
     transformers loads it (nanospec refused it, blaming the weights)."""
     import json
     import transformers
-    config = transformers.Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=72, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    config = transformers.Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=72,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=256)
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(config).float().save_pretrained(tmp_path, safe_serialization=True)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg.pop("head_dim") == 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    model = checkpoint.build_model(checkpoint.read_checkpoint(str(tmp_path)), torch.device("cpu"), torch.float32)
+    model = checkpoint.build_model(checkpoint.read_checkpoint(str(tmp_path)),
+                                   torch.device("cpu"), torch.float32)
     assert model.config.head_dim == 128
     ids = torch.randint(3, 97, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     got = our_logits(model, ids, [30] + [1] * 10)
@@ -141,30 +148,41 @@ def write_llama_gguf(folder: str, path: str, rope_freqs: list[float] | None) -> 
     from safetensors.torch import load_file
     cfg = checkpoint.read_config(json.load(open(os.path.join(folder, "config.json"))))
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(cfg.num_layers); writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size); writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads); writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_rope_freq_base(cfg.rope_theta); writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_key_length(cfg.head_dim); writer.add_value_length(cfg.head_dim); writer.add_vocab_size(cfg.vocab_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.array(rope_freqs, dtype=np.float32))
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
         w = w.float().numpy()
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):   # llama.cpp's permute, pairs (0, 1), (2, 3) ...
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):   # llama.cpp's permute: pairs (0, 1), ...
                 heads = cfg.num_heads if module == "self_attn.q_proj" else cfg.num_kv_heads
-                w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+                pairs = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+                w = pairs.swapaxes(1, 2).reshape(w.shape)
             name = f"blk.{layer}.{names[module]}.{suffix}"
         else:
-            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[name]
+            name = {"model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
         writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def test_a_llama_gguf_keeps_its_rope_scaling(tmp_path):
@@ -178,24 +196,28 @@ def test_a_llama_gguf_keeps_its_rope_scaling(tmp_path):
                "original_max_position_embeddings": 64}
     # the fixture's own scaling (transformers adds the theta to the dict it is given)
     assert {k: v for k, v in FAMILIES["llama3"]["rope_scaling"].items() if k != "rope_theta"} == scaling
-    folder = write_checkpoint(str(tmp_path / "hf"), "llama3", hidden=256)   # heads of 64: 3 frequencies in the band
+    # heads of 64: 3 frequencies in the band
+    folder = write_checkpoint(str(tmp_path / "hf"), "llama3", hidden=256)
     write_llama_gguf(folder, str(tmp_path / "m.gguf"), converter_rope_freqs(500000.0, 64, scaling))
     loaded = checkpoint.read_checkpoint(str(tmp_path / "m.gguf"))
     assert loaded.config.rope_scaling == scaling
     model = checkpoint.build_model(loaded, torch.device("cpu"), torch.float32)
-    ids = torch.randint(3, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(3, model.config.vocab_size, (90,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
     got = our_logits(model, ids, [40, 30, 5] + [1] * 15)
     assert (got.double() - reference_logits(folder, ids)).abs().max().item() < 1e-4
     # Llama 3.1 (factor 8) and 3.2 (factor 32), head 128: the parameters come back exactly
     for factor in (8.0, 32.0):
         real = dict(scaling, factor=factor, original_max_position_embeddings=8192)
-        assert gguf_file.llama3_scaling(np.array(converter_rope_freqs(500000.0, 128, real)), 500000.0, 128, "x") == real
+        freqs = np.array(converter_rope_freqs(500000.0, 128, real))
+        assert gguf_file.llama3_scaling(freqs, 500000.0, 128, "x") == real
 
 
 def test_a_gguf_rope_scaling_nanospec_cannot_read_is_refused(tmp_path, checkpoints):
     """A rope_freqs that is not Llama 3's scaling, or llama.cpp's linear / yarn scaling: one line."""
     import gguf
-    write_llama_gguf(checkpoints["llama3"], str(tmp_path / "odd.gguf"), [1.0, 3.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0])
+    write_llama_gguf(checkpoints["llama3"], str(tmp_path / "odd.gguf"),
+                     [1.0, 3.0, 1.0, 2.0, 1.0, 1.0, 1.0, 1.0])
     with pytest.raises(NanospecError, match="rope_freqs tensor .* is not Llama 3's RoPE scaling"):
         checkpoint.read_checkpoint(str(tmp_path / "odd.gguf"))
     from nanospec import gguf_file
@@ -221,13 +243,15 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf):
 
 
 def test_unsupported_architecture_is_named(tmp_path, checkpoints):
-    import json, shutil
+    import json
+    import shutil
     folder = tmp_path / "m"
     shutil.copytree(checkpoints["qwen2"], folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["architectures"] = ["MistralForCausalLM"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(NanospecError, match="unsupported architecture 'MistralForCausalLM'.*Qwen3ForCausalLM"):
+    with pytest.raises(NanospecError,
+                       match="unsupported architecture 'MistralForCausalLM'.*Qwen3ForCausalLM"):
         checkpoint.read_checkpoint(str(folder))
 
 
@@ -278,8 +302,9 @@ def test_linear_fast_paths_compute_x_times_w_transposed(rows, bias):
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("name, params", [("llama3-8b", 8.030e9), ("llama3.2-1b", 1.236e9), ("qwen3-8b", 8.191e9),
-                                          ("qwen3-1.7b", 1.721e9), ("qwen3-0.6b", 0.596e9)])
+@pytest.mark.parametrize("name, params", [("llama3-8b", 8.030e9), ("llama3.2-1b", 1.236e9),
+                                          ("qwen3-8b", 8.191e9), ("qwen3-1.7b", 1.721e9),
+                                          ("qwen3-0.6b", 0.596e9)])
 def test_random_models_have_the_real_models_shapes(name, params):
     """random:NAME builds the public config's shapes (counted on the meta device: no 8B allocation);
     the parameter counts are the published ones (Llama-3.1-8B 8.03B, Llama-3.2-1B 1.24B, Qwen3-8B

@@ -14,10 +14,11 @@ from nanospec.errors import NanospecError
 from nanospec.tokenizer import (LLAMA3_PATTERN, from_gguf, from_tiktoken_model, from_tokenizer_json,
                                 token_bytes)
 
-TEXTS = ["Hello world!", "  multiple   spaces\n\n\ttabs and\r\nwindows lines", "digits 1234567 and 3.14159, 2,718",
-         "unicode: héllo wörld 日本語 🙂 Ελληνικά العربية", "def f(x):\n    return x**2  # comment\n",
-         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "I'm you'll they've WE'RE", "a" * 60,
-         "   ", "", "x\r\ny", "emoji🙂🙂 mixed123abc", "\n\n\n", "tabs\t\t\tend  "]
+TEXTS = ["Hello world!", "  multiple   spaces\n\n\ttabs and\r\nwindows lines",
+         "digits 1234567 and 3.14159, 2,718", "unicode: héllo wörld 日本語 🙂 Ελληνικά العربية",
+         "def f(x):\n    return x**2  # comment\n", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+         "I'm you'll they've WE'RE", "a" * 60, "   ", "", "x\r\ny", "emoji🙂🙂 mixed123abc",
+         "\n\n\n", "tabs\t\t\tend  "]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,9 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     ref = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    ref.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
     ref.decoder = decoders.ByteLevel()
     ref.add_special_tokens([t for t, k in zip(tokens, types) if k == 3])
     return from_gguf(meta), ref
@@ -81,13 +83,14 @@ def test_ranks_come_from_merge_order_not_ids(checkpoints, tmp_path):
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
 
 
-NORMALIZED_TEXTS = ["he\u0301llo c\u0327a va", "héllo ça va", "ﬁne ２０２４ Ａ", "<|im_start|>e\u0301<|im_end|>\u0338 x",
-                    ">\u0338 <\u0338", "Å Å Å", "e\u0301" * 20]
+NORMALIZED_TEXTS = ["he\u0301llo c\u0327a va", "héllo ça va", "ﬁne ２０２４ Ａ",
+                    "<|im_start|>e\u0301<|im_end|>\u0338 x", ">\u0338 <\u0338", "Å Å Å", "e\u0301" * 20]
 
 
 @pytest.mark.parametrize("normalizer", [
     {"type": "NFC"}, {"type": "NFKC"}, {"type": "NFD"},
-    {"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "NFC"}]}, {"type": "Sequence", "normalizers": []}])
+    {"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "NFC"}]},
+    {"type": "Sequence", "normalizers": []}])
 def test_a_unicode_normalizer_applies_before_bpe_as_the_reference(checkpoints, tmp_path, normalizer):
     """Qwen's tokenizer.json normalizes to NFC before BPE: "é" typed as e + U+0301 is encoded as é.
     Added tokens are matched first and left alone (NFC would fold a token's last ">" and a combining
@@ -101,8 +104,11 @@ def test_a_unicode_normalizer_applies_before_bpe_as_the_reference(checkpoints, t
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
 
 
-@pytest.mark.parametrize("normalizer", [{"type": "Lowercase"}, {"type": "Sequence", "normalizers": [
-    {"type": "NFC"}, {"type": "Replace", "pattern": {"String": " "}, "content": "_"}]}, {"type": "Sequence"}, 7])
+@pytest.mark.parametrize("normalizer", [
+    {"type": "Lowercase"},
+    {"type": "Sequence", "normalizers": [{"type": "NFC"},
+                                         {"type": "Replace", "pattern": {"String": " "}, "content": "_"}]},
+    {"type": "Sequence"}, 7])
 def test_another_normalizer_is_refused_not_ignored(checkpoints, tmp_path, normalizer):
     data = json.load(open(os.path.join(checkpoints["qwen2"], "tokenizer.json")))
     data["normalizer"] = normalizer
@@ -116,8 +122,10 @@ def test_tiktoken_model_file(checkpoints, tmp_path):
     encodes like the reference BPE given the same vocabulary renumbered by rank."""
     from tokenizers import Tokenizer
     data = json.load(open(os.path.join(checkpoints["qwen2"], "tokenizer.json")))
-    ranked = sorted(from_tokenizer_json(checkpoints["qwen2"]).encoding._mergeable_ranks.items(), key=lambda kv: kv[1])
-    (tmp_path / "tokenizer.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranked))
+    ranks = from_tokenizer_json(checkpoints["qwen2"]).encoding._mergeable_ranks
+    ranked = sorted(ranks.items(), key=lambda kv: kv[1])
+    (tmp_path / "tokenizer.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
+                                                      for t, r in ranked))
     rank_of = {t: r for t, r in ranked}
     data["model"]["vocab"] = {s: rank_of[token_bytes(s)] for s in data["model"]["vocab"]
                               if s not in {a["content"] for a in data["added_tokens"]}}

@@ -40,7 +40,8 @@ def test_eagle1_training_forward_equals_inference_forward(spec_models):
     h, n = llm.config.hidden_size, 11
     embeds, features = torch.randn(n, h), torch.randn(n, h)
     dense = train_eagle.eagle1_forward(head, embeds[None], features[None], torch.arange(n), [])[0]
-    cache = KVCache(1, 8, 4, head.config.num_kv_heads, head.config.head_dim, torch.float32, torch.device("cpu"))
+    cache = KVCache(1, 8, 4, head.config.num_kv_heads, head.config.head_dim,
+                    torch.float32, torch.device("cpu"))
     paged = paged_head(head, embeds, features, 0, cache, [])
     torch.testing.assert_close(dense, paged, atol=1e-4, rtol=1e-4)
 
@@ -60,7 +61,8 @@ def test_training_time_test_sees_what_drafting_sees(spec_models, arch):
         feats = train_eagle.next_input_features(out)
     for j in range(steps):
         for i in range(j, n):
-            cache = KVCache(1, 8, 4, head.config.num_kv_heads, head.config.head_dim, torch.float32, torch.device("cpu"))
+            cache = KVCache(1, 8, 4, head.config.num_kv_heads, head.config.head_dim,
+                            torch.float32, torch.device("cpu"))
             table, real = [], i - j
             out = paged_head(head, embeds[:real + 1], features[:real + 1], 0, cache, table)[-1:]
             for step in range(1, j + 1):
@@ -71,9 +73,10 @@ def test_training_time_test_sees_what_drafting_sees(spec_models, arch):
 
 
 def tiny_args(target, out, arch, steps=40, **extra):
-    args = ["--target", target, "--out", str(out), "--arch", arch, "--num-prompts", "8", "--response-tokens", "24",
-            "--seq-len", "112", "--batch-size", "4", "--steps", str(steps), "--warmup", "4", "--lr", "3e-3",
-            "--draft-vocab", "64", "--save-every", "5", "--no-eval", "--device", "cpu", "--dtype", "float32"]
+    args = ["--target", target, "--out", str(out), "--arch", arch, "--num-prompts", "8",
+            "--response-tokens", "24", "--seq-len", "112", "--batch-size", "4", "--steps", str(steps),
+            "--warmup", "4", "--lr", "3e-3", "--draft-vocab", "64", "--save-every", "5", "--no-eval",
+            "--device", "cpu", "--dtype", "float32"]
     return args + [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
@@ -92,7 +95,8 @@ def test_tiny_run_lowers_loss_and_writes_a_lossless_head(spec_models, tmp_path, 
     spec = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, eagle=str(out),
                num_speculative_tokens=3)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == \
+           [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert spec.stats["drafted_tokens"] > 0
 
 
@@ -132,7 +136,8 @@ def test_a_stopped_run_resumes_to_the_same_head(spec_models, tmp_path, monkeypat
         if step == 7:
             raise KeyboardInterrupt   # the last checkpoint is step 5's
     monkeypatch.setattr(train_eagle, "progress", stop_after_7)
-    assert train_eagle.main(tiny_args(target, tmp_path / "stopped", "eagle1", steps=10)) == 130   # Ctrl-C's status
+    # the interrupted run exits with Ctrl-C's status
+    assert train_eagle.main(tiny_args(target, tmp_path / "stopped", "eagle1", steps=10)) == 130
     monkeypatch.setattr(train_eagle, "progress", real_progress)
     assert train_eagle.main(tiny_args(target, tmp_path / "stopped", "eagle1", steps=10)) == 0
     straight, resumed = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("straight", "stopped"))
@@ -150,9 +155,10 @@ def test_resuming_with_other_settings_is_refused(spec_models, tmp_path, capsys):
 
 
 def test_prompts_that_fill_the_sequence_length_are_left_out_or_refused(spec_models, tmp_path, capsys):
-    assert train_eagle.main(tiny_args(spec_models["target"], tmp_path / "some", "eagle1", steps=5, seq_len=60)) == 0
+    target = spec_models["target"]
+    assert train_eagle.main(tiny_args(target, tmp_path / "some", "eagle1", steps=5, seq_len=60)) == 0
     assert "left out: their prompt fills --seq-len" in capsys.readouterr().out
-    assert train_eagle.main(tiny_args(spec_models["target"], tmp_path / "none", "eagle1", steps=5, seq_len=8)) == 2
+    assert train_eagle.main(tiny_args(target, tmp_path / "none", "eagle1", steps=5, seq_len=8)) == 2
     assert "raise it" in capsys.readouterr().err
 
 
@@ -214,7 +220,8 @@ def vllm_accepts(cfg: dict, weights: dict, version: int, num_layers: int) -> lis
         # models/llama_eagle.py: fc = ReplicatedLinear(2H -> H, bias=False); layer 0's input norm is
         # nn.Identity; no lm_head module (the target's); embed_tokens skipped at load yet marked as
         # the head's own (v1/spec_decode: kept apart unless equal to the target's)
-        allowed = {"fc.weight"} | {k for k in weights if k.startswith("layers.0.") and "input_layernorm" not in k}
+        allowed = {"fc.weight"} | {k for k in weights
+                                   if k.startswith("layers.0.") and "input_layernorm" not in k}
     else:
         # models/llama_eagle3.py: midlayer. -> layers.0.; fc bias=False; d2t -> draft_id_to_target_id;
         # t2d skipped; norm, lm_head; the fc's width from eagle_config's ids (3 when absent)
@@ -279,8 +286,8 @@ def test_what_train_eagle_writes_loads_unchanged_in_vllm_and_sglang(spec_models,
             assert other(cfg, weights, version, num_layers) != []
     if arch == "eagle1":   # nanospec loads both, and they draft alike (SGLang's fc bias is zero)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        outs = [LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, eagle=str(folders[e]),
-                    num_speculative_tokens=3) for e in ("vllm", "sglang")]
+        outs = [LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+                    eagle=str(folders[e]), num_speculative_tokens=3) for e in ("vllm", "sglang")]
         assert [o.token_ids for o in outs[0].generate(PROMPTS, params)] == \
                [o.token_ids for o in outs[1].generate(PROMPTS, params)]
         assert [outs[i].stats["accepted_tokens"] for i in (0, 1)] == [outs[1].stats["accepted_tokens"]] * 2
