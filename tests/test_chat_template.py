@@ -194,9 +194,9 @@ def test_qwen_defaults_system_prompt_and_thinking_switch(families):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf, tmp_path_factory):
     """The GGUF tokenizer (ours and transformers'), and folders of the tokenizer transformers saved
-    from it, in each place a template can be: chat_template.jinja (what save_pretrained writes, the
-    layout whose template nanospec used to miss), tokenizer_config.json's chat_template (a string,
-    or a list of named templates), and both (the .jinja file wins)."""
+    from it, in each place a template can be: chat_template.jinja (what save_pretrained writes),
+    tokenizer_config.json's chat_template (a string, or a list of named templates), and both (the
+    .jinja file wins)."""
     from transformers import AutoTokenizer
     theirs = AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf),
                                            gguf_file=os.path.basename(smollm2_gguf))

@@ -79,7 +79,7 @@ def test_llama3_rope_scaling_is_applied(checkpoints):
 
 def test_a_rope_theta_inside_rope_scaling_is_read_as_transformers_reads_it(checkpoints, tmp_path):
     """An older config with its theta inside rope_scaling (no rope_parameters, no top-level theta):
-    transformers 5 reads rope_scaling as rope_parameters, theta included (nanospec took 10000)."""
+    transformers 5 reads rope_scaling as rope_parameters, theta included (not the default 10000)."""
     import json
     import shutil
     folder = tmp_path / "m"
@@ -104,7 +104,7 @@ def test_a_rope_theta_inside_rope_scaling_is_read_as_transformers_reads_it(check
 
 def test_a_qwen3_config_without_head_dim_takes_transformers_default(tmp_path):
     """Qwen3Config's head_dim defaults to 128, not hidden / heads: a config.json without it loads as
-    transformers loads it (nanospec refused it, blaming the weights)."""
+    transformers loads it."""
     import json
     import transformers
     config = transformers.Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=72,
