@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from nanospec.cuda_graph import MAX_GRAPH_BATCH
+from nanospec.cuda_graph import MAX_GRAPH_BATCH, GraphKey
 from nanospec.dynamic_k import Profile
 from nanospec.engine import Engine, SamplingParams
 from nanospec.errors import NanospecError
@@ -117,7 +117,7 @@ def step_memory(engine: Engine, k: int) -> int:
     steps.grow(k, probs=probs)
     steps.upload_padding(bucket, k)
     with torch.inference_mode():
-        steps.verify_body(("verify", bucket, k, True, probs, False), steps.tables.width)
+        steps.verify_body(GraphKey("verify", bucket, k, True, probs), steps.tables.width)
     sync(engine.device)
     return torch.cuda.max_memory_allocated(engine.device) - base if cuda else 0
 
