@@ -2,77 +2,139 @@
 and replayed on CUDA; on CPU, and with enforce_eager, the same bodies run eagerly on the same
 buffers, so every CPU test runs the padded, bucketed step that a GPU replays.
 
-A decode step is, in order:
-  upload   one int64 buffer from the host, one copy (pinned, non-blocking on CUDA):
-             FIELDS rows of `bucket` values, one per batch row (see FIELDS below);
-             [bucket, K] drafts made on the host (n-gram; zeros for the others);
-             the block-table entries changed since the last step (target's and proposer's):
-             (flat index, block id) pairs, written into the device tables right after the copy;
-             a model proposer's first draft step (its catch-up): lengths and input ids.
-  round    a draft model's or EAGLE head's K draft steps: the first (catch-up: each request feeds
-           what the proposer has not seen, a varying length) eagerly, then steps 2..K as one graph
-           whose positions advance on the device; drafts, draft probabilities and a finiteness
-           flag land in static buffers. A draft model's steady-state round (a catch-up of 1 or 2
-           positions per row, padded to 2) is one graph, its first step included.
-  verify   the target over [last token, d_1 .. d_K] for every row, acceptance and sampling, as
-           one graph; it returns one [bucket, K + 3] int64 tensor: each row's K + 1 tokens, its
-           accepted count, and a flag for non-finite logits (1: the target's, 2: the drafter's),
-           which the engine reads back in its one copy. A step with a request that asks for
-           logprobs, penalties or min_p replays the forward alone as a graph and runs the rest
-           (LM head, processing, sampling) eagerly: its host data go in one more copy, and with
-           logprobs it also returns its logits, read back in a second copy (see replay).
+A step is `upload`, then `run_round` (a model proposer's K draft steps), then `run` (verify):
+  upload  one int64 buffer from the host in one copy (pinned, non-blocking on CUDA): the rows'
+          Fields, [bucket, K] host drafts (n-gram's; zeros for the others), the (flat index, block
+          id) pairs the device block tables gained since the last step, and a model proposer's
+          catch-up (its first draft step's lengths and input ids).
+  round   the catch-up step (each row feeds what the proposer has not seen: a varying length)
+          eagerly, then steps 2..K as one graph whose positions advance on the device; where every
+          catch-up is 1 or 2 positions (a draft model's steady state), the whole round is one graph.
+          Drafts, draft probabilities and a finiteness flag land in static buffers.
+  verify  the target over [last token, d_1 .. d_K] for every row, acceptance and sampling, as one
+          graph returning [bucket, K + 3] int64 (Verified): the one copy back. A step with a
+          request that asks for logprobs, penalties or min_p replays the forward alone as a graph
+          and runs the rest eagerly (see replay).
 
-Padding keeps the step lossless:
-- a bucket's rows past the batch are requests of one token at position 0 whose block-table rows are
-  null rows (every entry the null block, which the allocator never hands out). They read only
-  the null block (zero: nothing writes it), write only the sink block (no table holds it), and
-  nothing reads their output.
-- a request with fewer drafts than the step's K repeats its last real query in the padded
-  positions (the same position, so the same keys), writes their K/V to the sink block (it may own
-  no block there), and its logits rows there are replaced by its last real one before sampling.
-  In the draft round, a request past its own K drafts on (position 0, writes to the sink block).
-  So a request's non-finite K/V stay in its own blocks: no other request reads them, even masked.
-- every draft id in the static buffer, stale or padding, is a token id, so the embedding can read it.
-
-On CUDA the graphs share one memory pool, are captured at start for greedy steps (largest bucket
-first) and on first use for the others; batches above MAX_GRAPH_BATCH run the bodies eagerly. A
-body reads block tables at their full width under a graph and at the batch's widest table when
-eager (the same values; only the padding is shorter).
-
-Every body is safe to run twice on the same buffers (capture runs it once to warm up on the
-current step's inputs, then replay runs it again): nothing a body reads is written by it, except
-values it writes the same way every time (its K/V, drafts[:, i] from drafts[:, i - 1], a flag it
-only clears). REHEARSE_GRAPHS makes an eager step run so (twice, at full width), and the tests
-compare that with the plain eager step. Capture and every step run under inference mode.
+Invariants:
+- one copy in, one copy back: no other host data and no sync inside a step (logprobs, penalties
+  and min_p add one copy each way, eagerly);
+- buckets: a batch is padded to the next of batch_buckets (graphs up to MAX_GRAPH_BATCH; larger
+  batches run the same bodies eagerly). A padding row is a request of one token at position 0
+  whose block-table row is the null row: it reads only the null block (zero: nothing writes it),
+  writes only the sink block (no table holds it), and nothing reads its output;
+- a row with fewer drafts than the step's K repeats its last real query in the padded positions
+  (the same position, so the same keys), writes their K/V to the sink block, and its logits there
+  are replaced by its last real ones. In the draft round, a row past its own K drafts on at
+  position 0 into the sink block. So a request's non-finite K/V stay in its own blocks: no other
+  request reads them, even masked;
+- every draft id in the static buffer, stale or padding, is a token id (the embedding reads it);
+- every body is safe to run twice on the same buffers (capture warms up on the current step's
+  inputs, then replay runs it again): nothing a body reads is written by it, except values it
+  writes the same way every time (its K/V, drafts[:, i] from drafts[:, i - 1], a flag it only
+  clears). REHEARSE_GRAPHS makes an eager step run so (twice, at full width), and the tests compare
+  that with the plain eager step;
+- a body reads block tables at their full width under a graph and at the batch's widest table
+  when eager (the same values; only the padding is shorter);
+- the graphs share one memory pool; greedy verify steps are captured at start (largest bucket
+  first), the others on first use. Capture and every step run under inference mode.
 """
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache, decode_metadata,
-                               derive_metadata, padding_to_sink, ragged_metadata, upload)
+from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache,
+                               decode_metadata, derive_metadata, padding_to_sink, ragged_metadata, upload)
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.sampler import SamplingBatch, Truncation, min_p_mask, penalize, prompt_mask
 
-# Per batch row: the target's block-table row, its cached tokens (the last token's position), its
-# drafts, its last token, seed, top_k, temperature and top_p (the bits of their float64 values),
-# the proposer's block-table row, the proposer's position for d_1, the token before the last, and
-# the positions the proposer's first step feeds (its catch-up; 0: the row drafts nothing).
-FIELDS = 12
 MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
 
-
 # Eager steps pad their batch to the graphs' buckets, and every row of a verify step to K + 1 queries,
 # only when this is set (the tests set it, so that every CPU test runs the padded step a GPU replays):
-# on a CPU the padding rows cost what real rows cost (a batch of 9 padded to 16 decoded SmolLM2 about
-# 25% slower; docs/performance.md), and so do the queries of drafts n-gram did not find.
+# on a CPU the padding rows cost what real rows cost, and so do the queries of drafts n-gram did not find.
 PAD_EAGER_BATCHES = False
 
 # An eager step runs each graph body as capture and replay would: twice, at the tables' full width
 # (the tests set it, to show that replaying a graph computes what the eager step computes).
 REHEARSE_GRAPHS = False
+
+
+@dataclass(frozen=True, slots=True)
+class Fields:
+    """The step's per-row values, each [bucket] int64: the rows of the upload's first block
+    [FIELDS, bucket] (a numpy view on the host, a tensor view on the device)."""
+    table_row: torch.Tensor        # the row of the target's device block table
+    cached: torch.Tensor           # cached tokens: the last token's position
+    num_draft: torch.Tensor        # the row's own K
+    last: torch.Tensor             # its last token
+    seed: torch.Tensor
+    top_k: torch.Tensor
+    temperature: torch.Tensor      # the bits of a float64
+    top_p: torch.Tensor            # the bits of a float64
+    draft_row: torch.Tensor        # the row of the proposer's device block table
+    first_position: torch.Tensor   # the proposer's position for d_1 (0: the row is not in the round)
+    previous: torch.Tensor         # the token before the last (0: none)
+    catch_up: torch.Tensor         # positions the proposer's first step feeds (0: the row drafts nothing)
+
+    def sampling(self, greedy: bool, truncate: Truncation | bool) -> SamplingBatch:
+        """The rows' sampling parameters (on the device)."""
+        temperature, top_p = (bits.view(torch.float64).float() for bits in (self.temperature, self.top_p))
+        return SamplingBatch(temperature, self.top_k, top_p, self.seed, greedy=greedy, truncate=truncate)
+
+
+FIELDS = len(dataclasses.fields(Fields))
+
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """One request's row of the verify step's output [bucket, K + 3], read on the host: its K + 1
+    tokens, how many drafts it accepted, and a flag for non-finite logits (1: the target's, 2: the
+    drafter's, 3: both)."""
+    tokens: list[int]
+    accepted: int
+    non_finite: int
+
+    @classmethod
+    def rows(cls, out: torch.Tensor) -> list[Verified]:
+        """out [batch, K + 3] on the host: the step's one copy back."""
+        return [cls(row[:-2], row[-2], row[-1]) for row in out.tolist()]
+
+    @property
+    def emitted(self) -> list[int]:
+        """The tokens the request emits: its accepted drafts and one more."""
+        return self.tokens[:self.accepted + 1]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphKey:
+    """One body on one shape: a graph per key. body: "verify" (the whole verification), "forward"
+    (its forward alone) or "round" (a model proposer's draft steps)."""
+    body: str
+    bucket: int
+    k: int
+    mode: str | Truncation | bool = "greedy"   # how it samples (StepGraphs.mode)
+    probs: bool = False       # the drafts come with probabilities
+    eager_tail: bool = False  # verify: the forward graph, then the rest eagerly (see replay)
+    with_first: bool = False  # round: a draft model's first step in the graph too
+
+
+@dataclass(slots=True)
+class Step:
+    """What the host knows of the uploaded step."""
+    batch: int
+    bucket: int
+    k: int
+    longest: int          # the longest row's positions after the verify
+    probs: bool           # the drafts come with probabilities (a sampled step of a model proposer)
+    logprobs: bool        # a request asked for logprobs: the verify returns its logits too
+    processed: list       # (row, request) of the requests that ask for penalties or min_p
+    tokens: int           # an unpadded verify's queries (a padding row has 1)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -136,26 +198,27 @@ class StepGraphs:
 
     def __init__(self, model, kv_cache: KVCache, vocab: int, max_num_seqs: int, max_model_len: int,
                  device: torch.device, sampler, proposer=None, use_graphs: bool = False):
-        self.model, self.kv_cache, self.vocab, self.device, self.sampler = model, kv_cache, vocab, device, sampler
-        self.proposer = proposer
-        self.buckets = step_buckets(max_num_seqs, use_graphs and device.type == "cuda")
+        self.model, self.kv_cache, self.vocab, self.device = model, kv_cache, vocab, device
+        self.sampler, self.proposer = sampler, proposer
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.buckets = step_buckets(max_num_seqs, self.use_graphs)
         draft_cache = getattr(proposer, "kv_cache", None)
-        widths = [table_width(kv_cache, max_model_len), table_width(draft_cache, max_model_len) if draft_cache else 0]
-        self.flat_tables = torch.full(((max_num_seqs + 1) * sum(widths),), NULL_BLOCK, dtype=torch.int64, device=device)
+        widths = [table_width(kv_cache, max_model_len),
+                  table_width(draft_cache, max_model_len) if draft_cache else 0]
+        self.flat_tables = torch.full(((max_num_seqs + 1) * sum(widths),), NULL_BLOCK, dtype=torch.int64,
+                                      device=device)
         self.tables = DeviceBlockTables(self.flat_tables, 0, max_num_seqs, widths[0])
         self.draft_tables = DeviceBlockTables(self.flat_tables, (max_num_seqs + 1) * widths[0], max_num_seqs,
                                               widths[1]) if draft_cache else None
         self.row_width = sum(widths)   # table entries per request, target's and proposer's
-        self.use_graphs = use_graphs and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.graphs = {}   # key -> (graph, its output tensors)
+        self.graphs: dict[GraphKey, tuple] = {}   # key -> (graph, its output tensors)
         self.inputs = self.host = self.drafts = self.draft_probs = None
+        self.step: Step | None = None   # the uploaded step
         largest = self.buckets[-1]
-        self.finite = torch.ones(largest, dtype=torch.bool, device=device)   # the drafter's logits were finite
-        self.logprobs = False   # the step's verify returns its logits too (a request asked for logprobs)
-        self.processed: list = []   # the step's rows whose requests ask for penalties or min_p, and the requests
-        self.no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)   # the prompt mask of a row without penalties
-        self.carry = proposer.carry(largest) if draft_cache else None        # EAGLE: step i's hidden states for i + 1
+        self.finite = torch.ones(largest, dtype=torch.bool, device=device)   # the drafter's logits are finite
+        self.no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)   # a row's without penalties
+        self.carry = proposer.carry(largest) if draft_cache else None   # EAGLE: step i's hidden states
         self.grow(0)
 
     def bucket(self, batch: int) -> int:
@@ -169,6 +232,10 @@ class StepGraphs:
         PAD_EAGER_BATCHES); else each row has its own num_draft + 1, and a row that found fewer
         drafts (n-gram, a request near its end) costs only what it verifies."""
         return self.graphed(bucket) or PAD_EAGER_BATCHES
+
+    def fields(self, bucket: int, batch: int | None = None) -> Fields:
+        """The per-row values of the uploaded step on the device (of its first `batch` rows)."""
+        return Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket)[:, :batch])
 
     def grow(self, k: int, probs: bool = False) -> None:
         """Make the static buffers hold a step of K = k at the largest bucket; graphs captured over
@@ -188,10 +255,9 @@ class StepGraphs:
             self.drop_graphs()
 
     def drop_graphs(self) -> None:
-        """Forget every captured graph, and capture the next ones into a fresh pool. Reusing the old
-        pool id once its last graph is gone trips PyTorch's allocator (`use_count > 0` INTERNAL ASSERT
-        at the next capture, seen on an H100 with torch 2.11): a pool whose graphs are all destroyed
-        may still hold blocks (outputs alive here), and only a new id starts a new pool."""
+        """Forget every captured graph, and capture the next ones into a fresh pool: a pool whose
+        graphs are all destroyed may still hold blocks (outputs alive here), and reusing its id
+        trips PyTorch's allocator (`use_count > 0` INTERNAL ASSERT at the next capture)."""
         self.graphs.clear()
         if self.use_graphs:
             self.pool = torch.cuda.graph_pool_handle()
@@ -205,7 +271,8 @@ class StepGraphs:
         rows, pairs = self.tables.updates([r.block_table for r in requests])
         draft_rows = [self.draft_tables.null_row] * batch if self.draft_tables else [0] * batch
         if plan is not None:
-            rows0, draft_pairs = self.draft_tables.updates([requests[b].proposer_state.block_table for b in plan.rows])
+            rows0, draft_pairs = self.draft_tables.updates([requests[b].proposer_state.block_table
+                                                            for b in plan.rows])
             pairs += draft_pairs
             for b, row in zip(plan.rows, rows0):
                 draft_rows[b] = row
@@ -223,45 +290,47 @@ class StepGraphs:
         fits = n + len(extra) <= len(buf)
         if fits:
             buf[n:n + len(extra)] = extra
-        self.inputs[:n + fits * len(extra)].copy_(self.host[:n + fits * len(extra)], non_blocking=True)  # the copy
-        if plan is not None:   # a round too long for the buffer (a draft's first, over whole prompts): its own copy
+        sent = n + fits * len(extra)
+        self.inputs[:sent].copy_(self.host[:sent], non_blocking=True)   # the one copy
+        if plan is not None:   # a round too long for the buffer (a draft's first, over whole prompts): a copy
             plan.device = self.inputs[n:n + len(extra)] if fits else upload(list(extra), self.device)
         if n > end:   # most steps change no table: no launch
             self.apply_updates(self.inputs[end:n])
-        fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
-        temperature, top_p = fields[6:8, :batch].view(torch.float64).float()
         self.finite.fill_(True)
         if host_drafts is not None:
             self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:end].view(bucket, k))
-        longest = max(r.num_cached + d + 1 for r, d in zip(requests, num_draft))
         params = [r.params for r in requests]
-        probs = plan is not None and not all(p.temperature == 0 for p in params)
-        self.step = (batch, bucket, k, longest, probs)
-        self.logprobs = any(p.logprobs is not None for p in params)   # the verify also returns its logits
-        self.processed = [(b, r) for b, r in enumerate(requests) if r.params.processed]   # (row, request)
-        self.step_tokens = sum(num_draft) + bucket   # an unpadded verify's queries (a padding row has 1)
-        return SamplingBatch(temperature, fields[5, :batch], top_p, fields[4, :batch],
-                             greedy=all(p.temperature == 0 for p in params),
-                             truncate=any(p.top_k or p.top_p < 1 for p in params) and Truncation(
-                                 max(p.top_k for p in params), any(p.top_p < 1 for p in params),
-                                 all(p.top_k for p in params if p.top_p < 1)))
+        self.step = Step(batch, bucket, k, longest=max(r.num_cached + d + 1
+                                                        for r, d in zip(requests, num_draft)),
+                         probs=plan is not None and not all(p.temperature == 0 for p in params),
+                         logprobs=any(p.logprobs is not None for p in params),
+                         processed=[(b, r) for b, r in enumerate(requests) if r.params.processed],
+                         tokens=sum(num_draft) + bucket)
+        truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
+            max(p.top_k for p in params), any(p.top_p < 1 for p in params),
+            all(p.top_k for p in params if p.top_p < 1))
+        return self.fields(bucket, batch).sampling(all(p.temperature == 0 for p in params), truncate)
 
-    def pack_rows(self, fields: np.ndarray, requests, num_draft, rows, draft_rows, first_position, catch_up) -> None:
-        """The FIELDS values of every row of the bucket into fields [FIELDS, bucket]; the rows past
-        the batch are padding: greedy requests of one token at position 0 on the null rows."""
-        batch, params = len(requests), [r.params for r in requests]
-        fields[:, batch:] = 0
-        fields[0, batch:] = self.tables.null_row
-        fields[8, batch:] = self.draft_tables.null_row if self.draft_tables else 0
-        fields[7, batch:] = ONE_BITS   # top_p 1: off
-        fields[:6, :batch] = [rows, [r.num_cached for r in requests], num_draft, [r.tokens[-1] for r in requests],
-                              [r.seed for r in requests], [p.top_k for p in params]]
-        # float64 whatever the client sent: a batch of ints alone would make an int array, whose bits are no floats
-        fields[6:8, :batch] = np.array([[p.temperature for p in params], [p.top_p for p in params]],
-                                       dtype=np.float64).view(np.int64)
-        fields[8, :batch], fields[9, :batch] = draft_rows, first_position
-        fields[10, :batch] = [r.tokens[-2] if len(r.tokens) > 1 else 0 for r in requests]
-        fields[11, :batch] = catch_up
+    def pack_rows(self, block: np.ndarray, requests, num_draft, rows, draft_rows, first_position,
+                  catch_up) -> None:
+        """The Fields of every row of the bucket into block [FIELDS, bucket]; the rows past the
+        batch are padding: greedy requests of one token at position 0 on the null rows."""
+        batch, params, fields = len(requests), [r.params for r in requests], Fields(*block)
+        block[:, batch:] = 0
+        fields.table_row[batch:] = self.tables.null_row
+        fields.draft_row[batch:] = self.draft_tables.null_row if self.draft_tables else 0
+        fields.top_p[batch:] = ONE_BITS   # top_p 1: off
+        fields.table_row[:batch], fields.num_draft[:batch] = rows, num_draft
+        fields.cached[:batch] = [r.num_cached for r in requests]
+        fields.last[:batch] = [r.tokens[-1] for r in requests]
+        fields.seed[:batch] = [r.seed for r in requests]
+        fields.top_k[:batch] = [p.top_k for p in params]
+        # float64 whatever the client sent: a batch of ints alone makes an int array, whose bits are no floats
+        fields.temperature[:batch] = np.array([p.temperature for p in params], np.float64).view(np.int64)
+        fields.top_p[:batch] = np.array([p.top_p for p in params], np.float64).view(np.int64)
+        fields.draft_row[:batch], fields.first_position[:batch] = draft_rows, first_position
+        fields.previous[:batch] = [r.tokens[-2] if len(r.tokens) > 1 else 0 for r in requests]
+        fields.catch_up[:batch] = catch_up
 
     def mode(self, sampling: SamplingBatch, bucket: int):
         """How a step samples: "greedy", or its truncation (under a graph or a compiled sampler: any
@@ -274,49 +343,50 @@ class StepGraphs:
     def run_round(self, plan: Round, sampling: SamplingBatch) -> None:
         """A model proposer's round: the catch-up step eagerly, then steps 2..K (a graph); or, where
         every row's catch-up is short (a draft model's steady state), the whole round as one graph."""
-        batch, bucket, step_k, longest, probs = self.step
-        if probs:
-            self.grow(step_k, probs=True)
-        k = plan.k   # its own rows' most drafts (<= the step's K)
+        step = self.step
+        if step.probs:
+            self.grow(step.k, probs=True)
+        # plan.k: its own rows' most drafts (<= the step's K)
+        key = GraphKey("round", step.bucket, plan.k, self.mode(sampling, step.bucket), step.probs)
         if plan.shape.max_q <= self.proposer.graphed_catch_up:
-            self.replay(("round", bucket, k, self.mode(sampling, bucket), probs, True), plan.width)
+            self.replay(dataclasses.replace(key, with_first=True), plan.width)
             return
-        fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
+        fields = self.fields(step.bucket)
         shape, block_size = plan.shape, self.proposer.kv_cache.block_size
         meta_size = 2 * shape.batch + shape.extra
         rows = plan.device[meta_size:meta_size + shape.batch]
-        tables = self.draft_tables.tables[fields[8][rows], :plan.first_width]
+        tables = self.draft_tables.tables[fields.draft_row[rows], :plan.first_width]
         meta = derive_metadata(plan.device[:meta_size], shape, block_size, tables)
         logits = self.proposer.first_step(meta, plan, rows, self.carry)
         self.finite[rows] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
-        tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, fields[1][rows] + 1)
+        tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, fields.cached[rows] + 1)
         self.drafts[rows, 0] = tokens
-        if probs:
+        if step.probs:
             self.draft_probs[rows, 0] = q
-        if k > 1:
-            self.replay(("round", bucket, k, self.mode(sampling, bucket), probs, False), plan.width)
+        if plan.k > 1:
+            self.replay(key, plan.width)
 
     @torch.inference_mode()
     def run(self, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (see the module's
-        docstring), the target's features for EAGLE ([bucket * (K + 1), F], request b's at rows
-        b * (K + 1) ...) and, where a request asked for logprobs, the target's raw logits at each
-        row's K + 1 queries ([bucket, K + 1, vocab], from an eager step; else None)."""
-        batch, bucket, k, longest, probs = self.step
-        eager = self.logprobs or bool(self.processed)   # (see replay)
-        return self.replay(("verify", bucket, k, self.mode(sampling, bucket), probs, eager),
-                           self.kv_cache.allocator.blocks_for(longest))
+        """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (Verified), the
+        target's features for EAGLE ([bucket * (K + 1), F], request b's at rows b * (K + 1) ...)
+        and, where a request asked for logprobs, the target's raw logits at each row's K + 1
+        queries ([bucket, K + 1, vocab], from an eager step; else None)."""
+        step = self.step
+        key = GraphKey("verify", step.bucket, step.k, self.mode(sampling, step.bucket), step.probs,
+                       eager_tail=step.logprobs or bool(step.processed))
+        return self.replay(key, self.kv_cache.allocator.blocks_for(step.longest))
 
-    def replay(self, key, width: int):
+    def replay(self, key: GraphKey, width: int):
         """Run the body of `key`: eagerly at `width` (the widest table it reads), or as a graph."""
-        if key[0] == "verify" and key[5]:
-            # A verify with logprobs, penalties or min_p: its forward as the ("forward", bucket, K)
-            # graph, its tail eagerly. The whole step as a graph would keep [bucket, K + 1, vocab]
-            # logits in the pool for good (one such graph per bucket, K and mode), and the penalties
-            # read the requests' tokens on the host; the forward's outputs are a few rows a query.
-            return self.verify_tail(key, *self.replay(("forward", *key[1:3]), width))
-        body = {"verify": self.verify_body, "forward": self.forward_body, "round": self.round_body}[key[0]]
-        if not self.graphed(key[1]):
+        if key.eager_tail:
+            # A verify with logprobs, penalties or min_p: its forward as a graph, its tail eagerly.
+            # The whole step as a graph would keep [bucket, K + 1, vocab] logits in the pool for good
+            # (one such graph per bucket, K and mode), and the penalties read the requests' tokens on
+            # the host; the forward's outputs are a few rows a query.
+            return self.verify_tail(key, *self.replay(GraphKey("forward", key.bucket, key.k), width))
+        body = {"verify": self.verify_body, "forward": self.forward_body, "round": self.round_body}[key.body]
+        if not self.graphed(key.bucket):
             if REHEARSE_GRAPHS:   # as capture (a warm-up) and replay would: twice, at full width
                 width = self.full_width(key)
                 body(key, width)
@@ -327,11 +397,11 @@ class StepGraphs:
         graph.replay()
         return outputs
 
-    def full_width(self, key) -> int:
-        return (self.draft_tables if key[0] == "round" else self.tables).width
+    def full_width(self, key: GraphKey) -> int:
+        return (self.draft_tables if key.body == "round" else self.tables).width
 
     @torch.inference_mode()
-    def capture(self, body, key):
+    def capture(self, body, key: GraphKey):
         """Warm up on a side stream (it runs the current step, which replay then repeats: the same
         writes), then capture the body at full width into the shared pool."""
         width = self.full_width(key)
@@ -357,7 +427,7 @@ class StepGraphs:
         for bucket in sorted((b for b in self.buckets if b <= MAX_GRAPH_BATCH), reverse=True):
             for k in sorted(ks, reverse=True):
                 self.upload_padding(bucket, k)
-                key = ("verify", bucket, k, "greedy", False, False)
+                key = GraphKey("verify", bucket, k)
                 if key not in self.graphs:
                     self.graphs[key] = self.capture(self.verify_body, key)
 
@@ -370,13 +440,11 @@ class StepGraphs:
         self.inputs[:n].copy_(self.host[:n], non_blocking=True)
         self.drafts.zero_()
 
-    def fields(self, bucket: int, mode):
-        """The per-row fields on the device, and a SamplingBatch of them (`mode` says how it samples)."""
-        fields = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
-        temperature, top_p = fields[6:8].view(torch.float64).float()
-        sampling = SamplingBatch(temperature, fields[5], top_p, fields[4], greedy=mode == "greedy",
-                                 truncate=mode if mode != "greedy" else False)
-        return fields, sampling
+    def sampling(self, key: GraphKey) -> tuple[Fields, SamplingBatch]:
+        """The per-row values on the device, and a SamplingBatch of them as `key` samples."""
+        fields = self.fields(key.bucket)
+        greedy = key.mode == "greedy"
+        return fields, fields.sampling(greedy, key.mode if not greedy else False)
 
     def padded_metadata(self, tables: torch.Tensor, cached: torch.Tensor, num_new: torch.Tensor, q_len: int,
                         block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -387,11 +455,13 @@ class StepGraphs:
         last real one): where a row's logits are read."""
         bucket, device = len(cached), cached.device
         offsets = torch.arange(q_len, device=device)
-        real_offsets = torch.minimum(offsets[None, :], (num_new[:, None] - 1).clamp(min=0))   # [bucket, q_len]
+        real_offsets = torch.minimum(offsets[None, :], (num_new[:, None] - 1).clamp(min=0))  # [bucket, q_len]
         positions = cached[:, None] + real_offsets
         blocks = tables.gather(1, positions // block_size)
-        slots = padding_to_sink(blocks, blocks * block_size + positions % block_size, block_size)   # padding rows'
-        slots = torch.where(offsets[None, :] < num_new[:, None], slots, SINK_BLOCK * block_size + offsets % block_size)
+        # padding rows' slots to the sink, then padding queries'
+        slots = padding_to_sink(blocks, blocks * block_size + positions % block_size, block_size)
+        slots = torch.where(offsets[None, :] < num_new[:, None], slots,
+                            SINK_BLOCK * block_size + offsets % block_size)
         flat = torch.arange(bucket * q_len, device=device)
         meta = AttentionMetadata(
             slot_mapping=slots.flatten(), block_tables=tables, context_lens=cached + num_new,
@@ -400,34 +470,35 @@ class StepGraphs:
             query_valid=torch.ones(bucket, q_len, dtype=torch.bool, device=device))
         return meta, real_offsets
 
-    def verify_body(self, key, width: int):
+    def verify_body(self, key: GraphKey, width: int):
         """The verification on the static buffers: the metadata, the target's forward over
         [last token, d_1 .. d_K] per row, acceptance and sampling. No host data, no sync."""
         return self.verify_tail(key, *self.forward_body(key, width))
 
-    def forward_body(self, key, width: int):
+    def forward_body(self, key: GraphKey, width: int):
         """The verification's first part: the metadata and the target's forward. Returns the final
         hidden states [T, hidden], EAGLE's features ([bucket * (K + 1), F], request b's at rows
         b * (K + 1) ...; else None) and pick: [T, ...] -> [bucket, K + 1, ...], each row's K + 1
         queries (past its last real query, its last again)."""
-        bucket, k = key[1], key[2]
-        q_len = k + 1
-        table_row, cached, num_draft, last = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)[:4]
-        tables = self.tables.tables[table_row, :width]
-        input_ids = torch.cat([last[:, None], self.drafts[:bucket, :k]], dim=1).flatten()   # [bucket * q_len], row-major
+        bucket, q_len = key.bucket, key.k + 1
+        fields = self.fields(bucket)
+        cached, num_draft = fields.cached, fields.num_draft
+        tables = self.tables.tables[fields.table_row, :width]
+        input_ids = torch.cat([fields.last[:, None], self.drafts[:bucket, :key.k]], dim=1).flatten()  # by row
         padded = self.padded(bucket)
         if padded:   # every row q_len queries: a graph's fixed shapes
-            meta, real_offsets = self.padded_metadata(tables, cached, num_draft + 1, q_len, self.kv_cache.block_size)
+            meta, real_offsets = self.padded_metadata(tables, cached, num_draft + 1, q_len,
+                                                      self.kv_cache.block_size)
 
             def pick(x):   # [bucket * q_len, ...] -> [bucket, q_len, ...], each query at its real offset
                 x = x.view(bucket, q_len, *x.shape[1:])
                 return x.gather(1, real_offsets.view(bucket, q_len, *[1] * (x.dim() - 2)).expand(x.shape))
         else:   # each row its own num_draft + 1 queries (the host knows their total): no padding computed
-            meta = ragged_metadata(tables, cached, num_draft + 1, self.step_tokens, q_len, self.kv_cache.block_size,
-                                   padding_rows=bucket > self.step[0])
+            meta = ragged_metadata(tables, cached, num_draft + 1, self.step.tokens, q_len,
+                                   self.kv_cache.block_size, padding_rows=bucket > self.step.batch)
             input_ids = input_ids[meta.token_seq * q_len + meta.positions - cached[meta.token_seq]]
             real_offsets = torch.minimum(torch.arange(q_len, device=self.device)[None, :], num_draft[:, None])
-            rows = meta.query_start[:-1, None] + real_offsets   # [bucket, q_len]: each query's row in the pass
+            rows = meta.query_start[:-1, None] + real_offsets   # [bucket, q_len]: each query's row
 
             def pick(x):   # [T, ...] -> [bucket, q_len, ...], past a row's last query its last
                 return x[rows]
@@ -439,36 +510,35 @@ class StepGraphs:
             features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
         return hidden, features, pick
 
-    def verify_tail(self, key, hidden: torch.Tensor, features: torch.Tensor | None, pick):
+    def verify_tail(self, key: GraphKey, hidden: torch.Tensor, features: torch.Tensor | None, pick):
         """The verification's second part: the LM head, the logits' processing where the step has
-        it (an eager step: see replay), acceptance and sampling. Returns what run() returns."""
-        _, bucket, k, mode, probs, eager = key
-        fields, sampling = self.fields(bucket, mode)
-        cached, num_draft = fields[1], fields[2]
-        drafts = self.drafts[:bucket, :k]
+        it (an eager tail: see replay), acceptance and sampling. Returns what run() returns."""
+        fields, sampling = self.sampling(key)
+        drafts = self.drafts[:key.bucket, :key.k]
         logits = self.model.logits(hidden)[:, :self.vocab]
-        kept = pick(logits) if eager and self.logprobs else None   # [bucket, q_len, vocab], raw
-        processed = self.process(pick(logits), drafts) if eager and self.processed else None
-        if mode == "greedy" and processed is not None:
+        eager = key.eager_tail
+        kept = pick(logits) if eager and self.step.logprobs else None   # [bucket, q_len, vocab], raw
+        processed = self.process(pick(logits), drafts) if eager and self.step.processed else None
+        if key.mode == "greedy" and processed is not None:
             row_max, target_ids = processed.max(-1)
-            tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, num_draft)
-        elif mode == "greedy":   # the argmax of each row, then the padded gather: ids, not [B, K+1, V] logits
+            tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
+        elif key.mode == "greedy":   # each row's argmax, then the padded gather: ids, not [B, K+1, V] logits
             row_max, target_ids = logits.max(-1)
             row_max, target_ids = pick(row_max), pick(target_ids)
-            tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, num_draft)
+            tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
         else:
             logits = pick(logits) if processed is None else processed
             row_max = logits.amax(-1)
-            q = self.draft_probs[:bucket, :k] if probs else None
-            if probs and self.proposer.host_and_model:   # a hybrid's suffix drafts: one-hot
+            q = self.draft_probs[:key.bucket, :key.k] if key.probs else None
+            if key.probs and self.proposer.host_and_model:   # a hybrid's suffix drafts: one-hot
                 one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
-                q = torch.where((fields[9] == 0)[:, None, None], one_hot, q)   # first_position 0: not in the round
+                q = torch.where((fields.first_position == 0)[:, None, None], one_hot, q)   # not in the round
             tokens, num_accepted = self.sampler.rejection_sample(
-                logits, drafts, q, num_draft, sampling.temperature,
-                sampling.top_k, sampling.top_p, sampling.seeds, cached + 1, mode)
+                logits, drafts, q, fields.num_draft, sampling.temperature,
+                sampling.top_k, sampling.top_p, sampling.seeds, fields.cached + 1, key.mode)
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
-        broken = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:bucket]).long()
-        return torch.cat([tokens, num_accepted[:, None], broken[:, None]], dim=1), features, kept
+        non_finite = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:key.bucket]).long()
+        return torch.cat([tokens, num_accepted[:, None], non_finite[:, None]], dim=1), features, kept
 
     def process(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """The step's logits [bucket, K + 1, vocab] in float32, the processed rows' with their
@@ -476,20 +546,22 @@ class StepGraphs:
         top-p come after), all rows in one batch. Eager only (see replay): it reads the requests'
         tokens on the host and sends them, with the rows and their parameters, in one copy."""
         logits = logits.float()
-        vocab, reqs = logits.shape[-1], [r for _, r in self.processed]
+        vocab, processed = logits.shape[-1], self.step.processed
+        reqs = [r for _, r in processed]
         for req in reqs:
-            if req.params.penalized and req.prompt_mask is None:   # made once per request: a prompt may be long
+            if req.params.penalized and req.prompt_mask is None:   # once per request: a prompt may be long
                 req.prompt_mask = prompt_mask(req.prompt_ids, vocab, logits.device)
         n = len(reqs)
         # a row without penalties takes neutral ones (an identity, bit for bit), a greedy row min_p 0 at T 1
-        values = np.array([[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty,
-                            r.params.min_p if r.params.temperature > 0 else 0.0, r.params.temperature or 1.0]
-                           for r in reqs], dtype=np.float64).T.copy().view(np.int64)   # [5, n], float64 bits
+        params = [r.params for r in reqs]
+        values = np.array([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                            p.min_p if p.temperature > 0 else 0.0, p.temperature or 1.0] for p in params],
+                          dtype=np.float64).T.copy().view(np.int64)   # [5, n], float64 bits
         outputs = [np.asarray(r.output_ids if r.params.penalized else (), dtype=np.int64) for r in reqs]
-        flat = np.concatenate([i * vocab + ids for i, ids in enumerate(outputs)])   # each output token at row * V + id
-        host = np.concatenate([[b for b, _ in self.processed], values.ravel(), flat])
-        device = upload(host, logits.device)
-        rows, (repetition, frequency, presence, min_p, temperature) = device[:n], device[n:6 * n].view(5, n).view(
+        flat = np.concatenate([i * vocab + ids for i, ids in enumerate(outputs)])  # row i, token j: i * V + j
+        device = upload(np.concatenate([[b for b, _ in processed], values.ravel(), flat]), logits.device)
+        rows = device[:n]
+        repetition, frequency, presence, min_p, temperature = device[n:6 * n].view(5, n).view(
             torch.float64).float()
         counts = torch.zeros(n * vocab, device=logits.device).index_add_(
             0, device[6 * n:], torch.ones(len(flat), device=logits.device)).view(n, vocab)
@@ -498,49 +570,50 @@ class StepGraphs:
         logits[rows] = min_p_mask(out, temperature, min_p)
         return logits
 
-    def round_body(self, key, width: int) -> None:
+    def round_body(self, key: GraphKey, width: int) -> None:
         """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft
         model's catch-up of 1 or 2 positions, padded to 2) and steps 2..K, where step i feeds
         d_{i-1} at the row's next position (d_1's plus i - 2) and draws d_i. A row past its own K
         drafts on at position 0 into the sink block; its drafts there are never verified."""
-        _, bucket, k, mode, probs, with_first = key
-        fields, sampling = self.fields(bucket, mode)
-        cached, num_draft, draft_row, first_position = fields[1], fields[2], fields[8], fields[9]
+        bucket = key.bucket
+        fields, sampling = self.sampling(key)
         block_size = self.proposer.kv_cache.block_size
         rows = torch.arange(bucket, device=self.device)
-        tables = self.draft_tables.tables[draft_row, :width]
-        if with_first:
-            self.first_draft_step(fields, sampling, tables, probs)
+        tables = self.draft_tables.tables[fields.draft_row, :width]
+        if key.with_first:
+            self.first_draft_step(fields, sampling, tables, key.probs)
         # EAGLE: the first step's hidden states, read here and never written, so that a second run
         # of this body (a graph's replay after its warm-up) starts from the same state.
         hidden = self.carry[:bucket] if self.carry is not None else None
-        in_round = first_position > 0   # a hybrid's other rows carry host drafts the round must not overwrite
-        for i in range(1, k):
-            active = (num_draft > i) & in_round
-            meta = decode_metadata(tables, torch.where(active, first_position + i - 1, 0), block_size)
+        in_round = fields.first_position > 0   # a hybrid's other rows carry host drafts the round must keep
+        for i in range(1, key.k):
+            active = (fields.num_draft > i) & in_round
+            meta = decode_metadata(tables, torch.where(active, fields.first_position + i - 1, 0), block_size)
             meta.slot_mapping = torch.where(active, meta.slot_mapping, SINK_BLOCK * block_size)
             if hidden is not None:   # an idle row starts from zeros: iterating its own output could overflow
                 hidden = torch.where(active[:, None], hidden, 0)
             logits, hidden = self.proposer.next_step(meta, self.drafts[:bucket, i - 1], hidden)
             self.finite[:bucket] &= ~active | logits.amax(-1).isfinite()
-            tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, cached + 1 + i)
+            tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, fields.cached + 1 + i)
             self.drafts[:bucket, i] = torch.where(in_round, tokens, self.drafts[:bucket, i])
-            if probs:
+            if key.probs:
                 self.draft_probs[:bucket, i] = q
 
-    def first_draft_step(self, fields, sampling: SamplingBatch, tables: torch.Tensor, probs: bool) -> None:
+    def first_draft_step(self, fields: Fields, sampling: SamplingBatch, tables: torch.Tensor,
+                         probs: bool) -> None:
         """A draft model's first step in a graph: row b feeds its last catch_up[b] tokens (1 or 2:
         [previous, last] or [last]; 0 for a row that drafts nothing, whose queries go to the null
         block) and draws d_1 from the logits of its last real query."""
-        bucket = fields.shape[1]
-        cached, last, first_position, previous, catch_up = fields[1], fields[3], fields[9], fields[10], fields[11]
-        meta, real_offsets = self.padded_metadata(tables, first_position - catch_up, catch_up, 2,
+        catch_up = fields.catch_up
+        bucket = len(catch_up)
+        meta, real_offsets = self.padded_metadata(tables, fields.first_position - catch_up, catch_up, 2,
                                                   self.proposer.kv_cache.block_size)
-        input_ids = torch.where((real_offsets == 0) & (catch_up[:, None] == 2), previous[:, None], last[:, None])
+        input_ids = torch.where((real_offsets == 0) & (catch_up[:, None] == 2), fields.previous[:, None],
+                                fields.last[:, None])
         rows = torch.arange(bucket, device=self.device)
         logits = self.proposer.catch_up_step(meta, input_ids.flatten(), rows * 2 + real_offsets[:, 1])
         self.finite[:bucket] &= (catch_up == 0) | logits.amax(-1).isfinite()
-        tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, cached + 1)
+        tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, fields.cached + 1)
         self.drafts[:bucket, 0] = torch.where(catch_up > 0, tokens, self.drafts[:bucket, 0])
         if probs:
             self.draft_probs[:bucket, 0] = q

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.cuda_graph import MAX_GRAPH_BATCH
+from nanospec.cuda_graph import MAX_GRAPH_BATCH, GraphKey
 from nanospec.engine import Engine
 from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError
@@ -408,7 +408,7 @@ def step_memory(engine: Engine, k: int) -> int:
     steps.grow(k, probs=probs)
     steps.upload_padding(bucket, k)
     with torch.inference_mode():
-        steps.verify_body(("verify", bucket, k, True, probs, False), steps.tables.width)
+        steps.verify_body(GraphKey("verify", bucket, k, True, probs), steps.tables.width)
     sync(engine.device)
     return torch.cuda.max_memory_allocated(engine.device) - base if cuda else 0
 

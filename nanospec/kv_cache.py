@@ -85,7 +85,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.free_blocks = OrderedDict.fromkeys(range(first_id, first_id + num_blocks))   # the lowest id first
+        self.free_blocks = OrderedDict.fromkeys(range(first_id, first_id + num_blocks))   # lowest id first
         self.refs: dict[int, int] = {}        # block id -> sequences holding it (held blocks only)
         self.published: dict[bytes, int] = {}   # key -> block id
         self.key_of: dict[int, bytes] = {}      # block id -> its key, while published
@@ -200,14 +200,15 @@ class AttentionMetadata:
             self.per_pass[key] = make()
         return self.per_pass[key]
 
-    def attention_mask(self, block_size: int, group: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def attention_mask(self, block_size: int, group: int = 1,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
         """[B, 1, group * max_q, max_k] True where a query may see a key: keys 0 .. its own position
         (causal, in context), repeated for the `group` query heads stacked along the query axis.
         With a dtype: the additive mask SDPA makes of the boolean one on every call (0 where True,
         -inf where False), made once here. The reference path's; the Triton kernel never asks."""
         def make():
             keys = torch.arange(self.block_tables.shape[1] * block_size, device=self.positions.device)
-            query_pos = self.positions[self.query_index]                     # [B, max_q]; padding: a real position
+            query_pos = self.positions[self.query_index]   # [B, max_q]; padding: a real position
             visible = (keys[None, None, :] <= query_pos[:, :, None])[:, None].repeat(1, 1, group, 1)
             return visible if dtype is None else torch.zeros(visible.shape, dtype=dtype, device=visible.device
                                                              ).masked_fill_(~visible, float("-inf"))
@@ -302,9 +303,10 @@ def ragged_metadata(tables: torch.Tensor, cached: torch.Tensor, lens: torch.Tens
     query_valid = offsets[None, :] < lens[:, None]
     slots = blocks * block_size + positions % block_size
     return AttentionMetadata(
-        slot_mapping=padding_to_sink(blocks, slots, block_size) if padding_rows else slots, block_tables=tables,
-        context_lens=cached + lens, query_start=query_start, token_seq=token_seq, positions=positions,
-        query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0), query_valid=query_valid)
+        slot_mapping=padding_to_sink(blocks, slots, block_size) if padding_rows else slots,
+        block_tables=tables, context_lens=cached + lens, query_start=query_start, token_seq=token_seq,
+        positions=positions, query_valid=query_valid,
+        query_index=torch.where(query_valid, query_start[:-1, None] + offsets[None, :], 0))
 
 
 def padding_to_sink(blocks: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -312,7 +314,8 @@ def padding_to_sink(blocks: torch.Tensor, slots: torch.Tensor, block_size: int) 
     return torch.where(blocks == NULL_BLOCK, SINK_BLOCK * block_size + slots % block_size, slots)
 
 
-def decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> AttentionMetadata:
+def decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor,
+                    block_size: int) -> AttentionMetadata:
     """Metadata for one new token per sequence at `positions` [B], over block tables [B, max_blocks]
     already on the device (a draft round's later steps): nothing from the host."""
     batch, device = len(positions), positions.device
@@ -332,16 +335,18 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = False):
         self.block_size = block_size
-        self.pool = torch.zeros(num_layers, 2, RESERVED_BLOCKS + num_blocks, block_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
-        self.allocator = BlockAllocator(num_blocks, block_size, first_id=RESERVED_BLOCKS, prefix_caching=prefix_caching)
-        self.mirror = None   # the CPU attention's copy of the pool's pages in its padded layout (kv_mirror.py)
+        self.pool = torch.zeros(num_layers, 2, RESERVED_BLOCKS + num_blocks, block_size, num_kv_heads,
+                                head_dim, dtype=dtype, device=device)
+        self.allocator = BlockAllocator(num_blocks, block_size, first_id=RESERVED_BLOCKS,
+                                        prefix_caching=prefix_caching)
+        self.mirror = None   # the CPU attention's copy of the pages in its padded layout (kv_mirror.py)
 
     def empty_like(self, num_blocks: int) -> "KVCache":
-        """An empty pool of num_blocks for the same model (another engine over it), prefix caching as this one."""
+        """An empty pool of num_blocks for the same model (another engine over it), prefix caching as
+        this one."""
         num_layers, _, _, block_size, num_kv_heads, head_dim = self.pool.shape
-        return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.pool.dtype, self.pool.device,
-                       self.allocator.prefix_caching)
+        return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.pool.dtype,
+                       self.pool.device, self.allocator.prefix_caching)
 
     def clear(self) -> None:
         """Zero every slot and unpublish every block (see the module's invariants); which blocks
@@ -379,10 +384,10 @@ def paged_attention_reference(q: torch.Tensor, kv: torch.Tensor, meta: Attention
     batch = meta.block_tables.shape[0]
     # K and V in one gather of every sequence's slots (their index made once per pass), each head's
     # keys laid out contiguously, as SDPA reads them (strided keys cost it a copy of its own)
-    slots = meta.once(("slots", block_size), lambda: (meta.block_tables[:, :, None] * block_size + torch.arange(
-        block_size, device=q.device)).flatten())
+    slots = meta.once(("slots", block_size), lambda: (
+        meta.block_tables[:, :, None] * block_size + torch.arange(block_size, device=q.device)).flatten())
     keys, values = (kv.view(2, -1, kv_heads, head_dim).transpose(1, 2).index_select(2, slots)
-                    .view(2, kv_heads, batch, -1, head_dim).transpose(1, 2))   # each [B, kv_heads, max_k, head_dim]
+                    .view(2, kv_heads, batch, -1, head_dim).transpose(1, 2))   # each [B, kv_heads, max_k, hd]
     return padded_attention(q, keys, values, meta, scale, block_size)
 
 
@@ -400,5 +405,5 @@ def padded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * max_q, head_dim)
     mask = meta.attention_mask(block_size, group, q.dtype)   # [B, 1, group * max_q, max_k], additive
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [B, max_q, kv, group, hd]
-    return meta.unpadded(out.reshape(batch * max_q, kv_heads * group, head_dim))   # [T, heads, hd], flat order
+    out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [B, max_q, kv, group, d]
+    return meta.unpadded(out.reshape(batch * max_q, kv_heads * group, head_dim))   # [T, heads, hd], flat

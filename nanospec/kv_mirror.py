@@ -3,9 +3,9 @@
 `kv_cache.paged_attention_reference` copies every sequence's pages into a padded [B, max_k] layout
 in every layer of every pass, and reads that copy once. On a CPU the copy is memory traffic the size
 of the batch's whole K/V, twice (read and written), and nearly all of it is what the last pass copied:
-a decode step adds one token a sequence. At batch 32 it was a fifth of a SmolLM2 decode step
-(docs/performance.md). A KVMirror keeps that padded layout for every layer of a KVCache, one row per
-row of the pass's batch, and brings it up to date each pass instead of building it again:
+a decode step adds one token a sequence. A KVMirror keeps that padded layout for every layer of a
+KVCache, one row per row of the pass's batch, and brings it up to date each pass instead of building
+it again:
 
   - each layer writes its new tokens' K/V into the mirror (at their row and position), not the pool;
   - a row's blocks that the mirror does not hold as they are in the pool are copied in first: every
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanospec.kv_cache import (SINK_BLOCK, AttentionMetadata, KVCache, padded_attention, paged_attention_reference,
-                               write_kv)
+from nanospec.kv_cache import (SINK_BLOCK, AttentionMetadata, KVCache, padded_attention,
+                               paged_attention_reference, write_kv)
 
 ENABLED = True   # tests compare against the reference with it off
 MIN_BUDGET = 64 << 20   # bytes the mirror may take whatever the pool's size (past it: the pool's size)
@@ -51,9 +51,10 @@ class Plan:
     """One pass's work on the mirror, made once (the first layer's) from the metadata on the host."""
     batch: int
     width: int                      # blocks a table holds in this pass (max_blocks)
-    copy: tuple | None              # (rows, block indexes, block ids) the mirror copies from the pool first
-    write_index: torch.Tensor       # [T] where each new token's K/V goes in a layer's [2, kv_heads, rows *
-                                    # positions, head_dim]: its row (padding's: the spare row) and position
+    copy: tuple | None              # (rows, block indexes, block ids) to copy from the pool first
+    # [T] where each new token's K/V goes in a layer's [2, kv_heads, rows * positions, head_dim]: its
+    # row (padding's: the spare row) and position
+    write_index: torch.Tensor
     held_ids: np.ndarray            # [B, width] the pass's tables: what its rows hold once it is written
     held_versions: np.ndarray       # ... at the versions the pass leaves them
 
@@ -75,7 +76,8 @@ class KVMirror:
         self.held_versions = np.zeros((0, 0), dtype=np.int64)  # at which version
 
     @classmethod
-    def for_pass(cls, kv_cache: KVCache, meta: AttentionMetadata, q: torch.Tensor) -> tuple[KVMirror, Plan] | None:
+    def for_pass(cls, kv_cache: KVCache, meta: AttentionMetadata,
+                 q: torch.Tensor) -> tuple[KVMirror, Plan] | None:
         """The cache's mirror and this pass's plan, or None where the pass takes the reference: off
         the CPU, under autograd, or where the mirror would outgrow the pool (it is dropped then)."""
         batch, width = meta.block_tables.shape
@@ -105,7 +107,8 @@ class KVMirror:
             kv[:, :, :, :have_rows, :self.kv.shape[4]] = self.kv[:, :, :, :have_rows]
         held_ids = np.full((rows - 1, blocks), -1, dtype=np.int64)
         held_versions = np.zeros((rows - 1, blocks), dtype=np.int64)
-        held_ids[:have_rows, :have_blocks], held_versions[:have_rows, :have_blocks] = self.held_ids, self.held_versions
+        held_ids[:have_rows, :have_blocks] = self.held_ids
+        held_versions[:have_rows, :have_blocks] = self.held_versions
         self.kv, self.held_ids, self.held_versions = kv, held_ids, held_versions
         return True
 
@@ -130,7 +133,8 @@ class KVMirror:
         return Plan(batch, width,
                     (torch.from_numpy(copy_rows), torch.from_numpy(copy_blocks),
                      torch.from_numpy(tables[copy_rows, copy_blocks])) if len(copy_rows) else None,
-                    torch.from_numpy(np.where(real, rows * length + positions, spare * length).astype(np.int64, copy=False)),
+                    torch.from_numpy(np.where(real, rows * length + positions, spare * length).astype(
+                        np.int64, copy=False)),
                     tables.copy(), self.versions[tables])
 
     def attention(self, layer: int, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -138,12 +142,14 @@ class KVMirror:
         kv = self.kv[layer]   # [2, kv_heads, rows, positions, head_dim]
         if plan.copy is not None:
             rows, blocks, ids = plan.copy
-            by_block = kv.view(*kv.shape[:3], -1, self.block_size, kv.shape[-1])   # [2, kv_heads, rows, blocks, size, hd]
+            # [2, kv_heads, rows, blocks, block_size, hd]
+            by_block = kv.view(*kv.shape[:3], -1, self.block_size, kv.shape[-1])
             by_block[:, :, rows, blocks] = self.pool[layer].index_select(1, ids).permute(0, 3, 1, 2, 4)
         flat = kv.view(2, kv.shape[1], -1, kv.shape[-1])   # [2, kv_heads, rows * positions, hd]
-        flat[0].index_copy_(1, plan.write_index, k.transpose(0, 1))   # (padding's all to one spare slot: any wins)
+        flat[0].index_copy_(1, plan.write_index, k.transpose(0, 1))   # (padding's all to one spare slot)
         flat[1].index_copy_(1, plan.write_index, v.transpose(0, 1))
-        keys, values = kv[:, :, :plan.batch, :plan.width * self.block_size].transpose(1, 2)   # each [B, kv_heads, max_k, hd]
+        # each [B, kv_heads, max_k, hd]
+        keys, values = kv[:, :, :plan.batch, :plan.width * self.block_size].transpose(1, 2)
         out = padded_attention(q, keys, values, meta, scale, self.block_size)
         if layer == len(self.kv) - 1:
             self.write_pool(plan, meta)
@@ -152,8 +158,10 @@ class KVMirror:
     def write_pool(self, plan: Plan, meta: AttentionMetadata) -> None:
         """The pass's new K/V of every layer into the pool at once (its last layer), and the rows'
         blocks recorded as held."""
-        new = self.kv.view(*self.kv.shape[:3], -1, self.kv.shape[-1]).index_select(3, plan.write_index)   # [layers, 2, kv_heads, T, hd]
-        self.pool.view(*self.pool.shape[:2], -1, *self.pool.shape[4:])[:, :, meta.slot_mapping] = new.transpose(2, 3)
+        # [layers, 2, kv_heads, T, hd]
+        new = self.kv.view(*self.kv.shape[:3], -1, self.kv.shape[-1]).index_select(3, plan.write_index)
+        pool = self.pool.view(*self.pool.shape[:2], -1, *self.pool.shape[4:])   # [layers, 2, slots, kv_h, hd]
+        pool[:, :, meta.slot_mapping] = new.transpose(2, 3)
         self.held_ids[:plan.batch, :plan.width], self.held_versions[:plan.batch, :plan.width] = (
             plan.held_ids, plan.held_versions)
 

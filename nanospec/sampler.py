@@ -157,7 +157,7 @@ def ranked(logits: torch.Tensor, largest_k: int | None = None) -> torch.Tensor:
     kth = values[:, -1:]
     ties = (values == kth).sum(-1, keepdim=True)   # how many the k hold (they come last: values descend)
     # those the stable sort holds: the first by id of the tokens at the k-th logit
-    minus_id = -torch.arange(logits.shape[-1], device=logits.device, dtype=logits.dtype)   # (exact below 2^24)
+    minus_id = -torch.arange(logits.shape[-1], device=logits.device, dtype=logits.dtype)   # exact below 2^24
     first_tied = torch.where(logits == kth, minus_id, float("-inf")).topk(k, dim=-1).indices
     rank = torch.arange(k, device=logits.device)[None, :]
     ids = torch.where(rank < k - ties, ids, first_tied.gather(-1, (rank - (k - ties)).clamp(min=0)))
@@ -198,7 +198,8 @@ def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch
     while True:
         order = ranked(logits, size)   # [N, vocab or size]
         if size is None:   # rank -> id: a scatter over the vocabulary
-            ids, by_id = None, lambda x: torch.zeros(probs.shape, dtype=x.dtype, device=x.device).scatter(-1, order, x)
+            ids, by_id = None, lambda x: torch.zeros(probs.shape, dtype=x.dtype, device=x.device).scatter(
+                -1, order, x)
         else:   # the candidates in id order
             ids, at = order.sort(dim=-1)
             by_id = lambda x: x.gather(-1, at)   # noqa: E731
@@ -206,7 +207,8 @@ def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch
         rank = torch.arange(order.shape[-1], device=probs.device)[None, :]
         in_top_k = rank < torch.where(top_k > 0, top_k, vocab)[:, None]
         top_k_mass = torch.where(by_id(in_top_k), row_probs.double(), 0.0).cumsum(-1)[:, -1:]
-        mass = top_k_mass if ids is None or whole is None else torch.where((top_k > 0)[:, None], top_k_mass, whole)
+        mass = (top_k_mass if ids is None or whole is None
+                else torch.where((top_k > 0)[:, None], top_k_mass, whole))
         kept = probs.gather(-1, order).double() * in_top_k
         mass_before = (kept.cumsum(-1) - kept) / mass              # renormalized over what top-k kept
         keep = in_top_k & top_p_keeps(mass_before, top_p)
@@ -247,7 +249,8 @@ def penalize(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch.Tensor
         # differ between positions. Entry [r, j, i] is d_{i+1}'s logit at position j, where its count
         # adds how many of d_1 .. d_j are d_{i+1} (a token drafted twice is written twice, alike).
         same = (drafts[:, :, None] == drafts[:, None, :]).float()   # [R, i', i]: d_{i'+1} is d_{i+1}
-        before = (torch.arange(q, device=logits.device)[:, None] > torch.arange(k, device=logits.device)).float()
+        j, i = torch.arange(q, device=logits.device), torch.arange(k, device=logits.device)
+        before = (j[:, None] > i).float()   # [q, K]: d_{i+1} comes before position j
         count = counts.gather(1, drafts)[:, None, :] + before @ same   # [R, q, K]
         ids = drafts[:, None, :].expand(-1, q, -1)
         out.scatter_(2, ids, apply(logits.gather(2, ids), count, in_prompt.gather(1, drafts)[:, None, :]))
@@ -287,8 +290,9 @@ def next_token_weights(p_next: torch.Tensor, q_next: torch.Tensor, rejected: tor
 
 
 def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                     num_draft: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     seeds: torch.Tensor, positions: torch.Tensor, truncate: Truncation | bool = True):
+                     num_draft: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                     truncate: Truncation | bool = True):
     """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for a batch, each row with its own K.
 
     target_logits  [B, K+1, V]  row i: the target's logits for the token after [last, d_1 .. d_i]
@@ -315,17 +319,20 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, draft
         return verify_one_hot(p, draft_ids, num_draft, seeds, positions)
     q = draft_probs
     # 1. Accept d_i with probability min(1, p(d_i) / q(d_i)).
-    p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)                         # [B, K]
-    q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1)                                # [B, K]
+    p_draft = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)   # [B, K]
+    q_draft = q.gather(-1, draft_ids[..., None]).squeeze(-1)          # [B, K]
     offsets = torch.arange(k, device=draft_ids.device)
-    u = uniform_noise(seeds.repeat_interleave(k), (positions[:, None] + offsets).flatten(), ACCEPT).view(batch, k)
-    accepted = (u < acceptance_probability(p_draft, q_draft)) & (offsets[None, :] < num_draft[:, None])
-    num_accepted = accepted.long().cumprod(-1).sum(-1)                                      # length of the accepted prefix
+    u = uniform_noise(seeds.repeat_interleave(k), (positions[:, None] + offsets).flatten(), ACCEPT)
+    accepted = (u.view(batch, k) < acceptance_probability(p_draft, q_draft)) & (offsets < num_draft[:, None])
+    num_accepted = accepted.long().cumprod(-1).sum(-1)   # [B], the length of the accepted prefix
     # 2. One more token at index n = num_accepted: recovered after a rejection, bonus otherwise.
-    take = lambda x: x.gather(1, num_accepted.clamp(max=x.shape[1] - 1)[:, None, None].expand(-1, 1, vocab)).squeeze(1)
-    weights = next_token_weights(take(p), take(q), rejected=num_accepted < num_draft)
+    n = num_accepted[:, None, None].expand(-1, 1, vocab)
+    p_next = p.gather(1, n).squeeze(1)                    # [B, V]
+    q_next = q.gather(1, n.clamp(max=k - 1)).squeeze(1)   # [B, V]; unused where n = K (nothing rejected)
+    weights = next_token_weights(p_next, q_next, rejected=num_accepted < num_draft)
     next_token = pick(weights, uniform_noise(seeds, positions + num_accepted, EMIT))
-    tokens = torch.cat([draft_ids, draft_ids[:, :1]], dim=1).scatter(1, num_accepted[:, None], next_token[:, None])
+    tokens = torch.cat([draft_ids, draft_ids[:, :1]], dim=1).scatter(1, num_accepted[:, None],
+                                                                     next_token[:, None])
     return tokens, num_accepted
 
 
@@ -373,8 +380,8 @@ class Sampler:
         self.compiled = compile
         self.recompile_limit = 4 * (max_k + 1)
         self.verify_greedy = verify_greedy
-        self.rejection_sample = compiled_for_batches(rejection_sample, backend, self.recompile_limit) if compile \
-            else rejection_sample
+        self.rejection_sample = (compiled_for_batches(rejection_sample, backend, self.recompile_limit)
+                                 if compile else rejection_sample)
 
 
 @functools.cache   # one per process: engines (an LLM's, its twins, other LLMs) share what is compiled

@@ -75,7 +75,7 @@ if triton is not None:
         """A runtime loop bound as `range` takes it: unchanged when compiled (the compiler never sees
         the constexpr-false branch), a Python int under the interpreter."""
         if _INTERPRETED:
-            return x.handle.data.item()   # a `return`: the interpreter would turn an assigned int back into an array
+            return x.handle.data.item()   # returned: the interpreter would make an assigned int an array
         return x
 
     @triton.jit
@@ -96,7 +96,8 @@ if triton is not None:
         for page in range(0, _bound(pos // BLOCK_SIZE + 1)):
             block = tl.load(block_tables_ptr + seq * max_blocks + page)
             # element (block, slot, kv_head, dim) of the [num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM] pool
-            offsets = ((block * BLOCK_SIZE + slots[:, None]) * num_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
+            offsets = (((block * BLOCK_SIZE + slots[:, None]) * num_kv_heads + kv_head) * HEAD_DIM
+                       + dims[None, :])
             k = tl.load(k_cache_ptr + offsets).to(tl.float32)   # [BLOCK_SIZE, HEAD_DIM]
             v = tl.load(v_cache_ptr + offsets).to(tl.float32)
             scores = tl.sum(k * q[None, :], axis=1)                # [BLOCK_SIZE]
@@ -107,7 +108,8 @@ if triton is not None:
             running_sum = running_sum * correction + tl.sum(weights, axis=0)
             acc = acc * correction + tl.sum(weights[:, None] * v, axis=0)
             running_max = new_max
-        tl.store(out_ptr + (token * num_heads + head) * HEAD_DIM + dims, (acc / running_sum).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + (token * num_heads + head) * HEAD_DIM + dims,
+                 (acc / running_sum).to(out_ptr.dtype.element_ty))
 
 
 def paged_attention_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,10 +156,10 @@ if triton is not None:
     # 1 or a multiple of 16): the variants are the constexpr sets of tiled_constexprs and
     # merge_constexprs, and the ahead-of-time test compiles exactly those.
     @triton.jit(do_not_specialize=["max_blocks", "num_kv_heads", "group", "tokens", "max_splits"])
-    def _tiled_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_stats_ptr, block_tables_ptr,
-                      query_start_ptr, positions_ptr, scale, max_blocks, num_kv_heads, group, tokens, max_splits,
-                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FP32: tl.constexpr):
+    def _tiled_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_stats_ptr,
+                      block_tables_ptr, query_start_ptr, positions_ptr, scale, max_blocks, num_kv_heads,
+                      group, tokens, max_splits, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FP32: tl.constexpr):
         """One program per (sequence, KV head, query block x split of the bound max_splits): its
         rows' attention over its split of the context. DIRECT: the bound is 1, so there is no split
         to choose and no partial result."""
@@ -193,7 +195,8 @@ if triton is not None:
             keys = first + tl.arange(0, BLOCK_N)
             key_ok = keys < hi
             block = tl.load(block_tables_ptr + seq * max_blocks + keys // BLOCK_SIZE, mask=key_ok, other=0)
-            offsets = ((block * BLOCK_SIZE + keys % BLOCK_SIZE) * num_kv_heads + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+            offsets = (((block * BLOCK_SIZE + keys % BLOCK_SIZE) * num_kv_heads + kv_head)[:, None] * HEAD_DIM
+                       + dims[None, :])
             k = tl.load(k_cache_ptr + offsets, mask=key_ok[:, None], other=0.0)
             v = tl.load(v_cache_ptr + offsets, mask=key_ok[:, None], other=0.0)
             if FP32:   # exact float32 products (the default would round the inputs to tf32)
@@ -213,15 +216,18 @@ if triton is not None:
             running_max = new_max
         if num_splits == 1:   # the whole context: the finished rows, straight into the output
             _store_rows(out_ptr, start, token, head, num_heads, row_ok, acc / running_sum[:, None], HEAD_DIM)
-        else:   # a partial result, for _merge_kernel: part [B, kv_heads, query blocks, splits] -> (max, sum) rows, acc rows
+        else:   # a partial result for _merge_kernel: part [B, kv_heads, query blocks, splits] -> its
+            # (max, sum) rows and acc rows
             part = (seq * num_kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)
             tl.store(part_stats_ptr + part * 2 * BLOCK_M + rows, running_max, mask=row_ok)
             tl.store(part_stats_ptr + (part * 2 + 1) * BLOCK_M + rows, running_sum, mask=row_ok)
-            tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + dims[None, :], acc,
+                     mask=row_ok[:, None])
 
     @triton.jit(do_not_specialize=["num_kv_heads", "group", "tokens", "max_splits"])
-    def _merge_kernel(out_ptr, part_acc_ptr, part_stats_ptr, query_start_ptr, positions_ptr, num_kv_heads, group,
-                      tokens, max_splits, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _merge_kernel(out_ptr, part_acc_ptr, part_stats_ptr, query_start_ptr, positions_ptr, num_kv_heads,
+                      group, tokens, max_splits, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
         """One program per (sequence, KV head, query block) of the tiled kernel's grid: its real splits'
         partial results rescaled to their largest max and summed, then divided, into the output rows."""
         seq, kv_head, query_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -260,8 +266,8 @@ if triton is not None:
     @triton.jit
     def _rotate_store_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                              q_norm_ptr, k_norm_ptr, eps, qk_token_stride, qk_head_stride, qk_dim_stride,
-                             v_token_stride, v_head_stride, v_dim_stride, table_stride, cache_slot_stride, heads,
-                             kv_heads, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+                             v_token_stride, v_head_stride, v_dim_stride, table_stride, cache_slot_stride,
+                             heads, kv_heads, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
         """One head of one new token: a query head rotated into q_out [T, heads, HEAD_DIM], a key
         head rotated into its cache slot, or a value head copied into its slot (program_id(1): the
         query heads, then the key heads, then the value heads). The rotation is the model's
@@ -288,7 +294,8 @@ if triton is not None:
             sin = tl.load(sin_ptr + token * table_stride + dims)
             rotated = x * cos + swapped * sin
             if head < heads:
-                tl.store(q_out_ptr + (token * heads + head) * HEAD_DIM + dims, rotated.to(q_out_ptr.dtype.element_ty))
+                tl.store(q_out_ptr + (token * heads + head) * HEAD_DIM + dims,
+                         rotated.to(q_out_ptr.dtype.element_ty))
             else:
                 slot = tl.load(slots_ptr + token)
                 tl.store(k_cache_ptr + slot * cache_slot_stride + (head - heads) * HEAD_DIM + dims,
@@ -359,9 +366,9 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                          query_start: torch.Tensor, positions: torch.Tensor, max_q: int, scale: float,
-                          splits: int | None = None) -> torch.Tensor:
+def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start: torch.Tensor, positions: torch.Tensor,
+                          max_q: int, scale: float, splits: int | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim], sequence b's new tokens at query_start[b] .. query_start[b + 1]
     (at most max_q of them), token t at positions[t]; caches: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [B, max_blocks]. Returns [T, heads, head_dim] in q's dtype.
@@ -381,10 +388,10 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty_like(q)
     parts = batch * kv_heads * query_blocks * splits if splits > 1 else 0   # partial results, one per program
     part_acc = torch.empty(parts, tile.block_m, head_dim, dtype=torch.float32, device=q.device)
-    part_stats = torch.empty(parts, 2, tile.block_m, dtype=torch.float32, device=q.device)   # (max, sum) per row
+    part_stats = torch.empty(parts, 2, tile.block_m, dtype=torch.float32, device=q.device)   # (max, sum)
     _tiled_kernel[(batch, kv_heads, query_blocks * splits)](
-        q, k_cache, v_cache, out, part_acc, part_stats, block_tables.contiguous(), query_start, positions, scale,
-        max_blocks, kv_heads, group, tile.tokens, splits,
+        q, k_cache, v_cache, out, part_acc, part_stats, block_tables.contiguous(), query_start, positions,
+        scale, max_blocks, kv_heads, group, tile.tokens, splits,
         **tiled_constexprs(tile, head_dim, block_size, q.dtype, direct=splits == 1), num_warps=tile.num_warps)
     if splits > 1:
         _merge_kernel[(batch, kv_heads, query_blocks)](
@@ -393,14 +400,15 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-ROTATE_STORE_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}   # a head is 16-128 elements; see the kernel
+ROTATE_STORE_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}   # a head: 16-128 elements; see the kernel
 
 
-def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None,
-                     k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """What Attention does before attending, in one launch (on a GPU it was three kernels, a rotation
-    and two index writes, and for Qwen3 three more, two norms and a cat): qk [T, heads + kv_heads,
+def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                     eps: float = 0.0) -> torch.Tensor:
+    """What Attention does before attending, in one launch (in place of a rotation and two index
+    writes, and for Qwen3 two norms and a cat): qk [T, heads + kv_heads,
     head_dim] rotated with the pass's tables cos, sin [T, 1, head_dim] (RotaryEmbedding.tables,
     float32), its key heads and v [T, kv_heads, head_dim] stored in their slots of the caches
     [num_blocks, block_size, kv_heads, head_dim].
@@ -415,15 +423,16 @@ def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: 
     q = torch.empty(tokens, heads, head_dim, dtype=qk.dtype, device=qk.device)
     _rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
         qk, v, cos, sin, slot_mapping, q, k_cache, v_cache, q_norm if q_norm is not None else q,
-        k_norm if k_norm is not None else q, eps, *qk.stride(), *v.stride(), cos.stride(0), k_cache.stride(1), heads,
-        kv_heads, HEAD_DIM=head_dim, NORM=q_norm is not None, **ROTATE_STORE_OPTIONS)
+        k_norm if k_norm is not None else q, eps, *qk.stride(), *v.stride(), cos.stride(0), k_cache.stride(1),
+        heads, kv_heads, HEAD_DIM=head_dim, NORM=q_norm is not None, **ROTATE_STORE_OPTIONS)
     return q
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+                    scale: float) -> torch.Tensor:
     """The kernel for a pass (meta: kv_cache.AttentionMetadata; the kernels need no attention mask,
-    so none is built on this path): the tiled one, for decode and verify steps and for prefill chunks (in blocks of
-    new tokens). Its alternatives for prefill, the per-token kernel and the reference's SDPA over
-    gathered pages, are timed beside it by `python -m nanospec.bench --gpu-check`."""
+    so none is built on this path): the tiled one, for decode and verify steps and for prefill chunks
+    (in blocks of new tokens). Its alternatives for prefill, the per-token kernel and the reference's
+    SDPA over gathered pages, are timed beside it by `python -m nanospec.bench --gpu-check`."""
     return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
                                  meta.query_index.shape[1], scale)   # max_q: a shape the host knows

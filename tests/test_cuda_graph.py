@@ -74,17 +74,20 @@ def test_padded_step_equals_unpadded(model, seed):
     rng = random.Random(seed)
     batch, k = rng.randint(1, 40), rng.randint(0, 8)
     cfg, vocab = model.config, model.config.vocab_size
-    cache = KVCache(cfg.num_layers, 40 * 20, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.model.norm.weight.dtype, CPU)
+    cache = KVCache(cfg.num_layers, 40 * 20, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                    model.model.norm.weight.dtype, CPU)
     reqs = [request(i, [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]) for i in range(batch)]
     drafts = [[rng.randrange(vocab) for _ in range(rng.choice([k, rng.randint(0, k)]))] for _ in reqs]
     with torch.inference_mode():
         prefill(model, cache, reqs)
         for r, d in zip(reqs, drafts):
             cache.allocator.grow(r.block_table, r.num_cached + len(d) + 1)
-        reference_cache = KVCache(cfg.num_layers, 40 * 20, BLOCK, cfg.num_kv_heads, cfg.head_dim, cache.pool.dtype, CPU)
+        reference_cache = KVCache(cfg.num_layers, 40 * 20, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                                  cache.pool.dtype, CPU)
         reference_cache.pool.copy_(cache.pool)
         expected = unpadded_logits(model, reference_cache, reqs, drafts)
-        steps = cuda_graph.StepGraphs(model, cache, vocab, 40, 200, CPU, Sampler(compile=False), LogitsOut(model))
+        steps = cuda_graph.StepGraphs(model, cache, vocab, 40, 200, CPU, Sampler(compile=False),
+                                      LogitsOut(model))
         sampling = steps.upload(reqs, [len(d) for d in drafts], drafts)
         out, logits, _ = steps.run(sampling)
     q_len = max(len(d) for d in drafts) + 1
@@ -99,7 +102,8 @@ def test_padded_step_equals_unpadded(model, seed):
             torch.testing.assert_close(got, expected[b], rtol=1e-12, atol=1e-12)
     real = torch.ones(cache.pool.shape[2], dtype=torch.bool)
     real[SINK_BLOCK] = False
-    torch.testing.assert_close(cache.pool[:, :, real], reference_cache.pool[:, :, real], rtol=1e-12, atol=1e-6)
+    torch.testing.assert_close(cache.pool[:, :, real], reference_cache.pool[:, :, real], rtol=1e-12,
+                               atol=1e-6)
 
 
 def test_capture_warm_ups_write_only_the_sink_block(model):
@@ -107,7 +111,8 @@ def test_capture_warm_ups_write_only_the_sink_block(model):
     before capturing it): run here at full width, as a capture does, they leave every block a
     request can own as it was, and the null block zero: they write the sink block only."""
     cfg = model.config
-    cache = KVCache(cfg.num_layers, 30, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.model.norm.weight.dtype, CPU)
+    cache = KVCache(cfg.num_layers, 30, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.model.norm.weight.dtype,
+                    CPU)
     cache.pool.normal_()
     cache.pool[:, :, NULL_BLOCK] = 0
     before = cache.pool.clone()
@@ -121,7 +126,7 @@ def test_capture_warm_ups_write_only_the_sink_block(model):
             for k in (3, 0):
                 steps.grow(k)
                 steps.upload_padding(bucket, k)
-                steps.verify_body(("verify", bucket, k, "greedy", False, False), steps.tables.width)
+                steps.verify_body(cuda_graph.GraphKey("verify", bucket, k), steps.tables.width)
     assert torch.equal(cache.pool[:, :, SINK_BLOCK + 1:], before[:, :, SINK_BLOCK + 1:])
     assert (cache.pool[:, :, NULL_BLOCK] == 0).all() and not torch.equal(cache.pool, before)
 
@@ -151,7 +156,7 @@ def test_device_tables_follow_truncate_and_grow():
 
     def sync(*ts):
         rows, pairs = tables.updates(list(ts))
-        flat = tables.tables.view(-1)   # pairs index the whole flat tensor, whose first 2 entries are another's
+        flat = tables.tables.view(-1)   # pairs index the whole flat tensor (its first 2 entries: another's)
         flat[torch.tensor(pairs[0::2], dtype=torch.long) - 2] = torch.tensor(pairs[1::2], dtype=torch.long)
         for t, row in zip(ts, rows):
             assert tables.tables[row, :len(t)].tolist() == list(t)
@@ -175,17 +180,20 @@ def test_batch_padding_changes_no_token(spec_models, monkeypatch, tmp_path, name
     device tables hold the host's after every step; no block leaks; the null block stays finite."""
     args = {}
     if name != "plain":   # K 0 .. 4 per request, more for small batches (the profile's acceptance is high)
-        profile = Profile([1, 4, 8], [0, 1, 4], [[1.0, 1.0, 1.0], [1.0, 1.4, 3.0], [1.0, 2.5, 20.0]], [0.9] * 4)
+        profile = Profile([1, 4, 8], [0, 1, 4], [[1.0, 1.0, 1.0], [1.0, 1.4, 3.0], [1.0, 2.5, 20.0]],
+                          [0.9] * 4)
         profile.save(str(tmp_path / "profile.json"))
         args = {**proposer_args(spec_models, name), "num_speculative_tokens": 4, "dynamic_k": True,
                 "profile": str(tmp_path / "profile.json"), "per_request_k": True}
     prompts = (PROMPTS * 3)[:19]
-    params = [SamplingParams(temperature=0.8 if i % 3 else 0, top_p=0.9 if i % 2 else 1, seed=i, max_tokens=24,
-                             ignore_eos=True) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.8 if i % 3 else 0, top_p=0.9 if i % 2 else 1, seed=i,
+                             max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
 
     def outputs():
-        llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=40, max_num_seqs=19, **args)
-        got = [o.token_ids for o in llm.generate(prompts, params, on_step=lambda reqs: check_tables(llm.engine))]
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=40, max_num_seqs=19,
+                  **args)
+        got = [o.token_ids
+               for o in llm.generate(prompts, params, on_step=lambda reqs: check_tables(llm.engine))]
         for cache in (llm.engine.kv_cache, getattr(llm.engine.proposer, "kv_cache", llm.engine.kv_cache)):
             assert (cache.pool[:, :, NULL_BLOCK] == 0).all()   # tables' padding reads it; nothing writes it
         assert llm.engine.stats.preemptions > 0
@@ -209,16 +217,15 @@ def test_an_unpadded_verify_step_equals_the_padded_one(spec_models, plain_greedy
     real_body = cuda_graph.StepGraphs.verify_body
 
     def verify_body(self, key, width):
-        _, bucket, k, *_ = key
-        if not self.padded(bucket) and self.step_tokens < bucket * (k + 1):
-            uneven.append(self.step_tokens)
+        if not self.padded(key.bucket) and self.step.tokens < key.bucket * (key.k + 1):
+            uneven.append(self.step.tokens)
         return real_body(self, key, width)
     monkeypatch.setattr(cuda_graph.StepGraphs, "verify_body", verify_body)
 
     def outputs(padded: bool):
         monkeypatch.setattr(cuda_graph, "PAD_EAGER_BATCHES", padded)
-        llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, num_speculative_tokens=4,
-                  **proposer_args(spec_models, name))
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+                  num_speculative_tokens=4, **proposer_args(spec_models, name))
         greedy_out = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
         sampled = [o.token_ids for o in llm.generate(PROMPTS, sampled_and_greedy(len(PROMPTS)))]
         assert_no_leak(llm)
@@ -274,7 +281,8 @@ def test_graph_bodies_run_twice_equal_the_eager_step(spec_models, monkeypatch, n
     (eager, *eager_counts, eager_rounds), (twice, *twice_counts, twice_rounds) = outputs(False), outputs(True)
     assert twice == eager and twice_counts == eager_counts
     assert name == "plain" or eager_counts[1] > 50   # drafts were made and verified
-    assert len(twice_rounds) == len(eager_rounds) and (name not in ("draft", "eagle1", "eagle3") or eager_rounds)
+    assert len(twice_rounds) == len(eager_rounds)
+    assert name not in ("draft", "eagle1", "eagle3") or eager_rounds
     for mine, theirs in zip(twice_rounds, eager_rounds):
         for a, b in zip(mine, theirs):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
@@ -286,7 +294,8 @@ def test_a_draft_models_round_as_one_graph_equals_its_eager_catch_up(spec_models
     a row, padded to 2) drafts what the eager catch-up step drafts: the same outputs and the same
     acceptance, greedy and sampled."""
     from nanospec.proposer import DraftModelProposer
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=30, ignore_eos=True) for i in range(8)]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=30, ignore_eos=True)
+              for i in range(8)]
 
     def run(graphed_catch_up: int):
         monkeypatch.setattr(DraftModelProposer, "graphed_catch_up", graphed_catch_up)
@@ -294,7 +303,8 @@ def test_a_draft_models_round_as_one_graph_equals_its_eager_catch_up(spec_models
                   draft=spec_models["target"], num_speculative_tokens=3)   # a self-draft: long acceptances
         rounds = []
         real = llm.engine.step_graphs.first_draft_step
-        monkeypatch.setattr(llm.engine.step_graphs, "first_draft_step", lambda *a: (rounds.append(1), real(*a)))
+        monkeypatch.setattr(llm.engine.step_graphs, "first_draft_step",
+                            lambda *a: (rounds.append(1), real(*a)))
         out = [o.token_ids for o in llm.generate(PROMPTS, params)]
         return out, llm.stats["acceptance_rate_per_position"], len(rounds)
 
@@ -328,7 +338,8 @@ def test_cuda_graph_replay_equals_eager(spec_models, name):
     prompts = (PROMPTS * 3)[:19]
     outputs = {}
     for eager in (False, True):
-        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, enforce_eager=eager, **args)
+        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400,
+                  enforce_eager=eager, **args)
         outputs[eager] = [[o.token_ids for o in llm.generate(prompts, SamplingParams(
             temperature=t, seed=3, max_tokens=24, ignore_eos=True))] for t in (0, 0.8)]
         if not eager:
@@ -348,15 +359,17 @@ def test_cuda_processed_steps_replay_the_forward_graph(spec_models, name):
     params = processed(sampled_and_greedy(len(prompts)))
     outputs = {}
     for eager in (False, True):
-        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, enforce_eager=eager, **args)
+        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400,
+                  enforce_eager=eager, **args)
         outputs[eager] = llm.generate(prompts, params)
         if not eager:
             steps = llm.engine.step_graphs
-            assert any(key[0] == "forward" for key in steps.graphs), list(steps.graphs)
-            held = {key: [tuple(t.shape) for t in out or () if isinstance(t, torch.Tensor)]   # (a round's: None)
+            assert any(key.body == "forward" for key in steps.graphs), list(steps.graphs)
+            held = {key: [tuple(t.shape) for t in out or () if isinstance(t, torch.Tensor)]   # round: None
                     for key, (_, out) in steps.graphs.items()}
             assert not any(steps.vocab in shape for shapes in held.values() for shape in shapes), held
-    assert sum(o.logprobs is not None for o in outputs[True]) == sum(p.logprobs is not None for p in params) > 0
+    asked = sum(p.logprobs is not None for p in params)
+    assert sum(o.logprobs is not None for o in outputs[True]) == asked > 0
     for graphed, eager in zip(outputs[False], outputs[True]):
         assert graphed.token_ids == eager.token_ids
         assert (graphed.logprobs is None) == (eager.logprobs is None)
@@ -375,7 +388,8 @@ def test_cuda_decode_step_copies_once_each_way(spec_models, monkeypatch, name, b
     graph replay whose graph was captured before (a hybrid's step may capture a round graph of a
     shape its earlier steps did not use; its copies are counted all the same)."""
     args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 3}
-    llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, max_num_seqs=16, **args)
+    llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, max_num_seqs=16,
+              **args)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     engine.add_requests([engine.new_request(i, p, llm.encode_prompt(p), params)
@@ -409,7 +423,7 @@ def test_cuda_decode_step_copies_once_each_way(spec_models, monkeypatch, name, b
             if "Memcpy" in event.key and way in event.key:
                 copies[way] += event.count
     assert copies == {"HtoD": 1, "DtoH": 1}
-    if not name.startswith("hybrid"):   # a hybrid's round graphs follow its mix of rows: captured at first use
+    if not name.startswith("hybrid"):   # a hybrid's round graphs follow its mix of rows: made on first use
         assert len(engine.step_graphs.graphs) == captured
 
 
@@ -427,7 +441,8 @@ def test_each_compiled_piece_compiles_once_for_every_bucket(spec_models):
     assert len(llm.engine.step_graphs.graphs) >= 6
     pieces = {"rms_norm": model_module.rms_norm, "add_rms_norm": model_module.add_rms_norm,
               "silu_and_mul": model_module.silu_and_mul}
-    compiles = {name: len(_debug_get_cache_entry_list(piece.eager.__code__)) for name, piece in pieces.items()}
+    compiles = {name: len(_debug_get_cache_entry_list(piece.eager.__code__))
+                for name, piece in pieces.items()}
     print("compiled variants:", compiles)
     assert all(1 <= n <= 2 for n in compiles.values()), compiles
 

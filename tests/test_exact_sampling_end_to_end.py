@@ -28,8 +28,8 @@ def big_vocab(tmp_path_factory):
 
 def build(models, name: str, **kw) -> LLM:
     args = {"plain": {}, "ngram": dict(ngram=True), "draft": dict(draft=models["draft"]),
-            "eagle1": dict(eagle=models["eagle1"]), "eagle3": dict(eagle=models["eagle3"]), "suffix": dict(suffix=True),
-            "hybrid_eagle1": dict(suffix=True, eagle=models["eagle1"])}[name]
+            "eagle1": dict(eagle=models["eagle1"]), "eagle3": dict(eagle=models["eagle3"]),
+            "suffix": dict(suffix=True), "hybrid_eagle1": dict(suffix=True, eagle=models["eagle1"])}[name]
     if name != "plain":
         args["num_speculative_tokens"] = K
     return LLM(models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, **args, **kw)
@@ -37,7 +37,8 @@ def build(models, name: str, **kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def greedy_reference(big_vocab):
-    outs = build(big_vocab, "plain").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    outs = build(big_vocab, "plain").generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40,
+                                                                      ignore_eos=True))
     return [o.token_ids for o in outs]
 
 
@@ -46,7 +47,8 @@ def test_top_k_1_sampling_is_greedy_decoding(big_vocab, greedy_reference, name):
     """8 requests x 40 tokens (the old sampler's noise drew a zero-probability token in 0.9% of
     draws at this vocabulary: about 3 of these 320)."""
     llm = build(big_vocab, name)
-    params = [SamplingParams(temperature=1.0, top_k=1, seed=s, max_tokens=40, ignore_eos=True) for s in range(8)]
+    params = [SamplingParams(temperature=1.0, top_k=1, seed=s, max_tokens=40, ignore_eos=True)
+              for s in range(8)]
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == greedy_reference
     assert name == "plain" or llm.stats["drafted_tokens"] > 0
 
@@ -83,8 +85,10 @@ def test_ngram_output_is_plain_sampling_output(spec_models, k):
     (The 320-token target: a random 32k-token model never repeats itself, so n-gram finds nothing
     to accept there; test_rejection checks the same at a 32k vocabulary without a model.)"""
     params = [SamplingParams(temperature=t, top_k=k_, top_p=p, seed=s, max_tokens=40, ignore_eos=True)
-              for s, (t, k_, p) in enumerate([(0.1, 0, 1.0), (0.2, 0, 0.9), (0.15, 20, 1.0), (1.0, 0, 1.0), (0.1, 3, 0.5)])]
-    plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05).generate(PROMPTS[:5], params)
+              for s, (t, k_, p) in enumerate([(0.1, 0, 1.0), (0.2, 0, 0.9), (0.15, 20, 1.0), (1.0, 0, 1.0),
+                                              (0.1, 3, 0.5)])]
+    plain = (LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+             .generate(PROMPTS[:5], params))
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, ngram=True,
               num_speculative_tokens=k)
     assert [o.token_ids for o in llm.generate(PROMPTS[:5], params)] == [o.token_ids for o in plain]
@@ -101,9 +105,12 @@ def edges(tmp_path_factory, checkpoints):
     weights["lm_head.weight"][320:] *= 50     # padding ids would win every argmax if they could
     save_file(weights, f"{padded}/model.safetensors", metadata={"format": "pt"})
     return {"padded": padded,
-            "draft_smaller": write_checkpoint(str(root / "d1"), "llama3", seed=22, num_layers=1, model_vocab=320 + 16),
-            "draft_too_small": write_checkpoint(str(root / "d2"), "llama3", seed=23, num_layers=1, model_vocab=300),
-            "draft_short": write_checkpoint(str(root / "d3"), "llama3", seed=24, num_layers=1, max_positions=40),
+            "draft_smaller": write_checkpoint(str(root / "d1"), "llama3", seed=22, num_layers=1,
+                                              model_vocab=320 + 16),
+            "draft_too_small": write_checkpoint(str(root / "d2"), "llama3", seed=23, num_layers=1,
+                                                model_vocab=300),
+            "draft_short": write_checkpoint(str(root / "d3"), "llama3", seed=24, num_layers=1,
+                                            max_positions=40),
             "target": checkpoints["llama3"]}
 
 
@@ -121,7 +128,8 @@ def test_padding_ids_are_never_emitted_and_never_accepted(edges):
 def test_a_draft_with_a_smaller_padded_embedding_works(edges):
     """Target 448 ids, draft 336, tokenizer 320 (Qwen2.5-7B and -0.5B: 152,064 and 151,936)."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    plain = LLM(edges["padded"], device="cpu", dtype="float32", kv_cache_gb=0.05).generate(PROMPTS[:3], params)
+    plain = (LLM(edges["padded"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+             .generate(PROMPTS[:3], params))
     llm = LLM(edges["padded"], device="cpu", dtype="float32", kv_cache_gb=0.05, draft=edges["draft_smaller"])
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], params)] == [o.token_ids for o in plain]
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True)
@@ -137,7 +145,8 @@ def test_a_draft_with_a_shorter_context_drafts_until_it_ends(edges):
     """The draft's positions end at 40; requests run to 80 tokens: it drafts while it can, then
     the request goes on without drafts."""
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    plain = LLM(edges["target"], device="cpu", dtype="float32", kv_cache_gb=0.05).generate(PROMPTS[:3], params)
+    plain = (LLM(edges["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+             .generate(PROMPTS[:3], params))
     llm = LLM(edges["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, draft=edges["draft_short"],
               num_speculative_tokens=4)
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], params)] == [o.token_ids for o in plain]
@@ -149,9 +158,11 @@ def test_a_draft_with_a_shorter_context_drafts_until_it_ends(edges):
 def test_eagle_on_a_one_token_prompt(spec_models, version):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, eagle=spec_models[version])
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              eagle=spec_models[version])
     assert llm.generate([7], params)[0].token_ids == plain.generate([7], params)[0].token_ids   # alone
     batch = [[7], PROMPTS[0], [9]]
-    assert ([o.token_ids for o in llm.generate(batch, params)] == [o.token_ids for o in plain.generate(batch, params)])
+    assert [o.token_ids for o in llm.generate(batch, params)] == [o.token_ids
+                                                                  for o in plain.generate(batch, params)]
     assert llm.stats["drafted_tokens"] > 0
     assert_no_leak(llm)

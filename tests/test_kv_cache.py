@@ -4,11 +4,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanospec.kv_cache import BlockAllocator, KVCache, OutOfBlocks, build_metadata, paged_attention_reference, write_kv
+from nanospec.kv_cache import (BlockAllocator, KVCache, OutOfBlocks, build_metadata,
+                               paged_attention_reference, write_kv)
 
 
 def contiguous_attention(q, k, v, start: int) -> torch.Tensor:
-    """Plain causal attention in float64 for one sequence: q [n, H, D] at positions start.., k/v [L, Hkv, D]."""
+    """Plain causal attention in float64 for one sequence: q [n, H, D] at positions start..,
+    k/v [L, Hkv, D]."""
     group = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5
@@ -25,7 +27,8 @@ def test_paged_attention_equals_contiguous(block_size, seqs, seed):
     """seqs: (cached tokens, new query tokens) per sequence; blocks are handed out interleaved."""
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, dim = 4, 2, 8
-    cache = KVCache(1, 5 * 49, block_size, kv_heads, dim, torch.float32, torch.device("cpu"))   # 5 sequences of 49 at block size 1
+    # 5 sequences of 49 at block size 1
+    cache = KVCache(1, 5 * 49, block_size, kv_heads, dim, torch.float32, torch.device("cpu"))
     k_cache, v_cache = cache.layer(0)
     tables = [[] for _ in seqs]
     full_k, full_v = [], []
@@ -82,7 +85,8 @@ def metadata_on_the_host(block_tables, num_cached, query_lens, block_size):
             "context_lens": [c + n for c, n in zip(num_cached, query_lens)],
             "block_tables": [t + [0] * (max_blocks - len(t)) for t in block_tables],
             "query_valid": valid,
-            "query_index": [[query_start[b] + i if valid[b][i] else 0 for i in range(max_q)] for b in range(len(valid))],
+            "query_index": [[query_start[b] + i if valid[b][i] else 0 for i in range(max_q)]
+                            for b in range(len(valid))],
             # a real query's row (padding rows are never read)
             "attention_mask": [[k <= c + i for k in range(max_blocks * block_size)]
                                for c, n in zip(num_cached, query_lens) for i in range(n)]}
@@ -90,7 +94,8 @@ def metadata_on_the_host(block_tables, num_cached, query_lens, block_size):
 
 @settings(max_examples=60, deadline=None)
 @given(block_size=st.sampled_from([1, 2, 4, 16]),
-       seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.integers(0, 2)), min_size=1, max_size=6),
+       seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.integers(0, 2)), min_size=1,
+                     max_size=6),
        extra=st.lists(st.integers(-5, 10**6), max_size=5), seed=st.integers(0, 2**16))
 def test_metadata_derived_on_the_device_equals_the_host_oracle(block_size, seqs, extra, seed):
     """seqs: (cached tokens, new tokens, spare blocks past them) per sequence; block ids shuffled."""

@@ -42,7 +42,8 @@ def workload(llm):
     params = [SamplingParams(temperature=0.8 if i % 3 else 0, top_p=0.9, seed=i, max_tokens=12 + 3 * i,
                              ignore_eos=True) for i in range(len(PROMPTS))]
     outs = llm.generate(PROMPTS, params)
-    later = [llm.tokenizer.decode(llm.tokenizer.encode(p) + o.token_ids) + " and then" for p, o in zip(PROMPTS, outs)]
+    later = [llm.tokenizer.decode(llm.tokenizer.encode(p) + o.token_ids) + " and then"
+             for p, o in zip(PROMPTS, outs)]
     return [o.token_ids for o in outs] + [o.token_ids for o in llm.generate(later, params)]
 
 
@@ -56,7 +57,8 @@ def test_every_mirrored_layer_equals_the_reference_and_so_do_the_pool_and_the_to
     args = dict(device="cpu", dtype="float32", num_kv_blocks=48, block_size=4, max_num_seqs=5,
                 max_num_batched_tokens=8, **(proposer_args(spec_models, name) if name != "plain" else {}),
                 **({"num_speculative_tokens": 3} if name != "plain" else {}),
-                **({"suffix_max_spec_offset": 0} if name == "suffix" else {}))   # (priced by step times: not repeatable)
+                # (suffix's offset is priced by step times: not repeatable)
+                **({"suffix_max_spec_offset": 0} if name == "suffix" else {}))
     mirrored = LLM(spec_models["target"], **args)
     got = workload(mirrored)
     assert checked["layers"] and checked["copied blocks"]   # the mirror ran, and copied blocks in
@@ -85,9 +87,11 @@ def test_a_mirror_past_its_budget_gives_way_to_the_reference(spec_models, checke
     monkeypatch.setattr(kv_mirror, "MIN_BUDGET", 0)   # the pool's size: too small for 8 rows here
     reference, passes = kv_mirror.paged_attention_reference, Counter()
     monkeypatch.setattr(kv_mirror, "paged_attention_reference",
-                        lambda q, kv, meta, scale: passes.update([len(meta.context_lens)]) or reference(q, kv, meta, scale))
+                        lambda q, kv, meta, scale: passes.update([len(meta.context_lens)])
+                        or reference(q, kv, meta, scale))
     assert [o.token_ids for o in LLM(spec_models["target"], **args).generate(PROMPTS, params)] == expected
-    assert passes[8] > 0 and checked["layers"] > 0, passes   # steps of all 8 took the reference; smaller ones the mirror
+    # steps of all 8 took the reference; smaller ones the mirror
+    assert passes[8] > 0 and checked["layers"] > 0, passes
 
 
 def test_writing_the_pool_outside_a_pass_drops_the_mirror(spec_models):

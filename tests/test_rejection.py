@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from chisquare import chi_square_pvalue
 from nanospec import sampler
-from nanospec.sampler import (acceptance_probability, next_token_weights, pick, rejection_sample, target_probs,
-                              uniform_noise, verify_greedy)
+from nanospec.sampler import (acceptance_probability, next_token_weights, pick, rejection_sample,
+                              target_probs, uniform_noise, verify_greedy)
 
 logit = st.one_of(st.floats(-6, 6), st.just(float("-inf")))   # -inf: a token with probability 0
 
@@ -24,8 +24,8 @@ def target_and_draft(draw, vocab=None):
     temperature = draw(st.one_of(st.just(0.0), st.floats(0.1, 3.0)))
     top_k = draw(st.integers(0, v))
     top_p = draw(st.one_of(st.just(1.0), st.floats(0.05, 1.0)))
-    as_probs = lambda logits: target_probs(torch.tensor([logits]), torch.tensor([temperature]), torch.tensor([top_k]),
-                                           torch.tensor([top_p]))[0].double()
+    as_probs = lambda logits: target_probs(torch.tensor([logits]), torch.tensor([temperature]),
+                                           torch.tensor([top_k]), torch.tensor([top_p]))[0].double()
     as_probs = lambda logits, f=as_probs: f(logits) / f(logits).sum()   # exactly normalized in float64
     p = as_probs(logits_p)
     if kind == "same":
@@ -74,7 +74,8 @@ def test_accepted_count_has_its_closed_form(pairs):
 ROWS, VOCAB, K = 40000, 5, 3
 P_LOGITS = torch.tensor([[1.0, 0.2, -0.5, 0.8, -1.0], [0.1, 0.9, 0.3, -0.4, 0.0],
                          [-0.3, 0.6, 1.2, 0.1, -0.8], [0.5, -0.2, 0.0, 0.7, 0.3]])
-Q_LOGITS = torch.tensor([[0.2, 1.1, -0.2, -0.6, 0.4], [0.8, -0.5, 0.3, 0.6, -1.0], [1.0, 0.0, -0.4, 0.2, 0.5]])
+Q_LOGITS = torch.tensor([[0.2, 1.1, -0.2, -0.6, 0.4], [0.8, -0.5, 0.3, 0.6, -1.0],
+                         [1.0, 0.0, -0.4, 0.2, 0.5]])
 
 
 def run_batch(one_hot_drafts: bool, num_draft: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0):
@@ -89,8 +90,8 @@ def run_batch(one_hot_drafts: bool, num_draft: torch.Tensor, temperature=1.0, to
         noise = torch.stack([uniform_noise(seeds, torch.full((n,), j), sampler.DRAFT) for j in range(K)], 1)
         draft_ids = pick(q.expand(n, -1, -1).reshape(-1, VOCAB), noise.flatten()).view(n, K)
         draft_probs = q.expand(n, -1, -1)
-    tokens, accepted = rejection_sample(P_LOGITS.expand(n, -1, -1), draft_ids, draft_probs, num_draft, t, tk, tp,
-                                        seeds, positions=torch.zeros(n, dtype=torch.long))
+    tokens, accepted = rejection_sample(P_LOGITS.expand(n, -1, -1), draft_ids, draft_probs, num_draft, t, tk,
+                                        tp, seeds, positions=torch.zeros(n, dtype=torch.long))
     q = q if q is not None else torch.nn.functional.one_hot(torch.tensor([0, 1, 2]), VOCAB).float()
     return p.double(), q.double(), tokens, accepted
 
@@ -139,7 +140,8 @@ def test_greedy_accepts_while_draft_is_argmax():
     assert tokens.tolist() == [[1, 0, 2, 0]] * 3    # output: accepted drafts, then the argmax
     ones = torch.ones(3)
     sampled, sampled_accepted = rejection_sample(logits, drafts, None, torch.tensor([3, 3, 3]), ones * 0,
-                                                 ones.long() * 0, ones, torch.arange(3), torch.zeros(3, dtype=torch.long))
+                                                 ones.long() * 0, ones, torch.arange(3),
+                                                 torch.zeros(3, dtype=torch.long))
     assert sampled_accepted.tolist() == [3, 1, 0]
     assert all(sampled[b, :a + 1].tolist() == tokens[b, :a + 1].tolist() for b, a in enumerate([3, 1, 0]))
 
@@ -147,10 +149,11 @@ def test_greedy_accepts_while_draft_is_argmax():
 def test_without_drafts_it_is_plain_sampling():
     """K = 0: the emitted token uses the same noise as the plain sampler, so outputs coincide."""
     logits = torch.randn(6, 1, 40, generator=torch.Generator().manual_seed(3))
-    t, tk, tp = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 0.8]), torch.tensor([0, 0, 10, 0, 3, 0]), torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0])
+    t, tk = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 0.8]), torch.tensor([0, 0, 10, 0, 3, 0])
+    tp = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0])
     seeds, pos = torch.arange(6) + 5, torch.arange(6) * 2
-    tokens, accepted = rejection_sample(logits, torch.zeros(6, 0, dtype=torch.long), None, torch.zeros(6, dtype=torch.long),
-                                        t, tk, tp, seeds, pos)
+    tokens, accepted = rejection_sample(logits, torch.zeros(6, 0, dtype=torch.long), None,
+                                        torch.zeros(6, dtype=torch.long), t, tk, tp, seeds, pos)
     assert accepted.tolist() == [0] * 6
     assert torch.equal(tokens[:, 0], sampler.sample(logits[:, 0], t, tk, tp, seeds, pos))
 
@@ -162,8 +165,8 @@ def test_compiled_rejection_sampler_equals_eager():
     g = torch.Generator().manual_seed(4)
     logits, drafts = torch.randn(n, K + 1, VOCAB, generator=g), torch.randint(0, VOCAB, (n, K), generator=g)
     probs = torch.softmax(torch.randn(n, K, VOCAB, generator=g), -1)
-    args = (logits, drafts, probs, torch.arange(n) % (K + 1), torch.full((n,), 0.9), torch.zeros(n, dtype=torch.long),
-            torch.ones(n), torch.arange(n), torch.arange(n))
+    args = (logits, drafts, probs, torch.arange(n) % (K + 1), torch.full((n,), 0.9),
+            torch.zeros(n, dtype=torch.long), torch.ones(n), torch.arange(n), torch.arange(n))
     for a, b in zip(compiled(*args), rejection_sample(*args)):
         assert torch.equal(a, b)
 
@@ -177,10 +180,12 @@ def test_one_hot_drafts_emit_what_plain_sampling_emits():
     t = torch.tensor([1.0, 0.7, 0.0, 1.3] * 3)
     tk, tp = torch.tensor([0, 50, 0, 0] * 3), torch.tensor([1.0, 1.0, 1.0, 0.9] * 3)
     seeds, positions = torch.arange(batch) + 100, torch.arange(batch) * 5 + 3
-    plain = torch.stack([sampler.sample(logits[:, i], t, tk, tp, seeds, positions + i) for i in range(k + 1)], 1)
+    plain = torch.stack([sampler.sample(logits[:, i], t, tk, tp, seeds, positions + i)
+                         for i in range(k + 1)], 1)
     right = torch.arange(batch) % (k + 1)                       # row b's first right - 1 drafts are right
     drafts = torch.where(torch.arange(k)[None, :] < right[:, None], plain[:, :k], (plain[:, :k] + 1) % vocab)
-    tokens, accepted = rejection_sample(logits, drafts, None, torch.full((batch,), k), t, tk, tp, seeds, positions)
+    tokens, accepted = rejection_sample(logits, drafts, None, torch.full((batch,), k), t, tk, tp, seeds,
+                                        positions)
     assert accepted.tolist() == right.tolist()
     for b in range(batch):
         assert tokens[b, :right[b] + 1].tolist() == plain[b, :right[b] + 1].tolist()

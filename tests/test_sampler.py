@@ -33,7 +33,8 @@ def test_rows_use_their_own_parameters():
     t, k, p = torch.tensor([0.0, 0.7, 1.3]), torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.8])
     batched = target_probs(logits, t, k, p)
     for i in range(3):
-        assert torch.allclose(batched[i], target_probs(logits[i:i + 1], t[i:i + 1], k[i:i + 1], p[i:i + 1])[0])
+        alone = target_probs(logits[i:i + 1], t[i:i + 1], k[i:i + 1], p[i:i + 1])[0]
+        assert torch.allclose(batched[i], alone)
 
 
 def test_samples_follow_the_distribution():
@@ -86,7 +87,8 @@ def test_compiled_sampler_equals_eager():
 
 
 @settings(max_examples=200, deadline=None)
-@given(logits=st.lists(st.integers(-3, 3), min_size=2, max_size=40), top_k=st.lists(st.integers(0, 45), min_size=3, max_size=3))
+@given(logits=st.lists(st.integers(-3, 3), min_size=2, max_size=40),
+       top_k=st.lists(st.integers(0, 45), min_size=3, max_size=3))
 def test_top_k_without_a_sort_is_top_k_with_one(logits, top_k):
     """The threshold path (a batch with top-k and no top-p) keeps exactly the tokens the sorted
     path keeps, ties at the k-th logit included (integer logits: ties everywhere)."""
@@ -101,12 +103,14 @@ def test_top_k_without_a_sort_is_top_k_with_one(logits, top_k):
 @given(logits=st.lists(st.one_of(st.integers(-3, 3), st.just(-1000)), min_size=2, max_size=40),
        top_k=st.lists(st.integers(0, 45), min_size=3, max_size=3),
        top_p=st.lists(st.one_of(st.just(1.0), st.floats(0.05, 1.0)), min_size=3, max_size=3))
-def test_top_p_within_top_k_sorts_only_the_candidates_and_keeps_what_the_full_sort_keeps(logits, top_k, top_p):
+def test_top_p_within_top_k_sorts_only_the_candidates_and_keeps_what_the_full_sort_keeps(logits, top_k,
+                                                                                          top_p):
     """Where every row that uses top-p has a top_k, top-p ranks only each row's largest top_k
     candidates (no sort over the vocabulary): the same probabilities, bit for bit, as the full sort,
     ties everywhere (integer logits) and -inf among them (min_p's masked tokens); a row with neither
     keeps its softmax."""
-    x = torch.tensor([logits] * 3, dtype=torch.float32).masked_fill(torch.tensor([logits] * 3) == -1000, float("-inf"))
+    x = torch.tensor([logits] * 3, dtype=torch.float32).masked_fill(torch.tensor([logits] * 3) == -1000,
+                                                                    float("-inf"))
     assume(x.isfinite().any())
     top_p = [p if k else 1.0 for p, k in zip(top_p, top_k)]   # a top-p row has a top_k
     k, p, t = torch.tensor(top_k), torch.tensor(top_p), torch.tensor([1.0, 0.5, 2.0])
@@ -133,12 +137,13 @@ def test_top_p_without_top_k_ranks_a_few_candidates_and_keeps_what_the_full_sort
     real_ranked = sampler.ranked
     monkeypatch.setattr(sampler, "ranked", lambda x, k=None: (ranked_sizes.append(k), real_ranked(x, k))[1])
     got = target_probs(logits, t, top_k, top_p, sampler.Truncation(40, True, False))
-    assert ranked_sizes[0] == sampler.FEW_CANDIDATES and None in ranked_sizes   # grew, then sorted all (the flat row)
+    # grew, then sorted all (the flat row)
+    assert ranked_sizes[0] == sampler.FEW_CANDIDATES and None in ranked_sizes
     assert torch.equal(got, target_probs(logits, t, top_k, top_p, True))
     ranked_sizes.clear()
     peaked = target_probs(logits[:1], t[:1], top_k[:1], top_p[:1], sampler.Truncation(0, True, False))
-    assert ranked_sizes == [sampler.FEW_CANDIDATES] and torch.equal(peaked, got[:1])   # the few held its top-p
-    ranked_sizes.clear()   # a greedy row's top_p (a checkpoint's default) grows nothing: its truncation is unused
+    assert ranked_sizes == [sampler.FEW_CANDIDATES] and torch.equal(peaked, got[:1])   # the few: its top-p
+    ranked_sizes.clear()   # a greedy row's top_p (a checkpoint's default) grows nothing: it is unused
     beside_greedy = target_probs(logits[[0, 2]], torch.tensor([0.6, 0.0]), top_k[[0, 2]], top_p[[0, 2]],
                                  sampler.Truncation(0, True, False))
     assert ranked_sizes == [sampler.FEW_CANDIDATES] and torch.equal(beside_greedy[0], got[0])
@@ -169,7 +174,8 @@ def run_verify_shapes(sampler, buckets, ks, vocab=50, sampled_ks=()):
                 sampler.rejection_sample(torch.randn(bucket, k + 1, vocab, generator=g),
                                          torch.randint(0, vocab, (bucket, k), generator=g), probs, nd,
                                          torch.full((bucket,), 0.8), torch.zeros(bucket, dtype=torch.long),
-                                         torch.full((bucket,), 0.9), torch.arange(bucket), torch.arange(bucket) + 7, True)
+                                         torch.full((bucket,), 0.9), torch.arange(bucket),
+                                         torch.arange(bucket) + 7, True)
 
 
 def test_the_compiled_sampler_meets_every_bucket_and_k_within_its_recompile_limit():
@@ -205,20 +211,24 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
     """top_p = 1e-300 is > 0 (valid) but 0 in float32: top-p still keeps the most likely token, as
     vLLM does (it kept none, and sampling drew token 0)."""
     logits = torch.tensor([[0.5, 3.0, 1.0, -2.0]])
-    probs = target_probs(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1e-300], dtype=torch.float32))
+    probs = target_probs(logits, torch.tensor([1.0]), torch.tensor([0]),
+                         torch.tensor([1e-300], dtype=torch.float32))
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
 def penalties_oracle(logits, prompt, output, drafts, rep, freq, pres):
-    """vLLM's penalties in float64, position by position: position j follows the output and d_1 .. d_j."""
+    """vLLM's penalties in float64, position by position: position j follows the output and
+    d_1 .. d_j."""
     out = torch.empty_like(logits, dtype=torch.float64)
     for j in range(logits.shape[0]):
-        counts = torch.bincount(torch.tensor(output + drafts[:j], dtype=torch.long), minlength=logits.shape[1]).double()
+        counts = torch.bincount(torch.tensor(output + drafts[:j], dtype=torch.long),
+                                minlength=logits.shape[1]).double()
         seen = counts > 0
         hit = seen.clone()
         hit[prompt] = True
         x = logits[j].double()
-        out[j] = torch.where(hit, torch.where(x > 0, x / rep, x * rep), x) - freq * counts - pres * seen.double()
+        out[j] = (torch.where(hit, torch.where(x > 0, x / rep, x * rep), x) - freq * counts
+                  - pres * seen.double())
     return out
 
 
@@ -233,10 +243,12 @@ def test_penalties_in_one_batch_are_each_rows_at_each_position(break_it):
     prompts, outputs = [[7, 8, 9], [10], [3, 3]], [[1, 2, 2, 5], [], [4, 4, 4, 6]]
     drafts = [[2, 2, 7, 1], [11, 12, 11, 11], [4, 3, 9, 4]]
     rep, freq, pres = [1.3, 0.8, 1.0], [0.4, -0.5, 0.0], [0.3, 0.0, -1.2]
-    counts = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab).float() for o in outputs])
+    counts = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab).float()
+                          for o in outputs])
     masks = torch.stack([sampler.prompt_mask(p, vocab, torch.device("cpu")) for p in prompts])
     seen_drafts = torch.tensor(drafts)[:, :0] if break_it else torch.tensor(drafts)
-    got = sampler.penalize(logits, masks, counts, seen_drafts, torch.tensor(rep), torch.tensor(freq), torch.tensor(pres))
+    got = sampler.penalize(logits, masks, counts, seen_drafts, torch.tensor(rep), torch.tensor(freq),
+                           torch.tensor(pres))
     wrong = 0
     for r in range(3):
         want = penalties_oracle(logits[r], prompts[r], outputs[r], drafts[r], rep[r], freq[r], pres[r])

@@ -34,7 +34,8 @@ def batch():
     logits, params = [], []
     for kind in KINDS:
         for _ in range(ROWS_PER_KIND):
-            logits.append(tail_row(g) if kind == "tail" else torch.randn(VOCAB, generator=g, dtype=torch.float64) * 3)
+            logits.append(tail_row(g) if kind == "tail"
+                          else torch.randn(VOCAB, generator=g, dtype=torch.float64) * 3)
             params.append({"tail": (1.0, 0, 1.0), "top_k_4": (1.0, 4, 1.0), "top_p_0.5": (1.0, 0, 0.5),
                            "top_k_1": (1.0, 1, 1.0), "greedy": (0.0, 0, 1.0)}[kind])
     t, k, p = zip(*params)
@@ -82,7 +83,8 @@ def test_a_tail_of_1e_8_tokens_is_drawn_at_its_mass(draws):
 
 def test_noise_is_strictly_inside_the_unit_interval():
     """At the extreme bit patterns (where rounding could reach 0 or 1) and over 10^6 draws."""
-    extremes = sampler.unit_interval(torch.tensor([0, 1, 2**sampler.NOISE_BITS - 2, 2**sampler.NOISE_BITS - 1]))
+    top = 2**sampler.NOISE_BITS
+    extremes = sampler.unit_interval(torch.tensor([0, 1, top - 2, top - 1]))
     assert (extremes > 0).all() and (extremes < 1).all()
     u = uniform_noise(torch.arange(10**6), torch.arange(10**6) % 977, EMIT)
     assert 0 < u.min() and u.max() < 1
@@ -135,10 +137,12 @@ def test_a_row_does_not_depend_on_its_batch():
     greedy, top-k, top-p and other temperatures, at the real vocabulary size."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(5, VOCAB, generator=g) * 4
-    t, k, p = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0]), torch.tensor([0, 0, 5, 0, 0]), torch.tensor([1.0, 1, 1, 0.8, 1])
+    t, k = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0]), torch.tensor([0, 0, 5, 0, 0])
+    p = torch.tensor([1.0, 1, 1, 0.8, 1])
     batched = target_probs(logits, t, k, p, truncate=True)
     for i in (0, 4):
-        assert torch.equal(batched[i], target_probs(logits[i:i + 1], t[i:i + 1], k[i:i + 1], p[i:i + 1], truncate=False)[0])
+        alone = target_probs(logits[i:i + 1], t[i:i + 1], k[i:i + 1], p[i:i + 1], truncate=False)[0]
+        assert torch.equal(batched[i], alone)
     for i in range(5):
         assert torch.equal(batched[i], target_probs(logits[i:i + 1], t[i:i + 1], k[i:i + 1], p[i:i + 1])[0])
 
@@ -170,10 +174,13 @@ def top_p_on_every_row(mass_before, top_p):
 
 
 FAULTS = {
-    "noise reaches 1.0": ("unit_interval", noise_reaching_one, test_noise_is_strictly_inside_the_unit_interval),
+    "noise reaches 1.0": ("unit_interval", noise_reaching_one,
+                          test_noise_is_strictly_inside_the_unit_interval),
     "24-bit noise": ("unit_interval", coarse_noise, test_noise_has_52_bits),
-    "top-p applied to top_p = 1 rows": ("top_p_keeps", top_p_on_every_row, test_top_p_one_keeps_every_token_top_k_keeps),
-    "counters xored into one hash": ("_counter_hash", counters_xored, test_distinct_draws_have_distinct_noise),
+    "top-p applied to top_p = 1 rows": ("top_p_keeps", top_p_on_every_row,
+                                        test_top_p_one_keeps_every_token_top_k_keeps),
+    "counters xored into one hash": ("_counter_hash", counters_xored,
+                                     test_distinct_draws_have_distinct_noise),
 }
 
 

@@ -34,18 +34,21 @@ def error(kernel, device, dtype, block_size, heads, kv_heads, dim, seqs, splits=
     tables = [t + [0] * (width - len(t)) for t in tables]
     k_cache.copy_(torch.randn(k_cache.shape, generator=g).to(dtype))
     v_cache.copy_(torch.randn(v_cache.shape, generator=g).to(dtype))
-    meta = build_metadata(tables, [c for c, _ in seqs], [n for _, n in seqs], block_size, torch.device(device))
+    meta = build_metadata(tables, [c for c, _ in seqs], [n for _, n in seqs], block_size,
+                          torch.device(device))
     q = torch.randn(len(meta.positions), heads, dim, generator=g).to(device=device, dtype=dtype)
     ref = paged_attention_reference(q.float(), cache.layer(0).float(), meta, dim ** -0.5)
     if kernel == "tokens":
-        out = paged_attention_tokens(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.positions, dim ** -0.5)
+        out = paged_attention_tokens(q, k_cache, v_cache, meta.block_tables, meta.token_seq, meta.positions,
+                                     dim ** -0.5)
     else:
         out = paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
                                     max(n for _, n in seqs), dim ** -0.5, splits=splits)
     assert out.dtype == dtype and out.shape == q.shape
     return ((out.float() - ref).norm() / ref.norm()).item()
 
-TOKENS = [(4, 4, 2, 32, [(0, 5), (9, 1), (13, 4)]), (16, 8, 8, 16, [(30, 1), (0, 9), (3, 3)]), (2, 6, 2, 64, [(7, 2)])]
+TOKENS = [(4, 4, 2, 32, [(0, 5), (9, 1), (13, 4)]), (16, 8, 8, 16, [(30, 1), (0, 9), (3, 3)]),
+          (2, 6, 2, 64, [(7, 2)])]
 # (block size, heads, kv heads, head_dim, sequences, split bound, table width). A sequence's splits
 # are whole tiles of 64 keys (16 in float32), one per 4 tiles of its context, at most the bound.
 TILED = [
@@ -54,7 +57,8 @@ TILED = [
     (16, 4, 4, 128, [(i * 11, i + 1) for i in range(9)], 1, 0),
     # several splits, chosen in the kernel: long sequences beside short ones of one split, and a
     # bound above what any context here uses
-    (16, 8, 2, 128, [(520, 9), (5, 1), (63, 1)], 3, 0), (4, 8, 1, 128, [(300, 3), (33, 8), (1, 5), (260, 9)], 16, 0),
+    (16, 8, 2, 128, [(520, 9), (5, 1), (63, 1)], 3, 0),
+    (4, 8, 1, 128, [(300, 3), (33, 8), (1, 5), (260, 9)], 16, 0),
     (16, 8, 8, 64, [(700, 2), (90, 1)], 16, 0),
     # tables far wider than the contexts, as under CUDA graphs: the default bound from the grid and
     # the width (9 to 16 here), each sequence splitting by its own context
@@ -119,7 +123,8 @@ def norm_error(device, dtype, heads, kv_heads, dim, tokens, layout):
     # rotate and write_kv (the norm's mean is summed in another order: close, not bit for bit)
     qk, v, cos, sin, pages, slots = inputs(device, dtype, heads, kv_heads, dim, tokens, layout)
     q_norm, k_norm = (1 + 0.3 * torch.randn(2, dim, generator=g)).to(device=device, dtype=dtype)
-    normed = torch.cat([rms_norm_eager(qk[:, :heads], q_norm, 1e-6), rms_norm_eager(qk[:, heads:], k_norm, 1e-6)], 1)
+    normed = torch.cat([rms_norm_eager(qk[:, :heads], q_norm, 1e-6),
+                        rms_norm_eager(qk[:, heads:], k_norm, 1e-6)], 1)
     expected_q, expected_pages = expected_of(normed, v, cos, sin, pages, slots, heads)
     q = rotate_and_store(qk, v, cos, sin, pages[0], pages[1], slots, q_norm, k_norm, 1e-6)
     written = slice(None), slots // 4, slots % 4   # the new tokens' slots only (mismatches checks the rest)
@@ -134,7 +139,8 @@ def check_rotate(device, dtypes):
         for case in CASES:
             assert mismatches(device, dtype, *case) == 0, (dtype, case)
             error = norm_error(device, dtype, *case)
-            assert error < {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype], (dtype, case, error)
+            bound = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+            assert error < bound, (dtype, case, error)
     print("ok")
 """
 
@@ -164,7 +170,7 @@ def broken_error(tmp_path, old: str, new: str, case: str, check: str = CHECK, ca
     src = open(os.path.join(os.path.dirname(__file__), "..", "nanospec", "triton_attention.py")).read()
     broken = src.replace(old, new)
     assert broken != src
-    path = str(tmp_path / "broken_triton_attention.py")   # the interpreter reads a kernel's source from its file
+    path = str(tmp_path / "broken_triton_attention.py")   # the interpreter reads a kernel's source from here
     with open(path, "w") as f:
         f.write(broken)
     code = ("import sys, types, torch\n"
@@ -213,7 +219,8 @@ model = LLM(sys.argv[1], device="cpu", dtype="float32", kv_cache_gb=0.01).engine
 cfg, cpu = model.config, torch.device("cpu")
 
 def run(kernels):
-    triton_attention.available = (lambda q, k_cache=None: True) if kernels else (lambda q, k_cache=None: False)
+    triton_attention.available = ((lambda q, k_cache=None: True) if kernels
+                                  else (lambda q, k_cache=None: False))
     cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, cpu)
     tables, cached, out = [[], []], [0, 0], []
     g = torch.Generator().manual_seed(0)
@@ -239,8 +246,8 @@ def test_the_models_cuda_path_equals_its_reference_in_the_interpreter(checkpoint
     """What a GPU runs of the model (one kernel rotating q and k and storing K/V, the tiled attention
     kernel over the pages) gives the reference path's hidden states and pages, float32, on the test
     checkpoints of each family (Qwen2's qkv bias, Qwen3's q/k norms)."""
-    proc = subprocess.run([sys.executable, "-c", MODEL_CHECK, checkpoints[family]], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    proc = subprocess.run([sys.executable, "-c", MODEL_CHECK, checkpoints[family]], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5
 
@@ -250,7 +257,8 @@ def test_a_wrong_rotate_and_store_fails_the_check(tmp_path):
     the key heads normed with the query heads' weight."""
     assert broken_error(tmp_path, "(dims + HEAD_DIM // 2) % HEAD_DIM", "dims",
                         "'cpu', torch.float32, 4, 2, 32, 5, 'rows'", ROTATE_CHECK, "mismatches") > 0
-    assert broken_error(tmp_path, "(head - heads) * HEAD_DIM + dims", "(head - heads + 1) % kv_heads * HEAD_DIM + dims",
+    assert broken_error(tmp_path, "(head - heads) * HEAD_DIM + dims",
+                        "(head - heads + 1) % kv_heads * HEAD_DIM + dims",
                         "'cpu', torch.float32, 4, 2, 32, 5, 'rows'", ROTATE_CHECK, "mismatches") > 0
     assert broken_error(tmp_path, "tl.load(k_norm_ptr + dims), tl.load(k_norm_ptr + partner)",
                         "tl.load(q_norm_ptr + dims), tl.load(q_norm_ptr + partner)",

@@ -29,13 +29,14 @@ from nanospec.llm import MAX_SPECULATIVE_TOKENS  # noqa: E402
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 4, 8)            # query heads per KV head: MHA, Llama-3-8B's 4, and 8
-BLOCK_SIZE = 16               # the engine's default page (llm.EngineSizes); the tiled kernel's page
-                              # arithmetic does not change its registers, so one size stands for all
+# the engine's default page (llm.EngineSizes); the tiled kernel's page arithmetic does not change its
+# registers, so one size stands for all
+BLOCK_SIZE = 16
 # New tokens per sequence: 1 (decode), K + 1 (verify), and prefill chunks; past the rows one program
 # takes, a chunk is cut into blocks whose tile no longer depends on its length, so 1024 covers all.
 MAX_Q = range(1, max(MAX_SPECULATIVE_TOKENS + 2, 1025))
 CAPABILITIES = (80, 90)
-SHARED_MEMORY = {80: 166912, 90: 232448}   # the most one block may use (163 and 227 KiB): past it a launch fails
+SHARED_MEMORY = {80: 166912, 90: 232448}   # the most one block may use (163, 227 KiB): past it a launch fails
 
 
 def engine_variants() -> set[tuple]:
@@ -43,7 +44,8 @@ def engine_variants() -> set[tuple]:
     variants = set()
     for dtype, name in DTYPES.items():
         for head_dim in HEAD_DIMS:
-            variants.add(("_paged_attention_kernel", (("BLOCK_SIZE", BLOCK_SIZE), ("HEAD_DIM", head_dim)), 4, name))
+            variants.add(("_paged_attention_kernel", (("BLOCK_SIZE", BLOCK_SIZE), ("HEAD_DIM", head_dim)), 4,
+                          name))
             for norm in (False, True):   # Qwen3's q/k norms or none
                 variants.add(("_rotate_store_kernel", (("HEAD_DIM", head_dim), ("NORM", norm)),
                               triton_attention.ROTATE_STORE_OPTIONS["num_warps"], name))
@@ -51,7 +53,8 @@ def engine_variants() -> set[tuple]:
                 for max_q in MAX_Q:
                     tile = triton_attention.tile_config(max_q, group, head_dim, dtype)
                     for direct in (True, False):   # a split bound of 1, or of more
-                        constexprs = triton_attention.tiled_constexprs(tile, head_dim, BLOCK_SIZE, dtype, direct)
+                        constexprs = triton_attention.tiled_constexprs(tile, head_dim, BLOCK_SIZE, dtype,
+                                                                       direct)
                         variants.add(("_tiled_kernel", tuple(constexprs.items()), tile.num_warps, name))
                     constexprs = triton_attention.merge_constexprs(tile, head_dim)
                     variants.add(("_merge_kernel", tuple(constexprs.items()), tile.num_warps, name))
@@ -86,7 +89,8 @@ def build(job: tuple) -> dict:
     kernel, constexprs = getattr(triton_attention, kernel_name), dict(constexprs)
     signature = {arg: "constexpr" if arg in constexprs else arg_type(arg, dtype) for arg in kernel.arg_names}
     # the launcher's tensors are 16-byte aligned, which Triton's launch specializes on: the same here
-    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(kernel.arg_names) if signature[arg][0] == "*"}
+    attrs = {(i,): [["tt.divisibility", 16]]
+             for i, arg in enumerate(kernel.arg_names) if signature[arg][0] == "*"}
     start = time.perf_counter()
     try:
         source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -99,8 +103,8 @@ def build(job: tuple) -> dict:
             path = os.path.join(tmp, "kernel.ptx")
             with open(path, "w") as f:
                 f.write(ptx)
-            proc = subprocess.run([ptxas(capability), "-v", f"--gpu-name={arch}", path, "-o", path + ".cubin"],
-                                  capture_output=True, text=True)
+            proc = subprocess.run([ptxas(capability), "-v", f"--gpu-name={arch}", path, "-o",
+                                   path + ".cubin"], capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-2000:])
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
@@ -126,7 +130,8 @@ def describe(result: dict) -> str:
 def compiled():
     for capability in CAPABILITIES:
         if not os.access(ptxas(capability), os.X_OK):
-            pytest.skip(f"no ptxas in this triton install ({ptxas(capability)}): cannot compile for sm_{capability}")
+            pytest.skip(f"no ptxas in this triton install ({ptxas(capability)}): "
+                        f"cannot compile for sm_{capability}")
     jobs = [(variant, capability) for variant in sorted(engine_variants()) for capability in CAPABILITIES]
     start = time.perf_counter()
     methods = multiprocessing.get_all_start_methods()   # fork: the workers start without re-importing torch
@@ -135,7 +140,8 @@ def compiled():
         results = list(pool.map(build, jobs))
     for r in results:
         print(f"{describe(r)}: " + (r["error"].splitlines()[0] if r["error"] else
-              f"{r['registers']} registers, {r['shared']} bytes shared, spills {r['stores']}/{r['loads']} bytes, "
+              f"{r['registers']} registers, {r['shared']} bytes shared, "
+              f"spills {r['stores']}/{r['loads']} bytes, "
               f"{r['seconds']:.1f} s"))
     print(f"{len(results)} compiles in {time.perf_counter() - start:.0f} s (triton {triton.__version__})")
     return results
@@ -146,8 +152,8 @@ def test_the_variants_cover_what_the_engine_launches():
     head_dim 128 (a verify step of K = 16 at GQA 8), which spilled before it got 8 warps."""
     variants = engine_variants()
     kernels = {(kernel, dtype) for kernel, _, _, dtype in variants}
-    assert kernels == {(k, d) for k in ("_tiled_kernel", "_merge_kernel", "_paged_attention_kernel", "_rotate_store_kernel")
-                       for d in DTYPES.values()}
+    names = ("_tiled_kernel", "_merge_kernel", "_paged_attention_kernel", "_rotate_store_kernel")
+    assert kernels == {(k, d) for k in names for d in DTYPES.values()}
     tiles = {(dict(c)["BLOCK_M"], dict(c)["HEAD_DIM"], dict(c)["DIRECT"]) for k, c, _, d in variants
              if k == "_tiled_kernel" and d == "bf16"}
     assert {(m, 128, direct) for m in (16, 32, 64, 128) for direct in (True, False)} <= tiles
