@@ -25,7 +25,7 @@ import torch
 
 from nanospec.errors import NanospecError, param
 from nanospec.k_policy import KPolicy, StaticK
-from nanospec.cuda_graph import StepGraphs
+from nanospec.cuda_graph import StepGraphs, Verified
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
 from nanospec.sampler import Sampler
@@ -464,39 +464,42 @@ class Engine:
         the whole step's host data (n-gram's drafts too), and one copy back of tokens, accepted
         counts and finiteness flags (and a second, of logprobs, when a request asked for them)."""
         start = time.perf_counter()
-        reqs = batch.requests
-        ks = [n - 1 for n in batch.query_lens]
+        reqs, ks = batch.requests, [n - 1 for n in batch.query_lens]
         proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal.none(len(reqs))
-        num_draft, steps = proposal.num_draft, self.step_graphs
-        sampling = steps.upload(reqs, num_draft, proposal.host_drafts, proposal.round)
+        steps = self.step_graphs
+        sampling = steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round)
         if proposal.round:   # a model proposer's draft steps, on the device
             steps.run_round(proposal.round, sampling)
         out, features, logits = steps.run(sampling)
-        out = out[:len(reqs)]
-        host_out = out.tolist()   # the one copy back
-        if any(row[-1] for row in host_out):
-            raise NonFiniteLogits([(r, non_finite_error(r, row[-1], self.proposer))
-                                   for r, row in zip(reqs, host_out) if row[-1]])
-        q_len = max(num_draft) + 1
+        rows = Verified.rows(out[:len(reqs)])   # the one copy back
+        if any(v.non_finite for v in rows):
+            raise NonFiniteLogits([(r, non_finite_error(r, v.non_finite, self.proposer))
+                                   for r, v in zip(reqs, rows) if v.non_finite])
+        q_len = max(proposal.num_draft) + 1
         if features is not None:   # out of the graph's output before the next replay overwrites it
             features = features[:len(reqs) * q_len].clone()
-        accepted = [row[-2] for row in host_out]
         if logits is not None:   # a request asked for logprobs: a second copy back
-            note_logprobs(reqs, [row[:a + 1] for row, a in zip(host_out, accepted)], logits)
+            note_logprobs(reqs, [v.emitted for v in rows], logits)
+        self.account(reqs, ks, proposal.num_draft, [v.accepted for v in rows], start)
+        # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
+        return [(r, v.emitted, None if features is None else features[b * q_len:b * q_len + v.accepted + 1])
+                for b, (r, v) in enumerate(zip(reqs, rows))]
+
+    def account(self, reqs: list[Request], ks: list[int], num_draft: list[int], accepted: list[int],
+                start: float) -> None:
+        """Count a verified step: each request's cached positions and its speculation, the engine's
+        stats; the proposer and the K policy learn from its outcome and its time (taken after the
+        one copy back, so the device's work is in it)."""
         for req, d, a in zip(reqs, num_draft, accepted):
             req.num_cached += d + 1
             req.decode_steps += 1
             if d:
                 note_speculation(req, d, a)
         self.stats.record(self.step_k, ks, num_draft, accepted)
-        # timed after the one copy above, so the device's work is in it
         seconds = time.perf_counter() - start
         if max(ks):
             self.proposer.verified(num_draft, accepted, seconds)
         self.k_policy.observe(ks, accepted, num_draft, seconds=seconds, requests=reqs)
-        # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
-        return [(r, host_out[b][:a + 1], None if features is None else features[b * q_len:b * q_len + a + 1])
-                for b, (r, a) in enumerate(zip(reqs, accepted))]
 
     def fail(self, failed: list[tuple[Request, str]]) -> list[Request]:
         """Requests whose own logits were not finite fail alone (finish_reason "error", their error
