@@ -19,8 +19,9 @@ import resource
 import sys
 import time
 
-from nanospec import LLM, SamplingParams, kv_mirror
+from nanospec import LLM, SamplingParams
 from nanospec.cli import set_threads
+from nanospec.cuda_graph import StepOptions
 from benchmarks.vllm_side_by_side import BATCHES, prompt_ids
 
 
@@ -38,16 +39,15 @@ def main() -> None:
     # one engine each, built once: the mirror's lives on between rounds, as in a long-running engine
     # (running the mirror's engine with the mirror off would drop it)
     llms = {mirror: LLM(args.model, device="cpu", dtype="float32", max_num_seqs=32,
-                        **proposer) for mirror in (True, False)}
+                        step_options=StepOptions(kv_mirror=mirror), **proposer)
+            for mirror in (True, False)}
     ids = prompt_ids(args.model)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    for mirror, llm in llms.items():   # warm-up
-        kv_mirror.ENABLED = mirror
+    for llm in llms.values():   # warm-up
         llm.generate(ids[:1], params)
     rows, tokens = [], {}
     for round_ in range(1, args.rounds + 1):
         for mirror, llm in llms.items():
-            kv_mirror.ENABLED = mirror
             for batch in args.batches.split(","):
                 count, at_once = BATCHES[batch]
                 faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()

@@ -26,8 +26,9 @@ from collections import Counter
 import torch
 
 from benchmarks.measure import decoding
-from nanospec import LLM, gguf_file, kv_mirror, model
+from nanospec import LLM, gguf_file, model
 from nanospec.checkpoint import default_model_path
+from nanospec.cuda_graph import StepOptions
 from nanospec.cli import set_threads
 from nanospec.prompts import shipped_prompts
 from nanospec.tokenizer import load_tokenizer
@@ -93,9 +94,9 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     set_threads(None)
-    kv_mirror.ENABLED = not args.no_kv_mirror
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=max(batches))
+    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=max(batches),
+              step_options=StepOptions(kv_mirror=not args.no_kv_mirror))
     smollm2 = default_model_path()
     tokenizer = load_tokenizer(smollm2, gguf_file.metadata(gguf_file.open_reader(smollm2)))
     prompts = [tokenizer.apply_chat_template([{"role": "user",

@@ -20,8 +20,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default: 48)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     ap.add_argument("--pad", action="store_true",
-                    help="pad each batch to the CUDA graphs' buckets (cuda_graph.PAD_EAGER_BATCHES), as the "
-                         "tests do")
+                    help="pad each batch to the CUDA graphs' buckets (StepOptions.pad_batches), as the tests "
+                         "do")
     args = ap.parse_args()
     root = os.path.abspath(args.root)
     sys.path.insert(0, root)
@@ -31,10 +31,13 @@ def main() -> None:
     from nanospec import LLM, SamplingParams
     from nanospec.prompts import shipped_prompts
     assert nanospec.__file__.startswith(root), f"imported {nanospec.__file__}, not the one in {root}"
-    if args.pad:
-        from nanospec import cuda_graph
+    from nanospec import cuda_graph
+    options = {}
+    if args.pad and hasattr(cuda_graph, "StepOptions"):
+        options["step_options"] = cuda_graph.StepOptions(pad_batches=True)
+    elif args.pad:   # a checkout from before StepOptions: its module switch
         cuda_graph.PAD_EAGER_BATCHES = True
-    llm = LLM(device="cpu", dtype="float32", max_num_seqs=args.batch)
+    llm = LLM(device="cpu", dtype="float32", max_num_seqs=args.batch, **options)
     prompts = [r["prompt"] for r in shipped_prompts()][:args.batch]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))   # warm-up
     start = time.perf_counter()

@@ -32,8 +32,8 @@ Invariants:
 - every body is safe to run twice on the same buffers (capture warms up on the current step's
   inputs, then replay runs it again): nothing a body reads is written by it, except values it
   writes the same way every time (its K/V, drafts[:, i] from drafts[:, i - 1], a flag it only
-  clears). REHEARSE_GRAPHS makes an eager step run so (twice, at full width), and the tests compare
-  that with the plain eager step;
+  clears). StepOptions.rehearse makes an eager step run so (twice, at full width), and the tests
+  compare that with the plain eager step;
 - a body reads block tables at their full width under a graph and at the batch's widest table
   when eager (the same values; only the padding is shorter);
 - the graphs share one memory pool; greedy verify steps are captured at start (largest bucket
@@ -55,14 +55,17 @@ from nanospec.sampler import SamplingBatch, Truncation, min_p_mask, penalize, pr
 MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
 
-# Eager steps pad their batch to the graphs' buckets, and every row of a verify step to K + 1 queries,
-# only when this is set (the tests set it, so that every CPU test runs the padded step a GPU replays):
-# on a CPU the padding rows cost what real rows cost, and so do the queries of drafts n-gram did not find.
-PAD_EAGER_BATCHES = False
 
-# An eager step runs each graph body as capture and replay would: twice, at the tables' full width
-# (the tests set it, to show that replaying a graph computes what the eager step computes).
-REHEARSE_GRAPHS = False
+@dataclass(frozen=True, slots=True)
+class StepOptions:
+    """How a step runs where no graph is replayed (a CPU, enforce_eager), and which attention the CPU
+    takes. A GPU's graphs pad and run their bodies as capture and replay by construction; the tests
+    build every engine with pad_batches (tests/conftest.py), so that each CPU test runs the step a
+    GPU replays. Padding is off by default: on a CPU the padding rows cost what real rows cost, and
+    so do the queries of drafts n-gram did not find."""
+    pad_batches: bool = False   # pad the batch to the graphs' buckets, every row of a verify to K + 1
+    rehearse: bool = False      # run each graph body twice at full width, as capture and replay would
+    kv_mirror: bool = True      # CPU attention over kv_mirror.py's padded copy; off: the reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,10 +149,10 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes
 
 
-def step_buckets(max_batch: int, graphs: bool) -> list[int]:
-    """The batch sizes an engine's steps run at: the graphs' buckets, or every size where no graph
-    is replayed (CPU, enforce_eager) unless PAD_EAGER_BATCHES."""
-    return batch_buckets(max_batch) if graphs or PAD_EAGER_BATCHES else list(range(1, max_batch + 1))
+def step_buckets(max_batch: int, padded: bool) -> list[int]:
+    """The batch sizes an engine's steps run at: the graphs' buckets where steps are padded (graphs
+    replayed, or StepOptions.pad_batches), else every size."""
+    return batch_buckets(max_batch) if padded else list(range(1, max_batch + 1))
 
 
 def table_width(cache: KVCache, max_model_len: int) -> int:
@@ -197,11 +200,13 @@ class StepGraphs:
     for a model proposer's round, then `run` for the verification."""
 
     def __init__(self, model, kv_cache: KVCache, vocab: int, max_num_seqs: int, max_model_len: int,
-                 device: torch.device, sampler, proposer=None, use_graphs: bool = False):
+                 device: torch.device, sampler, proposer=None, use_graphs: bool = False,
+                 options: StepOptions = StepOptions()):
         self.model, self.kv_cache, self.vocab, self.device = model, kv_cache, vocab, device
         self.sampler, self.proposer = sampler, proposer
         self.use_graphs = use_graphs and device.type == "cuda"
-        self.buckets = step_buckets(max_num_seqs, self.use_graphs)
+        self.options = options
+        self.buckets = step_buckets(max_num_seqs, self.use_graphs or options.pad_batches)
         draft_cache = getattr(proposer, "kv_cache", None)
         widths = [table_width(kv_cache, max_model_len),
                   table_width(draft_cache, max_model_len) if draft_cache else 0]
@@ -228,10 +233,10 @@ class StepGraphs:
         return self.use_graphs and bucket <= MAX_GRAPH_BATCH
 
     def padded(self, bucket: int) -> bool:
-        """Whether a verify step gives every row K + 1 queries (a graph's shapes, or the tests'
-        PAD_EAGER_BATCHES); else each row has its own num_draft + 1, and a row that found fewer
-        drafts (n-gram, a request near its end) costs only what it verifies."""
-        return self.graphed(bucket) or PAD_EAGER_BATCHES
+        """Whether a verify step gives every row K + 1 queries (a graph's shapes, or pad_batches);
+        else each row has its own num_draft + 1, and a row that found fewer drafts (n-gram, a request
+        near its end) costs only what it verifies."""
+        return self.graphed(bucket) or self.options.pad_batches
 
     def fields(self, bucket: int, batch: int | None = None) -> Fields:
         """The per-row values of the uploaded step on the device (of its first `batch` rows)."""
@@ -387,7 +392,7 @@ class StepGraphs:
             return self.verify_tail(key, *self.replay(GraphKey("forward", key.bucket, key.k), width))
         body = {"verify": self.verify_body, "forward": self.forward_body, "round": self.round_body}[key.body]
         if not self.graphed(key.bucket):
-            if REHEARSE_GRAPHS:   # as capture (a warm-up) and replay would: twice, at full width
+            if self.options.rehearse:   # as capture (a warm-up) and replay would: twice, at full width
                 width = self.full_width(key)
                 body(key, width)
             return body(key, width)

@@ -25,7 +25,7 @@ import torch
 
 from nanospec.errors import NanospecError, param
 from nanospec.k_policy import KPolicy, StaticK
-from nanospec.cuda_graph import StepGraphs, Verified
+from nanospec.cuda_graph import StepGraphs, StepOptions, Verified
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
 from nanospec.sampler import Sampler
@@ -295,15 +295,20 @@ class Engine:
     def __init__(self, model, tokenizer, device: torch.device, max_model_len: int, num_kv_blocks: int,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
                  compile_sampler: bool | None = None, proposer: Proposer | None = None,
-                 k_policy: KPolicy | None = None, use_graphs: bool = False, prefix_caching: bool = False):
+                 k_policy: KPolicy | None = None, use_graphs: bool = False, prefix_caching: bool = False,
+                 step_options: StepOptions | None = None):
+        """step_options: how eager steps run and the CPU's attention (cuda_graph.StepOptions; None:
+        its defaults)."""
         cfg = model.config
+        self.step_options = options = step_options or StepOptions()
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_model_len = max_model_len
         self.proposer, self.k_policy = proposer, k_policy or StaticK(0)
-        if hasattr(proposer, "kv_cache"):   # a model proposer's own cache caches prefixes with the target's
+        if hasattr(proposer, "kv_cache"):   # a model proposer's own cache: as the target's
             proposer.kv_cache.allocator.prefix_caching = prefix_caching
+            proposer.kv_cache.use_mirror = options.kv_mirror
         self.kv_cache = KVCache(cfg.num_layers, num_kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                next(model.parameters()).dtype, device, prefix_caching)
+                                next(model.parameters()).dtype, device, prefix_caching, options.kv_mirror)
         self.use_graphs = use_graphs
         self.sampler = Sampler(compile=device.type == "cuda" if compile_sampler is None else compile_sampler)
         self.eos_ids = set(cfg.eos_token_ids) | set(tokenizer.eos_ids)
@@ -312,7 +317,7 @@ class Engine:
         # its padding: the logits are cut to this size before sampling.
         self.vocab_size = emittable_vocab(cfg, tokenizer)
         self.step_graphs = StepGraphs(model, self.kv_cache, self.vocab_size, max_num_seqs, max_model_len,
-                                      device, self.sampler, proposer, use_graphs)
+                                      device, self.sampler, proposer, use_graphs, options)
         # on_free is not a bound method of the engine: a scheduler holding the engine would make a
         # reference cycle, and a dead engine's graphs and KV cache would wait for the garbage collector.
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
@@ -330,17 +335,17 @@ class Engine:
         """Another engine over the same model, tokenizer and sampler, with a KV cache of its own
         (num_kv_blocks; default as many as this one's), its own scheduler (max_num_seqs; default
         this one's), statistics and K policy (default: static K = 0), and the proposer's weights
-        with state of its own (or `proposer`), CUDA graphs as this one (or `use_graphs`): the
-        benchmark's rows and the profiler's measurements run on twins."""
+        with state of its own (or `proposer`), CUDA graphs (or `use_graphs`) and step options as this
+        one: the benchmark's rows and the profiler's measurements run on twins."""
         cache, scheduler = self.kv_cache, self.scheduler
         num_blocks = num_kv_blocks or cache.allocator.num_blocks
         if proposer is None and self.proposer is not None:
             proposer = self.proposer.twin(num_blocks)
         twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
                       cache.block_size, max_num_seqs or scheduler.max_num_seqs,
-                      scheduler.max_num_batched_tokens, False,
-                      proposer, k_policy, self.use_graphs if use_graphs is None else use_graphs,
-                      cache.allocator.prefix_caching)
+                      scheduler.max_num_batched_tokens, False, proposer, k_policy,
+                      self.use_graphs if use_graphs is None else use_graphs, cache.allocator.prefix_caching,
+                      self.step_options)
         twin.sampler = twin.step_graphs.sampler = self.sampler   # compiled once (on CUDA), shared
         return twin
 

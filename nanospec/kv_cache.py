@@ -333,20 +333,22 @@ class KVCache:
     2 .. num_blocks + 1, after the null block 0 and the sink block 1."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = False):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, prefix_caching: bool = False,
+                 use_mirror: bool = True):
         self.block_size = block_size
         self.pool = torch.zeros(num_layers, 2, RESERVED_BLOCKS + num_blocks, block_size, num_kv_heads,
                                 head_dim, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks, block_size, first_id=RESERVED_BLOCKS,
                                         prefix_caching=prefix_caching)
         self.mirror = None   # the CPU attention's copy of the pages in its padded layout (kv_mirror.py)
+        self.use_mirror = use_mirror   # off: the CPU takes the reference attention, as CUDA's layout
 
     def empty_like(self, num_blocks: int) -> "KVCache":
-        """An empty pool of num_blocks for the same model (another engine over it), prefix caching as
-        this one."""
+        """An empty pool of num_blocks for the same model (another engine over it), prefix caching and
+        mirror as this one."""
         num_layers, _, _, block_size, num_kv_heads, head_dim = self.pool.shape
         return KVCache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.pool.dtype,
-                       self.pool.device, self.allocator.prefix_caching)
+                       self.pool.device, self.allocator.prefix_caching, self.use_mirror)
 
     def clear(self) -> None:
         """Zero every slot and unpublish every block (see the module's invariants); which blocks

@@ -41,7 +41,6 @@ import torch
 from nanospec.kv_cache import (SINK_BLOCK, AttentionMetadata, KVCache, padded_attention,
                                paged_attention_reference, write_kv)
 
-ENABLED = True   # tests compare against the reference with it off
 MIN_BUDGET = 64 << 20   # bytes the mirror may take whatever the pool's size (past it: the pool's size)
 GROW_BLOCKS = 8         # the mirror's positions grow in steps of this many blocks
 
@@ -82,7 +81,8 @@ class KVMirror:
         the CPU, under autograd, or where the mirror would outgrow the pool (it is dropped then)."""
         batch, width = meta.block_tables.shape
         mirror = None
-        if ENABLED and q.device.type == "cpu" and not (torch.is_grad_enabled() and q.requires_grad):
+        autograd = torch.is_grad_enabled() and q.requires_grad
+        if kv_cache.use_mirror and q.device.type == "cpu" and not autograd:
             mirror = kv_cache.mirror or cls(kv_cache)
             if not mirror.fit(batch + 1, width):
                 mirror = None

@@ -15,7 +15,7 @@ import torch
 
 from nanospec import checkpoint
 from nanospec.chat_template import check_template_kwargs
-from nanospec.cuda_graph import step_buckets
+from nanospec.cuda_graph import StepOptions, step_buckets
 from nanospec.dynamic_k import DynamicK, Profile, device_name, quick_profile, step_memory
 from nanospec.eagle import load_eagle_head
 from nanospec.engine import Engine, RequestOutput, emittable_vocab
@@ -230,17 +230,26 @@ class EngineOptions:
     earlier request computed, the target's and a model proposer's (kv_cache.py; default: on, as in
     vLLM). generation_config: "auto", the sampling defaults of a request that does not set its own
     are those of the checkpoint's generation_config.json (vLLM's default; `sampling_defaults`), or
-    "vllm", the neutral ones."""
+    "vllm", the neutral ones. step_options: how eager steps run and the CPU's attention
+    (cuda_graph.StepOptions: padded as graphs are, rehearsed, the K/V mirror; None: its defaults)."""
     compile_sampler: bool | None = None
     enforce_eager: bool = False
     enable_prefix_caching: bool | None = None
     generation_config: str = "auto"
+    step_options: StepOptions | None = None
+
+    @property
+    def steps(self) -> StepOptions:
+        return self.step_options or StepOptions()
 
     def validate(self) -> None:
         if self.compile_sampler is not None and not isinstance(self.compile_sampler, bool):
             raise NanospecError(f"compile_sampler must be True or False, got {self.compile_sampler!r}")
         if not isinstance(self.enforce_eager, bool):
             raise NanospecError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if not isinstance(self.step_options, (StepOptions, type(None))):
+            raise NanospecError(f"step_options must be a nanospec.cuda_graph.StepOptions or None, got "
+                                f"{self.step_options!r}")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise NanospecError(f"{param('enable_prefix_caching')} must be True, False or None "
                                 f"(the default: on), got {self.enable_prefix_caching!r}")
@@ -339,14 +348,15 @@ class LLM:
                  suffix_max_spec_offset: int | None = None, suffix_max_cached_requests: int | None = None,
                  suffix_max_spec_factor: float | None = None, suffix_min_token_prob: float | None = None,
                  enforce_eager: bool = False, enable_prefix_caching: bool | None = None,
-                 generation_config: str = "auto", log=None):
+                 generation_config: str = "auto", log=None, step_options: StepOptions | None = None):
         """Load the target, its tokenizer and proposer, and build an engine sized for them. The keyword
         arguments fill three records, each checked before anything loads: EngineOptions (how steps
         run), EngineSizes (the KV pool and the scheduler's limits) and SpeculativeConfig (the proposer
         and K). log: a callable given a line about long work (the quick dynamic-K profile), or None."""
         self.log = log or (lambda line: None)
         check_target(target)
-        self.options = EngineOptions(compile_sampler, enforce_eager, enable_prefix_caching, generation_config)
+        self.options = EngineOptions(compile_sampler, enforce_eager, enable_prefix_caching, generation_config,
+                                     step_options)
         self.options.validate()
         self.sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs,
                                  max_num_batched_tokens)
@@ -439,7 +449,7 @@ class LLM:
         return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, sizes.block_size,
                       sizes.max_num_seqs, sizes.max_num_batched_tokens, options.compile_sampler,
                       self.make_proposer(blocks, priced), policy, use_graphs=self.use_graphs,
-                      prefix_caching=options.prefix_caching)
+                      prefix_caching=options.prefix_caching, step_options=options.steps)
 
     def block_bytes(self) -> int:
         """One block's bytes in every KV pool: the target's, and the draft model's or the EAGLE head's
@@ -483,7 +493,8 @@ class LLM:
             self.profile = self.dynamic_k_profile(spec.profile, k)
             spans = self.make_proposer(1).acceptance_in_spans   # n-gram's and suffix's drafts: spans of text
             policy = DynamicK(self.profile, k, per_request=spec.per_request_k, spans=spans,
-                              buckets=step_buckets(self.sizes.max_num_seqs, self.use_graphs))
+                              buckets=step_buckets(self.sizes.max_num_seqs,
+                                                   self.use_graphs or self.options.steps.pad_batches))
         if spec.speculative_disable_queue_size is not None:
             policy = QueueSwitch(policy, spec.speculative_disable_queue_size)
         return policy

@@ -2,6 +2,7 @@
 safetensors, a trained byte-level BPE tokenizer.json), and the offline SmolLM2 GGUF file."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -13,6 +14,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:   # train_eagle.py, benchmarks/ and tools/ live at the repository root
     sys.path.insert(0, ROOT)
+
+from nanospec import LLM  # noqa: E402
+from nanospec.cuda_graph import StepOptions  # noqa: E402
+from nanospec.engine import Engine  # noqa: E402
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. It was the best of times.",
           "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
@@ -96,13 +101,22 @@ def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 
     return folder
 
 
+PADDED = StepOptions(pad_batches=True)
+
+
 @pytest.fixture(autouse=True)
 def padded_steps(monkeypatch):
-    """Every test's decode steps pad their batch to the CUDA graphs' buckets, as a GPU's do (a
-    CPU engine runs each batch size as it is by default: cuda_graph.PAD_EAGER_BATCHES);
-    tests/test_cuda_graph.py shows the two give the same tokens."""
-    from nanospec import cuda_graph
-    monkeypatch.setattr(cuda_graph, "PAD_EAGER_BATCHES", True)
+    """Every engine a test builds without step options pads its decode steps to the CUDA graphs'
+    buckets, as a GPU's do (a CPU engine runs each batch size as it is by default);
+    tests/test_cuda_graph.py shows the two give the same tokens. A test that passes its own
+    step_options gets those."""
+    for cls in (LLM, Engine):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def padded_by_default(self, *args, step_options=None, init=init, **kwargs):
+            init(self, *args, step_options=step_options or PADDED, **kwargs)
+        monkeypatch.setattr(cls, "__init__", padded_by_default)
 
 
 @pytest.fixture(scope="session")

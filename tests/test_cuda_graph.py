@@ -12,6 +12,7 @@ from conftest import PROMPTS, assert_no_leak, greedy, proposer_args
 from nanospec import LLM, SamplingParams, checkpoint, cuda_graph
 from nanospec.dynamic_k import Profile
 from nanospec.engine import Request
+from nanospec.cuda_graph import StepOptions
 from nanospec.kv_cache import NULL_BLOCK, SINK_BLOCK, BlockTable, KVCache, build_metadata
 from nanospec.dynamic_k import past_prefill
 from nanospec.sampler import Sampler
@@ -173,7 +174,7 @@ def test_device_tables_follow_truncate_and_grow():
 
 
 @pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
-def test_batch_padding_changes_no_token(spec_models, monkeypatch, tmp_path, name):
+def test_batch_padding_changes_no_token(spec_models, tmp_path, name):
     """Seeded sampling (top-p on some) and greedy requests in one batch, per-request dynamic K,
     a pool small enough to preempt: the engine's output with batches padded to buckets equals
     its output with every batch size its own bucket (no padding rows: the CPU default), token for token; the
@@ -189,9 +190,9 @@ def test_batch_padding_changes_no_token(spec_models, monkeypatch, tmp_path, name
     params = [SamplingParams(temperature=0.8 if i % 3 else 0, top_p=0.9 if i % 2 else 1, seed=i,
                              max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
 
-    def outputs():
+    def outputs(padded: bool):
         llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=40, max_num_seqs=19,
-                  **args)
+                  step_options=StepOptions(pad_batches=padded), **args)
         got = [o.token_ids
                for o in llm.generate(prompts, params, on_step=lambda reqs: check_tables(llm.engine))]
         for cache in (llm.engine.kv_cache, getattr(llm.engine.proposer, "kv_cache", llm.engine.kv_cache)):
@@ -200,16 +201,15 @@ def test_batch_padding_changes_no_token(spec_models, monkeypatch, tmp_path, name
         assert_no_leak(llm)
         return got, llm.engine.step_graphs.buckets
 
-    padded, buckets = outputs()
-    monkeypatch.setattr(cuda_graph, "PAD_EAGER_BATCHES", False)   # a CPU engine's default
-    unpadded, no_padding = outputs()
+    padded, buckets = outputs(True)
+    unpadded, no_padding = outputs(False)   # a CPU engine's default
     assert buckets == [1, 2, 4, 8, 16, 24] and no_padding == list(range(1, 20))
     assert padded == unpadded
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft", "eagle1"])
 def test_an_unpadded_verify_step_equals_the_padded_one(spec_models, plain_greedy, monkeypatch, name):
-    """A CPU engine's verify step (no PAD_EAGER_BATCHES) gives each row only its own num_draft + 1
+    """A CPU engine's verify step (unpadded, its default) gives each row only its own num_draft + 1
     queries; the padded step (a graph's) gives every row K + 1. Same tokens, greedy (plain greedy's)
     and seeded sampled, over steps whose rows found different numbers of drafts (n-gram's misses,
     a request near its end)."""
@@ -223,9 +223,9 @@ def test_an_unpadded_verify_step_equals_the_padded_one(spec_models, plain_greedy
     monkeypatch.setattr(cuda_graph.StepGraphs, "verify_body", verify_body)
 
     def outputs(padded: bool):
-        monkeypatch.setattr(cuda_graph, "PAD_EAGER_BATCHES", padded)
         llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
-                  num_speculative_tokens=4, **proposer_args(spec_models, name))
+                  num_speculative_tokens=4, step_options=StepOptions(pad_batches=padded),
+                  **proposer_args(spec_models, name))
         greedy_out = [o.token_ids for o in llm.generate(PROMPTS, greedy())]
         sampled = [o.token_ids for o in llm.generate(PROMPTS, sampled_and_greedy(len(PROMPTS)))]
         assert_no_leak(llm)
@@ -265,8 +265,8 @@ def test_graph_bodies_run_twice_equal_the_eager_step(spec_models, monkeypatch, n
     params = processed(params) if with_processing else params
 
     def outputs(rehearse: bool):
-        monkeypatch.setattr(cuda_graph, "REHEARSE_GRAPHS", rehearse)
-        llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=120, **args)
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=120,
+                  step_options=StepOptions(pad_batches=True, rehearse=rehearse), **args)
         steps, rounds = llm.engine.step_graphs, []
         real_run_round = steps.run_round
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nanospec import LLM, SamplingParams, kv_mirror
+from nanospec.cuda_graph import StepOptions
 from nanospec.kv_cache import SINK_BLOCK, KVCache, build_metadata, paged_attention_reference, write_kv
 from nanospec.kv_mirror import KVMirror
 
@@ -63,9 +64,9 @@ def test_every_mirrored_layer_equals_the_reference_and_so_do_the_pool_and_the_to
     got = workload(mirrored)
     assert checked["layers"] and checked["copied blocks"]   # the mirror ran, and copied blocks in
     assert mirrored.stats["preemptions"] > 0 and mirrored.stats["prefix_cache_hits"] > 0
-    monkeypatch.setattr(kv_mirror, "ENABLED", False)
     layers = checked["layers"]
-    reference = LLM(spec_models["target"], **args)
+    reference = LLM(spec_models["target"], step_options=StepOptions(pad_batches=True, kv_mirror=False),
+                    **args)
     assert workload(reference) == got
     assert checked["layers"] == layers   # the reference engine never went through a mirror
     for mine, theirs in zip(caches(mirrored), caches(reference)):
@@ -115,21 +116,17 @@ def test_a_requests_nan_reaches_no_other_request_through_the_mirror(spec_models)
     a row's table, the null block past its own, so the short request reads what the reference reads
     and only the poisoned one fails, as with the reference."""
     def finishes(mirror: bool):
-        kv_mirror.ENABLED = mirror
-        try:
-            llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=48, block_size=4,
-                      max_num_batched_tokens=8)
-            with torch.no_grad():
-                llm.model.model.embed_tokens.weight[200] = float("nan")
-            engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-            short = engine.new_request(0, "", [5, 6, 7], params)
-            poisoned = engine.new_request(1, "", list(range(10, 20)) + [200] + list(range(20, 29)), params)
-            engine.add_requests([short, poisoned])
-            while engine.scheduler.has_work():
-                engine.step()
-            return short.finish_reason, poisoned.finish_reason
-        finally:
-            kv_mirror.ENABLED = True
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", num_kv_blocks=48, block_size=4,
+                  max_num_batched_tokens=8, step_options=StepOptions(pad_batches=True, kv_mirror=mirror))
+        with torch.no_grad():
+            llm.model.model.embed_tokens.weight[200] = float("nan")
+        engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        short = engine.new_request(0, "", [5, 6, 7], params)
+        poisoned = engine.new_request(1, "", list(range(10, 20)) + [200] + list(range(20, 29)), params)
+        engine.add_requests([short, poisoned])
+        while engine.scheduler.has_work():
+            engine.step()
+        return short.finish_reason, poisoned.finish_reason
     assert finishes(False) == finishes(True) == ("length", "error")
 
 

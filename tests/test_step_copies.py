@@ -8,14 +8,12 @@ import pytest
 import torch
 
 from conftest import PROMPTS, greedy, proposer_args
-from nanospec import LLM, kv_mirror
+from nanospec import LLM
+from nanospec.cuda_graph import StepOptions
 from nanospec.dynamic_k import past_prefill
 
 
 def count_decode_step_copies(llm, batch: int, monkeypatch) -> tuple[int, int]:
-    # The CPU attention's mirror (kv_mirror.py) plans each pass from the metadata on the host; it never
-    # runs on a device, so the step is counted as a GPU runs it: with the reference attention.
-    monkeypatch.setattr(kv_mirror, "ENABLED", False)
     engine = llm.engine
     engine.add_requests([engine.new_request(i, p, llm.encode_prompt(p), greedy(40))
                          for i, p in enumerate((PROMPTS * 4)[:batch])])
@@ -34,7 +32,7 @@ def count_decode_step_copies(llm, batch: int, monkeypatch) -> tuple[int, int]:
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **kw: (
         made.append(src.untyped_storage().data_ptr() == host), real_copy(self, src, *a, **kw))[1])
     engine.step()
-    monkeypatch.undo()   # (ENABLED too)
+    monkeypatch.undo()
     return sum(made), sum(read)   # the step's own numpy() view of its host buffer is not a read
 
 
@@ -42,7 +40,10 @@ def count_decode_step_copies(llm, batch: int, monkeypatch) -> tuple[int, int]:
 @pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
 def test_a_decode_step_copies_back_once(spec_models, monkeypatch, name, batch):
     args = {} if name == "plain" else {**proposer_args(spec_models, name), "num_speculative_tokens": 3}
-    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, max_num_seqs=16, **args)
+    # The CPU attention's mirror (kv_mirror.py) plans each pass from the metadata on the host; it never
+    # runs on a device, so the step is counted as a GPU runs it: with the reference attention.
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, max_num_seqs=16,
+              step_options=StepOptions(pad_batches=True, kv_mirror=False), **args)
     made, read = count_decode_step_copies(llm, batch, monkeypatch)
     assert read == 1
     assert made == 1   # K = 3 draft steps included
