@@ -152,6 +152,34 @@ if triton is not None:
         offsets = ((start + token) * num_heads + head)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
         tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
+    @triton.jit
+    def _dot(a, b, FP32: tl.constexpr):
+        """a @ b, in exact float32 products where FP32 (the default would round the inputs to tf32)."""
+        if FP32:
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _load_keys(k_cache_ptr, v_cache_ptr, table_ptr, keys, key_ok, num_kv_heads, kv_head, dims,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """The K and V [BLOCK_N, HEAD_DIM] of one KV head at the sequence's positions `keys`, through
+        its block table (0 where not key_ok)."""
+        block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        offsets = (((block * BLOCK_SIZE + keys % BLOCK_SIZE) * num_kv_heads + kv_head)[:, None] * HEAD_DIM
+                   + dims[None, :])
+        return (tl.load(k_cache_ptr + offsets, mask=key_ok[:, None], other=0.0),
+                tl.load(v_cache_ptr + offsets, mask=key_ok[:, None], other=0.0))
+
+    @triton.jit
+    def _store_partial(part_stats_ptr, part_acc_ptr, part, rows, row_ok, running_max, running_sum, acc, dims,
+                       BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """A split's partial result for _merge_kernel: part [B, kv_heads, query blocks, splits] -> its
+        (max, sum) rows and its acc rows."""
+        tl.store(part_stats_ptr + part * 2 * BLOCK_M + rows, running_max, mask=row_ok)
+        tl.store(part_stats_ptr + (part * 2 + 1) * BLOCK_M + rows, running_sum, mask=row_ok)
+        tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None])
+
     # Runtime ints are not specialized (Triton would compile another variant wherever one of them is
     # 1 or a multiple of 16): the variants are the constexpr sets of tiled_constexprs and
     # merge_constexprs, and the ahead-of-time test compiles exactly those.
@@ -194,35 +222,23 @@ if triton is not None:
         for first in range(_bound(lo), _bound(hi), BLOCK_N):
             keys = first + tl.arange(0, BLOCK_N)
             key_ok = keys < hi
-            block = tl.load(block_tables_ptr + seq * max_blocks + keys // BLOCK_SIZE, mask=key_ok, other=0)
-            offsets = (((block * BLOCK_SIZE + keys % BLOCK_SIZE) * num_kv_heads + kv_head)[:, None] * HEAD_DIM
-                       + dims[None, :])
-            k = tl.load(k_cache_ptr + offsets, mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + offsets, mask=key_ok[:, None], other=0.0)
-            if FP32:   # exact float32 products (the default would round the inputs to tf32)
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale    # [BLOCK_M, BLOCK_N]
-            else:
-                scores = tl.dot(q, tl.trans(k)) * scale
+            k, v = _load_keys(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * max_blocks, keys, key_ok,
+                              num_kv_heads, kv_head, dims, BLOCK_SIZE, HEAD_DIM)
+            scores = _dot(q, tl.trans(k), FP32) * scale   # [BLOCK_M, BLOCK_N]
             scores = tl.where(key_ok[None, :] & (keys[None, :] <= pos[:, None]), scores, float("-inf"))
             # the FlashAttention recurrence: rescale what came before to the new running max
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             correction = tl.exp(running_max - new_max)
             weights = tl.exp(scores - new_max[:, None])
             running_sum = running_sum * correction + tl.sum(weights, axis=1)
-            if FP32:
-                acc = acc * correction[:, None] + tl.dot(weights, v, input_precision="ieee")
-            else:
-                acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
+            acc = acc * correction[:, None] + _dot(weights.to(v.dtype), v, FP32)
             running_max = new_max
         if num_splits == 1:   # the whole context: the finished rows, straight into the output
             _store_rows(out_ptr, start, token, head, num_heads, row_ok, acc / running_sum[:, None], HEAD_DIM)
-        else:   # a partial result for _merge_kernel: part [B, kv_heads, query blocks, splits] -> its
-            # (max, sum) rows and acc rows
+        else:   # a partial result for _merge_kernel
             part = (seq * num_kv_heads + kv_head) * tl.num_programs(2) + tl.program_id(2)
-            tl.store(part_stats_ptr + part * 2 * BLOCK_M + rows, running_max, mask=row_ok)
-            tl.store(part_stats_ptr + (part * 2 + 1) * BLOCK_M + rows, running_sum, mask=row_ok)
-            tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + dims[None, :], acc,
-                     mask=row_ok[:, None])
+            _store_partial(part_stats_ptr, part_acc_ptr, part, rows, row_ok, running_max, running_sum, acc,
+                           dims, BLOCK_M, HEAD_DIM)
 
     @triton.jit(do_not_specialize=["num_kv_heads", "group", "tokens", "max_splits"])
     def _merge_kernel(out_ptr, part_acc_ptr, part_stats_ptr, query_start_ptr, positions_ptr, num_kv_heads,
