@@ -87,7 +87,8 @@ Q = "model.layers.0.self_attn.q_proj.weight"
 
 # (id, mutation of the target folder, what the error names; None: it loads and generates correctly)
 CHECKPOINT_CASES = [
-    ("config missing hidden_size", drop("config.json", "hidden_size"), "hidden_size is missing|hidden_size must"),
+    ("config missing hidden_size", drop("config.json", "hidden_size"),
+     "hidden_size is missing|hidden_size must"),
     ("config missing heads", drop("config.json", "num_attention_heads"), "num_attention_heads"),
     ("config missing vocab_size", drop("config.json", "vocab_size"), "vocab_size"),
     ("config missing intermediate_size", drop("config.json", "intermediate_size"), "intermediate_size"),
@@ -98,7 +99,8 @@ CHECKPOINT_CASES = [
     ("hidden_size negative", config(hidden_size=-64), "hidden_size must be an integer >= 1"),
     ("zero layers", config(num_hidden_layers=0), "num_hidden_layers must be an integer >= 1"),
     ("zero heads", config(num_attention_heads=0), "num_attention_heads must be an integer >= 1"),
-    ("heads not a multiple of kv heads", config(num_key_value_heads=3), "not a multiple of num_key_value_heads"),
+    ("heads not a multiple of kv heads", config(num_key_value_heads=3),
+     "not a multiple of num_key_value_heads"),
     ("odd head_dim", config(head_dim=15), "head_dim 15 is odd"),
     ("layers as a bool", config(num_hidden_layers=True), "num_hidden_layers must be an integer"),
     ("2^33 positions", config(max_position_embeddings=2**33), None),
@@ -107,8 +109,10 @@ CHECKPOINT_CASES = [
      "rope_scaling.factor"),
     ("llama3 scaling with equal factors", json_edit("config.json", lambda c: c["rope_parameters"].update(
         high_freq_factor=1.0)), "high_freq_factor must be above"),
-    ("rope scaling a string", config(rope_scaling="llama3", rope_parameters=None), "rope_scaling must be an object"),
-    ("unknown rope scaling", config(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "unsupported rope scaling"),
+    ("rope scaling a string", config(rope_scaling="llama3", rope_parameters=None),
+     "rope_scaling must be an object"),
+    ("unknown rope scaling", config(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+     "unsupported rope scaling"),
     ("rope_scaling beside rope_parameters", config(rope_scaling={"rope_type": "default"}), "that disagree"),
     ("rope_theta 0", json_edit("config.json", lambda c: c["rope_parameters"].update(rope_theta=0)),
      "rope_theta must be a finite number > 0"),
@@ -120,7 +124,8 @@ CHECKPOINT_CASES = [
     ("tie as a string", config(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
     ("unsupported architecture", config(architectures=["GPT2LMHeadModel"]), "unsupported architecture"),
     ("architectures a dict", config(architectures=[{"name": "x"}]), "unsupported architecture"),
-    ("fp8 quantization_config", config(quantization_config={"quant_method": "fp8"}), r"quantized checkpoint \(fp8\)"),
+    ("fp8 quantization_config", config(quantization_config={"quant_method": "fp8"}),
+     r"quantized checkpoint \(fp8\)"),
     ("config a JSON list", replace_json("config.json", [1, 2]), "holds a JSON list, not a JSON dict"),
     ("config not JSON", write("config.json", "{hidden_size: 64"), "is not valid JSON"),
     ("config not UTF-8", write("config.json", b"\xff\xfe\x00{"), "is not valid JSON"),
@@ -135,8 +140,10 @@ CHECKPOINT_CASES = [
      "generation_config.json: top_k must be an integer"),
     ("generation_config max_new_tokens 0", write("generation_config.json", '{"max_new_tokens": 0}'),
      "generation_config.json: max_new_tokens must be an integer >= 1"),
-    ("generation_config sampling nulls", write("generation_config.json", '{"temperature": null, "top_k": -1}'), None),
-    ("1 layer config, 2 layers of weights", config(num_hidden_layers=1), "tensors its config has no place for"),
+    ("generation_config sampling nulls",
+     write("generation_config.json", '{"temperature": null, "top_k": -1}'), None),
+    ("1 layer config, 2 layers of weights", config(num_hidden_layers=1),
+     "tensors its config has no place for"),
     ("3 layer config, 2 layers of weights", config(num_hidden_layers=3), "lacks .* tensors"),
     ("wider config", config(hidden_size=128), "has shape .* but the config implies"),
     ("smaller vocab_size", config(vocab_size=10), "has shape .* but the config implies"),
@@ -150,17 +157,21 @@ CHECKPOINT_CASES = [
     ("a tensor mis-shaped", weights(lambda t: t.update({Q: t[Q][:, :-1]})), "has shape"),
     ("an extra tensor", weights(lambda t: t.update({"model.extra.weight": torch.zeros(2)})), "no place for"),
     ("integer weights", weights(lambda t: t.update({Q: (t[Q] * 100).to(torch.int8)})), "is int8: integer"),
-    ("fp8 weights", weights(lambda t: t.update({Q: t[Q].to(torch.float8_e4m3fn)})), "float8_e4m3fn: FP8-quantized"),
+    ("fp8 weights", weights(lambda t: t.update({Q: t[Q].to(torch.float8_e4m3fn)})),
+     "float8_e4m3fn: FP8-quantized"),
     ("fp8 weight_scale", weights(lambda t: t.update({Q.replace(".weight", ".weight_scale"): torch.ones(1)})),
      "is quantized"),
     ("bfloat16 weights", weights(lambda t: t.update({k: v.bfloat16() for k, v in t.items()})), None),
-    ("NaN weights", weights(lambda t: t[Q].fill_(float("nan"))), "target model produced NaN or infinite K/V"),   # found by the prefill
+    # NaN weights are found by the prefill, in the K/V it writes
+    ("NaN weights", weights(lambda t: t[Q].fill_(float("nan"))), "target model produced NaN or infinite K/V"),
     ("tokenizer missing", remove("tokenizer.json"), "no tokenizer.json or tokenizer.model"),
     ("tokenizer not JSON", write("tokenizer.json", "{"), "tokenizer.json is not valid JSON"),
     ("tokenizer a JSON list", replace_json("tokenizer.json", []), "holds a JSON list"),
     ("tokenizer without model", drop("tokenizer.json", "model"), "has no model section"),
-    ("tokenizer WordPiece", tokenizer_model(lambda m: m.update(type="WordPiece")), "has WordPiece model section"),
-    ("tokenizer without merges", tokenizer_model(lambda m: m.pop("merges")), "lacks a vocab object or a merges list"),
+    ("tokenizer WordPiece", tokenizer_model(lambda m: m.update(type="WordPiece")),
+     "has WordPiece model section"),
+    ("tokenizer without merges", tokenizer_model(lambda m: m.pop("merges")),
+     "lacks a vocab object or a merges list"),
     ("tokenizer without vocab", tokenizer_model(lambda m: m.pop("vocab")), "lacks a vocab object"),
     ("merge without a space", tokenizer_model(lambda m: m["merges"].__setitem__(0, "ab")), "merge 0 is 'ab'"),
     ("merge of three", tokenizer_model(lambda m: m["merges"].__setitem__(0, ["a", "b", "c"])), "merge 0 is"),
@@ -168,8 +179,10 @@ CHECKPOINT_CASES = [
     ("vocab id huge", tokenizer_model(lambda m: m["vocab"].update(a=10**12)), "not a token id"),
     ("added_tokens not a list", json_edit("tokenizer.json", lambda d: d.update(added_tokens={"a": 1})),
      "added_tokens must be a list"),
-    ("tokenizer_config not JSON", write("tokenizer_config.json", "{,}"), "tokenizer_config.json is not valid JSON"),
-    ("tokenizer.model garbage", lambda f: (remove("tokenizer.json")(f), write("tokenizer.model", "not base64 at all\n")(f)),
+    ("tokenizer_config not JSON", write("tokenizer_config.json", "{,}"),
+     "tokenizer_config.json is not valid JSON"),
+    ("tokenizer.model garbage",
+     lambda f: (remove("tokenizer.json")(f), write("tokenizer.model", "not base64 at all\n")(f)),
      r"tokenizer.model:1 is not a `base64-token rank` line"),
 ]
 
@@ -215,24 +228,31 @@ def planted_pickle(folder):
 
 
 EAGLE_CASES = [
-    ("eagle3 without lm_head", eagle3(lambda t, c: t.pop("lm_head.weight")), "lacks the matrix lm_head.weight"),
+    ("eagle3 without lm_head", eagle3(lambda t, c: t.pop("lm_head.weight")),
+     "lacks the matrix lm_head.weight"),
     ("eagle3 without fc", eagle3(lambda t, c: t.pop("fc.weight")), "lacks the matrix fc.weight"),
     ("eagle3 with two aux layers", eagle3(lambda t, c: c.update(
         eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})), "must be three layer numbers"),
     ("eagle3 aux layer past the target", eagle3(lambda t, c: c.update(
-        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 99]})), "are not layers of the 4-layer target"),
-    ("eagle3 t2d of the wrong length", eagle3(lambda t, c: t.update(t2d=t["t2d"][:-1])), "tensor t2d has shape"),
-    ("eagle3 d2t as floats", eagle3(lambda t, c: t.update(d2t=t["d2t"].float())), "floats where token ids belong"),
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 99]})),
+     "are not layers of the 4-layer target"),
+    ("eagle3 t2d of the wrong length", eagle3(lambda t, c: t.update(t2d=t["t2d"][:-1])),
+     "tensor t2d has shape"),
+    ("eagle3 d2t as floats", eagle3(lambda t, c: t.update(d2t=t["d2t"].float())),
+     "floats where token ids belong"),
     ("eagle3 d2t out of range", eagle3(lambda t, c: t["d2t"].add_(10**6)), "d2t maps draft tokens outside"),
     ("eagle3 config without heads", eagle3(lambda t, c: c.pop("num_attention_heads")), "num_attention_heads"),
     ("eagle3 config a list", write("config.json", "[]"), "holds a JSON list"),
     ("eagle3 without config", remove("config.json"), "missing config.json"),
-    ("eagle3 a midlayer tensor missing", eagle3(lambda t, c: t.pop("midlayer.mlp.up_proj.weight")), "lacks 1 tensors"),
+    ("eagle3 a midlayer tensor missing", eagle3(lambda t, c: t.pop("midlayer.mlp.up_proj.weight")),
+     "lacks 1 tensors"),
     ("eagle3 integer weights", eagle3(lambda t, c: t.update({"midlayer.mlp.up_proj.weight": torch.ones(
         t["midlayer.mlp.up_proj.weight"].shape, dtype=torch.int32)})), "integer"),
-    ("eagle3 an extra tensor", eagle3(lambda t, c: t.update({"midlayer.extra": torch.ones(3)})), "no place for"),
+    ("eagle3 an extra tensor", eagle3(lambda t, c: t.update({"midlayer.extra": torch.ones(3)})),
+     "no place for"),
     ("eagle3 pickle with code", planted_pickle, "never runs pickled code"),
-    ("eagle3 empty folder", lambda f: [os.remove(os.path.join(f, n)) for n in os.listdir(f)], "no model.safetensors"),
+    ("eagle3 empty folder", lambda f: [os.remove(os.path.join(f, n)) for n in os.listdir(f)],
+     "no model.safetensors"),
 ]
 
 
@@ -272,7 +292,8 @@ def with_(**fields):
 
 
 GGUF_CASES = [
-    ("no embedding_length", without("llama.embedding_length"), "lacks the GGUF metadata key llama.embedding_length"),
+    ("no embedding_length", without("llama.embedding_length"),
+     "lacks the GGUF metadata key llama.embedding_length"),
     ("no head_count", without("llama.attention.head_count"), "llama.attention.head_count"),
     ("no block_count", without("llama.block_count"), "llama.block_count"),
     ("no feed_forward_length", without("llama.feed_forward_length"), "llama.feed_forward_length"),
@@ -280,7 +301,8 @@ GGUF_CASES = [
     ("no merges", without("tokenizer.ggml.merges"), "lacks a complete tokenizer"),
     ("no token types", without("tokenizer.ggml.token_type"), "lacks a complete tokenizer"),
     ("unknown architecture", with_(general__architecture="gpt2"), "unsupported GGUF architecture 'gpt2'"),
-    ("sentencepiece tokenizer", with_(tokenizer__ggml__model="llama"), "GGUF tokenizer 'llama' is not supported"),
+    ("sentencepiece tokenizer", with_(tokenizer__ggml__model="llama"),
+     "GGUF tokenizer 'llama' is not supported"),
     ("unknown pre-tokenizer", with_(tokenizer__ggml__pre="mystery"), "pre-tokenizer 'mystery'"),
     ("eos out of range", with_(tokenizer__ggml__eos_token_id=10**9), "names token id 1000000000"),
     ("zero heads", with_(llama__attention__head_count=0), "num_attention_heads must be an integer >= 1"),
@@ -313,13 +335,18 @@ LLM_PARAM_CASES = [
     (dict(ngram=True, ngram_min=0), "ngram_min must be an integer >= 1"),
     (dict(ngram=True, ngram_min=3, ngram_max=2), "ngram_max must be an integer >= 3"),
     (dict(suffix=True, suffix_max_spec_offset=-1), "suffix_max_spec_offset must be an integer in 0..16"),
-    (dict(ngram=True, suffix_max_spec_offset=3), "suffix_max_spec_offset is a setting of suffix decoding: add suffix"),
+    (dict(ngram=True, suffix_max_spec_offset=3),
+     "suffix_max_spec_offset is a setting of suffix decoding: add suffix"),
     (dict(suffix=True, suffix_max_cached_requests=-1), "suffix_max_cached_requests must be an integer >= 0"),
     (dict(suffix=True, suffix_max_cached_requests=1.5), "suffix_max_cached_requests must be an integer >= 0"),
-    (dict(suffix=True, suffix_max_spec_factor=-0.5), r"suffix_max_spec_factor must be a finite number in \[0, 16\]"),
-    (dict(suffix=True, suffix_max_spec_factor=1e308), r"suffix_max_spec_factor must be a finite number in \[0, 16\]"),
-    (dict(suffix=True, suffix_max_spec_factor=float("inf")), "suffix_max_spec_factor must be a finite number"),
-    (dict(suffix=True, suffix_min_token_prob=1.5), r"suffix_min_token_prob must be a finite number in \[0, 1\]"),
+    (dict(suffix=True, suffix_max_spec_factor=-0.5),
+     r"suffix_max_spec_factor must be a finite number in \[0, 16\]"),
+    (dict(suffix=True, suffix_max_spec_factor=1e308),
+     r"suffix_max_spec_factor must be a finite number in \[0, 16\]"),
+    (dict(suffix=True, suffix_max_spec_factor=float("inf")),
+     "suffix_max_spec_factor must be a finite number"),
+    (dict(suffix=True, suffix_min_token_prob=1.5),
+     r"suffix_min_token_prob must be a finite number in \[0, 1\]"),
     (dict(suffix=True, suffix_min_token_prob=float("nan")), "suffix_min_token_prob must be a finite number"),
     (dict(suffix_min_token_prob=0.2), "suffix_min_token_prob is a setting of suffix decoding: add suffix"),
     (dict(compile_sampler="yes"), "compile_sampler must be True or False"),
@@ -344,7 +371,8 @@ SAMPLING_CASES = [
     (dict(temperature=float("nan")), "temperature must be"),
     (dict(temperature=float("inf")), "temperature must be"),
     (dict(temperature="hot"), "temperature must be"),
-    (dict(temperature=10**400), "temperature must be"),   # too large for a float: was an OverflowError (a review)
+    # too large for a float: refused as a bad value, not an OverflowError
+    (dict(temperature=10**400), "temperature must be"),
     (dict(repetition_penalty=10**400), "repetition_penalty must be"),
     (dict(top_p=0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), "top_p must be in"),
@@ -367,7 +395,8 @@ SAMPLING_CASES = [
 
 @pytest.mark.parametrize("kwargs,match", SAMPLING_CASES, ids=[str(k) for k, _ in SAMPLING_CASES])
 def test_bad_sampling_parameter_leaves_the_llm_as_it_was(tiny_llm, kwargs, match):
-    params = [greedy(), SamplingParams(**{"temperature": 0.7, **kwargs})]   # one good request beside the bad one
+    # one good request beside the bad one
+    params = [greedy(), SamplingParams(**{"temperature": 0.7, **kwargs})]
     with pytest.raises(NanospecError, match=match):
         tiny_llm.generate(["hello", "world"], params)
     assert_no_leak(tiny_llm)
@@ -375,7 +404,8 @@ def test_bad_sampling_parameter_leaves_the_llm_as_it_was(tiny_llm, kwargs, match
 
 def test_the_smallest_temperature_samples(tiny_llm):
     """Both sides of MIN_TEMPERATURE: at it, sampling is finite and (the logits being far apart) greedy."""
-    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=MIN_TEMPERATURE, max_tokens=6, seed=1, ignore_eos=True))
+    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=MIN_TEMPERATURE, max_tokens=6, seed=1,
+                                                   ignore_eos=True))
     assert out[0].token_ids == tiny_llm.generate(PROMPT, greedy())[0].token_ids
 
 
@@ -417,9 +447,9 @@ def hf_greedy(folder, prompt_ids, n):
 
 # The keys whose values change the model (the rest, like transformers_version, nanospec rightly ignores).
 READ_KEYS = {"architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
-             "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "hidden_act",
-             "attention_bias", "mlp_bias", "rope_parameters"}
+             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+             "rope_scaling", "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+             "eos_token_id", "hidden_act", "attention_bias", "mlp_bias", "rope_parameters"}
 MUTATIONS = {
     "delete": lambda v: None,
     "string": lambda v: str(v),
@@ -468,9 +498,10 @@ def test_every_single_config_mutation_is_refused_or_loads_correctly(valid, tmp_p
     refused_or_correct(broken, cfg, {key: how})
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(changes=st.dictionaries(st.sampled_from(sorted(READ_KEYS)), st.sampled_from(sorted(MUTATIONS)), min_size=2,
-                               max_size=3))
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(sorted(READ_KEYS)), st.sampled_from(sorted(MUTATIONS)),
+                               min_size=2, max_size=3))
 def test_mutated_configs_are_refused_or_load_correctly(valid, tmp_path_factory, changes):
     """Two or three fields mutated at once (delete a key, change its type, negate or zero a size, ...)."""
     broken, cfg = mutate_config(valid[0], tmp_path_factory.mktemp("mutated"), changes)
@@ -479,7 +510,8 @@ def test_mutated_configs_are_refused_or_load_correctly(valid, tmp_path_factory, 
 
 # ---- a failed call leaves the LLM as it was ----
 
-SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=i, ignore_eos=True) for i in range(4)]
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=i, ignore_eos=True)
+           for i in range(4)]
 PROMPTS = ["The quick brown fox", "def add(a, b):", "1234567890 numbers", "It was the best of times"]
 
 
@@ -520,11 +552,11 @@ def test_a_failed_generate_leaves_the_llm_as_a_fresh_one(spec_models, monkeypatc
     assert_no_leak(llm)
     outputs = llm.generate(PROMPTS, SAMPLED)
     assert [o.token_ids for o in outputs] == expected
-    assert llm.stats["generated_tokens"] == sum(len(t) for t in expected)   # nothing left over from the failures
+    assert llm.stats["generated_tokens"] == sum(len(t) for t in expected)   # none left from the failures
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("mirror", [False, True])   # the CPU's K/V mirror off: the pool written layer by layer, as on CUDA
+@pytest.mark.parametrize("mirror", [False, True])   # mirror off: the pool written layer by layer, as on CUDA
 def test_a_pass_that_raises_midway_leaves_no_kv_behind(checkpoints, monkeypatch, mirror):
     """A prefill that raises after layer 0 has written NaN K/V (a poisoned embedding row, then an
     error in layer 0's MLP) fails the call; the blocks it wrote are free again, and the next call
@@ -591,7 +623,8 @@ def test_nan_logits_are_an_error_and_the_llm_recovers(checkpoints):
     saved = weight.detach().clone()
     with torch.no_grad():
         weight[0, 0] = float("inf")
-    with pytest.raises(NanospecError, match="target model produced NaN or infinite (logits|K/V) .* run in float32"):
+    with pytest.raises(NanospecError,
+                       match="target model produced NaN or infinite (logits|K/V) .* run in float32"):
         llm.generate(PROMPTS, greedy())
     assert_no_leak(llm)
     with torch.no_grad():
@@ -622,8 +655,10 @@ def test_one_stop_string_is_one_stop_not_its_characters(tiny_llm):
     comes earlier in the text than the stop itself."""
     text = tiny_llm.generate(PROMPT, greedy(24))[0].text
     stop = next(text[i:i + 3] for i in range(1, len(text) - 3)
-                if text[i:i + 3].strip() and any(c in text[:text.index(text[i:i + 3])] for c in text[i:i + 3]))
-    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop))[0]
+                if text[i:i + 3].strip()
+                and any(c in text[:text.index(text[i:i + 3])] for c in text[i:i + 3]))
+    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                   stop=stop))[0]
     assert out.text == text[:text.index(stop)] and out.finish_reason == "stop"
 
 
@@ -632,7 +667,8 @@ def test_the_text_ends_before_the_earliest_of_several_stops(tiny_llm):
     early, late = text[4:6], text[10:13]
     assume_distinct = text.index(early) < text.index(late)
     assert assume_distinct
-    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[late, early]))[0]
+    out = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                   stop=[late, early]))[0]
     assert out.text == text[:text.index(early)]
 
 
@@ -689,7 +725,8 @@ def test_output_text_leaves_out_special_tokens_as_transformers_decodes(checkpoin
     assert {True, False} <= {specials[i] for i in out.token_ids if i in specials}
     assert out.text == hf.decode(out.token_ids, skip_special_tokens=True)
     kept = llm.generate("a", SamplingParams(**params, skip_special_tokens=False))[0]
-    assert kept.token_ids == out.token_ids and kept.text == hf.decode(out.token_ids, skip_special_tokens=False)
+    assert (kept.token_ids == out.token_ids
+            and kept.text == hf.decode(out.token_ids, skip_special_tokens=False))
     assert len(kept.text) > len(out.text) and "<|im_start|>" in out.text
     with pytest.raises(NanospecError, match="skip_special_tokens must be True or False"):
         llm.generate("a", SamplingParams(skip_special_tokens="no"))
@@ -701,7 +738,8 @@ def test_the_stop_check_reads_back_bytes_not_tokens():
     from nanospec.tokenizer import byte_tokenizer
     tok = byte_tokenizer()
     ids = list(b"ab") + [256] * 5 + list(b"cd")
-    assert tok.tail(ids, 3, skip_special=True) == ids[1:] and tok.decode(tok.tail(ids, 3, True), True) == "bcd"
+    assert (tok.tail(ids, 3, skip_special=True) == ids[1:]
+            and tok.decode(tok.tail(ids, 3, True), True) == "bcd")
     assert tok.tail(ids, 3) == ids[-3:] and tok.tail(ids, 5, True) == ids   # <|endoftext|> is 13 bytes kept
 
 
@@ -711,7 +749,8 @@ def test_an_output_cut_mid_character_leaves_the_character_out(tiny_llm):
     import codecs
     cut = 0
     for seed in range(30):
-        out = tiny_llm.generate("a", SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=seed))[0]
+        out = tiny_llm.generate("a", SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True,
+                                                    seed=seed))[0]
         data = tiny_llm.tokenizer.decode_bytes(out.token_ids, skip_special=True)
         assert out.text == codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data)
         cut += tiny_llm.tokenizer.decode(out.token_ids, skip_special=True) != out.text
@@ -725,7 +764,8 @@ def test_stop_token_ids_and_include_stop_str_in_output_as_vllm(tiny_llm):
     greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
     full = tiny_llm.generate([[5, 6, 7]], SamplingParams(**greedy))[0]
     tok = tiny_llm.tokenizer
-    at = next(i for i, t in enumerate(full.token_ids) if i >= 3 and tok.decode([t]).strip() and t not in full.token_ids[:i])
+    at = next(i for i, t in enumerate(full.token_ids)
+              if i >= 3 and tok.decode([t]).strip() and t not in full.token_ids[:i])
     stop = full.token_ids[at]
     for include in (False, True):
         out = tiny_llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop_token_ids=[stop],
@@ -735,7 +775,8 @@ def test_stop_token_ids_and_include_stop_str_in_output_as_vllm(tiny_llm):
     text = tok.output_text(full.token_ids)
     word = text[len(text) // 2:len(text) // 2 + 2]
     for include in (False, True):
-        out = tiny_llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop=[word], include_stop_str_in_output=include))[0]
+        out = tiny_llm.generate([[5, 6, 7]], SamplingParams(**greedy, stop=[word],
+                                                            include_stop_str_in_output=include))[0]
         assert out.text == text[:text.find(word) + include * len(word)] and out.finish_reason == "stop"
     for bad in ("7", [1.5], [-1]):
         with pytest.raises(NanospecError, match="stop_token_ids"):
@@ -760,10 +801,12 @@ def test_penalties_are_vllms_at_every_position(spec_models, proposer):
         seen = counts > 0
         penalized = seen.clone()
         penalized[prompt] = True
-        x = torch.where(penalized, torch.where(x > 0, x / rep, x * rep), x) - freq * counts - pres * seen.double()
+        x = (torch.where(penalized, torch.where(x > 0, x / rep, x * rep), x)
+             - freq * counts - pres * seen.double())
         out.append(int(x.argmax()))
         ids.append(out[-1])
-    llm = LLM(spec_models["target"], **KV, **({} if proposer == "plain" else proposer_args(spec_models, proposer)))
+    spec_args = {} if proposer == "plain" else proposer_args(spec_models, proposer)
+    llm = LLM(spec_models["target"], **KV, **spec_args)
     params = dict(temperature=0, max_tokens=20, ignore_eos=True)
     got = llm.generate([prompt], SamplingParams(**params, repetition_penalty=rep, frequency_penalty=freq,
                                                 presence_penalty=pres))[0]
@@ -771,10 +814,13 @@ def test_penalties_are_vllms_at_every_position(spec_models, proposer):
     if proposer == "self_draft":   # drafts were accepted: positions past the first were penalized too
         assert llm.stats["mean_acceptance_length"] > 1.5
     assert llm.generate([prompt], SamplingParams(**params))[0].token_ids != out   # they changed something
-    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=8, seed=1, presence_penalty=1.5, frequency_penalty=-0.5)
-    assert len(llm.generate([prompt, [9, 9, 9]], [sampled, SamplingParams(temperature=0.8, max_tokens=8, seed=2)])[0].token_ids) == 8
-    for bad, match in ((dict(repetition_penalty=0), "repetition_penalty must be"), (dict(repetition_penalty=1e-300),
-                       "repetition_penalty must be"), (dict(presence_penalty=2.5), "presence_penalty"),
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=8, seed=1, presence_penalty=1.5,
+                             frequency_penalty=-0.5)
+    unpenalized = SamplingParams(temperature=0.8, max_tokens=8, seed=2)
+    assert len(llm.generate([prompt, [9, 9, 9]], [sampled, unpenalized])[0].token_ids) == 8
+    for bad, match in ((dict(repetition_penalty=0), "repetition_penalty must be"),
+                       (dict(repetition_penalty=1e-300), "repetition_penalty must be"),
+                       (dict(presence_penalty=2.5), "presence_penalty"),
                        (dict(frequency_penalty=float("nan")), "frequency_penalty")):
         with pytest.raises(NanospecError, match=match):
             llm.generate([prompt], SamplingParams(**bad))
@@ -792,10 +838,11 @@ def test_min_p_drops_what_is_less_likely_than_min_p_of_the_most_likely(spec_mode
     def lowest_ratio(min_p):
         lowest = 1.0
         for seed, prompt in enumerate(prompts):
-            out = llm.generate([prompt], SamplingParams(temperature=1.5, min_p=min_p, max_tokens=24, seed=seed,
-                                                        ignore_eos=True))[0]
+            out = llm.generate([prompt], SamplingParams(temperature=1.5, min_p=min_p, max_tokens=24,
+                                                        seed=seed, ignore_eos=True))[0]
             with torch.no_grad():
-                logits = reference(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].double()
+                logits = reference(torch.tensor([prompt + out.token_ids])).logits
+                logits = logits[0, len(prompt) - 1:-1].double()
             probs = torch.softmax(logits / 1.5, dim=-1)
             ratio = probs.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0] / probs.max(-1).values
             lowest = min(lowest, ratio.min().item())
@@ -822,7 +869,8 @@ def test_of_two_stops_one_token_completes_the_first_to_end_wins(tiny_llm):
         before, piece = tok.decode(ids[:at]), tok.decode([ids[at]])
         ends_last, ends_first = before[-1] + piece, piece[:2]
         text = before + piece
-        fits = len(piece) >= 3 and text.find(ends_last) == len(before) - 1 and text.find(ends_first) == len(before)
+        fits = (len(piece) >= 3 and text.find(ends_last) == len(before) - 1
+                and text.find(ends_first) == len(before))
         return (at, before, piece, ends_first, ends_last) if fits else None
     at, before, piece, ends_first, ends_last = next(stops(i) for i in range(1, len(ids)) if stops(i))
     for include in (False, True):
@@ -840,13 +888,15 @@ def test_integer_sampling_values_sample_as_their_floats(tiny_llm):
     sampled greedily and a penalty of 2 divided by 0. Each must sample as its float does."""
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     for ints, floats in ((dict(temperature=1, top_p=1), dict(temperature=1.0, top_p=1.0)),
-                         (dict(temperature=1, top_p=1, repetition_penalty=2, frequency_penalty=1, presence_penalty=0,
-                               min_p=0), dict(temperature=1.0, top_p=1.0, repetition_penalty=2.0,
-                                              frequency_penalty=1.0, presence_penalty=0.0, min_p=0.0))):
+                         (dict(temperature=1, top_p=1, repetition_penalty=2, frequency_penalty=1,
+                               presence_penalty=0, min_p=0),
+                          dict(temperature=1.0, top_p=1.0, repetition_penalty=2.0, frequency_penalty=1.0,
+                               presence_penalty=0.0, min_p=0.0))):
         out = {}
         for name, values in (("ints", ints), ("floats", floats)):
             params = [SamplingParams(**values, seed=s, max_tokens=16, ignore_eos=True) for s in range(2)]
             out[name] = [o.token_ids for o in tiny_llm.generate(prompts, params)]
         assert out["ints"] == out["floats"]
-    greedy = [o.token_ids for o in tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    greedy_params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    greedy = [o.token_ids for o in tiny_llm.generate(prompts, greedy_params)]
     assert out["floats"] != greedy

@@ -21,15 +21,16 @@ import urllib.request
 import pytest
 import torch
 
+from conftest import PROMPTS, ROOT, assert_no_leak, proposer_args
+from nanospec import LLM, NanospecError, SamplingParams
+from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update, held_back
+
 # The serving pieces are optional at run time (a GPU machine may lack them): skip, not a collection error.
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from conftest import PROMPTS, ROOT, assert_no_leak, proposer_args
-from nanospec import LLM, NanospecError, SamplingParams
-from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update, held_back
-from nanospec.serve import Server, uvicorn_server
+from nanospec.serve import Server, uvicorn_server  # noqa: E402 (imports fastapi, uvicorn: after the skips)
 
 KV = dict(device="cpu", dtype="float32", kv_cache_gb=0.02)
 NAME = "tiny"
@@ -62,7 +63,8 @@ def client(url, key="none"):
 def post(url, body, headers=None):
     """(status, JSON body) of a raw POST; body: bytes as sent, or an object to send as JSON."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -85,8 +87,10 @@ def metrics(url) -> dict:
 GREEDY = dict(temperature=0, max_tokens=16)
 SEEDED = dict(temperature=0.8, top_p=0.9, max_tokens=16)
 CONVERSATIONS = [[{"role": "user", "content": "hello there!"}],
-                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1234567890 numbers"},
-                  {"role": "assistant", "content": "It was"}, {"role": "user", "content": "The quick brown fox"}]]
+                 [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "1234567890 numbers"},
+                  {"role": "assistant", "content": "It was"},
+                  {"role": "user", "content": "The quick brown fox"}]]
 
 
 def params(kw, seed=None):
@@ -95,7 +99,8 @@ def params(kw, seed=None):
 
 @pytest.mark.parametrize("proposer", ["plain", "ngram", "draft", "eagle1", "eagle3"])
 def test_answers_equal_offline_generate_and_chat(spec_models, proposer):
-    llm = LLM(spec_models["target"], **KV, **({} if proposer == "plain" else proposer_args(spec_models, proposer)))
+    spec_args = {} if proposer == "plain" else proposer_args(spec_models, proposer)
+    llm = LLM(spec_models["target"], **KV, **spec_args)
     prompts = PROMPTS[:4]
     greedy = [o.text for o in llm.generate(prompts, params(GREEDY))]
     seeded = llm.generate(prompts, [params(SEEDED, seed=i) for i in range(len(prompts))])
@@ -123,7 +128,8 @@ def test_answers_equal_offline_generate_and_chat(spec_models, proposer):
             assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
         if proposer != "plain":   # the request's own figures ride in usage
             speculation = out.usage.model_extra["speculation"]
-            assert speculation["draft_tokens"] >= speculation["accepted_tokens"] >= 0 and speculation["draft_steps"] > 0
+            assert (speculation["draft_tokens"] >= speculation["accepted_tokens"] >= 0
+                    and speculation["draft_steps"] > 0)
     assert_no_leak(llm)
 
 
@@ -135,8 +141,9 @@ def ngram_llm(spec_models):
 def mixed_params(i: int) -> SamplingParams:
     """Request i of 32: greedy or sampled (top-p, top-k), its own seed, length and K (0..4)."""
     sampled = i % 3 != 0
-    return SamplingParams(temperature=0.7 if sampled else 0, top_p=0.9 if i % 2 else 1.0, top_k=20 if i % 4 == 1 else 0,
-                          seed=1000 + i, max_tokens=8 + i % 9, num_speculative_tokens=i % 5, ignore_eos=True)
+    return SamplingParams(temperature=0.7 if sampled else 0, top_p=0.9 if i % 2 else 1.0,
+                          top_k=20 if i % 4 == 1 else 0, seed=1000 + i, max_tokens=8 + i % 9,
+                          num_speculative_tokens=i % 5, ignore_eos=True)
 
 
 def test_32_concurrent_clients_a_quarter_of_them_leaving(ngram_llm):
@@ -152,18 +159,21 @@ def test_32_concurrent_clients_a_quarter_of_them_leaving(ngram_llm):
         def one(i):
             try:
                 p = mixed_params(i)
-                extra = {"top_k": p.top_k, "ignore_eos": True, "num_speculative_tokens": p.num_speculative_tokens}
+                extra = {"top_k": p.top_k, "ignore_eos": True,
+                         "num_speculative_tokens": p.num_speculative_tokens}
                 if i in leaving:   # a long answer, dropped after two chunks
                     stream = client(url).completions.create(model=NAME, prompt=prompts[i], max_tokens=400,
-                                                            temperature=0.7, seed=i, stream=True, extra_body=extra)
+                                                            temperature=0.7, seed=i, stream=True,
+                                                            extra_body=extra)
                     for k, _ in enumerate(stream):
                         if k == 1:
                             break
                     stream.close()
                     return
-                stream = client(url).completions.create(model=NAME, prompt=prompts[i], max_tokens=p.max_tokens,
-                                                        temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                                                        stream=True, extra_body=extra)
+                stream = client(url).completions.create(model=NAME, prompt=prompts[i],
+                                                        max_tokens=p.max_tokens, temperature=p.temperature,
+                                                        top_p=p.top_p, seed=p.seed, stream=True,
+                                                        extra_body=extra)
                 got[i] = "".join(c.choices[0].text for c in stream)
             except Exception as e:   # reported below, with the request's number
                 errors.append((i, repr(e)))
@@ -181,13 +191,16 @@ def test_32_concurrent_clients_a_quarter_of_them_leaving(ngram_llm):
             if m["nanospec:num_requests_running"] == 0 and m["nanospec:num_requests_waiting"] == 0:
                 break
             time.sleep(0.1)
-        assert m['nanospec:kv_cache_free_blocks{pool="target"}'] == m['nanospec:kv_cache_blocks{pool="target"}']
+        assert (m['nanospec:kv_cache_free_blocks{pool="target"}']
+                == m['nanospec:kv_cache_blocks{pool="target"}'])
         assert m['nanospec:request_success_total{finished_reason="abort"}'] == len(leaving)
         assert m['nanospec:request_success_total{finished_reason="length"}'] == n - len(leaving)
-        assert m["nanospec:spec_decode_num_draft_tokens_total"] >= m["nanospec:spec_decode_num_accepted_tokens_total"]
+        assert (m["nanospec:spec_decode_num_draft_tokens_total"]
+                >= m["nanospec:spec_decode_num_accepted_tokens_total"])
         # the prompts repeat, and the offline run cached them: answers as above with prefixes found cached
         assert m["nanospec:prefix_cache_queries_total"] >= m["nanospec:prefix_cache_hits_total"] > 0
-        assert client(url).completions.create(model=NAME, prompt="The", max_tokens=4).choices[0].text is not None
+        last = client(url).completions.create(model=NAME, prompt="The", max_tokens=4)
+        assert last.choices[0].text is not None
     assert_no_leak(llm)
 
 
@@ -205,24 +218,33 @@ def error(status_body):
     ({"prompt": "x", "n": "2"}, 400, "n must be an integer in 1..1024"),
     ({"prompt": "x", "best_of": 2}, 400, "best_of=2 is not supported"),
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs must be an integer in 0..20"),
-    ({"prompt": "x", "logprobs": True}, 400, "logprobs must be an integer in 0..20"),   # completions' is a count
+    # completions' is a count
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs must be an integer in 0..20"),
     ({"prompt": "x", "echo": True}, 400, "echo=true is not supported"),
-    ({"prompt": "x", "stop": ["\ud800"]}, 400, "not valid text"),   # a lone surrogate (valid JSON): failed every request
-    ({"prompt": "x", "\ud800": 1}, 400, "unknown field \\ud800"),    # ... quoted in the message: was a plain-text 500
+    # a lone surrogate (valid JSON): a 400 for this request alone
+    ({"prompt": "x", "stop": ["\ud800"]}, 400, "not valid text"),
+    # ... quoted, escaped, in the message of an OpenAI-shaped 400
+    ({"prompt": "x", "\ud800": 1}, 400, "unknown field \\ud800"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens must be an integer >= 1"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a finite number"),
-    ({"prompt": "x", "top_p": 10**400}, 400, "top_p must be in"),   # JSON's 1e400 as an integer: was a plain-text 500
+    # JSON's 1e400 as an integer: an OpenAI-shaped 400, not a plain-text 500
+    ({"prompt": "x", "top_p": 10**400}, 400, "top_p must be in"),
     ({"prompt": "x", "stop": [""]}, 400, "stop holds an empty string"),
     ({"prompt": "x", "stop": 5}, 400, "stop must be a string or a list of strings"),
     ({"prompt": "x", "num_speculative_tokens": 2}, 400, "has no proposer"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
-    ({"prompt": "x", "stop_token_ids": [-3]}, 400, "stop_token_ids must hold token ids (integers >= 0), got -3"),
-    ({"prompt": "x", "stop_token_ids": [None]}, 400, "stop_token_ids must hold token ids (integers >= 0), got None"),
+    ({"prompt": "x", "stop_token_ids": [-3]}, 400,
+     "stop_token_ids must hold token ids (integers >= 0), got -3"),
+    ({"prompt": "x", "stop_token_ids": [None]}, 400,
+     "stop_token_ids must hold token ids (integers >= 0), got None"),
     ({"prompt": "x", "stop_token_ids": [10**40]}, 400, f"stop_token_ids holds {10**40}, outside"),
     ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty must be a finite number in [-2, 2]"),
-    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty must be a finite number in [0.01, 100]"),
-    ({"prompt": "x", "repetition_penalty": 1e-40}, 400, "repetition_penalty must be a finite number in [0.01, 100]"),
-    ({"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output must be true or false"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400,
+     "repetition_penalty must be a finite number in [0.01, 100]"),
+    ({"prompt": "x", "repetition_penalty": 1e-40}, 400,
+     "repetition_penalty must be a finite number in [0.01, 100]"),
+    ({"prompt": "x", "include_stop_str_in_output": "yes"}, 400,
+     "include_stop_str_in_output must be true or false"),
     ({"prompt": "x", "skip_special_tokens": 1}, 400, "skip_special_tokens must be true or false"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only for streamed requests"),
     ({"prompt": ["a", 5]}, 400, "prompt must be a string, a list of token ids, or a list of either"),
@@ -245,9 +267,11 @@ def test_chat_errors_and_unsupported_fields(tiny_served):
     auth = {"Authorization": f"Bearer {key}"}
     hi = [{"role": "user", "content": "x"}]
     for body, message in [({"messages": hi, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
-                          ({"messages": hi, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer in 0..20"),
+                          ({"messages": hi, "logprobs": True, "top_logprobs": 21},
+                           "top_logprobs must be an integer in 0..20"),
                           ({"messages": hi, "logprobs": 1}, "logprobs must be true or false"),
-                          ({"messages": "hi"}, "messages"), ({"messages": [{"role": "user"}], "tools": [{}]}, "tools"),
+                          ({"messages": "hi"}, "messages"),
+                          ({"messages": [{"role": "user"}], "tools": [{}]}, "tools"),
                           ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
                             "max_completion_tokens": 4}, "not both")]:
         status, err = error(post(url + "/v1/chat/completions", body, auth))
@@ -315,8 +339,8 @@ def test_a_failed_stream_ends_with_its_error_and_done_without_usage(spec_models,
     monkeypatch.setattr(llm.engine, "step", failing_step)
     with serving(llm) as (_, url):
         for n in (1, 2):
-            body = {"prompt": "a", "n": n, "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
-                    "ignore_eos": True}
+            body = {"prompt": "a", "n": n, "max_tokens": 50, "stream": True,
+                    "stream_options": {"include_usage": True}, "ignore_eos": True}
             request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as r:
@@ -365,7 +389,8 @@ def test_a_whole_request_whose_client_leaves_is_aborted_while_tokens_come(spec_m
     step = llm.engine.step
     monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.02), step())[1])   # 480 steps: ~10 s
     with serving(llm) as (server, url):
-        body = json.dumps({"prompt": "The quick", "max_tokens": 480, "temperature": 0, "ignore_eos": True}).encode()
+        body = json.dumps({"prompt": "The quick", "max_tokens": 480, "temperature": 0,
+                           "ignore_eos": True}).encode()
         with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as conn:
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -401,16 +426,19 @@ def test_a_request_with_non_finite_logits_fails_alone(spec_models):
             t.join(60)
         status, err = error(results.pop("bad"))
         assert status == 500 and "produced NaN or infinite K/V" in err["message"]   # found by its prefill
-        assert {i: r[1]["choices"][0]["text"] for i, r in results.items()} == {i: o.text for i, o in enumerate(expected)}
-        assert post(url + "/v1/completions", {"prompt": prompts[0], **GREEDY})[1]["choices"][0]["text"] == expected[0].text
+        assert ({i: r[1]["choices"][0]["text"] for i, r in results.items()}
+                == {i: o.text for i, o in enumerate(expected)})
+        _, after = post(url + "/v1/completions", {"prompt": prompts[0], **GREEDY})
+        assert after["choices"][0]["text"] == expected[0].text
     assert_no_leak(llm)
 
 
 def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tmp_path):
     """A request that leaves temperature, top_p, top_k, min_p and the penalties out (and chat's
-    max_tokens) samples with the values of the checkpoint's generation_config.json, as vLLM's --generation-config auto does,
-    read here by transformers' GenerationConfig; the request's own values come first, and
-    generation_config="vllm" gives the neutral ones. LLM.generate without params takes them too."""
+    max_tokens) samples with the values of the checkpoint's generation_config.json, as vLLM's
+    --generation-config auto does, read here by transformers' GenerationConfig; the request's own
+    values come first, and generation_config="vllm" gives the neutral ones. LLM.generate without
+    params takes them too."""
     from transformers import GenerationConfig
     folder = tmp_path / "qwen3"
     shutil.copytree(checkpoints["qwen3"], folder)
@@ -429,14 +457,15 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
 
     llm = LLM(str(folder), **KV)
     assert llm.get_default_sampling_params() == SamplingParams(**from_file, max_tokens=hf["max_new_tokens"])
-    assert llm.sampling_defaults_read == ["temperature=0.7", "top_p=0.8", "top_k=5", "min_p=0.1", "max_new_tokens=6",
-                                          "repetition_penalty=1.3"]
+    assert llm.sampling_defaults_read == ["temperature=0.7", "top_p=0.8", "top_k=5", "min_p=0.1",
+                                          "max_new_tokens=6", "repetition_penalty=1.3"]
     with serving(llm) as (_, url):
         by_default = answer(url)
         assert by_default == answer(url, **from_file, max_tokens=hf["max_new_tokens"])
         assert by_default[1] == hf["max_new_tokens"]
         assert by_default != answer(url, **neutral, max_tokens=hf["max_new_tokens"])
-        assert by_default != answer(url, temperature=0, max_tokens=hf["max_new_tokens"])   # the request's own first
+        # the request's own values come first
+        assert by_default != answer(url, temperature=0, max_tokens=hf["max_new_tokens"])
     llm = LLM(str(folder), **KV, generation_config="vllm")
     assert llm.get_default_sampling_params() == SamplingParams()
     with serving(llm) as (_, url):
@@ -480,7 +509,8 @@ def test_logprobs_whole_and_streamed_are_offline_generates_in_the_openai_shape(t
     assert tok.decode(offline.token_ids).count("\ufffd") >= 2   # it does split characters
     with serving(tiny_llm) as (_, url):
         api = client(url)
-        whole = api.completions.create(model=NAME, prompt="a", logprobs=3, extra_body={"ignore_eos": True}, **sampled)
+        whole = api.completions.create(model=NAME, prompt="a", logprobs=3, extra_body={"ignore_eos": True},
+                                       **sampled)
         streamed = list(api.completions.create(model=NAME, prompt="a", logprobs=3, stream=True,
                                                extra_body={"ignore_eos": True}, **sampled))
         parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
@@ -488,14 +518,20 @@ def test_logprobs_whole_and_streamed_are_offline_generates_in_the_openai_shape(t
                                    ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
         for logprobs in (whole.choices[0].logprobs, joined):
             assert "".join(logprobs.tokens) == tok.output_text(offline.token_ids, skip_special=False)
-            assert logprobs.token_logprobs == pytest.approx([e[t] for t, e in zip(offline.token_ids, offline.logprobs)])
-            for top, entry in zip(logprobs.top_logprobs, offline.logprobs):   # (texts may coincide: "" for a part)
-                assert all(any(v == pytest.approx(w) for w in entry.values()) for v in top.values()) and len(top) <= 4
-            assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
-        got = api.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=2, **sampled)
+            chosen = [e[t] for t, e in zip(offline.token_ids, offline.logprobs)]
+            assert logprobs.token_logprobs == pytest.approx(chosen)
+            # texts may coincide: "" for a part
+            for top, entry in zip(logprobs.top_logprobs, offline.logprobs):
+                assert (all(any(v == pytest.approx(w) for w in entry.values()) for v in top.values())
+                        and len(top) <= 4)
+            assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i]))
+                                            for i in range(len(logprobs.tokens))]
+        got = api.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=2,
+                                          **sampled)
         stream = api.chat.completions.create(model=NAME, messages=messages, logprobs=True, top_logprobs=2,
                                              stream=True, **sampled)
-        streamed = [item for c in stream if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+        streamed = [item for c in stream if c.choices and c.choices[0].logprobs
+                    for item in c.choices[0].logprobs.content]
         for content in (got.choices[0].logprobs.content, streamed):
             assert b"".join(bytes(c.bytes) for c in content) == tok.decode_bytes(chat.token_ids)
             assert "".join(c.token for c in content) == tok.output_text(chat.token_ids, skip_special=False)
@@ -518,7 +554,8 @@ def test_n_choices_are_n_requests_seeded_seed_plus_i(spec_models):
     sampled = dict(unseeded, seed=7)
     offline = llm.generate([PROMPTS[0]] * 3, [params(unseeded, seed=7 + i) for i in range(3)])
     chats = [llm.chat(CONVERSATIONS[0], params(unseeded, seed=7 + i))[0] for i in range(3)]
-    expected = llm.generate([PROMPTS[0]] * 2 + [PROMPTS[2]] * 2, [params(unseeded, seed=7 + i % 2) for i in range(4)])
+    expected = llm.generate([PROMPTS[0]] * 2 + [PROMPTS[2]] * 2,
+                            [params(unseeded, seed=7 + i % 2) for i in range(4)])
     with serving(llm) as (_, url):
         api = client(url)
         whole = api.completions.create(model=NAME, prompt=PROMPTS[0], n=3, **sampled)
@@ -540,7 +577,8 @@ def test_n_choices_are_n_requests_seeded_seed_plus_i(spec_models):
         assert greedy.choices[0].text == greedy.choices[1].text
         batch = api.completions.create(model=NAME, prompt=[PROMPTS[0], PROMPTS[2]], n=2, **sampled)
         assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [o.text for o in expected]
-        assert batch.usage.prompt_tokens == len(expected[0].prompt_token_ids) + len(expected[2].prompt_token_ids)
+        assert batch.usage.prompt_tokens == (len(expected[0].prompt_token_ids)
+                                             + len(expected[2].prompt_token_ids))
         long = api.completions.create(model=NAME, prompt=PROMPTS[0], n=4, stream=True, max_tokens=200,
                                       extra_body={"ignore_eos": True})
         next(iter(long))
@@ -553,8 +591,9 @@ def test_n_choices_are_n_requests_seeded_seed_plus_i(spec_models):
 
 def test_vllms_stop_fields_and_the_penalties_reach_the_request():
     from nanospec.serve import sampling_params
-    got = sampling_params({"stop_token_ids": [5, 9], "include_stop_str_in_output": True, "presence_penalty": 0.5,
-                           "frequency_penalty": -1, "repetition_penalty": 1.2}, 16, {})
+    got = sampling_params({"stop_token_ids": [5, 9], "include_stop_str_in_output": True,
+                           "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2},
+                          16, {})
     assert got.stop_token_ids == [5, 9] and got.include_stop_str_in_output
     assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1, 1.2)
     assert sampling_params({"stop_token_ids": None}, 16, {}).stop_token_ids == []
@@ -567,7 +606,8 @@ def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
     assert held_back("abc xy", ["xyz"]) == 2 and held_back("abc", ["xyz"]) == 0
     final = "héllo wörld, "
     ids = tok.encode(final + "stop here")
-    end = next(n for n in range(len(ids)) if "stop" in tok.decode(ids[:n + 1]))   # where the engine would stop
+    # where the engine would stop
+    end = next(n for n in range(len(ids)) if "stop" in tok.decode(ids[:n + 1]))
     stream, seen = TextStream(tok, ["stop"]), ""
     for t in ids[:end]:
         seen += stream.push(Update([t]))
@@ -583,9 +623,11 @@ def test_text_stream_decodes_each_token_once_and_matches_a_whole_decode():
     from nanospec.tokenizer import byte_tokenizer
     tok = byte_tokenizer()
     decoded = []
-    tok.decode_bytes = lambda ids, skip=False, whole=tok.decode_bytes: decoded.append(len(ids)) or whole(ids, skip)
+    tok.decode_bytes = (lambda ids, skip=False, whole=tok.decode_bytes:
+                        decoded.append(len(ids)) or whole(ids, skip))
     rng = random.Random(0)
-    pieces = ["é".encode(), "€".encode(), "😀".encode(), b"\xff", b"\xe2\x82", b"\xef\xbf\xbd", b"ab", b"st", b"op"]
+    pieces = ["é".encode(), "€".encode(), "😀".encode(), b"\xff", b"\xe2\x82", b"\xef\xbf\xbd",
+              b"ab", b"st", b"op"]
     for trial in range(200):
         ids = list(b"".join(rng.choice(pieces) for _ in range(rng.randrange(1, 30))))
         stops = rng.choice([[], ["stop"], ["\ufffd"], ["é€"]])
@@ -624,7 +666,8 @@ def test_decode_steps_run_between_the_chunks_of_a_long_prompt(spec_models):
         llm = LLM(spec_models["target"], **KV, max_num_batched_tokens=32)
         llm.engine.scheduler.decode_between_prefills = between
         engine = llm.engine
-        short = engine.new_request(0, "", [5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        short = engine.new_request(0, "", [5, 6, 7],
+                                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         engine.add_requests([short])
         while not short.output_ids:
             engine.step()
@@ -646,8 +689,9 @@ def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--target", spec_models["target"], "--device",
-                             "cpu", "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--target", spec_models["target"],
+                             "--device", "cpu", "--port", str(port), "--threads", "1"],
+                            stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -660,8 +704,9 @@ def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
         outs = {}
 
         def one(i):
-            stream = client(url).completions.create(model=spec_models["target"], prompt=PROMPTS[i], max_tokens=150,
-                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+            stream = client(url).completions.create(model=spec_models["target"], prompt=PROMPTS[i],
+                                                    max_tokens=150, temperature=0, stream=True,
+                                                    extra_body={"ignore_eos": True})
             outs[i] = [c.choices[0].finish_reason for c in stream if c.choices]
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
@@ -674,7 +719,8 @@ def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
         assert proc.wait(60) == 0
         stderr = proc.stderr.read()
         assert "Traceback" not in stderr and "stopped" in stderr
-        assert "leaked" not in stderr   # the startup heap, frozen while serving, is unfrozen: exit finalizes it
+        # the startup heap, frozen while serving, is unfrozen: exit finalizes it
+        assert "leaked" not in stderr
         assert all(outs[i][-1] == "length" for i in range(4))   # each stream ran to its end
     finally:
         proc.kill()
@@ -687,9 +733,10 @@ def test_bench_serve_measures_a_live_server(tiny_llm, capsys, tmp_path):
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
     with serving(tiny_llm) as (server, url):
-        args = bench_serve.build_parser().parse_args(["--base-url", url, "--num-prompts", "6", "--max-concurrency", "3",
-                                                      "--dataset", str(dataset),
-                                                      "--max-tokens", "8", "--extra-body", '{"ignore_eos": true}'])
+        args = bench_serve.build_parser().parse_args(["--base-url", url, "--num-prompts", "6",
+                                                      "--max-concurrency", "3", "--dataset", str(dataset),
+                                                      "--max-tokens", "8", "--extra-body",
+                                                      '{"ignore_eos": true}'])
         report = bench_serve.run(args)
     assert report["completed"] == 6 and report["failed"] == 0 and report["output_tokens"] == 6 * 8
     assert 0 < report["ttft_s"]["p50"] <= report["e2el_s"]["p50"]
@@ -703,12 +750,15 @@ def test_bench_serve_runs_multiturn_sessions(tiny_llm, capsys):
     from nanospec import bench_serve
     with serving(tiny_llm) as (server, url):
         before = metrics(url)["nanospec:prefix_cache_hits_total"]
-        args = bench_serve.build_parser().parse_args(["--base-url", url, "--dataset", "multiturn", "--num-prompts", "2",
-                                                      "--max-concurrency", "2", "--max-tokens", "8"])
+        args = bench_serve.build_parser().parse_args(["--base-url", url, "--dataset", "multiturn",
+                                                      "--num-prompts", "2", "--max-concurrency", "2",
+                                                      "--max-tokens", "8"])
         report = bench_serve.run(args)
         hits = metrics(url)["nanospec:prefix_cache_hits_total"] - before
-        rate = bench_serve.build_parser().parse_args(["--base-url", url, "--dataset", "multiturn", "--request-rate", "2"])
-        with pytest.raises(NanospecError, match="--dataset multiturn sends each session's turns one after another"):
+        rate = bench_serve.build_parser().parse_args(["--base-url", url, "--dataset", "multiturn",
+                                                      "--request-rate", "2"])
+        with pytest.raises(NanospecError,
+                           match="--dataset multiturn sends each session's turns one after another"):
             bench_serve.run(rate)
     assert report["completed"] == 6 and report["failed"] == 0 and report["turns"] == 3
     assert set(report["ttft_s_by_turn"]) == {"1", "2", "3"} and hits > 0
