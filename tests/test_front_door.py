@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import Planted, assert_no_leak
 from nanospec import LLM, NanospecError, SamplingParams
+from nanospec.cuda_graph import StepOptions
 from nanospec.sampling_params import MIN_TEMPERATURE
 
 PROMPT = "The quick brown fox"
@@ -562,9 +563,8 @@ def test_a_pass_that_raises_midway_leaves_no_kv_behind(checkpoints, monkeypatch,
     error in layer 0's MLP) fails the call; the blocks it wrote are free again, and the next call
     must find the pool as a fresh LLM's: all finite, the same output. Without the caches cleared,
     the reference attention left layer 0's NaN in the freed blocks."""
-    from nanospec import kv_mirror
-    monkeypatch.setattr(kv_mirror, "ENABLED", mirror)
-    build = lambda: LLM(checkpoints["llama3"], max_num_seqs=1, **KV)
+    options = StepOptions(pad_batches=True, kv_mirror=mirror)
+    build = lambda: LLM(checkpoints["llama3"], max_num_seqs=1, step_options=options, **KV)
     expected = build().generate([[5, 6, 7, 8, 9]], greedy())[0].token_ids
     llm = build()
     with torch.no_grad():
@@ -574,7 +574,6 @@ def test_a_pass_that_raises_midway_leaves_no_kv_behind(checkpoints, monkeypatch,
     with pytest.raises(ZeroDivisionError):
         llm.generate([[200] + list(range(10, 40))], greedy())
     monkeypatch.undo()
-    monkeypatch.setattr(kv_mirror, "ENABLED", mirror)
     assert torch.isfinite(llm.engine.kv_cache.pool).all()
     assert_no_leak(llm)
     assert llm.generate([[5, 6, 7, 8, 9]], greedy())[0].token_ids == expected

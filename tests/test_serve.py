@@ -23,6 +23,7 @@ import torch
 
 from conftest import PROMPTS, ROOT, assert_no_leak, proposer_args
 from nanospec import LLM, NanospecError, SamplingParams
+from nanospec.cuda_graph import StepOptions
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update, held_back
 
 # The serving pieces are optional at run time (a GPU machine may lack them): skip, not a collection error.
@@ -353,9 +354,7 @@ def test_a_step_that_raises_midway_fails_what_the_loop_holds_and_leaves_no_kv(sp
     """The server's loop catches a step that raised after layer 0 wrote NaN K/V (the reference
     attention, as on CUDA, writes layer by layer): its requests fail with the error, the pool is
     left as a fresh one (no NaN in blocks a later request may read masked), the next request is served."""
-    from nanospec import kv_mirror
-    monkeypatch.setattr(kv_mirror, "ENABLED", False)
-    llm = LLM(spec_models["target"], **KV)
+    llm = LLM(spec_models["target"], step_options=StepOptions(pad_batches=True, kv_mirror=False), **KV)
     expected = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
     with torch.no_grad():
         llm.model.model.embed_tokens.weight[200] = float("nan")
