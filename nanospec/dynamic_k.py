@@ -444,7 +444,8 @@ class ExactlyK:
 
     def propose(self, requests, ks):
         proposal = self.proposer.propose(requests, ks)
-        proposal.num_draft = list(ks)   # host drafts: the step pads them with 0 to max(ks)
+        if self.proposer.drafts_on_host:   # the step pads host drafts with 0 to max(ks); a round's
+            proposal.num_draft = list(ks)  # rows draft what they can
         return proposal
 
 

@@ -347,7 +347,7 @@ class Engine:
                       cache.block_size, max_num_seqs or scheduler.max_num_seqs,
                       scheduler.max_num_batched_tokens, False, proposer, k_policy,
                       self.use_graphs if use_graphs is None else use_graphs, cache.allocator.prefix_caching,
-                      self.step_options)
+                      step_options=self.step_options)
         twin.sampler = twin.step_graphs.sampler = self.sampler   # compiled once (on CUDA), shared
         return twin
 
@@ -457,7 +457,8 @@ class Engine:
         for req, n in zip(reqs, lens):
             req.num_cached += n
         self.check_prefilled(reqs, lens)
-        features = self.proposer.features(hidden, captured) if self.proposer else None
+        wanted = self.proposer and self.proposer.needs_features   # EAGLE reads the target's features
+        features = self.proposer.features(hidden, captured) if wanted else None
         self.stats.prefill_steps += 1
         starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
         return [(r, [], None if features is None else features[starts[b]:starts[b] + lens[b]])

@@ -78,6 +78,7 @@ class StepPlans:
 
 
 class HybridProposer:
+    drafts_on_host = False        # its model's drafts are drawn on the device
     acceptance_in_spans = False   # model drafts: dynamic K counts acceptance per step
     host_and_model = True         # suffix drafts on the host beside the model's round, in one step
 

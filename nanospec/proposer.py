@@ -63,6 +63,7 @@ class Proposal:
 class Proposer:
     capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
     needs_features = False
+    drafts_on_host = False                  # all its drafts are made on the host (n-gram, suffix)
     # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
     acceptance_in_spans = False
     host_and_model = False                  # host drafts beside a round in one step (the hybrid)
@@ -129,6 +130,7 @@ class NgramProposer(Proposer):
 
     # its drafts are the text after a match: right for a span, however split into steps
     acceptance_in_spans = True
+    drafts_on_host = True
 
     def __init__(self, device: torch.device, min_n: int = 1, max_n: int = 4):
         self.device, self.min_n, self.max_n = device, min_n, max_n
@@ -150,6 +152,8 @@ class OracleProposer(Proposer):
     decoding (continuations: prompt ids -> output ids): at T = 0 every draft is accepted, so it
     measures the ceiling of the speculative machinery (acceptance length K + 1) on any model,
     random weights included. For benchmarks only."""
+
+    drafts_on_host = True
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
         self.continuations = continuations

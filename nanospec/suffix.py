@@ -368,6 +368,7 @@ class SuffixProposer(Proposer):
     step by step (ExtraTokens); a hybrid that drafts with it (drafts(), not propose()) takes them all."""
 
     acceptance_in_spans = True   # its drafts are the text after a match, as n-gram's
+    drafts_on_host = True
 
     def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
                  min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR,

@@ -449,6 +449,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """The kernel for a pass (meta: kv_cache.AttentionMetadata; the kernels need no attention mask,
     so none is built on this path): the tiled one, for decode and verify steps and for prefill chunks
     (in blocks of new tokens). Its alternatives for prefill, the per-token kernel and the reference's
-    SDPA over gathered pages, are timed beside it by `python -m nanospec.bench --gpu-check`."""
+    SDPA over gathered pages, are timed beside it by `python -m benchmarks.gpu_check`."""
     return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
                                  meta.query_index.shape[1], scale)   # max_q: a shape the host knows
