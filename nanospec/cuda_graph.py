@@ -85,13 +85,10 @@ class Fields:
     previous: torch.Tensor         # the token before the last (0: none)
     catch_up: torch.Tensor         # positions the proposer's first step feeds (0: the row drafts nothing)
 
-    def sampling(self, greedy: bool, truncate: Truncation | bool) -> SamplingBatch:
-        """The rows' sampling parameters (on the device)."""
-        temperature, top_p = (bits.view(torch.float64).float() for bits in (self.temperature, self.top_p))
-        return SamplingBatch(temperature, self.top_k, top_p, self.seed, greedy=greedy, truncate=truncate)
-
 
 FIELDS = len(dataclasses.fields(Fields))
+ROW = {f.name: i for i, f in enumerate(dataclasses.fields(Fields))}
+FLOATS = slice(ROW["temperature"], ROW["top_p"] + 1)   # adjacent rows: converted in one op
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +239,15 @@ class StepGraphs:
         """The per-row values of the uploaded step on the device (of its first `batch` rows)."""
         return Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket)[:, :batch])
 
+    def sampling_batch(self, bucket: int, greedy: bool, truncate: Truncation | bool,
+                       batch: int | None = None) -> SamplingBatch:
+        """The rows' sampling parameters on the device; temperature and top_p arrive as the bits of
+        float64s."""
+        block = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)[:, :batch]
+        temperature, top_p = block[FLOATS].view(torch.float64).float()
+        fields = Fields(*block)
+        return SamplingBatch(temperature, fields.top_k, top_p, fields.seed, greedy=greedy, truncate=truncate)
+
     def grow(self, k: int, probs: bool = False) -> None:
         """Make the static buffers hold a step of K = k at the largest bucket; graphs captured over
         smaller buffers are dropped (their addresses are gone)."""
@@ -314,7 +320,7 @@ class StepGraphs:
         truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
             max(p.top_k for p in params), any(p.top_p < 1 for p in params),
             all(p.top_k for p in params if p.top_p < 1))
-        return self.fields(bucket, batch).sampling(all(p.temperature == 0 for p in params), truncate)
+        return self.sampling_batch(bucket, all(p.temperature == 0 for p in params), truncate, batch)
 
     def pack_rows(self, block: np.ndarray, requests, num_draft, rows, draft_rows, first_position,
                   catch_up) -> None:
@@ -447,9 +453,9 @@ class StepGraphs:
 
     def sampling(self, key: GraphKey) -> tuple[Fields, SamplingBatch]:
         """The per-row values on the device, and a SamplingBatch of them as `key` samples."""
-        fields = self.fields(key.bucket)
         greedy = key.mode == "greedy"
-        return fields, fields.sampling(greedy, key.mode if not greedy else False)
+        truncate = key.mode if not greedy else False
+        return self.fields(key.bucket), self.sampling_batch(key.bucket, greedy, truncate)
 
     def padded_metadata(self, tables: torch.Tensor, cached: torch.Tensor, num_new: torch.Tensor, q_len: int,
                         block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:

@@ -212,7 +212,7 @@ def test_output_speaks_of_speculation_only_where_there_was_some(checkpoints):
 def all_parsers():
     import train_eagle
     from nanospec import bench, generate, profiler
-    from tools import replay
+    from benchmarks import replay
     return {"generate": generate.build_parser(), "bench": bench.build_parser(),
             "profiler": profiler.build_parser(), "train_eagle": train_eagle.build_parser(),
             "replay": replay.build_parser()}

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import PROMPTS, assert_no_leak, greedy, proposer_args
+from conftest import PADDED, PROMPTS, assert_no_leak, greedy, proposer_args
 from nanospec import LLM, SamplingParams, checkpoint, cuda_graph
 from nanospec.dynamic_k import Profile
 from nanospec.engine import Request
@@ -88,7 +88,7 @@ def test_padded_step_equals_unpadded(model, seed):
         reference_cache.pool.copy_(cache.pool)
         expected = unpadded_logits(model, reference_cache, reqs, drafts)
         steps = cuda_graph.StepGraphs(model, cache, vocab, 40, 200, CPU, Sampler(compile=False),
-                                      LogitsOut(model))
+                                      LogitsOut(model), options=PADDED)
         sampling = steps.upload(reqs, [len(d) for d in drafts], drafts)
         out, logits, _ = steps.run(sampling)
     q_len = max(len(d) for d in drafts) + 1
@@ -117,7 +117,8 @@ def test_capture_warm_ups_write_only_the_sink_block(model):
     cache.pool.normal_()
     cache.pool[:, :, NULL_BLOCK] = 0
     before = cache.pool.clone()
-    steps = cuda_graph.StepGraphs(model, cache, cfg.vocab_size, 8, 64, CPU, Sampler(compile=False))
+    steps = cuda_graph.StepGraphs(model, cache, cfg.vocab_size, 8, 64, CPU, Sampler(compile=False),
+                                  options=PADDED)
     table = BlockTable()   # a running request's table in device row 0, which padding must not touch
     cache.allocator.grow(table, 10 * BLOCK)
     _, pairs = steps.tables.updates([table])
