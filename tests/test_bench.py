@@ -14,6 +14,7 @@ from nanospec.engine import Engine
 from nanospec.prompts import shipped_prompts
 
 
+@pytest.mark.slow
 def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
     out = tmp_path / "bench.json"
     assert bench_main(["--target", checkpoints["llama3"], "--ngram", "--ks",
@@ -35,6 +36,7 @@ def test_bench_compares_dynamic_k_with_static_rows(checkpoints, tmp_path):
     assert profile["batch_sizes"] == [1, 2] and profile["ks"] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoints, tmp_path, capsys,
                                                                       monkeypatch):
     out = tmp_path / "bench.json"
@@ -63,6 +65,7 @@ def test_bench_num_requests_cycles_the_prompts_and_rejects_bad_values(checkpoint
         assert "need a proposer: add --draft PATH, --eagle PATH, --ngram, --suffix or --oracle" in err
 
 
+@pytest.mark.slow
 def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models, tmp_path, capsys):
     """Two sessions of three turns, each later turn the conversation so far: every row decodes the
     same tokens (the bench checks it), and the hybrid reports how it chose."""
@@ -122,6 +125,7 @@ def test_rows_that_decode_different_tokens_are_counted_by_prompt():
     assert proposers.differing_requests(state, "eagle") == {"ngram": 2, "suffix": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_that_differ_stop_a_float32_run_and_are_reported_in_lower_precision(spec_models, tmp_path,
                                                                                  capsys, monkeypatch, dtype):
@@ -223,6 +227,7 @@ def test_the_oracle_drafts_are_all_accepted(tiny_llm):
     assert [r.output_ids for r in requests] == [oracle.continuations[tuple(p)] for p in prompts]
 
 
+@pytest.mark.slow
 def test_bench_runs_random_models_with_the_oracle(capsys):
     assert bench_main(["--target", "random:tiny", "--device", "cpu", "--oracle", "--ks", "0,4",
                        "--batch-sizes", "2",

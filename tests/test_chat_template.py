@@ -225,6 +225,7 @@ def smollm2(smollm2_gguf, tmp_path_factory):
 SMOLLM2_LAYOUTS = ["gguf", "chat_template.jinja", "tokenizer_config.json", "named templates", "both"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", SMOLLM2_LAYOUTS)
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_smollm2_gives_transformers_tokens(smollm2, layout, conversation):

@@ -22,6 +22,7 @@ def run_cli(*args):
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_json_output(checkpoints, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "The quick brown", "id": 7}) + "\n"
@@ -41,6 +42,7 @@ def test_json_output(checkpoints, tmp_path):
         assert key in stats
 
 
+@pytest.mark.slow
 def test_streaming_text_and_stats_line(checkpoints):
     code, out, err = run_cli("--target", checkpoints["qwen2"], "--prompt", "Hello", "--max-new-tokens", "6",
                              "--chat")
@@ -78,6 +80,7 @@ def corrupt(folder, tmp_path, name, content):
     return str(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, match", [
     ("missing_config", "missing config.json"),
     ("missing_weights", "no \\*.safetensors weights"),
@@ -105,6 +108,7 @@ def test_bad_checkpoint_is_one_clear_line(checkpoints, tmp_path, case, match):
     assert __import__("re").search(match, err), err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, match", [
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "1.5"], "--top-p must be in"),
@@ -141,6 +145,7 @@ def test_bad_arguments_are_one_clear_line(checkpoints, args, match):
     assert code == 2 and "Traceback" not in err and match in err and one_error_line(err), err
 
 
+@pytest.mark.slow
 def test_speculative_flags(checkpoints):
     """--ngram and --draft run, print the same greedy text as plain decoding, and report acceptance."""
     base = ["--target", checkpoints["llama3"], "--prompt", "The quick brown fox. The quick brown",
@@ -156,6 +161,7 @@ def test_speculative_flags(checkpoints):
     assert rows[2][1]["stats"]["mean_acceptance_length"] > 2
 
 
+@pytest.mark.slow
 def test_draft_with_another_vocabulary_is_refused(checkpoints, tmp_path):
     other = corrupt(checkpoints["llama3"], tmp_path, "tokenizer.json", None)
     import tokenizers
@@ -178,6 +184,7 @@ def bad_prompts_file(tmp_path, kind):
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, match", [
     (["--prompts-file", "FOLDER"], "is a folder; give a .jsonl file"),
     (["--prompts-file", "BINARY"], "is not UTF-8 text"),
@@ -198,6 +205,7 @@ def test_bad_input_is_one_line_before_the_model_loads(tmp_path, args, match):
     assert len(err.strip().splitlines()) == 1 and __import__("re").search(match, err), err
 
 
+@pytest.mark.slow
 def test_output_speaks_of_speculation_only_where_there_was_some(checkpoints):
     code, out, err = run_cli("--target", checkpoints["llama3"], "--prompt", "The quick brown",
                              "--max-new-tokens", "4")

@@ -174,6 +174,7 @@ def test_device_tables_follow_truncate_and_grow():
     assert tables.free_rows[-1] == row and a.row is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", "ngram", "draft", "eagle1", "eagle3"])
 def test_batch_padding_changes_no_token(spec_models, tmp_path, name):
     """Seeded sampling (top-p on some) and greedy requests in one batch, per-request dynamic K,
@@ -208,6 +209,7 @@ def test_batch_padding_changes_no_token(spec_models, tmp_path, name):
     assert padded == unpadded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ngram", "draft", "eagle1"])
 def test_an_unpadded_verify_step_equals_the_padded_one(spec_models, plain_greedy, monkeypatch, name):
     """A CPU engine's verify step (unpadded, its default) gives each row only its own num_draft + 1
@@ -251,6 +253,7 @@ def processed(params: list[SamplingParams]) -> list[SamplingParams]:
     return [dataclasses.replace(p, **extras[i % 4]) for i, p in enumerate(params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, with_processing", [("plain", False), ("ngram", False), ("draft", False),
                                                    ("eagle1", False), ("eagle3", False), ("ngram", True),
                                                    ("eagle3", True)])

@@ -100,6 +100,7 @@ def tables(draw):
     return Profile(batch_sizes, ks, itl, rates)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(tables(), st.integers(1, 600))
 def test_policy_is_the_argmax_on_random_tables(profile, batch):

@@ -25,6 +25,7 @@ def test_batched_greedy_equals_one_at_a_time(tiny_llm):
     assert_no_leak(tiny_llm)
 
 
+@pytest.mark.slow
 def test_preemption_under_a_tiny_pool_changes_nothing(checkpoints):
     ample = LLM(checkpoints["qwen3"], device="cpu", kv_cache_gb=0.05)
     # 12 blocks of 4 tokens: room for about two requests at a time, so decode must preempt.

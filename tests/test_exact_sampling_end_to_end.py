@@ -42,6 +42,7 @@ def greedy_reference(big_vocab):
     return [o.token_ids for o in outs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_top_k_1_sampling_is_greedy_decoding(big_vocab, greedy_reference, name):
     """8 requests x 40 tokens (the old sampler's noise drew a zero-probability token in 0.9% of
@@ -61,6 +62,7 @@ NEIGHBOURS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.6, top_k=40, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [p for p in PROPOSERS if not p.startswith("hybrid")])
 def test_a_requests_tokens_do_not_depend_on_its_batch(big_vocab, name):
     """Suffix decoding too, though its drafts come from other requests: one-hot drafts are coupled
@@ -125,6 +127,7 @@ def test_padding_ids_are_never_emitted_and_never_accepted(edges):
     assert llm.generate([5, 6], SamplingParams(temperature=0, max_tokens=2))[0].token_ids   # still usable
 
 
+@pytest.mark.slow
 def test_a_draft_with_a_smaller_padded_embedding_works(edges):
     """Target 448 ids, draft 336, tokenizer 320 (Qwen2.5-7B and -0.5B: 152,064 and 151,936)."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

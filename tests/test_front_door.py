@@ -312,6 +312,7 @@ GGUF_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,change,match", GGUF_CASES, ids=[c[0] for c in GGUF_CASES])
 def test_malformed_gguf_metadata(gguf_meta, name, change, match):
     gguf_load(gguf_meta)   # the untouched metadata loads
@@ -526,6 +527,7 @@ def fail_at_step(n, error):
     return on_step
 
 
+@pytest.mark.slow
 def test_a_failed_generate_leaves_the_llm_as_a_fresh_one(spec_models, monkeypatch):
     """Mid-run failures of every kind (an exception from a callback, Ctrl-C, an error inside the
     sampler, a bad parameter) and then a normal call: the same output as a fresh LLM, no leaked
@@ -701,6 +703,7 @@ def test_agreeing_rope_scaling_and_rope_parameters_load(valid, tmp_path):
     assert LLM(broken, **KV).generate(PROMPT, greedy())[0].token_ids == expected
 
 
+@pytest.mark.slow
 def test_output_text_leaves_out_special_tokens_as_transformers_decodes(checkpoints, tmp_path):
     """An output's text leaves out the special tokens, as vLLM's skip_special_tokens (default true)
     and transformers' decode(skip_special_tokens=True) do; an added token not marked special (here

@@ -13,6 +13,7 @@ from benchmarks import gpu_check
 TESTS = pathlib.Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 def test_the_dry_run_goes_through_every_section_and_a_failure_loses_nothing_around_it(tmp_path, monkeypatch,
                                                                                       capsys):
     out = tmp_path / "check.json"
@@ -102,6 +103,7 @@ def test_pytest_output_is_read_even_when_the_run_was_cut_off():
     assert gpu_check.read_pytest(cut) == {"summary": None, "passed": 2, "failures": []}
 
 
+@pytest.mark.slow
 def test_the_cuda_tests_run_alone_and_a_timeout_is_recorded_not_fatal(tmp_path, monkeypatch):
     """The test step runs only the marked tests, in a subprocess; one killed at its timeout leaves a
     row saying so (here, on a CPU, the marked test of one file is collected and skips)."""

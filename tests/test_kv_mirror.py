@@ -48,6 +48,7 @@ def workload(llm):
     return [o.token_ids for o in outs] + [o.token_ids for o in llm.generate(later, params)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", "ngram", "suffix", "draft", "eagle1", "eagle3"])
 def test_every_mirrored_layer_equals_the_reference_and_so_do_the_pool_and_the_tokens(spec_models, checked,
                                                                                      monkeypatch, name):

@@ -45,6 +45,7 @@ def test_logits_match_transformers_float64(checkpoints, family):
     assert (got.double() - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_the_fused_pieces_compiled_compute_what_the_eager_ones_do(checkpoints, family, monkeypatch):
     """What CUDA runs compiled, one kernel each (model.fused: a residual add with the RMSNorm after
@@ -226,6 +227,7 @@ def test_a_gguf_rope_scaling_nanospec_cannot_read_is_refused(tmp_path, checkpoin
         gguf_file.hf_config({**meta, "llama.rope.scaling.type": "yarn"})
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf):
     """Our GGUF reader + model vs transformers' own GGUF loader + LlamaForCausalLM, 32 greedy tokens."""
     from nanospec import LLM, SamplingParams

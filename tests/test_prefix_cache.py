@@ -104,6 +104,7 @@ def assert_published_blocks_hold_their_tokens_kv(warm, cold, prompts):
     return most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 @pytest.mark.parametrize("proposer", [{}, dict(ngram=True), dict(suffix=True)])
 @pytest.mark.parametrize("temperature", [0, 0.9])
@@ -169,6 +170,7 @@ def proposer_blocks_hold_their_kv(warm, cold, prompts):
     return most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["draft", "eagle1", "eagle3", "hybrid_draft", "hybrid_eagle3"])
 def test_model_proposers_cache_prefixes_beside_the_target(spec_models, name):
     """A draft model's and an EAGLE head's own caches: later turns skip what the target's cache
@@ -257,6 +259,7 @@ def test_enable_prefix_caching_takes_a_bool(spec_models):
         LLM(spec_models["target"], device="cpu", enable_prefix_caching="yes")
 
 
+@pytest.mark.slow
 def test_requests_prefilled_after_others_find_their_prompt_blocks(checkpoints):
     """In one call: prefill chunks of 24 tokens, so the later requests are admitted after the first
     one's shared blocks were written, and find them (the second the first chunk's 24 tokens, the
@@ -293,6 +296,7 @@ def test_a_prefill_that_wrote_non_finite_kv_publishes_nothing(checkpoints):
         engine.abort([req])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hybrid_eagle1", "hybrid_eagle3"])
 @pytest.mark.parametrize("absorb_at", [8, proposer.ABSORB_AT])   # the default: more than these requests hold
 def test_a_priced_hybrid_without_rounds_feeds_its_head_without_drafting(spec_models, monkeypatch, name,

@@ -85,6 +85,7 @@ def eagle_reference_drafts(llm, hf_model, tokens: list[int], k: int) -> list[int
     return drafts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 3])
 def test_eagle_drafts_equal_the_head_run_from_scratch(spec_models, version):
     """Catch-up on prefill and verified features, rollback of predicted elements and the bonus

@@ -51,6 +51,7 @@ def output_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return out + (q[drafts] * (1 - accept)).sum() * weights / weights.sum()
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(pq=target_and_draft())
 def test_output_is_the_target_distribution_exactly(pq):
@@ -58,6 +59,7 @@ def test_output_is_the_target_distribution_exactly(pq):
     assert torch.allclose(output_distribution(p, q), p, atol=1e-12, rtol=0)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(pairs=st.lists(target_and_draft(vocab=4), min_size=1, max_size=4))
 def test_accepted_count_has_its_closed_form(pairs):
@@ -158,6 +160,7 @@ def test_without_drafts_it_is_plain_sampling():
     assert torch.equal(tokens[:, 0], sampler.sample(logits[:, 0], t, tk, tp, seeds, pos))
 
 
+@pytest.mark.slow
 def test_compiled_rejection_sampler_equals_eager():
     compiled = torch.compile(rejection_sample, dynamic=True)
     p, q, _, _ = run_batch(False, torch.full((ROWS,), K))

@@ -15,6 +15,7 @@ from nanospec.sampler import Sampler, sample, target_probs, uniform_noise
 CHI2_DF5_999 = 20.515
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(logits=st.lists(st.floats(-8, 8), min_size=2, max_size=12),
        temperature=st.one_of(st.just(0.0), st.floats(0.05, 3.0)),
@@ -78,6 +79,7 @@ def test_uniform_noise_is_uniform():
     assert ((counts - expected) ** 2 / expected).sum().item() < 37.7   # chi-square 99.9%, 15 df
 
 
+@pytest.mark.slow
 def test_compiled_sampler_equals_eager():
     compiled = torch.compile(sample, dynamic=True)
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(2))
@@ -99,6 +101,7 @@ def test_top_k_without_a_sort_is_top_k_with_one(logits, top_k):
         assert torch.equal(target_probs(x, t, k, p, limits), target_probs(x, t, k, p, True))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(logits=st.lists(st.one_of(st.integers(-3, 3), st.just(-1000)), min_size=2, max_size=40),
        top_k=st.lists(st.integers(0, 45), min_size=3, max_size=3),
@@ -178,6 +181,7 @@ def run_verify_shapes(sampler, buckets, ks, vocab=50, sampled_ks=()):
                                          torch.arange(bucket) + 7, True)
 
 
+@pytest.mark.slow
 def test_the_compiled_sampler_meets_every_bucket_and_k_within_its_recompile_limit():
     """Compiled (dynamo with its eager backend: the same guards and recompiles as inductor, in
     seconds), the sampler meets the decode step's shapes, every bucket up to 40 for K 0..8: greedy
@@ -196,6 +200,7 @@ def test_the_compiled_sampler_meets_every_bucket_and_k_within_its_recompile_limi
     assert counters["stats"]["unique_graphs"] == 3 * 2, dict(counters["stats"])
 
 
+@pytest.mark.slow
 def test_a_compiled_sampler_past_its_recompile_limit_raises_instead_of_running_eagerly():
     """Room for K 0..1 only (8 variants), sampled K 0..8 met: dynamo's limit is reached and it
     raises, where its default is to fall back to eager without a word."""

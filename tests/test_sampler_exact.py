@@ -54,6 +54,7 @@ def draws():
     return logits, probs, pick(probs, u)
 
 
+@pytest.mark.slow
 def test_a_token_of_probability_zero_is_never_drawn(draws):
     logits, probs, tokens = draws
     assert tokens.numel() >= 10**7
@@ -99,6 +100,7 @@ def test_noise_has_52_bits():
     assert ((ones - 0.5).abs() < 5 * 0.5 / 1000).all()
 
 
+@pytest.mark.slow
 def test_distinct_draws_have_distinct_noise():
     """1000 seeds x 1000 positions x 3 streams: 3 * 10^6 uniforms, no two equal (52 bits: a
     coincidence has probability 2e-4) and neighbouring seeds and positions uncorrelated."""
@@ -184,6 +186,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 def test_these_tests_fail_on_a_broken_sampler(monkeypatch, fault):
     name, broken, test = FAULTS[fault]

@@ -98,6 +98,7 @@ def params(kw, seed=None):
     return SamplingParams(**kw, seed=seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["plain", "ngram", "draft", "eagle1", "eagle3"])
 def test_answers_equal_offline_generate_and_chat(spec_models, proposer):
     spec_args = {} if proposer == "plain" else proposer_args(spec_models, proposer)
@@ -147,6 +148,7 @@ def mixed_params(i: int) -> SamplingParams:
                           num_speculative_tokens=i % 5, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_32_concurrent_clients_a_quarter_of_them_leaving(ngram_llm):
     """Every staying request gets its offline answer; the ones that leave mid-stream are aborted
     with every block of theirs; the server answers afterwards."""
@@ -473,6 +475,7 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
         LLM(str(folder), **KV, generation_config="file")
 
 
+@pytest.mark.slow
 def test_special_tokens_left_out_of_the_text_whole_and_streamed(tiny_llm):
     """The server's text, whole and streamed, is offline generate's: special tokens left out by
     default (vLLM's skip_special_tokens), kept with skip_special_tokens false."""
@@ -543,6 +546,7 @@ def test_logprobs_whole_and_streamed_are_offline_generates_in_the_openai_shape(t
         assert plain.choices[0].logprobs is None
 
 
+@pytest.mark.slow
 def test_n_choices_are_n_requests_seeded_seed_plus_i(spec_models):
     """n choices, whole and streamed, completions and chat, with a proposer: choice i is offline
     generate's with seed + i (vLLM's rule), usage counts the prompt once and every choice's tokens;
@@ -614,6 +618,7 @@ def test_text_stream_holds_back_a_possible_stop_and_split_characters(tiny_llm):
     assert seen + stream.push(Update([ids[end]], "stop", final)) == final
 
 
+@pytest.mark.slow
 def test_text_stream_decodes_each_token_once_and_matches_a_whole_decode():
     """Random bytes (split characters, invalid UTF-8, U+FFFD itself), pushed one to three tokens at
     a time: what was sent is always a start of the whole decode of the tokens so far, what is held
@@ -683,6 +688,7 @@ def test_decode_steps_run_between_the_chunks_of_a_long_prompt(spec_models):
         engine.abort([short, long])
 
 
+@pytest.mark.slow
 def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ from nanospec.dynamic_k import Profile
 from nanospec.k_policy import StaticK
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_greedy_output_equals_plain_greedy(spec_models, plain_greedy, name):
     """K = 1..8, each with its own batch size (together 1..8), prompts of mixed lengths."""
@@ -70,6 +71,7 @@ def test_a_head_fed_without_a_round_that_writes_nan_drafts_nothing_more(spec_mod
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_preemption_changes_nothing(spec_models, plain_greedy, name):
     """20 blocks of 4 tokens hold two or three requests: the scheduler preempts, the proposer releases
@@ -179,6 +181,7 @@ def small_vocab_llm(small_vocab, name: str, k: int | str):
                max_num_batched_tokens=4096, **k_args, **args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("k", [1, 3, "dynamic", "dynamic-per-request"])
 @pytest.mark.parametrize("name", ["ngram", "draft", "eagle1", "eagle3"])
@@ -200,6 +203,7 @@ def check_distribution(small_vocab, name: str, k, sampling: str):
     return llm
 
 
+@pytest.mark.slow
 def test_a_broken_sampler_is_detected_end_to_end(small_vocab, monkeypatch):
     """Drawing the recovered token from p instead of max(p - q, 0) fails the same test."""
     monkeypatch.setattr(sampler, "next_token_weights", lambda p_next, q_next, rejected: p_next)
@@ -207,6 +211,7 @@ def test_a_broken_sampler_is_detected_end_to_end(small_vocab, monkeypatch):
     assert chi_square_pvalue(counts, exact_sequence_probs(small_vocab["target"])) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("name,k", [("suffix", 3), ("suffix", "dynamic"), ("hybrid_draft", 3),
                                     ("hybrid_eagle3", "dynamic")])

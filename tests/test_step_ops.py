@@ -44,6 +44,7 @@ def llama(checkpoints):
     return LLM(checkpoints["llama3"], device="cpu", dtype="float32", kv_cache_gb=0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.__version__.startswith("2.13."),
                     reason="the pins are counted on torch 2.13 (CI's)")
 @pytest.mark.parametrize("batch,k", list(PINNED))

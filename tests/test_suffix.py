@@ -192,6 +192,7 @@ def test_a_batchs_global_drafts_are_each_requests_own(seed):
         assert draft.tokens == expected and draft.score == pytest.approx(score)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offset", [0, 3])
 def test_suffix_sampled_output_is_plain_sampling_output_whatever_the_index_holds(spec_models, offset):
     """Other requests fill the global index first (the same prompts: long drafts); seeded sampled

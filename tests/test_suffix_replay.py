@@ -10,6 +10,7 @@ from benchmarks.suffix_replay import replay
 from conftest import PROMPTS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offset", [0, 3])
 def test_the_replay_steps_the_workload_as_the_engine_does(spec_models, offset):
     """Requests one at a time through the engine (suffix decoding, its extra tokens always drafted

@@ -39,6 +39,7 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     return from_gguf(meta), ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_gguf_tokenizer_matches_reference(smollm2, text):
     ours, ref = smollm2

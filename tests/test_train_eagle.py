@@ -80,6 +80,7 @@ def tiny_args(target, out, arch, steps=40, **extra):
     return args + [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 def test_tiny_run_lowers_loss_and_writes_a_lossless_head(spec_models, tmp_path, arch):
     out = tmp_path / arch
@@ -100,6 +101,7 @@ def test_tiny_run_lowers_loss_and_writes_a_lossless_head(spec_models, tmp_path, 
     assert spec.stats["drafted_tokens"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 def test_a_head_that_learned_its_data_is_accepted_by_the_engine(spec_models, tmp_path, arch, dtype):
@@ -125,6 +127,7 @@ def test_a_head_that_learned_its_data_is_accepted_by_the_engine(spec_models, tmp
     assert spec.stats["mean_acceptance_length"] > 3.3, spec.stats   # of at most 4
 
 
+@pytest.mark.slow
 def test_a_stopped_run_resumes_to_the_same_head(spec_models, tmp_path, monkeypatch):
     target = spec_models["target"]
     assert train_eagle.main(tiny_args(target, tmp_path / "straight", "eagle1", steps=10)) == 0
@@ -148,12 +151,14 @@ def test_a_stopped_run_resumes_to_the_same_head(spec_models, tmp_path, monkeypat
     assert report["training"]["steps"] == 10 and len(report["training"]["history"]) == 10
 
 
+@pytest.mark.slow
 def test_resuming_with_other_settings_is_refused(spec_models, tmp_path, capsys):
     assert train_eagle.main(tiny_args(spec_models["target"], tmp_path, "eagle1", steps=5)) == 0
     assert train_eagle.main(tiny_args(spec_models["target"], tmp_path, "eagle1", steps=5, lr=1e-2)) == 2
     assert "other settings" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_prompts_that_fill_the_sequence_length_are_left_out_or_refused(spec_models, tmp_path, capsys):
     target = spec_models["target"]
     assert train_eagle.main(tiny_args(target, tmp_path / "some", "eagle1", steps=5, seq_len=60)) == 0
@@ -271,6 +276,7 @@ def sglang_accepts(cfg: dict, weights: dict, version: int, num_layers: int) -> l
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 def test_what_train_eagle_writes_loads_unchanged_in_vllm_and_sglang(spec_models, tmp_path, arch):
     out = tmp_path / arch

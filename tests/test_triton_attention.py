@@ -151,11 +151,13 @@ def run_check(code: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "TRITON_INTERPRET": "1"})
 
 
+@pytest.mark.slow
 def test_kernels_equal_the_reference_in_the_interpreter_float32():
     proc = run_check(CHECK + "\ncheck('cpu', torch.float32, 1e-5)\n")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_kernels_equal_the_reference_in_the_interpreter_float16():
     """The half-precision path (16-bit tl.dot, float32 accumulation) to 1e-2. bfloat16 takes the
     same path but is checked on CUDA only: the interpreter's tl.dot multiplies bfloat16's raw bits
@@ -185,6 +187,7 @@ def broken_error(tmp_path, old: str, new: str, case: str, check: str = CHECK, ca
     return float(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_wrong_tiled_kernel_fails_the_check(tmp_path):
     """The check's power: the tiled kernel with the causal mask dropped (each new token sees the
     step's later tokens too) is caught."""
@@ -193,6 +196,7 @@ def test_a_wrong_tiled_kernel_fails_the_check(tmp_path):
     assert error > 1e-2
 
 
+@pytest.mark.slow
 def test_a_wrong_merge_fails_the_check(tmp_path):
     """The merge's power: splits summed without rescaling each to the largest max are caught."""
     error = broken_error(tmp_path, "tl.exp(top - new_top), tl.exp(part_max - new_top)",
@@ -201,6 +205,7 @@ def test_a_wrong_merge_fails_the_check(tmp_path):
     assert error > 1e-2
 
 
+@pytest.mark.slow
 def test_rotate_and_store_is_the_rotation_and_writes_bit_for_bit_in_the_interpreter():
     """float32 and float16 (the interpreter rounds float32 to bfloat16 by truncation, where a GPU
     rounds to nearest even: bfloat16 is checked on CUDA)."""
@@ -241,6 +246,7 @@ print(error)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_the_models_cuda_path_equals_its_reference_in_the_interpreter(checkpoints, family):
     """What a GPU runs of the model (one kernel rotating q and k and storing K/V, the tiled attention
@@ -252,6 +258,7 @@ def test_the_models_cuda_path_equals_its_reference_in_the_interpreter(checkpoint
     assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_wrong_rotate_and_store_fails_the_check(tmp_path):
     """The check's power: the rotation without its half swap, a key head stored one head over, and
     the key heads normed with the query heads' weight."""

@@ -159,6 +159,7 @@ def test_the_variants_cover_what_the_engine_launches():
     assert {(m, 128, direct) for m in (16, 32, 64, 128) for direct in (True, False)} <= tiles
 
 
+@pytest.mark.slow
 def test_every_variant_compiles(compiled):
     failed = [f"{describe(r)}:\n{r['error']}" for r in compiled if r["error"]]
     assert not failed, "\n\n".join(failed)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from benchmarks import vllm_side_by_side as side
 
 
+@pytest.mark.slow
 def test_interleaved_rounds_keep_one_worker_up_and_time_every_row(checkpoints, tmp_path, monkeypatch):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([[5 + i % 7, 9, 11 + i] for i in range(32)]))
