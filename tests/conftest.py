@@ -104,19 +104,21 @@ def write_checkpoint(folder: str, family: str, seed: int = 0, num_layers: int = 
 PADDED = StepOptions(pad_batches=True)
 
 
-@pytest.fixture(autouse=True)
-def padded_steps(monkeypatch):
-    """Every engine a test builds without step options pads its decode steps to the CUDA graphs'
-    buckets, as a GPU's do (a CPU engine runs each batch size as it is by default);
-    tests/test_cuda_graph.py shows the two give the same tokens. A test that passes its own
-    step_options gets those."""
-    for cls in (LLM, Engine):
-        init = cls.__init__
+@pytest.fixture(scope="session", autouse=True)
+def padded_steps():
+    """Every engine the tests build without step options (module and session fixtures' too: this
+    fixture comes first) pads its decode steps to the CUDA graphs' buckets, as a GPU's do (a CPU
+    engine runs each batch size as it is by default); tests/test_cuda_graph.py shows the two give
+    the same tokens. A test that passes its own step_options gets those."""
+    with pytest.MonkeyPatch.context() as patch:
+        for cls in (LLM, Engine):
+            init = cls.__init__
 
-        @functools.wraps(init)
-        def padded_by_default(self, *args, step_options=None, init=init, **kwargs):
-            init(self, *args, step_options=step_options or PADDED, **kwargs)
-        monkeypatch.setattr(cls, "__init__", padded_by_default)
+            @functools.wraps(init)
+            def padded_by_default(self, *args, step_options=None, init=init, **kwargs):
+                init(self, *args, step_options=step_options or PADDED, **kwargs)
+            patch.setattr(cls, "__init__", padded_by_default)
+        yield
 
 
 @pytest.fixture(scope="session")
