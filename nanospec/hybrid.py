@@ -126,13 +126,8 @@ class HybridProposer:
         if not max(num_draft):
             return Proposal(num_draft)
         host_drafts, model_ks = self.choose(requests, num_draft)
-        num_draft = [len(h) or k for h, k in zip(host_drafts, model_ks)]
-        if not max(model_ks):
-            return Proposal(num_draft, host_drafts)
-        plan = self.model.prepare(requests, model_ks)
-        kept = set(plan.rows) if plan else set()
-        return Proposal([d if not model_ks[b] or b in kept else 0 for b, d in enumerate(num_draft)],
-                        host_drafts, plan)
+        model = self.model.propose(requests, model_ks)   # 0 for the suffix rows and those left out
+        return Proposal([len(h) or d for h, d in zip(host_drafts, model.num_draft)], host_drafts, model.round)
 
     def choose(self, requests, ks: list[int]) -> tuple[list[list[int]], list[int]]:
         """(the suffix drafts, [] where the model drafts; the model's K per request, 0 where not).
