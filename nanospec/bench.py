@@ -170,17 +170,6 @@ def oracle_proposer(engine: Engine, prompt_ids: list[list[int]], max_new_tokens:
     return OracleProposer({tuple(r.prompt_ids): r.output_ids for r in requests})
 
 
-def run_group(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int) -> tuple[float, Stats]:
-    """Run the prompts to completion on an engine of batch_size requests at a time, a finished
-    request's place taken by the next (continuous batching); (seconds, its statistics)."""
-    engine = llm.engine.twin(max_num_seqs=min(batch_size, llm.engine.scheduler.max_num_seqs),
-                             k_policy=llm.engine.k_policy)
-    reqs = greedy_requests(engine, prompt_ids, max_new_tokens)
-    _, seconds = timed(llm.device, engine.run_to_completion)
-    assert all(len(r.output_ids) == max_new_tokens for r in reqs)
-    return seconds, engine.stats
-
-
 def summary(stats, seconds: float, tokens: int) -> dict:
     stats = stats.as_dict()
     return {"tokens_per_s": round(tokens / seconds, 2),
@@ -193,12 +182,16 @@ def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tok
                   continuous: bool = False) -> dict:
     """All prompts, batch_size at a time, each group run to completion (so a group lasts as long as
     its slowest request); or, continuous, all queued at once and at most batch_size running, a
-    finished request's place taken by the next (continuous batching). Tokens/s over the whole set."""
+    finished request's place taken by the next (continuous batching). Tokens/s over the whole set.
+    Each group runs on an engine of its own, of batch_size requests at a time."""
     stats, seconds = Stats(), 0.0
     for group in groups(prompt_ids, batch_size, continuous):
-        group_seconds, group_stats = run_group(llm, group, batch_size, max_new_tokens)
-        seconds += group_seconds
-        stats.add(group_stats)
+        engine = llm.engine.twin(max_num_seqs=min(batch_size, llm.engine.scheduler.max_num_seqs),
+                                 k_policy=llm.engine.k_policy)
+        requests = greedy_requests(engine, group, max_new_tokens)
+        seconds += timed(llm.device, engine.run_to_completion)[1]
+        assert all(len(r.output_ids) == max_new_tokens for r in requests)
+        stats.add(engine.stats)
     return summary(stats, seconds, len(prompt_ids) * max_new_tokens)
 
 
@@ -258,20 +251,14 @@ def build_parser(prog: str = "python -m nanospec.bench", doc: str = __doc__):
     return ap
 
 
-def parse_args(argv=None):
-    return build_parser().parse_args(argv)
-
-
 def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
     """transformers on the same prompts: plain generate() for K = 0; prompt lookup or assisted
     generation with the same K at batch size 1 (what transformers supports); nothing otherwise."""
-    pad = llm.tokenizer.eos_ids[0]
     if k == 0:
-        seconds = time_transformers(ref, prompts, bs, args.max_new_tokens, pad)
-        return {"transformers_tokens_per_s": round(seconds, 2)}
-    if bs != 1 or args.eagle or args.suffix or getattr(args, "oracle", False):   # transformers has neither
+        spec = {}
+    elif bs != 1 or args.eagle or args.suffix or args.oracle:   # transformers has neither
         return {}
-    if args.ngram:
+    elif args.ngram:
         spec = dict(prompt_lookup_num_tokens=k)
     else:
         if not hasattr(ref, "_bench_draft"):
@@ -280,8 +267,8 @@ def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
         spec = dict(assistant_model=ref._bench_draft)
         ref._bench_draft.generation_config.num_assistant_tokens = k
         ref._bench_draft.generation_config.num_assistant_tokens_schedule = "constant"
-    seconds = time_transformers(ref, prompts, bs, args.max_new_tokens, pad, **spec)
-    return {"transformers_tokens_per_s": round(seconds, 2)}
+    tokens_per_s = time_transformers(ref, prompts, bs, args.max_new_tokens, llm.tokenizer.eos_ids[0], **spec)
+    return {"transformers_tokens_per_s": round(tokens_per_s, 2)}
 
 
 DYNAMIC_ROWS = ("dynamic", "dynamic-per-request")
@@ -346,8 +333,9 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
             for row in rows}
 
 
-def check_args(args) -> tuple[list[int], list]:
-    """The flags, before any model loads: (batch sizes, rows of K)."""
+def check_args(args) -> tuple[list[int], list, int]:
+    """The flags, before any model loads: (batch sizes, rows of K, the largest K). The speculative rows
+    need a proposer; dynamic K chooses among 0..the largest static K (DEFAULT_DYNAMIC_MAX_K without one)."""
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
     if not batch_sizes or min(batch_sizes) < 1:
         raise NanospecError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
@@ -362,18 +350,12 @@ def check_args(args) -> tuple[list[int], list]:
     if args.continuous and not args.no_transformers:
         raise NanospecError("--continuous has no transformers baseline (its generate() runs fixed batches); "
                             "add --no-transformers")
-    return batch_sizes, ks
-
-
-def check_rows(args, ks: list) -> int:
-    """A proposer for the speculative rows, and the largest K (dynamic K chooses among 0..the largest
-    static K, DEFAULT_DYNAMIC_MAX_K without one)."""
     if args.oracle and proposer_given(args):
         raise NanospecError("--oracle is a proposer of its own: drop --draft, --eagle, --ngram and --suffix")
     if any(k != 0 for k in ks) and not (proposer_given(args) or args.oracle):
         raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
                             "--eagle PATH, --ngram, --suffix or --oracle (or --ks 0 for plain decoding)")
-    return max((k for k in ks if k not in DYNAMIC_ROWS), default=0) or DEFAULT_DYNAMIC_MAX_K
+    return batch_sizes, ks, max((k for k in ks if k not in DYNAMIC_ROWS), default=0) or DEFAULT_DYNAMIC_MAX_K
 
 
 def proposer_given(args):
@@ -394,7 +376,7 @@ def load(args, batch_sizes: list[int], max_k: int) -> LLM:
     log_loading(args.target)
     return LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
                draft=args.draft, eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, **suffix_flags(args),
-               num_speculative_tokens=max_k if max_k > 0 and proposer_given(args) else None, log=log,
+               num_speculative_tokens=max_k if proposer_given(args) else None, log=log,
                enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching)
 
 
@@ -459,8 +441,7 @@ def profile_record(args, profile: Profile | None) -> dict | None:
 
 
 def run(args) -> dict:
-    batch_sizes, ks = check_args(args)
-    max_k = check_rows(args, ks)
+    batch_sizes, ks, max_k = check_args(args)
     rows = prompt_rows(args)
     llm = load(args, batch_sizes, max_k)
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
@@ -518,7 +499,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["serve"]:   # `bench serve`: the OpenAI-API client (bench_serve.py)
         from nanospec import bench_serve
         return bench_serve.main(argv[1:])
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     return run_command(lambda: report(args, run(args)))
 
 
