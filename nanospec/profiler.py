@@ -35,10 +35,6 @@ def build_parser():
     return ap
 
 
-def parse_args(argv=None):
-    return build_parser().parse_args(argv)
-
-
 def profile_command(args, command_line: str) -> Profile:
     batch_sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
     ks = sorted(set(int_list(args.ks, "--ks"))) if args.ks else list(range(args.max_k + 1))
@@ -69,7 +65,7 @@ def profile_command(args, command_line: str) -> Profile:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     command_line = "python -m nanospec.profiler " + " ".join(sys.argv[1:] if argv is None else argv)
     return run_command(lambda: profile_command(args, command_line))
 
