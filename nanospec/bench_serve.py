@@ -33,6 +33,7 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
+from importlib import resources
 
 from nanospec.cli import log, parser
 from nanospec.errors import NanospecError, run_command
@@ -50,24 +51,10 @@ from nanospec.prompts import by_category_in_turn, read_prompts_file, shipped_pro
 # Every proposer decodes greedily to the same answers, so every one of them runs the same requests
 # (benchmarks/proposers.py runs them offline).
 
-FOLLOW_UPS = {
-    "chat": ["Say that again more simply, keeping the same structure.",
-             "Thanks. Write your first answer again as a numbered list."],
-    "code": ["Add a docstring and type hints to your function and show the complete code again.",
-             "Now add a short usage example at the end and show the complete code again."],
-    "code_edit": ["Now rename the function to `compute` and return the full code again.",
-                  "Add a comment above each line of the function and return the full code again."],
-    "math": ["Check your answer: go through the same steps again and confirm the result.",
-             "Now solve the same problem with every number doubled, step by step, the same way."],
-    "creative": ["Write it again, changing only the last line.",
-                 "Now give it a title and write the whole piece out again."],
-    "summarize": ["Make the summary shorter: one sentence.",
-                  "Now write the summary as three bullet points."],
-    "extract": ["Now give the same sentences as a JSON list of strings.",
-                "Now number them, one per line, as before."],
-    "structured": ["Add one more entry in exactly the same format and show the whole thing again.",
-                   "Now give the same data as CSV with a header row."],
-}
+def follow_ups() -> dict[str, list[str]]:
+    """category -> its two follow-up turns (nanospec/data/follow_ups.jsonl, beside the shipped prompts)."""
+    text = resources.files("nanospec").joinpath("data/follow_ups.jsonl").read_text()
+    return {row["category"]: row["follow_ups"] for row in map(json.loads, text.splitlines())}
 
 
 @dataclass(slots=True)
@@ -92,8 +79,8 @@ class Session:
 
 def multiturn_sessions(rows: list[dict], turns: int = 3) -> list[Session]:
     """A session per shipped prompt row ({"prompt", "category"}): the prompt, then turns - 1 follow-ups."""
-    return [Session(row["category"],
-                    [row["prompt"]] + FOLLOW_UPS[row["category"]][:turns - 1]) for row in rows]
+    follow = follow_ups()
+    return [Session(row["category"], [row["prompt"]] + follow[row["category"]][:turns - 1]) for row in rows]
 
 
 @dataclass
