@@ -109,9 +109,8 @@ def resolve(target: str | None, files: list[str] = HUB_FILES, what: str = "check
 
 
 def read_json(path: str,
-              what: str = "a checkpoint folder needs config.json, *.safetensors and tokenizer files",
-              kind: type = dict):
-    """The JSON object (or `kind`) in `path`; a missing, unreadable or malformed file is one clear line."""
+              what: str = "a checkpoint folder needs config.json, *.safetensors and tokenizer files") -> dict:
+    """The JSON object in `path`; a missing, unreadable or malformed file is one clear line."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -120,8 +119,8 @@ def read_json(path: str,
                             f"{what}") from e
     except (OSError, UnicodeDecodeError, ValueError) as e:   # JSONDecodeError is a ValueError
         raise NanospecError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from e
-    if not isinstance(data, kind):
-        raise NanospecError(f"{path} holds a JSON {type(data).__name__}, not a JSON {kind.__name__}; "
+    if not isinstance(data, dict):
+        raise NanospecError(f"{path} holds a JSON {type(data).__name__}, not a JSON dict; "
                             "re-download the checkpoint")
     return data
 
@@ -167,7 +166,7 @@ def read_checkpoint(target: str | None) -> Checkpoint:
         reader = gguf_file.open_reader(path)
         meta = gguf_file.metadata(reader)
         config = read_config(gguf_file.hf_config(meta, path, gguf_file.rope_freqs(reader)),
-                                   source=f"the metadata of {path}")
+                             source=f"the metadata of {path}")
         weights = gguf_file.state_dict(reader, config)
         config.tie_word_embeddings = "lm_head.weight" not in weights
         return Checkpoint(path, config, weights, meta)
@@ -198,9 +197,15 @@ def read_config(cfg: dict, source: str = "config.json") -> ModelConfig:
     check_runnable(cfg, source)
     fields = ConfigFields(cfg, source)
     hidden, heads = fields.size("hidden_size"), fields.size("num_attention_heads")
-    kv_heads = read_kv_heads(fields, heads)
+    kv_heads = fields.size("num_key_value_heads", heads)   # absent: as many, plain multi-head
+    if heads % kv_heads:
+        raise NanospecError(f"{source}: num_attention_heads {heads} is not a multiple of "
+                            f"num_key_value_heads {kv_heads}; fix the file or re-download the checkpoint")
     head_dim = read_head_dim(fields, hidden, heads, family)
-    rope = rope_parameters(cfg, source)
+    # transformers 5's rope_parameters: theta and scaling in one object
+    rope = {} if cfg.get("rope_parameters") is None else cfg["rope_parameters"]
+    if not isinstance(rope, dict):
+        raise NanospecError(f"{source}: rope_parameters must be an object, got {rope!r}")
     theta = read_rope_theta(fields, rope)
     return ModelConfig(
         family=family, vocab_size=fields.size("vocab_size"), hidden_size=hidden,
@@ -214,11 +219,8 @@ def read_config(cfg: dict, source: str = "config.json") -> ModelConfig:
         eos_token_ids=read_token_ids(cfg.get("eos_token_id"), f"{source}: eos_token_id"))
 
 
-def read_family(cfg, source: str) -> str:
+def read_family(cfg: dict, source: str) -> str:
     """"llama", "qwen2" or "qwen3": the family of the config's first architecture."""
-    if not isinstance(cfg, dict):
-        raise NanospecError(f"{source} holds a JSON {type(cfg).__name__}, not an object of model settings; "
-                            "re-download the checkpoint")
     archs = cfg.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else archs
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
@@ -269,15 +271,6 @@ class ConfigFields:
         return value
 
 
-def read_kv_heads(fields: ConfigFields, heads: int) -> int:
-    """num_key_value_heads, a divisor of the query heads (absent: as many, plain multi-head)."""
-    kv_heads = fields.size("num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise NanospecError(f"{fields.source}: num_attention_heads {heads} is not a multiple of "
-                            f"num_key_value_heads {kv_heads}; fix the file or re-download the checkpoint")
-    return kv_heads
-
-
 def read_head_dim(fields: ConfigFields, hidden: int, heads: int, family: str) -> int:
     """head_dim, even (rotary embeddings rotate pairs); absent: hidden / heads, but Qwen3's 128
     (transformers' Qwen3Config default)."""
@@ -292,14 +285,6 @@ def read_head_dim(fields: ConfigFields, hidden: int, heads: int, family: str) ->
     return head_dim
 
 
-def rope_parameters(cfg: dict, source: str) -> dict:
-    """transformers 5's rope_parameters (theta and scaling in one object); {} where there are none."""
-    rope = {} if cfg.get("rope_parameters") is None else cfg["rope_parameters"]
-    if not isinstance(rope, dict):
-        raise NanospecError(f"{source}: rope_parameters must be an object, got {rope!r}")
-    return rope
-
-
 def read_rope_theta(fields: ConfigFields, rope: dict) -> float:
     """RoPE's base from rope_parameters, the top-level rope_theta (older versions of transformers)
     or an old rope_scaling's (transformers 5 reads an old rope_scaling as rope_parameters, its
@@ -310,13 +295,12 @@ def read_rope_theta(fields: ConfigFields, rope: dict) -> float:
     if rope and cfg.get("rope_scaling") is not None and rope_kind(cfg["rope_scaling"]) != rope_kind(rope):
         raise NanospecError(f"{source} has rope_scaling and rope_parameters that disagree; "
                             "keep one (rope_parameters)")
-    if cfg.get("rope_theta") is not None and rope.get("rope_theta", cfg["rope_theta"]) != cfg["rope_theta"]:
-        raise NanospecError(f"{source} has rope_theta {cfg['rope_theta']!r} and rope_parameters.rope_theta "
-                            f"{rope['rope_theta']!r}; keep one")
+    top = cfg.get("rope_theta")
     old = cfg.get("rope_scaling") if not rope and isinstance(cfg.get("rope_scaling"), dict) else {}
-    if cfg.get("rope_theta") is not None and old.get("rope_theta", cfg["rope_theta"]) != cfg["rope_theta"]:
-        raise NanospecError(f"{source} has rope_theta {cfg['rope_theta']!r} and rope_scaling.rope_theta "
-                            f"{old['rope_theta']!r}; keep one")
+    for where, inner in (("rope_parameters", rope), ("rope_scaling", old)):
+        if top is not None and inner.get("rope_theta", top) != top:
+            raise NanospecError(f"{source} has rope_theta {top!r} and {where}.rope_theta "
+                                f"{inner['rope_theta']!r}; keep one")
     return fields.real("rope_theta", rope.get("rope_theta", old.get("rope_theta", 10000.0)))
 
 
@@ -332,11 +316,7 @@ def rope_kind(scaling) -> object:
 
 def read_rope_scaling(cfg: dict, rope: dict, source: str) -> dict | None:
     """Llama 3's rope scaling with its four numbers, or None (no scaling); anything else is refused."""
-    scaling = cfg.get("rope_scaling")
-    if scaling is None:
-        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    if scaling is None:
-        return None
+    scaling = rope if cfg.get("rope_scaling") is None else cfg["rope_scaling"]
     if not isinstance(scaling, dict):
         raise NanospecError(f"{source}: rope_scaling must be an object, got {scaling!r}; fix the file")
     kind = scaling.get("rope_type", scaling.get("type"))

@@ -23,7 +23,7 @@ import tiktoken
 
 from nanospec.chat_template import ChatTemplate, load_template, named_special_tokens
 from nanospec.checkpoint import RANDOM_MODELS, read_json
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, is_int
 
 # Pre-tokenizer patterns (how text is cut into pieces before BPE).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -55,16 +55,10 @@ def utf8_decoder():
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: every byte as a printable character (tokens are stored this way)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    stand_ins = iter(range(256, 512))   # the others, in byte order, as the characters from U+0100 on
+    return {b: chr(b) if b in printable else chr(next(stand_ins)) for b in range(256)}
 
 
 UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
@@ -96,8 +90,7 @@ class Tokenizer:
                                           special_tokens=specials)
         self.rank_to_id = np.array([i for _, i in mergeable.values()] + list(special_tokens.values()),
                                    dtype=np.int64)
-        vocab_size = int(self.rank_to_id.max()) + 1
-        self.id_to_bytes = [b""] * vocab_size
+        self.id_to_bytes = [b""] * (int(self.rank_to_id.max()) + 1)   # index: token id
         for token, (_, token_id) in mergeable.items():
             if token_id >= 0:
                 self.id_to_bytes[token_id] = token
@@ -141,9 +134,8 @@ class Tokenizer:
     def decode_bytes(self, ids: list[int], skip_special: bool = False) -> bytes:
         """skip_special: without the special tokens (an output's text by default, as transformers'
         decode(skip_special_tokens=True) and vLLM give it)."""
-        if skip_special:
-            return b"".join(self.id_to_bytes[i] for i in ids if i not in self.skipped_ids)
-        return b"".join(self.id_to_bytes[i] for i in ids)
+        skipped = self.skipped_ids if skip_special else frozenset()
+        return b"".join(self.id_to_bytes[i] for i in ids if i not in skipped)
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
@@ -210,8 +202,7 @@ def check_vocabulary(vocab, specials, source: str) -> None:
     """Token -> id maps whose ids a vocabulary can hold."""
     for what, table in (("vocabulary", vocab), ("added tokens", specials)):
         for token, token_id in table.items():
-            if not (isinstance(token, str) and isinstance(token_id, int) and not isinstance(token_id, bool)
-                    and 0 <= token_id < MAX_TOKEN_ID):
+            if not (isinstance(token, str) and is_int(token_id) and 0 <= token_id < MAX_TOKEN_ID):
                 raise NanospecError(f"{source}: its {what} maps {token!r} to {token_id!r}, not a token id in "
                                     f"0..{MAX_TOKEN_ID - 1}; re-download the tokenizer")
 
@@ -262,16 +253,15 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
     check_vocabulary(vocab, specials, path)
     not_special = {t.get("content") for t in added if t.get("special") is False}
     config = tokenizer_config(folder)
+    named = named_special_tokens(config)
     post = json.dumps(data.get("post_processor") or {})
-    bos = config.get("bos_token")
-    bos = bos.get("content") if isinstance(bos, dict) else bos
+    bos = named.get("bos_token")   # added by the post-processor, if it names it
     return Tokenizer(ranked_from_merges(vocab, merges, path), specials,
                      pattern_from_pre_tokenizer(data.get("pre_tokenizer")),
-                     add_bos=isinstance(bos, str) and f'"{bos}"' in post,
-                     bos_token=bos if isinstance(bos, str) else None,
+                     add_bos=bos is not None and f'"{bos}"' in post, bos_token=bos,
                      eos_tokens=STOP_TOKEN_NAMES, not_skipped=not_special,
                      normalize=normalization_forms(data.get("normalizer"), path),
-                     chat_template=load_template(folder, config, special_tokens=named_special_tokens(config),
+                     chat_template=load_template(folder, config, special_tokens=named,
                                                  vocab_specials=specials))
 
 
@@ -312,16 +302,15 @@ def from_gguf(meta: dict) -> Tokenizer:
     if pre not in GGUF_PRE_TOKENIZERS:
         raise NanospecError(f"GGUF pre-tokenizer {pre!r} is not supported; known: "
                             f"{', '.join(GGUF_PRE_TOKENIZERS)}")
-    tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
-    merges = meta.get("tokenizer.ggml.merges")
+    tokens, types, merges = (meta.get(f"tokenizer.ggml.{key}") for key in ("tokens", "token_type", "merges"))
     if not (isinstance(tokens, list) and isinstance(types, list) and len(tokens) == len(types)
             and isinstance(merges, list)):
         raise NanospecError("the GGUF file lacks a complete tokenizer (tokenizer.ggml.tokens, token_type and "
                             "merges); re-convert the model with llama.cpp's convert_hf_to_gguf.py")
     # (a GGUF names no normalizer: transformers, which builds its tokenizer from the same keys, applies none)
-    normal = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (1, 6)}   # NORMAL, BYTE
-    specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types))
-                if kind in (3, 4)}   # CONTROL, USER_DEFINED
+    # llama.cpp's token types: 1 NORMAL, 3 CONTROL, 4 USER_DEFINED (added, not special), 6 BYTE
+    normal = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (1, 6)}
+    specials = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)}
     check_vocabulary(normal, specials, "the GGUF tokenizer")
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
