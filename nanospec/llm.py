@@ -130,7 +130,8 @@ class SpeculativeConfig:
         return MAX_SPECULATIVE_TOKENS if self.suffix else 4
 
     def validate(self) -> int:
-        """K for the chosen proposer, or 0 without one."""
+        """K for the chosen proposer, or 0 without one. Each field alone first (a suffix setting without
+        suffix is told so before its bounds are checked), then how the fields combine."""
         check_fields(self, {"draft": check_path, "eagle": check_path, "profile": check_path,
                             "ngram": check_bool, "suffix": check_bool, "dynamic_k": check_bool,
                             "per_request_k": check_bool, "ngram_min": partial(check_int, low=1),
@@ -338,10 +339,10 @@ class LLM:
         arguments fill three records, each checked before anything loads: EngineOptions (how steps
         run), EngineSizes (the KV pool and the scheduler's limits) and SpeculativeConfig (the proposer
         and K). log: a callable given a line about long work (the quick dynamic-K profile), or None."""
-        given = dict(locals())   # the keyword arguments by name: each record takes its fields' own
+        given = dict(locals())   # the keyword arguments by name: each record takes those of its fields
         self.options, self.sizes, self.spec = (
-            record(**{field.name: given[field.name] for field in dataclasses.fields(record)})
-            for record in (EngineOptions, EngineSizes, SpeculativeConfig))
+            kind(**{field.name: given[field.name] for field in dataclasses.fields(kind)})
+            for kind in (EngineOptions, EngineSizes, SpeculativeConfig))
         self.log = log or (lambda line: None)
         check_target(target)
         self.options.validate()
