@@ -7,6 +7,7 @@ reaches torch and fails there, far from its cause."""
 
 
 import contextvars
+import dataclasses
 import math
 import sys
 import warnings
@@ -62,6 +63,24 @@ def check_real(value, name: str, low: float | None = None, above: float | None =
             bound = f" <= {high}"
         raise NanospecError(f"{name} must be a finite number{bound}, {got(value)}{'; ' + fix if fix else ''}")
     return value
+
+
+def check_bool(value, name: str) -> bool:
+    """value, when it is True or False; otherwise one line naming `name`."""
+    if not isinstance(value, bool):
+        raise NanospecError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_fields(record, checks: dict) -> None:
+    """Check the fields of a dataclass `record` that `checks` names, each by its check (check_int,
+    check_real or check_bool, bounds given by functools.partial), in order; the message names the field by
+    param(). A field whose default is None may be left unset."""
+    optional = {field.name for field in dataclasses.fields(record) if field.default is None}
+    for name, check in checks.items():
+        value = getattr(record, name)
+        if value is not None or name not in optional:
+            check(value, param(name))
 
 
 def got(value) -> str:

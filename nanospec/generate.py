@@ -41,10 +41,6 @@ def build_parser():
     return ap
 
 
-def parse_args(argv=None):
-    return build_parser().parse_args(argv)
-
-
 def read_prompts(args) -> list[str]:
     """The prompts, checked before any model loads."""
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
@@ -115,7 +111,7 @@ def run(args) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     return run_command(lambda: run(args))
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -21,7 +22,8 @@ from nanospec.eagle import load_eagle_head
 from nanospec.engine import Engine, RequestOutput, emittable_vocab
 from nanospec.sampling_params import SamplingParams
 from nanospec.stats import Stats
-from nanospec.errors import COMMAND_LINE, NanospecError, check_int, check_real, param
+from nanospec.errors import (COMMAND_LINE, NanospecError, check_bool, check_fields, check_int, check_real,
+                             param)
 from nanospec.k_policy import KPolicy, QueueSwitch, StaticK
 from nanospec.prompts import shipped_prompts
 from nanospec.hybrid import HybridProposer
@@ -74,6 +76,11 @@ def kv_block_bytes(config, dtype: torch.dtype, block_size: int, num_layers: int 
     return 2 * layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
+def check_path(value, name: str) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise NanospecError(f"{name} must be a path (a string), got {value!r}")
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """Which proposer drafts, and how many drafts a step verifies; validate() checks the whole and
@@ -123,9 +130,21 @@ class SpeculativeConfig:
         return MAX_SPECULATIVE_TOKENS if self.suffix else 4
 
     def validate(self) -> int:
-        """K for the chosen proposer, or 0 without one."""
-        self.check_types()
-        self.check_suffix_settings()
+        """K for the chosen proposer, or 0 without one. Each field alone first (a suffix setting without
+        suffix is told so before its bounds are checked), then how the fields combine."""
+        check_fields(self, {"draft": check_path, "eagle": check_path, "profile": check_path,
+                            "ngram": check_bool, "suffix": check_bool, "dynamic_k": check_bool,
+                            "per_request_k": check_bool, "ngram_min": partial(check_int, low=1),
+                            "ngram_max": partial(check_int, low=self.ngram_min,
+                                                 fix=f"it is at least {param('ngram_min')}")})
+        for name in LLM_SETTINGS:
+            if getattr(self, name) is not None and not self.suffix:
+                raise NanospecError(f"{param(name)} is a setting of suffix decoding: add {param('suffix')}")
+        check_fields(self, {"suffix_max_spec_offset": partial(check_int, low=0, high=MAX_SPECULATIVE_TOKENS),
+                            "suffix_max_cached_requests": partial(check_int, low=0),
+                            # (a match of 1 at factor 16 reaches the largest K)
+                            "suffix_max_spec_factor": partial(check_real, low=0, high=MAX_SPECULATIVE_TOKENS),
+                            "suffix_min_token_prob": partial(check_real, low=0, high=1)})
         chosen = self.chosen_proposer()
         self.check_dynamic_k_settings()
         queue = param("disable_queue_size", "--speculative-disable-queue-size")
@@ -142,33 +161,6 @@ class SpeculativeConfig:
             return 0
         k = self.default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
         return check_int(k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
-
-    def check_types(self) -> None:
-        for name in ("draft", "eagle", "profile"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise NanospecError(f"{param(name)} must be a path (a string), got {value!r}")
-        for name in ("ngram", "suffix", "dynamic_k", "per_request_k"):
-            if not isinstance(getattr(self, name), bool):
-                raise NanospecError(f"{param(name)} must be True or False, got {getattr(self, name)!r}")
-        check_int(self.ngram_min, param("ngram_min"), low=1)
-        check_int(self.ngram_max, param("ngram_max"), low=self.ngram_min,
-                  fix=f"it is at least {param('ngram_min')}")
-
-    def check_suffix_settings(self) -> None:
-        for name in LLM_SETTINGS:
-            if getattr(self, name) is not None and not self.suffix:
-                raise NanospecError(f"{param(name)} is a setting of suffix decoding: add {param('suffix')}")
-        if self.suffix_max_spec_offset is not None:
-            check_int(self.suffix_max_spec_offset, param("suffix_max_spec_offset"), low=0,
-                      high=MAX_SPECULATIVE_TOKENS)
-        if self.suffix_max_cached_requests is not None:
-            check_int(self.suffix_max_cached_requests, param("suffix_max_cached_requests"), low=0)
-        if self.suffix_max_spec_factor is not None:   # (a match of 1 at factor 16 reaches the largest K)
-            check_real(self.suffix_max_spec_factor, param("suffix_max_spec_factor"), low=0,
-                       high=MAX_SPECULATIVE_TOKENS)
-        if self.suffix_min_token_prob is not None:
-            check_real(self.suffix_min_token_prob, param("suffix_min_token_prob"), low=0, high=1)
 
     def chosen_proposer(self) -> list[str]:
         """The one proposer asked for (suffix with a model: the model's name), or none."""
@@ -203,17 +195,14 @@ class EngineSizes:
     max_num_batched_tokens: int = 1024
 
     def validate(self) -> None:
-        if self.max_model_len is not None:
-            check_int(self.max_model_len, param("max_model_len"), low=2,
-                      fix="it is the longest prompt + output")
-        if self.kv_cache_gb is not None:
-            check_real(self.kv_cache_gb, param("kv_cache_gb"), above=0)
-        if self.num_kv_blocks is not None:
-            check_int(self.num_kv_blocks, param("num_kv_blocks"), low=1,
-                      fix="or leave it unset to size the pool by " + param("kv_cache_gb"))
-        check_int(self.block_size, param("block_size"), low=1, high=1024)
-        check_int(self.max_num_seqs, param("max_num_seqs"), low=1)
-        check_int(self.max_num_batched_tokens, param("max_num_batched_tokens"), low=1)
+        check_fields(self, {
+            "max_model_len": partial(check_int, low=2, fix="it is the longest prompt + output"),
+            "kv_cache_gb": partial(check_real, above=0),
+            "num_kv_blocks": partial(check_int, low=1,
+                                     fix="or leave it unset to size the pool by " + param("kv_cache_gb")),
+            "block_size": partial(check_int, low=1, high=1024),
+            "max_num_seqs": partial(check_int, low=1),
+            "max_num_batched_tokens": partial(check_int, low=1)})
 
     def pool_blocks(self, budget_gb: float | None, block_bytes: int) -> int:
         """The pool's blocks: num_kv_blocks when given (an exact count wins), else as many blocks of
@@ -243,10 +232,7 @@ class EngineOptions:
         return self.step_options or StepOptions()
 
     def validate(self) -> None:
-        if self.compile_sampler is not None and not isinstance(self.compile_sampler, bool):
-            raise NanospecError(f"compile_sampler must be True or False, got {self.compile_sampler!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise NanospecError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        check_fields(self, {"compile_sampler": check_bool, "enforce_eager": check_bool})
         if not isinstance(self.step_options, (StepOptions, type(None))):
             raise NanospecError(f"step_options must be a nanospec.cuda_graph.StepOptions or None, got "
                                 f"{self.step_options!r}")
@@ -353,21 +339,14 @@ class LLM:
         arguments fill three records, each checked before anything loads: EngineOptions (how steps
         run), EngineSizes (the KV pool and the scheduler's limits) and SpeculativeConfig (the proposer
         and K). log: a callable given a line about long work (the quick dynamic-K profile), or None."""
+        given = dict(locals())   # the keyword arguments by name: each record takes those of its fields
+        self.options, self.sizes, self.spec = (
+            kind(**{field.name: given[field.name] for field in dataclasses.fields(kind)})
+            for kind in (EngineOptions, EngineSizes, SpeculativeConfig))
         self.log = log or (lambda line: None)
         check_target(target)
-        self.options = EngineOptions(compile_sampler, enforce_eager, enable_prefix_caching, generation_config,
-                                     step_options)
         self.options.validate()
-        self.sizes = EngineSizes(max_model_len, kv_cache_gb, num_kv_blocks, block_size, max_num_seqs,
-                                 max_num_batched_tokens)
         self.sizes.validate()
-        self.spec = SpeculativeConfig(
-            draft=draft, eagle=eagle, ngram=ngram, num_speculative_tokens=num_speculative_tokens,
-            dynamic_k=dynamic_k, profile=profile, per_request_k=per_request_k,
-            speculative_disable_queue_size=speculative_disable_queue_size, ngram_min=ngram_min,
-            ngram_max=ngram_max, suffix=suffix, suffix_max_spec_offset=suffix_max_spec_offset,
-            suffix_max_cached_requests=suffix_max_cached_requests,
-            suffix_max_spec_factor=suffix_max_spec_factor, suffix_min_token_prob=suffix_min_token_prob)
         k = self.spec.validate()
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -577,8 +556,7 @@ class LLM:
         """One conversation (a list of {"role", "content"} dicts) as prompt token ids: rendered by the
         checkpoint's chat template (chat_template_kwargs: its extra variables, e.g. enable_thinking)
         and encoded as transformers' apply_chat_template encodes it."""
-        if not isinstance(add_generation_prompt, bool):
-            raise NanospecError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
+        check_bool(add_generation_prompt, "add_generation_prompt")
         kwargs = check_template_kwargs(chat_template_kwargs)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
