@@ -196,7 +196,7 @@ class Run:
         self.tokens = self.tokens[size:].copy()
         return size, requests
 
-    def lookup(self, keys: np.ndarray) -> tuple[list[int], list[int]]:
+    def lookup(self, keys: np.ndarray) -> list[list[int]]:
         """keys: a batch's keys, then each of them + 1. Returns lo, hi: key i's stretch is
         self.keys[lo[i]:hi[i]] (the keys are integers: where key + 1 would go, key's stretch ends)."""
         return np.searchsorted(self.keys, keys).reshape(2, -1).tolist()
