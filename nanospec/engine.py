@@ -473,7 +473,7 @@ class Engine:
         counts and finiteness flags (and a second, of logprobs, when a request asked for them)."""
         start = time.perf_counter()
         reqs, ks = batch.requests, [n - 1 for n in batch.query_lens]
-        proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal.none(len(reqs))
+        proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal([0] * len(reqs))
         steps = self.step_graphs
         sampling = steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round)
         if proposal.round:   # a model proposer's draft steps, on the device

@@ -67,9 +67,9 @@ class StepPlans:
         if unmeasured:
             plan = unmeasured[0]
         else:
-            ranked = sorted(expected, key=lambda p: expected[p][0] / self.seconds[p].ratio(batch,
-                                                                                           expected[p][1]),
-                            reverse=True)
+            goodput = {p: gain / self.seconds[p].ratio(batch, drafts)   # tokens per (fitted) second
+                       for p, (gain, drafts) in expected.items()}
+            ranked = sorted(goodput, key=goodput.get, reverse=True)
             self.steps[batch] = self.steps.get(batch, 0) + 1
             probe, turn = divmod(self.steps[batch], PROBE_EVERY)
             plan = ranked[1 + probe % (len(ranked) - 1)] if turn == 0 and len(ranked) > 1 else ranked[0]
@@ -78,8 +78,8 @@ class StepPlans:
 
 
 class HybridProposer:
-    drafts_on_host = False        # its model's drafts are drawn on the device
-    acceptance_in_spans = False   # model drafts: dynamic K counts acceptance per step
+    # Whatever it does not define is its model's (__getattr__): drafts_on_host and acceptance_in_spans
+    # are False (its model's drafts are drawn on the device; dynamic K counts acceptance per step).
     host_and_model = True         # suffix drafts on the host beside the model's round, in one step
 
     def __init__(self, suffix: SuffixProposer, model: ModelProposer, model_k: int = 4, priced: bool = False):
@@ -87,8 +87,8 @@ class HybridProposer:
         self.plans = StepPlans() if priced else None                      # priced: the plans' costs weighed
         self.plan = "plain"                                               # the plan of the last step
         self.bins = [[0.0, 0] for _ in range(NUM_BINS)]   # per score bin: accepted tokens, drafts
-        self.model_drafted: list[int] = []                # per position: the model's drafts there
-        self.model_accepted: list[int] = []               # and how many were accepted
+        self.model_drafted = [0] * model_k                # per position: the model's drafts there
+        self.model_accepted = [0] * model_k               # and how many were accepted
         # per row of the last step: the suffix draft's bin, or None
         self.chosen: list[int | None] = []
         self.model_steps = 0                              # request-steps the model drafted for
@@ -101,10 +101,11 @@ class HybridProposer:
         return (accepted + PRIOR_WEIGHT * score) / (drafts + PRIOR_WEIGHT)
 
     def worth_of_model(self, k: int) -> float:
+        """K = k <= model_k drafts' expected accepted tokens."""
         rates = [(a + PRIOR_RATE * PRIOR_WEIGHT) / (d + PRIOR_WEIGHT)
-                 for a, d in zip(self.model_accepted + [0] * k, self.model_drafted + [0] * k)]
+                 for a, d in zip(self.model_accepted[:k], self.model_drafted[:k])]
         worth, survive = 0.0, 1.0
-        for rate in rates[:k]:   # a_i: accepted at i given accepted before i, chained
+        for rate in rates:   # a_i: accepted at i given accepted before i, chained
             survive *= rate
             worth += survive
         return worth
@@ -132,43 +133,37 @@ class HybridProposer:
     def choose(self, requests, ks: list[int]) -> tuple[list[list[int]], list[int]]:
         """(the suffix drafts, [] where the model drafts; the model's K per request, 0 where not).
         Priced: the drafts of the plan that pays (StepPlans)."""
-        drafts, model_ks, self.chosen = [], [], []
         suffix_drafts = self.suffix.drafts(requests, ks)   # each row's, if any: the plan without a round
-        model_worth = {k: self.worth_of_model(k) for k in {min(k, self.model_k) for k in ks}}   # once per K
-        expected = dict(plain=0.0, suffix=0.0, mixed=0.0)   # the drafts' worth under each plan, summed
-        for req, k, draft in zip(requests, ks, suffix_drafts):
-            suffix_worth = self.worth_of_suffix(draft.score) if draft.tokens else 0.0
-            expected["suffix"] += suffix_worth
-            k = min(k, self.model_k)
-            if draft.tokens and suffix_worth >= model_worth[k]:
-                drafts.append(draft.tokens)
-                model_ks.append(0)
-                self.chosen.append(self.bin(draft.score))
-                expected["mixed"] += suffix_worth
-            else:
-                drafts.append([])
-                model_ks.append(k)
-                self.chosen.append(None)
-                expected["mixed"] += model_worth[k]
-        if self.plans:
-            batch = len(requests)
-            suffix_tokens = sum(len(d.tokens) for d in suffix_drafts)
-            plans = dict(plain=(batch, 0.0), suffix=(batch + expected["suffix"], suffix_tokens / batch),
-                         mixed=(batch + expected["mixed"], sum(len(d) or k for d, k in zip(drafts,
-                                                                                           model_ks))
-                                / batch))
-            if not any(model_ks):   # the acceptance's plan is the suffix drafts' own
-                del plans["mixed"]
-            if not suffix_tokens:
-                del plans["suffix"]
-            plan = self.plans.choose(batch, plans)
-            if plan != "mixed":
-                drafts = [d.tokens if plan == "suffix" else [] for d in suffix_drafts]
-                model_ks = [0] * batch
-                self.chosen = [self.bin(d.score) if d.tokens and plan == "suffix" else None
-                               for d in suffix_drafts]
+        capped = [min(k, self.model_k) for k in ks]
+        model_worth = {k: self.worth_of_model(k) for k in set(capped)}   # once per K
+        suffix_worth = [self.worth_of_suffix(d.score) if d.tokens else 0.0 for d in suffix_drafts]
+        takes_suffix = [bool(d.tokens) and w >= model_worth[k] for d, w, k in zip(suffix_drafts, suffix_worth,
+                                                                                  capped)]
+        model_ks = [0 if s else k for s, k in zip(takes_suffix, capped)]
+        plan = self.priced_plan(suffix_drafts, suffix_worth, takes_suffix, model_ks, model_worth) \
+            if self.plans else "mixed"
+        if plan != "mixed":   # every row's suffix draft, or none; no round
+            takes_suffix = [plan == "suffix" and bool(d.tokens) for d in suffix_drafts]
+            model_ks = [0] * len(ks)
+        drafts = [d.tokens if s else [] for d, s in zip(suffix_drafts, takes_suffix)]
+        self.chosen = [self.bin(d.score) if s else None for d, s in zip(suffix_drafts, takes_suffix)]
         self.plan = "mixed" if any(model_ks) else "suffix" if any(drafts) else "plain"
         return drafts, model_ks
+
+    def priced_plan(self, suffix_drafts, suffix_worth, takes_suffix, model_ks, model_worth) -> str:
+        """The plan StepPlans chooses, given each plan's tokens expected (each row's 1 + its drafts'
+        worth) and the drafts a request would verify; "mixed" is the acceptance's choice above."""
+        batch = len(suffix_drafts)
+        suffix_tokens = sum(len(d.tokens) for d in suffix_drafts)
+        mixed = [(w, len(d.tokens)) if s else (model_worth[k], k)   # each row's (worth, drafts)
+                 for d, w, s, k in zip(suffix_drafts, suffix_worth, takes_suffix, model_ks)]
+        plans = dict(plain=(batch, 0.0), suffix=(batch + sum(suffix_worth), suffix_tokens / batch),
+                     mixed=(batch + sum(w for w, _ in mixed), sum(n for _, n in mixed) / batch))
+        if not any(model_ks):   # the acceptance's plan is the suffix drafts' own
+            del plans["mixed"]
+        if not suffix_tokens:
+            del plans["suffix"]
+        return self.plans.choose(batch, plans)
 
     def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
         """The last step's outcome, row by row as choose() made it, and its time: the measurements above."""
@@ -180,14 +175,12 @@ class HybridProposer:
             if chosen is not None and d:
                 self.bins[chosen][0] += a
                 self.bins[chosen][1] += 1
-            elif d:
+            elif d:   # (d <= model_k)
                 self.model_steps += 1
-                self.model_drafted.extend([0] * (d - len(self.model_drafted)))
-                self.model_accepted.extend([0] * (d - len(self.model_accepted)))
-                for i in range(d):   # position i was offered given i - 1 accepted: its conditional rate
-                    if i <= a:
-                        self.model_drafted[i] += 1
-                        self.model_accepted[i] += i < a
+                # position i was offered given i - 1 accepted (i <= a): its conditional rate
+                for i in range(min(d, a + 1)):
+                    self.model_drafted[i] += 1
+                    self.model_accepted[i] += i < a
 
     def finished(self, request) -> None:
         self.suffix.finished(request)

@@ -55,10 +55,6 @@ class Proposal:
     host_drafts: list[list[int]] | None = None       # request b's drafts made on the host ([]: none)
     round: Round | None = None                       # a model proposer's round of draft steps
 
-    @staticmethod
-    def none(batch: int) -> Proposal:
-        return Proposal([0] * batch)
-
 
 class Proposer:
     capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
@@ -85,7 +81,8 @@ class Proposer:
         pass
 
     def free(self, request) -> None:
-        request.proposer_state = None
+        """The request finished or was preempted: release the proposer's state (n-gram's index, the
+        oracle's nothing and suffix decoding's stream only depend on tokens, which preemption keeps)."""
 
     def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
         """The outcome of the step it was last asked to draft for, row by row, and the step's seconds
@@ -136,15 +133,10 @@ class NgramProposer(Proposer):
         self.device, self.min_n, self.max_n = device, min_n, max_n
 
     def propose(self, requests, ks) -> Proposal:
-        drafts = []
-        for req, k in zip(requests, ks):
-            if req.proposer_state is None:
-                req.proposer_state = NgramIndex(self.min_n, self.max_n)
-            drafts.append(req.proposer_state.lookup(req.tokens, k) if k else [])
+        for req in requests:
+            req.proposer_state = req.proposer_state or NgramIndex(self.min_n, self.max_n)
+        drafts = [r.proposer_state.lookup(r.tokens, k) if k else [] for r, k in zip(requests, ks)]
         return Proposal([len(d) for d in drafts], drafts)   # one-hot, on the host
-
-    def free(self, request) -> None:
-        pass   # the index only depends on tokens, which preemption keeps
 
 
 class OracleProposer(Proposer):
@@ -164,9 +156,6 @@ class OracleProposer(Proposer):
             done = len(req.tokens) - len(req.prompt_ids)
             drafts.append(self.continuations.get(tuple(req.prompt_ids), [])[done:done + k])
         return Proposal([len(d) for d in drafts], drafts)
-
-    def free(self, request) -> None:
-        pass
 
 
 @dataclass
@@ -475,9 +464,8 @@ class EagleProposer(ModelProposer):
         meta = build_metadata([s.block_table for s in states], cached, lens, self.kv_cache.block_size,
                               self.device, extra=token_ids)
         self.forward(meta, meta.extra, features)
-        for st in states:
-            st.num_cached = st.num_real
         for request, st, c in zip(rows, states, cached):
+            st.num_cached = st.num_real
             written = st.block_table[c // self.kv_cache.block_size:]   # (a block is shared only once full)
             if not bool(torch.isfinite(self.kv_cache.pool[:, :, written]).all()):
                 self.kv_cache.zero_blocks(written)
@@ -490,15 +478,13 @@ class EagleProposer(ModelProposer):
 
     def first_step(self, meta, plan, rows_t, carry) -> torch.Tensor:
         """The logits after each request's catch-up; its hidden states go to carry[rows_t]."""
-        return self.finish(self.forward(meta, meta.extra, plan.features), rows_t, carry)
+        hidden = self.forward(meta, meta.extra, plan.features)
+        carry[rows_t] = self.head.carried(hidden)
+        return self.head.logits(hidden, self.target)
 
     def next_step(self, meta, input_ids, hidden):
         hidden = self.forward(meta, input_ids, hidden)
         return self.head.logits(hidden, self.target), self.head.carried(hidden)
-
-    def finish(self, hidden, rows_t, carry) -> torch.Tensor:
-        carry[rows_t] = self.head.carried(hidden)
-        return self.head.logits(hidden, self.target)
 
     def forward(self, meta, token_ids, features) -> torch.Tensor:
         embeds = self.embed(token_ids)

@@ -196,11 +196,10 @@ class Run:
         self.tokens = self.tokens[size:].copy()
         return size, requests
 
-    def lookup(self, keys: np.ndarray) -> tuple[list[int], list[int]]:
+    def lookup(self, keys: np.ndarray) -> list[list[int]]:
         """keys: a batch's keys, then each of them + 1. Returns lo, hi: key i's stretch is
         self.keys[lo[i]:hi[i]] (the keys are integers: where key + 1 would go, key's stretch ends)."""
-        lo, hi = np.searchsorted(self.keys, keys).reshape(2, -1).tolist()
-        return lo, hi
+        return np.searchsorted(self.keys, keys).reshape(2, -1).tolist()
 
     @property
     def nbytes(self) -> int:
@@ -389,18 +388,14 @@ class SuffixProposer(Proposer):
         global index's (looked up for the batch at once), with at most `offset` extra tokens
         (default: max_spec_offset)."""
         walk_args = self.walk_args if offset is None else {**self.walk_args, "offset": offset}
-        streams = []
         for request in requests:
-            if request.suffix_stream is None:
-                request.suffix_stream = RequestStream()
+            request.suffix_stream = request.suffix_stream or RequestStream()
             request.suffix_stream.sync(request.tokens)
-            streams.append(request.suffix_stream)
+        streams = [r.suffix_stream for r in requests]
         contexts = [s.tokens[max(0, s.size - MAX_DEPTH):s.size].tolist() for s in streams]
-        drafts = []
-        for stream, k, theirs in zip(streams, ks, self.global_index.drafts(contexts, ks, **walk_args)):
-            mine = stream.draft(k, **walk_args) if k else NO_DRAFT
-            drafts.append(theirs if theirs.score > mine.score else mine)
-        return drafts
+        theirs = self.global_index.drafts(contexts, ks, **walk_args)
+        mine = [s.draft(k, **walk_args) if k else NO_DRAFT for s, k in zip(streams, ks)]
+        return [t if t.score > m.score else m for t, m in zip(theirs, mine)]
 
     def propose(self, requests, ks) -> Proposal:
         self.drafts_made = self.drafts(requests, ks,
@@ -413,9 +408,6 @@ class SuffixProposer(Proposer):
 
     def finished(self, request) -> None:
         self.global_index.add(request.tokens)
-
-    def free(self, request) -> None:
-        pass   # the stream only depends on tokens, which preemption keeps
 
     def twin(self, num_blocks: int) -> "SuffixProposer":
         """The same settings and an empty global index: an engine of its own learns from its own requests."""
