@@ -258,11 +258,35 @@ def error(status_body):
     ({"prompt": [999999]}, 400, "outside this model and tokenizer's ids"),
     ({"prompt": "x " * 600}, 400, "the context holds"),
     ({"prompt": "x", "model": "gpt-4"}, 404, 'the model "gpt-4" is not served here'),
+    # the body's own limits: one place (serve.read_body), each a 400 that names the problem
+    (b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", 400, "not valid JSON (an integer of 5000 digits)"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 20 + b"]" * 20 + b"}", 400, "nested more than 16 deep"),
+    (b'{"prompt": "x", "temperature": NaN}', 400, "not valid JSON (NaN is not a JSON number)"),
+    # a refused value is quoted shortened
+    ({"prompt": "x", "n": 10**4000}, 400, "n must be an integer in 1..1024 (the server's --max-queue), got "
+     + "1" + "0" * 76 + "..."),
+    ({"prompt": "x", "model": "m" * 10**5}, 404, '"' + "m" * 76 + '... is not served here'),
+    # as vLLM: max_tokens must fit in what the context leaves after the prompt
+    ({"prompt": "x", "max_tokens": 10**5}, 400, "max_tokens 100000 is more than the context leaves: prompt 0 "
+     "has 1 tokens of the 512 the model holds, so at most 511 may follow; lower max_tokens"),
 ])
 def test_errors_are_in_the_openai_shape(tiny_served, body, status, message):
     url, key = tiny_served
     got_status, err = error(post(url + "/v1/completions", body, {"Authorization": f"Bearer {key}"}))
     assert got_status == status and message in err["message"]
+
+
+def test_a_body_not_sent_as_json_is_refused(tiny_served):
+    url, key = tiny_served
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", ""):
+        status, err = error(post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                                 {"Authorization": f"Bearer {key}", "Content-Type": content_type}))
+        assert status == 400 and "must be sent as JSON: set the header 'Content-Type: application/json'" \
+            in err["message"]
+    status, _ = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                     {"Authorization": f"Bearer {key}", "Content-Type": "application/json; charset=utf-8"})
+    assert status == 200
 
 
 def test_chat_errors_and_unsupported_fields(tiny_served):
@@ -300,7 +324,8 @@ def test_api_key_unknown_routes_and_a_full_queue(tiny_served, monkeypatch):
 def test_a_full_queue_is_503_with_retry_after(tiny_llm):
     with serving(tiny_llm) as (server, url):
         server.loop.max_waiting = 0
-        request = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}')
+        request = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}',
+                                         headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(request, timeout=30)
         assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
