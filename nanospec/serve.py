@@ -428,15 +428,19 @@ class Server:
         return reply.whole()
 
     async def stream(self, reply: "Reply", updates: asyncio.Queue):
-        """Server-sent events: per choice, a chunk per step that gave it text (or logprobs) and its
-        finish; then the usage if asked, and [DONE]. If the client goes away, the response is
-        cancelled here and the unfinished choices' requests aborted."""
-        pending, failed = set(range(len(reply.choices))), False
+        """Server-sent events: chat's role chunks once the first update came (after the prefill, as
+        vLLM sends them: a client counts the first chunk as the first token), then per choice a chunk
+        per step that gave it text (or logprobs) and its finish; then the usage if asked, and [DONE].
+        If the client goes away, the response is cancelled here and the unfinished choices' requests
+        aborted."""
+        pending, failed, started = set(range(len(reply.choices))), False, False
         try:
-            for chunk in reply.first_chunks():
-                yield reply.sse(chunk)
             while pending:
                 i, update = await updates.get()
+                if not started:
+                    started = True
+                    for chunk in reply.first_chunks():
+                        yield reply.sse(chunk)
                 if update.finish_reason == "error":   # the error, then [DONE] (no usage), as vLLM ends it
                     pending.discard(i)
                     failed = True

@@ -4,6 +4,7 @@ streamed); 32 concurrent clients with a quarter of them going away mid-stream le
 every error is in the OpenAI shape with its status; a request whose logits are not finite fails
 alone; SIGTERM under load finishes the streams and exits 0."""
 import contextlib
+import http.client
 import json
 import os
 import random
@@ -501,6 +502,30 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
 
 
 @pytest.mark.slow
+def test_a_chat_streams_role_chunk_comes_with_the_first_token_not_before(tiny_llm, monkeypatch):
+    """As vLLM sends it: a client (vLLM's bench serve too) takes the first chunk for the first token,
+    so a role chunk sent before the prefill would hide the prefill from TTFT and show it as a gap
+    between tokens."""
+    release, step = threading.Event(), tiny_llm.engine.step
+    monkeypatch.setattr(tiny_llm.engine, "step", lambda: (release.wait(60), step())[1])
+    with serving(tiny_llm) as (server, url):
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}),
+            {"Content-Type": "application/json"})
+        released = []
+        threading.Timer(1.0, lambda: (released.append(time.monotonic()), release.set())).start()
+        response = conn.getresponse()
+        assert response.status == 200
+        first = response.readline()   # blocks until the first event
+        assert released and time.monotonic() >= released[0], "an event came before any step ran"
+        events = [json.loads(line[6:]) for line in (first + response.read()).decode().splitlines()
+                  if line.startswith("data: {")]
+        conn.close()
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:])
+
+
 def test_special_tokens_left_out_of_the_text_whole_and_streamed(tiny_llm):
     """The server's text, whole and streamed, is offline generate's: special tokens left out by
     default (vLLM's skip_special_tokens), kept with skip_special_tokens false."""
