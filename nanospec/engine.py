@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.errors import NanospecError, param
+from nanospec.errors import NanospecError, param, shown
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs, StepOptions, Verified
 from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
@@ -369,12 +369,12 @@ class Engine:
             raise NanospecError(f"prompt {index} is empty; give at least one token of text")
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise NanospecError(f"prompt {index} holds token id {bad[0]!r}, outside this model and "
+            raise NanospecError(f"prompt {index} holds token id {shown(bad[0])}, outside this model and "
                                 f"tokenizer's ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
         outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if outside:
-            raise NanospecError(f"{param('stop_token_ids')} holds {outside[0]}, outside this model and "
-                                f"tokenizer's ids 0..{self.vocab_size - 1}")
+            raise NanospecError(f"{param('stop_token_ids')} holds {shown(outside[0])}, outside this "
+                                f"model and tokenizer's ids 0..{self.vocab_size - 1}")
         if len(prompt_ids) >= self.max_model_len:
             raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "
                                 f"{self.max_model_len}; shorten the prompt or raise {param('max_model_len')}")

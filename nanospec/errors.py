@@ -68,7 +68,7 @@ def check_real(value, name: str, low: float | None = None, above: float | None =
 def check_bool(value, name: str) -> bool:
     """value, when it is True or False; otherwise one line naming `name`."""
     if not isinstance(value, bool):
-        raise NanospecError(f"{name} must be True or False, got {value!r}")
+        raise NanospecError(f"{name} must be True or False, got {shown(value)}")
     return value
 
 
@@ -83,8 +83,21 @@ def check_fields(record, checks: dict) -> None:
             check(value, param(name))
 
 
+MAX_SHOWN = 80   # characters of a refused value that a message quotes
+
+
+def shown(value, limit: int = MAX_SHOWN, quote: bool = True) -> str:
+    """How a message quotes a value: its repr (the text itself with quote=False), cut to `limit`
+    characters. A refused value can be megabytes of JSON, or an integer too long for repr."""
+    try:
+        text = repr(value) if quote else str(value)
+    except ValueError:   # an int past sys.get_int_max_str_digits()
+        text = f"an integer of more than {sys.get_int_max_str_digits()} digits"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def got(value) -> str:
-    return "but it is missing" if value is None else f"got {value!r}"
+    return "but it is missing" if value is None else f"got {shown(value)}"
 
 
 def run_command(body) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanospec.errors import NanospecError, check_int, check_real, is_int, is_real, param
+from nanospec.errors import NanospecError, check_int, check_real, is_int, is_real, param, shown
 
 # Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
 MIN_TEMPERATURE = 1e-5
@@ -55,14 +55,14 @@ class SamplingParams:
             raise NanospecError(f"{temperature} {self.temperature} is too small to sample with (the logits "
                                 f"divided by it overflow); use 0 for greedy, or at least {MIN_TEMPERATURE}")
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
-            raise NanospecError(f"{param('top_p')} must be in (0, 1] (1 is off), got {self.top_p!r}")
+            raise NanospecError(f"{param('top_p')} must be in (0, 1] (1 is off), got {shown(self.top_p)}")
         check_int(self.top_k, param("top_k"), low=0, high=2**63 - 1, fix="0 is off")
         check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
         if self.seed is not None:
             check_int(self.seed, param("seed"), low=0, high=MAX_SEED)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise NanospecError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise NanospecError(f"{name} must be True or False, got {shown(getattr(self, name))}")
         if self.num_speculative_tokens is not None:
             check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0,
                       fix="0 turns speculation off")
@@ -75,11 +75,11 @@ class SamplingParams:
         check_real(self.min_p, param("min_p"), low=0, high=1, fix="0 is off")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise NanospecError(f"{param('stop_token_ids')} must be a list of token ids, got "
-                                f"{self.stop_token_ids!r}")
+                                f"{shown(self.stop_token_ids)}")
         for token in self.stop_token_ids:
             if not (is_int(token) and token >= 0):
                 raise NanospecError(f"{param('stop_token_ids')} must hold token ids (integers >= 0), got "
-                                    f"{token!r}")
+                                    f"{shown(token)}")
         self.stop = stop_strings(self.stop)
 
 
@@ -87,7 +87,7 @@ def stop_strings(stop) -> list[str]:
     """A list of non-empty strings; one string is one stop (not its characters)."""
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stops, (list, tuple)) and all(isinstance(s, str) for s in stops)):
-        raise NanospecError(f"{param('stop')} must be a string or a list of strings, got {stop!r}")
+        raise NanospecError(f"{param('stop')} must be a string or a list of strings, got {shown(stop)}")
     if "" in stops:
         raise NanospecError(f"{param('stop')} holds an empty string, which would stop before any text; "
                             "remove it")

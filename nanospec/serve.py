@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import email.message
 import functools
 import itertools
 import json
@@ -33,7 +34,7 @@ from nanospec.cli import (DEFAULT_MODEL, add_max_model_len, add_model_args, add_
                           frozen_gc_heap, load_llm, log, parser)
 from nanospec.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
-from nanospec.errors import NanospecError, is_int, run_command
+from nanospec.errors import NanospecError, is_int, run_command, shown
 from nanospec.metrics import Metrics
 from nanospec.tokenizer import utf8_decoder
 
@@ -48,8 +49,10 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        # (both may quote the request, whose JSON can hold lone surrogates, which UTF-8 cannot encode)
-        safe = lambda text: text and text.encode("utf-8", "backslashreplace").decode("utf-8")
+        # (both may quote the request, whose JSON can hold lone surrogates, which UTF-8 cannot encode;
+        # a value is quoted shortened (`quoted`), and a message past MAX_MESSAGE is cut, whatever made it)
+        safe = lambda text: text and shown(text, MAX_MESSAGE, quote=False).encode(
+            "utf-8", "backslashreplace").decode("utf-8")
         return {"error": {"message": safe(self.message), "type": self.kind, "param": safe(self.param),
                           "code": self.code}}
 
@@ -71,6 +74,74 @@ NEUTRAL = {"best_of": (1,), "echo": (False,), "logit_bias": ({},), "suffix": (""
            "response_format": ({"type": "text"},)}
 
 
+MAX_BODY_BYTES = 32 * 2**20   # a larger body is refused (413) before it is read whole
+MAX_DEPTH = 16                # JSON nesting a body may have (a chat message's content parts: 4)
+MAX_MESSAGE = 1000            # characters of an error message
+
+
+async def read_body(request: HttpRequest) -> dict:
+    """The one place a request body enters: sent as JSON (a Content-Type of application/json or
+    +json, as FastAPI requires it), at most MAX_BODY_BYTES, JSON by the standard (no NaN or
+    Infinity) within Python's limits (an integer's digits, nesting), and an object nested at most
+    MAX_DEPTH deep. Every check after this reads a bounded dict; what fails here is a 4xx."""
+    content_type = request.headers.get("content-type")
+    if not is_json_type(content_type):
+        raise ApiError(400, f"the request body must be sent as JSON: set the header 'Content-Type: "
+                            f"application/json' (got {as_json(content_type)})")
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB; send less")
+    try:
+        body = json.loads(data, parse_constant=not_json, parse_int=bounded_int)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply; send a JSON object") from None
+    except ValueError as e:   # (JSONDecodeError, UnicodeDecodeError, not_json, bounded_int)
+        raise ApiError(400, f"the request body is not valid JSON ({shown(e, quote=False)}); "
+                            "send a JSON object") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if nesting(body) > MAX_DEPTH:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} deep; no field needs that")
+    return body
+
+
+def is_json_type(content_type: str | None) -> bool:
+    message = email.message.Message()
+    message["content-type"] = content_type or ""
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json"
+                                                                 or subtype.endswith("+json"))
+
+
+def not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def bounded_int(digits: str) -> int:
+    if len(digits) > sys.get_int_max_str_digits():
+        raise ValueError(f"an integer of {len(digits)} digits")
+    return int(digits)
+
+
+def nesting(value) -> int:
+    """How deep lists and objects nest in `value` (a scalar is 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        value, depth = todo.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def as_json(value) -> str:
+    """A value of the request as a message quotes it: in JSON, shortened (errors.shown)."""
+    return shown(json.dumps(value), quote=False)
+
+
 def check_fields(body: dict, endpoint: str) -> None:
     unknown = sorted(k for k in body if k not in FIELDS[endpoint] and k not in NEUTRAL)
     if unknown:
@@ -80,7 +151,7 @@ def check_fields(body: dict, endpoint: str) -> None:
         value = body.get(key)
         if (key in body and key not in FIELDS[endpoint] and value is not None
                 and not is_neutral(value, neutral)):
-            raise ApiError(400, f"{key}={json.dumps(value)} is not supported by nanospec; remove it",
+            raise ApiError(400, f"{key}={as_json(value)} is not supported by nanospec; remove it",
                            param=key)
 
 
@@ -97,7 +168,7 @@ def logprobs_asked(body: dict, chat: bool) -> int | None:
         return body.get("logprobs")   # (SamplingParams.validate checks it)
     wanted, top = bool_field(body, "logprobs", False), body.get("top_logprobs")
     if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
-        raise ApiError(400, f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {json.dumps(top)}",
+        raise ApiError(400, f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {as_json(top)}",
                        param="top_logprobs")
     if top and not wanted:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -144,7 +215,7 @@ def bool_field(body: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ApiError(400, f"{key} must be true or false, got {json.dumps(value)}", param=key)
+        raise ApiError(400, f"{key} must be true or false, got {as_json(value)}", param=key)
     return value
 
 
@@ -173,8 +244,19 @@ def completion_prompts(llm, body: dict) -> list[tuple[str, list[int]]]:
             prompts.append(("", p))
         else:
             raise ApiError(400, "prompt must be a string, a list of token ids, or a list of either, got "
-                                + json.dumps(prompt)[:80], param="prompt")
+                                + as_json(prompt), param="prompt")
     return prompts
+
+
+def check_room(prompts: list[tuple[str, list[int]]], max_tokens: int, context: int, body: dict) -> None:
+    """A prompt and max_tokens fit in the context, as vLLM's server requires (offline, generate stops
+    at the context instead). A prompt alone over it is the engine's to refuse, in its own words."""
+    for p, (_, ids) in enumerate(prompts):
+        if len(ids) < context < len(ids) + max_tokens:
+            key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+            raise ApiError(400, f"{key} {max_tokens} is more than the context leaves: prompt {p} has "
+                                f"{len(ids)} tokens of the {context} the model holds, so at most "
+                                f"{context - len(ids)} may follow; lower {key}", param=key)
 
 
 def usage(reqs: list, n: int, speculation: bool) -> dict:
@@ -218,7 +300,13 @@ class Server:
 
         @app.exception_handler(HTTPException)
         async def http_error(request: HttpRequest, e: HTTPException):   # an unknown path or method
-            return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
+            return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                            headers=e.headers).response()   # (a 405's headers: Allow)
+
+        @app.exception_handler(Exception)
+        async def internal_error(request: HttpRequest, e: Exception):   # a defect: uvicorn logs its traceback
+            return ApiError(500, f"internal error ({type(e).__name__}): {shown(e, quote=False)}",
+                            kind="server_error").response()
 
         @app.post("/v1/completions")
         async def completions(request: HttpRequest):
@@ -256,7 +344,7 @@ class Server:
         try:
             if (error := self.auth_error(request)) is not None:
                 raise error
-            body = await self.read_body(request)
+            body = await read_body(request)
             reqs, n = self.new_requests(body, endpoint)
             reply = Reply(self, reqs, n, endpoint, body)   # checks stream_options
             updates: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()   # (choice, update)
@@ -274,29 +362,20 @@ class Server:
             return StreamingResponse(self.stream(reply, updates), media_type="text/event-stream")
         return await self.whole(request, reply, updates)
 
-    async def read_body(self, request: HttpRequest) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
-
     def new_requests(self, body: dict, endpoint: str) -> tuple[list, int]:
         """The engine requests of the body's choices, n per prompt (chat and most completions have
         one prompt; a prompt's i-th seeded seed + i, vLLM's rule), and n."""
         check_fields(body, endpoint)
         model = body.get("model")
         if model is not None and model != self.name:
-            raise ApiError(404, f"the model {json.dumps(model)} is not served here; use "
+            raise ApiError(404, f"the model {as_json(model)} is not served here; use "
                                 f"{json.dumps(self.name)} (GET /v1/models)", param="model",
                            code="model_not_found")
         bool_field(body, "stream", False)
         n, most = 1 if body.get("n") is None else body["n"], max(1, self.loop.max_waiting)
         if not (is_int(n) and 1 <= n <= most):   # (more than may wait could never be queued)
             raise ApiError(400, f"n must be an integer in 1..{most} (the server's --max-queue), got "
-                                f"{json.dumps(n)}", param="n")
+                                f"{as_json(n)}", param="n")
         llm = self.llm
         if endpoint == "chat":
             messages = body.get("messages")
@@ -315,6 +394,7 @@ class Server:
             raise ApiError(400, f"{len(prompts)} prompts x n = {n} are more requests than may wait ({most}, "
                                 "the server's --max-queue); send fewer", param="prompt")
         params = sampling_params(body, default_max, llm.sampling_defaults, chat=endpoint == "chat")
+        check_room(prompts, params.max_tokens, llm.max_model_len, body)
         if params.seed is not None and params.seed + n - 1 > MAX_SEED:
             raise ApiError(400, f"with n = {n}, seed may be at most 2**63 - {n} (choice i is seeded "
                                 f"seed + i), got {params.seed}", param="seed")
@@ -348,15 +428,19 @@ class Server:
         return reply.whole()
 
     async def stream(self, reply: "Reply", updates: asyncio.Queue):
-        """Server-sent events: per choice, a chunk per step that gave it text (or logprobs) and its
-        finish; then the usage if asked, and [DONE]. If the client goes away, the response is
-        cancelled here and the unfinished choices' requests aborted."""
-        pending, failed = set(range(len(reply.choices))), False
+        """Server-sent events: chat's role chunks once the first update came (after the prefill, as
+        vLLM sends them: a client counts the first chunk as the first token), then per choice a chunk
+        per step that gave it text (or logprobs) and its finish; then the usage if asked, and [DONE].
+        If the client goes away, the response is cancelled here and the unfinished choices' requests
+        aborted."""
+        pending, failed, started = set(range(len(reply.choices))), False, False
         try:
-            for chunk in reply.first_chunks():
-                yield reply.sse(chunk)
             while pending:
                 i, update = await updates.get()
+                if not started:
+                    started = True
+                    for chunk in reply.first_chunks():
+                        yield reply.sse(chunk)
                 if update.finish_reason == "error":   # the error, then [DONE] (no usage), as vLLM ends it
                     pending.discard(i)
                     failed = True

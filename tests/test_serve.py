@@ -4,6 +4,7 @@ streamed); 32 concurrent clients with a quarter of them going away mid-stream le
 every error is in the OpenAI shape with its status; a request whose logits are not finite fails
 alone; SIGTERM under load finishes the streams and exits 0."""
 import contextlib
+import http.client
 import json
 import os
 import random
@@ -258,11 +259,35 @@ def error(status_body):
     ({"prompt": [999999]}, 400, "outside this model and tokenizer's ids"),
     ({"prompt": "x " * 600}, 400, "the context holds"),
     ({"prompt": "x", "model": "gpt-4"}, 404, 'the model "gpt-4" is not served here'),
+    # the body's own limits: one place (serve.read_body), each a 400 that names the problem
+    (b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", 400, "not valid JSON (an integer of 5000 digits)"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 20 + b"]" * 20 + b"}", 400, "nested more than 16 deep"),
+    (b'{"prompt": "x", "temperature": NaN}', 400, "not valid JSON (NaN is not a JSON number)"),
+    # a refused value is quoted shortened
+    ({"prompt": "x", "n": 10**4000}, 400, "n must be an integer in 1..1024 (the server's --max-queue), got "
+     + "1" + "0" * 76 + "..."),
+    ({"prompt": "x", "model": "m" * 10**5}, 404, '"' + "m" * 76 + '... is not served here'),
+    # as vLLM: max_tokens must fit in what the context leaves after the prompt
+    ({"prompt": "x", "max_tokens": 10**5}, 400, "max_tokens 100000 is more than the context leaves: prompt 0 "
+     "has 1 tokens of the 512 the model holds, so at most 511 may follow; lower max_tokens"),
 ])
 def test_errors_are_in_the_openai_shape(tiny_served, body, status, message):
     url, key = tiny_served
     got_status, err = error(post(url + "/v1/completions", body, {"Authorization": f"Bearer {key}"}))
     assert got_status == status and message in err["message"]
+
+
+def test_a_body_not_sent_as_json_is_refused(tiny_served):
+    url, key = tiny_served
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", ""):
+        status, err = error(post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                                 {"Authorization": f"Bearer {key}", "Content-Type": content_type}))
+        assert status == 400 and "must be sent as JSON: set the header 'Content-Type: application/json'" \
+            in err["message"]
+    status, _ = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2},
+                     {"Authorization": f"Bearer {key}", "Content-Type": "application/json; charset=utf-8"})
+    assert status == 200
 
 
 def test_chat_errors_and_unsupported_fields(tiny_served):
@@ -300,7 +325,8 @@ def test_api_key_unknown_routes_and_a_full_queue(tiny_served, monkeypatch):
 def test_a_full_queue_is_503_with_retry_after(tiny_llm):
     with serving(tiny_llm) as (server, url):
         server.loop.max_waiting = 0
-        request = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}')
+        request = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}',
+                                         headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(request, timeout=30)
         assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
@@ -476,6 +502,30 @@ def test_sampling_defaults_are_the_checkpoints_generation_config(checkpoints, tm
 
 
 @pytest.mark.slow
+def test_a_chat_streams_role_chunk_comes_with_the_first_token_not_before(tiny_llm, monkeypatch):
+    """As vLLM sends it: a client (vLLM's bench serve too) takes the first chunk for the first token,
+    so a role chunk sent before the prefill would hide the prefill from TTFT and show it as a gap
+    between tokens."""
+    release, step = threading.Event(), tiny_llm.engine.step
+    monkeypatch.setattr(tiny_llm.engine, "step", lambda: (release.wait(60), step())[1])
+    with serving(tiny_llm) as (server, url):
+        conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}),
+            {"Content-Type": "application/json"})
+        released = []
+        threading.Timer(1.0, lambda: (released.append(time.monotonic()), release.set())).start()
+        response = conn.getresponse()
+        assert response.status == 200
+        first = response.readline()   # blocks until the first event
+        assert released and time.monotonic() >= released[0], "an event came before any step ran"
+        events = [json.loads(line[6:]) for line in (first + response.read()).decode().splitlines()
+                  if line.startswith("data: {")]
+        conn.close()
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:])
+
+
 def test_special_tokens_left_out_of_the_text_whole_and_streamed(tiny_llm):
     """The server's text, whole and streamed, is offline generate's: special tokens left out by
     default (vLLM's skip_special_tokens), kept with skip_special_tokens false."""
