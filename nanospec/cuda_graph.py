@@ -400,9 +400,7 @@ class StepGraphs:
                 width = self.full_width(key)
                 body(key, width)
             return body(key, width)
-        if key not in self.graphs:
-            self.graphs[key] = self.capture(body, key)
-        graph, outputs = self.graphs[key]
+        graph, outputs = self.capture(body, key)
         graph.replay()
         return outputs
 
@@ -410,19 +408,22 @@ class StepGraphs:
         return (self.draft_tables if key.body == "round" else self.tables).width
 
     @torch.inference_mode()
-    def capture(self, body, key: GraphKey):
-        """Warm up on a side stream (it runs the current step, which replay then repeats: the same
-        writes), then capture the body at full width into the shared pool."""
-        width = self.full_width(key)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body(key, width)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = body(key, width)
-        return graph, outputs
+    def capture(self, body, key: GraphKey) -> tuple:
+        """The graph of body on key and its output tensors, captured on first use: warm up on a side
+        stream (it runs the current step, which replay then repeats: the same writes), then capture
+        the body at full width into the shared pool."""
+        if key not in self.graphs:
+            width = self.full_width(key)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                body(key, width)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = body(key, width)
+            self.graphs[key] = graph, outputs
+        return self.graphs[key]
 
     @torch.inference_mode()
     def capture_all(self, ks) -> None:
@@ -436,9 +437,7 @@ class StepGraphs:
         for bucket in sorted((b for b in self.buckets if b <= MAX_GRAPH_BATCH), reverse=True):
             for k in sorted(ks, reverse=True):
                 self.upload_padding(bucket, k)
-                key = GraphKey("verify", bucket, k)
-                if key not in self.graphs:
-                    self.graphs[key] = self.capture(self.verify_body, key)
+                self.capture(self.verify_body, GraphKey("verify", bucket, k))
 
     def upload_padding(self, bucket: int, k: int) -> None:
         """Inputs of a (bucket, k) step whose every row is padding."""
