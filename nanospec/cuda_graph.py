@@ -276,21 +276,14 @@ class StepGraphs:
         batch, bucket, k = len(requests), self.bucket(len(requests)), max(num_draft)
         self.grow(k)
         rows, pairs = self.tables.updates([r.block_table for r in requests])
-        buf = self.host.numpy()
-        block = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
-        self.pack_rows(block, requests, num_draft, rows)
+        fields = self.pack_rows(bucket, k, requests, num_draft, rows, host_drafts or ())
         if plan is not None:   # the round's rows: their proposer's table rows, positions and catch-ups
             draft_rows, draft_pairs = self.draft_tables.updates([requests[b].proposer_state.block_table
                                                                  for b in plan.rows])
             pairs += draft_pairs
-            fields = Fields(*block)
             fields.draft_row[plan.rows] = draft_rows
             fields.first_position[:batch], fields.catch_up[:batch] = plan.first_position, plan.catch_up
-        end = (FIELDS + k) * bucket
-        drafts = buf[FIELDS * bucket:end].reshape(bucket, k)
-        drafts[:] = 0
-        for b, d in enumerate(host_drafts or ()):
-            drafts[b, :len(d)] = d
+        buf, end = self.host.numpy(), (FIELDS + k) * bucket
         buf[end:end + len(pairs)] = pairs
         n = end + len(pairs)
         extra = plan.host if plan else []
@@ -322,10 +315,13 @@ class StepGraphs:
             all(p.top_k for p in params if p.top_p < 1))
         return self.sampling_batch(bucket, all(p.temperature == 0 for p in params), truncate, batch)
 
-    def pack_rows(self, block: np.ndarray, requests, num_draft, rows) -> None:
-        """The Fields of every row of the bucket into block [FIELDS, bucket], as in a step without a
-        draft round (upload writes a round's columns over them); the rows past the batch are padding:
-        greedy requests of one token at position 0 on the null rows."""
+    def pack_rows(self, bucket: int, k: int, requests=(), num_draft=(), rows=(), host_drafts=()) -> Fields:
+        """Into the host buffer: the Fields of every row of the bucket [FIELDS, bucket], as in a step
+        without a draft round (upload writes a round's columns over them; returned: numpy views),
+        then the [bucket, k] host drafts (zeros past a row's own). The rows past the batch are
+        padding: greedy requests of one token at position 0 on the null rows."""
+        buf = self.host.numpy()
+        block = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
         batch, params, fields = len(requests), [r.params for r in requests], Fields(*block)
         block[:] = 0
         fields.table_row[batch:] = self.tables.null_row
@@ -340,6 +336,11 @@ class StepGraphs:
         fields.temperature[:batch] = np.array([p.temperature for p in params], np.float64).view(np.int64)
         fields.top_p[:batch] = np.array([p.top_p for p in params], np.float64).view(np.int64)
         fields.previous[:batch] = [r.tokens[-2] if len(r.tokens) > 1 else 0 for r in requests]
+        drafts = buf[FIELDS * bucket:(FIELDS + k) * bucket].reshape(bucket, k)
+        drafts[:] = 0
+        for b, d in enumerate(host_drafts):
+            drafts[b, :len(d)] = d
+        return fields
 
     def mode(self, sampling: SamplingBatch, bucket: int):
         """How a step samples: "greedy", or its truncation (under a graph or a compiled sampler: any
@@ -441,10 +442,8 @@ class StepGraphs:
 
     def upload_padding(self, bucket: int, k: int) -> None:
         """Inputs of a (bucket, k) step whose every row is padding."""
-        buf = self.host.numpy()
-        self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), [], [], [])
+        self.pack_rows(bucket, k)
         n = (FIELDS + k) * bucket
-        buf[FIELDS * bucket:n] = 0
         self.inputs[:n].copy_(self.host[:n], non_blocking=True)
         self.drafts.zero_()
 
