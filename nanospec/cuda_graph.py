@@ -231,9 +231,9 @@ class StepGraphs:
         near its end) costs only what it verifies."""
         return self.graphed(bucket) or self.options.pad_batches
 
-    def fields(self, bucket: int, batch: int | None = None) -> Fields:
-        """The per-row values of the uploaded step on the device (of its first `batch` rows)."""
-        return Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket)[:, :batch])
+    def fields(self, bucket: int) -> Fields:
+        """The per-row values of the uploaded step on the device."""
+        return Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket))
 
     def sampling_batch(self, bucket: int, greedy: bool, truncate: Truncation | bool,
                        batch: int | None = None) -> SamplingBatch:
