@@ -152,11 +152,6 @@ def step_buckets(max_batch: int, padded: bool) -> list[int]:
     return batch_buckets(max_batch) if padded else list(range(1, max_batch + 1))
 
 
-def table_width(cache: KVCache, max_model_len: int) -> int:
-    """A table holds at most the blocks of max_model_len, or of the whole pool."""
-    return min(cache.allocator.blocks_for(max_model_len), cache.allocator.num_blocks)
-
-
 class DeviceBlockTables:
     """The block tables of one KV cache's running requests on the device, one row per request (and
     a null row), in flat[base:]; kept current by the updates each step sends: only the ids a
@@ -205,8 +200,9 @@ class StepGraphs:
         self.options = options
         self.buckets = step_buckets(max_num_seqs, self.use_graphs or options.pad_batches)
         draft_cache = getattr(proposer, "kv_cache", None)
-        widths = [table_width(kv_cache, max_model_len),
-                  table_width(draft_cache, max_model_len) if draft_cache else 0]
+        # a table holds at most the blocks of max_model_len, or of the whole pool
+        widths = [min(cache.allocator.blocks_for(max_model_len), cache.allocator.num_blocks) if cache else 0
+                  for cache in (kv_cache, draft_cache)]
         self.flat_tables = torch.full(((max_num_seqs + 1) * sum(widths),), NULL_BLOCK, dtype=torch.int64,
                                       device=device)
         self.tables = DeviceBlockTables(self.flat_tables, 0, max_num_seqs, widths[0])
@@ -235,9 +231,9 @@ class StepGraphs:
         near its end) costs only what it verifies."""
         return self.graphed(bucket) or self.options.pad_batches
 
-    def fields(self, bucket: int, batch: int | None = None) -> Fields:
-        """The per-row values of the uploaded step on the device (of its first `batch` rows)."""
-        return Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket)[:, :batch])
+    def fields(self, bucket: int) -> Fields:
+        """The per-row values of the uploaded step on the device."""
+        return Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket))
 
     def sampling_batch(self, bucket: int, greedy: bool, truncate: Truncation | bool,
                        batch: int | None = None) -> SamplingBatch:
@@ -280,21 +276,14 @@ class StepGraphs:
         batch, bucket, k = len(requests), self.bucket(len(requests)), max(num_draft)
         self.grow(k)
         rows, pairs = self.tables.updates([r.block_table for r in requests])
-        draft_rows = [self.draft_tables.null_row] * batch if self.draft_tables else [0] * batch
-        if plan is not None:
-            rows0, draft_pairs = self.draft_tables.updates([requests[b].proposer_state.block_table
-                                                            for b in plan.rows])
+        fields = self.pack_rows(bucket, k, requests, num_draft, rows, host_drafts or ())
+        if plan is not None:   # the round's rows: their proposer's table rows, positions and catch-ups
+            draft_rows, draft_pairs = self.draft_tables.updates([requests[b].proposer_state.block_table
+                                                                 for b in plan.rows])
             pairs += draft_pairs
-            for b, row in zip(plan.rows, rows0):
-                draft_rows[b] = row
-        buf = self.host.numpy()
-        self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), requests, num_draft, rows, draft_rows,
-                       plan.first_position if plan else [0] * batch, plan.catch_up if plan else [0] * batch)
-        end = (FIELDS + k) * bucket
-        drafts = buf[FIELDS * bucket:end].reshape(bucket, k)
-        drafts[:] = 0
-        for b, d in enumerate(host_drafts or ()):
-            drafts[b, :len(d)] = d
+            fields.draft_row[plan.rows] = draft_rows
+            fields.first_position[:batch], fields.catch_up[:batch] = plan.first_position, plan.catch_up
+        buf, end = self.host.numpy(), (FIELDS + k) * bucket
         buf[end:end + len(pairs)] = pairs
         n = end + len(pairs)
         extra = plan.host if plan else []
@@ -306,7 +295,11 @@ class StepGraphs:
         if plan is not None:   # a round too long for the buffer (a draft's first, over whole prompts): a copy
             plan.device = self.inputs[n:n + len(extra)] if fits else upload(list(extra), self.device)
         if n > end:   # most steps change no table: no launch
-            self.apply_updates(self.inputs[end:n])
+            # the (flat index, block id) pairs into the device tables, eagerly, before any graph of the
+            # step reads them (no graph holds a pair count of its own); a scatter: no sync, where
+            # indexing could need one
+            updates = self.inputs[end:n].view(-1, 2)
+            self.flat_tables.scatter_(0, updates[:, 0], updates[:, 1])
         self.finite.fill_(True)
         if host_drafts is not None:
             self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:end].view(bucket, k))
@@ -322,14 +315,17 @@ class StepGraphs:
             all(p.top_k for p in params if p.top_p < 1))
         return self.sampling_batch(bucket, all(p.temperature == 0 for p in params), truncate, batch)
 
-    def pack_rows(self, block: np.ndarray, requests, num_draft, rows, draft_rows, first_position,
-                  catch_up) -> None:
-        """The Fields of every row of the bucket into block [FIELDS, bucket]; the rows past the
-        batch are padding: greedy requests of one token at position 0 on the null rows."""
+    def pack_rows(self, bucket: int, k: int, requests=(), num_draft=(), rows=(), host_drafts=()) -> Fields:
+        """Into the host buffer: the Fields of every row of the bucket [FIELDS, bucket], as in a step
+        without a draft round (upload writes a round's columns over them; returned: numpy views),
+        then the [bucket, k] host drafts (zeros past a row's own). The rows past the batch are
+        padding: greedy requests of one token at position 0 on the null rows."""
+        buf = self.host.numpy()
+        block = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
         batch, params, fields = len(requests), [r.params for r in requests], Fields(*block)
-        block[:, batch:] = 0
+        block[:] = 0
         fields.table_row[batch:] = self.tables.null_row
-        fields.draft_row[batch:] = self.draft_tables.null_row if self.draft_tables else 0
+        fields.draft_row[:] = self.draft_tables.null_row if self.draft_tables else 0
         fields.top_p[batch:] = ONE_BITS   # top_p 1: off
         fields.table_row[:batch], fields.num_draft[:batch] = rows, num_draft
         fields.cached[:batch] = [r.num_cached for r in requests]
@@ -339,9 +335,12 @@ class StepGraphs:
         # float64 whatever the client sent: a batch of ints alone makes an int array, whose bits are no floats
         fields.temperature[:batch] = np.array([p.temperature for p in params], np.float64).view(np.int64)
         fields.top_p[:batch] = np.array([p.top_p for p in params], np.float64).view(np.int64)
-        fields.draft_row[:batch], fields.first_position[:batch] = draft_rows, first_position
         fields.previous[:batch] = [r.tokens[-2] if len(r.tokens) > 1 else 0 for r in requests]
-        fields.catch_up[:batch] = catch_up
+        drafts = buf[FIELDS * bucket:(FIELDS + k) * bucket].reshape(bucket, k)
+        drafts[:] = 0
+        for b, d in enumerate(host_drafts):
+            drafts[b, :len(d)] = d
+        return fields
 
     def mode(self, sampling: SamplingBatch, bucket: int):
         """How a step samples: "greedy", or its truncation (under a graph or a compiled sampler: any
@@ -402,9 +401,7 @@ class StepGraphs:
                 width = self.full_width(key)
                 body(key, width)
             return body(key, width)
-        if key not in self.graphs:
-            self.graphs[key] = self.capture(body, key)
-        graph, outputs = self.graphs[key]
+        graph, outputs = self.capture(body, key)
         graph.replay()
         return outputs
 
@@ -412,19 +409,22 @@ class StepGraphs:
         return (self.draft_tables if key.body == "round" else self.tables).width
 
     @torch.inference_mode()
-    def capture(self, body, key: GraphKey):
-        """Warm up on a side stream (it runs the current step, which replay then repeats: the same
-        writes), then capture the body at full width into the shared pool."""
-        width = self.full_width(key)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            body(key, width)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = body(key, width)
-        return graph, outputs
+    def capture(self, body, key: GraphKey) -> tuple:
+        """The graph of body on key and its output tensors, captured on first use: warm up on a side
+        stream (it runs the current step, which replay then repeats: the same writes), then capture
+        the body at full width into the shared pool."""
+        if key not in self.graphs:
+            width = self.full_width(key)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                body(key, width)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = body(key, width)
+            self.graphs[key] = graph, outputs
+        return self.graphs[key]
 
     @torch.inference_mode()
     def capture_all(self, ks) -> None:
@@ -438,16 +438,12 @@ class StepGraphs:
         for bucket in sorted((b for b in self.buckets if b <= MAX_GRAPH_BATCH), reverse=True):
             for k in sorted(ks, reverse=True):
                 self.upload_padding(bucket, k)
-                key = GraphKey("verify", bucket, k)
-                if key not in self.graphs:
-                    self.graphs[key] = self.capture(self.verify_body, key)
+                self.capture(self.verify_body, GraphKey("verify", bucket, k))
 
     def upload_padding(self, bucket: int, k: int) -> None:
         """Inputs of a (bucket, k) step whose every row is padding."""
-        buf = self.host.numpy()
-        self.pack_rows(buf[:FIELDS * bucket].reshape(FIELDS, bucket), [], [], [], [], [], [])
+        self.pack_rows(bucket, k)
         n = (FIELDS + k) * bucket
-        buf[FIELDS * bucket:n] = 0
         self.inputs[:n].copy_(self.host[:n], non_blocking=True)
         self.drafts.zero_()
 
@@ -530,12 +526,11 @@ class StepGraphs:
         eager = key.eager_tail
         kept = pick(logits) if eager and self.step.logprobs else None   # [bucket, q_len, vocab], raw
         processed = self.process(pick(logits), drafts) if eager and self.step.processed else None
-        if key.mode == "greedy" and processed is not None:
-            row_max, target_ids = processed.max(-1)
-            tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
-        elif key.mode == "greedy":   # each row's argmax, then the padded gather: ids, not [B, K+1, V] logits
-            row_max, target_ids = logits.max(-1)
-            row_max, target_ids = pick(row_max), pick(target_ids)
+        if key.mode == "greedy":
+            if processed is not None:
+                row_max, target_ids = processed.max(-1)
+            else:   # each row's argmax, then the padded gather: ids, not [B, K+1, V] logits
+                row_max, target_ids = map(pick, logits.max(-1))
             tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
         else:
             logits = pick(logits) if processed is None else processed
@@ -628,9 +623,3 @@ class StepGraphs:
         self.drafts[:bucket, 0] = torch.where(catch_up > 0, tokens, self.drafts[:bucket, 0])
         if probs:
             self.draft_probs[:bucket, 0] = q
-
-    def apply_updates(self, pairs: torch.Tensor) -> None:
-        """Write the uploaded (flat index, block id) pairs into the device tables, eagerly, before
-        any graph of the step reads them (no graph holds a pair count of its own)."""
-        pairs = pairs.view(-1, 2)
-        self.flat_tables.scatter_(0, pairs[:, 0], pairs[:, 1])   # no sync, where indexing could need one

@@ -105,11 +105,10 @@ class KVMirror:
         with torch.inference_mode(False):
             kv = self.kv.new_zeros(layers, 2, kv_heads, rows, blocks * self.block_size, head_dim)
             kv[:, :, :, :have_rows, :self.kv.shape[4]] = self.kv[:, :, :, :have_rows]
-        held_ids = np.full((rows - 1, blocks), -1, dtype=np.int64)
-        held_versions = np.zeros((rows - 1, blocks), dtype=np.int64)
-        held_ids[:have_rows, :have_blocks] = self.held_ids
-        held_versions[:have_rows, :have_blocks] = self.held_versions
-        self.kv, self.held_ids, self.held_versions = kv, held_ids, held_versions
+        self.kv = kv
+        grown = ((0, rows - 1 - have_rows), (0, blocks - have_blocks))   # new rows and blocks hold nothing
+        self.held_ids = np.pad(self.held_ids, grown, constant_values=-1)
+        self.held_versions = np.pad(self.held_versions, grown)
         return True
 
     def plan(self, meta: AttentionMetadata) -> Plan:

@@ -189,7 +189,6 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         qk = qkv[:, :self.q_size + self.kv_size].view(tokens, heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        norms = self.qk_norm
         # q and k rotated together, with the pass's tables (the positions kept alive with them: the
         # key holds their id)
         cos, sin, _ = meta.once(("rope", id(rope), id(positions)),
@@ -202,10 +201,10 @@ class Attention(nn.Module):
             k_cache, v_cache = pages[0], pages[1]
             q = triton_attention.rotate_and_store(
                 qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                *((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if norms else ()))
+                *((self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()))
             out = triton_attention.paged_attention(q, k_cache, v_cache, meta, scale=self.head_dim ** -0.5)
         else:
-            if norms:
+            if self.qk_norm:
                 qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
             qk = rope.rotate(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]

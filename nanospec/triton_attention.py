@@ -45,21 +45,15 @@ except ImportError:   # CPU-only installs: the reference path is used
     triton = None
 
 
-def available(q: torch.Tensor, k_cache: torch.Tensor | None = None) -> bool:
+def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the Triton kernels run this attention: triton installed, q [T, heads, head_dim] on
-    CUDA, and shapes they compile for (supported). k_cache [num_blocks, block_size, kv_heads,
-    head_dim] gives the block size; without it only head_dim is checked."""
-    block_size = k_cache.shape[1] if k_cache is not None else 16
-    return triton is not None and q.is_cuda and supported(q.shape[-1], block_size)
-
-
-def supported(head_dim: int, block_size: int) -> bool:
-    """tl.arange spans a power of two (head_dim; the page in the per-token kernel, and the tiled
-    kernel's page arithmetic is compiled for one), tl.dot needs 16 or more along head_dim, and
-    tiles past head_dim 128 are neither compiled by the tests nor sized to fit."""
-    def power_of_two(n: int) -> bool:
-        return n > 0 and n & (n - 1) == 0
-    return 16 <= head_dim <= 128 and power_of_two(head_dim) and power_of_two(block_size)
+    CUDA, and shapes they compile for, k_cache [num_blocks, block_size, kv_heads, head_dim] giving
+    the block size. tl.arange spans a power of two (head_dim; the page in the per-token kernel, and
+    the tiled kernel's page arithmetic is compiled for one), tl.dot needs 16 or more along head_dim,
+    and tiles past head_dim 128 are neither compiled by the tests nor sized to fit."""
+    head_dim, block_size = q.shape[-1], k_cache.shape[1]
+    powers_of_two = all(n > 0 and n & (n - 1) == 0 for n in (head_dim, block_size))
+    return triton is not None and q.is_cuda and 16 <= head_dim <= 128 and powers_of_two
 
 
 if triton is not None:
