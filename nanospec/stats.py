@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -47,9 +47,7 @@ class Stats:
 
     def add(self, other: Stats) -> None:
         """Count another run's steps and tokens in this one (stats over several generate calls)."""
-        for name in ("generated_tokens", "steps", "request_steps", "prefill_steps", "preemptions",
-                     "elapsed_s",
-                     "drafted_tokens", "accepted_tokens", "prefix_cache_queries", "prefix_cache_hits"):
+        for name in (f.name for f in fields(self) if f.type in ("int", "float")):   # every counter
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("offered_per_position", "drafted_per_position", "accepted_per_position"):
             pairs = itertools.zip_longest(getattr(self, name), getattr(other, name), fillvalue=0)
