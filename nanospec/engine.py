@@ -188,13 +188,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:
+        """Free req's blocks and proposer state and take it out of running, found by identity
+        (list.remove would compare every Request's fields, token lists included, with req's)."""
         self.allocator.release(req.block_table)
         self.on_free(req)
-        self.drop(req)
-
-    def drop(self, req: Request) -> None:
-        """Take req out of running, found by identity (list.remove would compare every Request's
-        fields, token lists included, with req's)."""
         del self.running[next(i for i, r in enumerate(self.running) if r is req)]
 
     def remove(self, requests: list[Request]) -> None:
