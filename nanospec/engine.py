@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import random
 import time
 from collections import deque
@@ -138,9 +137,7 @@ class Scheduler:
         budget, chosen, lens = self.max_num_batched_tokens, [], []
         candidates = [(r, False) for r in self.running if r.in_prefill] + [(r, True) for r in self.waiting]
         for req, is_waiting in candidates:
-            if budget == 0:
-                break
-            if is_waiting and len(self.running) >= self.max_num_seqs:
+            if budget == 0 or (is_waiting and len(self.running) >= self.max_num_seqs):
                 break
             if is_waiting:   # with prefix caching its cache may begin with published blocks
                 req.num_cached = self.cached_prefix(req)
@@ -166,39 +163,35 @@ class Scheduler:
         return Batch(chosen, lens, is_prefill=True) if chosen else None
 
     def _schedule_decode(self, num_drafts) -> Batch | None:
-        chosen, lens, preempted = [], [], set()   # ids: a Request compares by value, field by field
-        for req in list(self.running):
-            if id(req) in preempted or req.in_prefill:
+        # Preemption takes the newest request, so running only loses its tail here: the i-th request
+        # of the loop is still running while i < len(self.running).
+        chosen, lens = [], []
+        for i, req in enumerate(list(self.running)):
+            if i >= len(self.running):   # preempted, and every request after it
+                break
+            if req.in_prefill:
                 continue
             num_new = num_drafts(req) + 1
-            while not self.allocator.can_grow(req.block_table, req.num_cached + num_new):
-                victim = self.running[-1]
-                self.preempt(victim)
-                preempted.add(id(victim))
-                if victim is req:
-                    break
-            else:
+            while i < len(self.running) and not self.allocator.can_grow(req.block_table,
+                                                                        req.num_cached + num_new):
+                self.preempt(self.running[-1])   # the newest: req itself when it is the last
+            if i < len(self.running):
                 self.allocator.grow(req.block_table, req.num_cached + num_new)
                 chosen.append(req)
                 lens.append(num_new)
         return Batch(chosen, lens, is_prefill=False) if chosen else None
 
     def preempt(self, req: Request) -> None:
-        self.allocator.release(req.block_table)
-        self.on_free(req)
+        self.finish(req)   # freed as a finished request is, then back to the front of the queue
         req.num_cached = 0
-        self.drop(req)
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:
+        """Free req's blocks and proposer state and take it out of running, found by identity
+        (list.remove would compare every Request's fields, token lists included, with req's)."""
         self.allocator.release(req.block_table)
         self.on_free(req)
-        self.drop(req)
-
-    def drop(self, req: Request) -> None:
-        """Take req out of running, found by identity (list.remove would compare every Request's
-        fields, token lists included, with req's)."""
         del self.running[next(i for i, r in enumerate(self.running) if r is req)]
 
     def remove(self, requests: list[Request]) -> None:
@@ -457,12 +450,11 @@ class Engine:
         for req, n in zip(reqs, lens):
             req.num_cached += n
         self.check_prefilled(reqs, lens)
-        wanted = self.proposer and self.proposer.needs_features   # EAGLE reads the target's features
-        features = self.proposer.features(hidden, captured) if wanted else None
         self.stats.prefill_steps += 1
-        starts = [0, *itertools.accumulate(lens)][:-1]   # each request's first row
-        return [(r, [], None if features is None else features[starts[b]:starts[b] + lens[b]])
-                for b, r in enumerate(reqs)]
+        if not (self.proposer and self.proposer.needs_features):   # EAGLE reads the target's features
+            return [(r, [], None) for r in reqs]
+        features = self.proposer.features(hidden, captured).split(lens)   # each request's rows
+        return [(r, [], f) for r, f in zip(reqs, features)]
 
     @torch.inference_mode()
     def run_verify(self, batch: Batch):
@@ -514,13 +506,14 @@ class Engine:
         set) and leave; the step wrote their NaN / inf K/V, so the caches are cleared and every
         other running request recomputes its own (its output does not change: see the top)."""
         self.clear_caches()
+        failed_reqs = [r for r, _ in failed]
         for req in reversed(self.scheduler.running):   # reversed: they wait again in their order
-            if not any(req is r for r, _ in failed):
+            if not any(req is r for r in failed_reqs):
                 self.scheduler.preempt(req)
         for req, message in failed:
             req.finish_reason, req.error, req.text = "error", message, ""
-        self.abort([r for r, _ in failed])
-        return [r for r, _ in failed]
+        self.abort(failed_reqs)
+        return failed_reqs
 
     def clear_caches(self) -> None:
         """Zero the target's and a model proposer's pools (their prefix caches and the CPU's K/V mirror
@@ -576,12 +569,12 @@ class Engine:
         blocks would go back to the pool with their NaN if it were preempted or aborted first, and a
         request given them would read those slots masked (0 * NaN is NaN)."""
         size = self.kv_cache.block_size
-        written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)] for r, n in zip(reqs,
-                                                                                                      lens)]
-        if not bool(torch.isfinite(self.kv_cache.pool[:, :, [b for bs in written for b in bs]]).all()):
+        written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)]   # the chunk's blocks
+                   for r, n in zip(reqs, lens)]
+        finite = lambda blocks: bool(torch.isfinite(self.kv_cache.pool[:, :, blocks]).all())   # noqa: E731
+        if not finite([b for bs in written for b in bs]):
             raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer, "K/V"))
-                                   for r, bs in zip(reqs, written)
-                                   if not bool(torch.isfinite(self.kv_cache.pool[:, :, bs]).all())])
+                                   for r, bs in zip(reqs, written) if not finite(bs)])
         if self.kv_cache.allocator.prefix_caching:
             for req in reqs:
                 self.publish(req)
@@ -590,8 +583,8 @@ class Engine:
         tok, skip = self.tokenizer, req.params.skip_special_tokens
         # A stop string the newest token completed lies in the newest token's bytes and the
         # longest stop's before them.
-        num_bytes = max(len(s.encode()) for s in req.params.stop) + len(tok.decode_bytes(req.output_ids[-1:],
-                                                                                         skip))
+        newest = tok.decode_bytes(req.output_ids[-1:], skip)
+        num_bytes = max(len(s.encode()) for s in req.params.stop) + len(newest)
         tail = tok.output_text(tok.tail(req.output_ids, num_bytes, skip), skip)
         if not any(s in tail for s in req.params.stop):
             return False
@@ -599,8 +592,8 @@ class Engine:
         # The stop that ends first (a step's token may complete two), the first listed of a tie, as
         # vLLM chooses; the text ends before it, or after it. (A stop holding U+FFFD may match only
         # the tail's cut start: none found then.)
-        found = [(start + len(s), i, start) for i,
-                 s in enumerate(req.params.stop) if (start := text.find(s)) >= 0]
+        found = [(start + len(s), i, start)
+                 for i, s in enumerate(req.params.stop) if (start := text.find(s)) >= 0]
         if found:
             end, _, start = min(found)
             req.text = text[:end if req.params.include_stop_str_in_output else start]

@@ -108,7 +108,9 @@ class BlockAllocator:
             raise OutOfBlocks(f"need {needed} blocks, {self.num_free} free")
         for _ in range(needed):
             block, _ = self.free_blocks.popitem(last=False)
-            self.unpublish(block)   # evicted: its K/V is about to be overwritten
+            key = self.key_of.pop(block, None)   # evicted (unpublished): its K/V is about to be overwritten
+            if key is not None:
+                del self.published[key]
             self.refs[block] = 1
             block_table.append(block)
 
@@ -142,8 +144,7 @@ class BlockAllocator:
             block = self.published.get(key)
             if block is None:
                 break
-            if block in self.free_blocks:
-                del self.free_blocks[block]
+            self.free_blocks.pop(block, None)   # a freed block, taken back
             self.refs[block] = self.refs.get(block, 0) + 1
             block_table.append(block)
             block_table.hashes.append(key)
@@ -162,11 +163,6 @@ class BlockAllocator:
             block_table.hashes.append(key)
             if key not in self.published and block_table[i] not in self.key_of:
                 self.published[key], self.key_of[block_table[i]] = block_table[i], key
-
-    def unpublish(self, block: int) -> None:
-        key = self.key_of.pop(block, None)
-        if key is not None:
-            del self.published[key]
 
     def forget_published(self) -> None:
         """Unpublish every block (the pool was zeroed: KVCache.clear)."""

@@ -146,13 +146,12 @@ def renormalize(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return (kept / kept.cumsum(-1)[:, -1:]).float()
 
 
-def ranked(logits: torch.Tensor, largest_k: int | None = None) -> torch.Tensor:
+def ranked(logits: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """Each row's token ids by descending logit, stably (ties in id order, so rank 0 is
     logits.argmax(), even where distinct logits round to one probability): all of them, a sort over
-    the vocabulary, or only the first largest_k, two topk."""
-    if largest_k is None:
+    the vocabulary, or only the first k, two topk."""
+    if k is None:
         return logits.argsort(dim=-1, descending=True, stable=True)
-    k = largest_k
     values, ids = logits.topk(k, dim=-1)   # the k largest, but of the ties at the k-th logit any
     kth = values[:, -1:]
     ties = (values == kth).sum(-1, keepdim=True)   # how many the k hold (they come last: values descend)
@@ -176,7 +175,7 @@ FEW_CANDIDATES = 64   # the first candidates of a top-p row without top-k (8x mo
 
 
 def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor,
-                         top_p: torch.Tensor, limits: Truncation | None = None) -> torch.Tensor:
+                         top_p: torch.Tensor, limits: Truncation) -> torch.Tensor:
     """probs [N, V] cut to the top_k most likely, then to the top_p of what is left, renormalized.
 
     Ranking a row is a sort over the vocabulary, yet a row keeps at most its top_k, and top-p alone
@@ -187,12 +186,10 @@ def truncate_top_k_top_p(probs: torch.Tensor, logits: torch.Tensor, top_k: torch
     renormalize's, in id order), so on a CPU, whose scans run in order, a row's probabilities are
     the same bit for bit whatever was ranked (a CUDA scan's grouping follows the row's length)."""
     vocab = probs.shape[-1]
-    without_top_k = limits is not None and limits.top_p and not limits.top_p_within_top_k
-    if limits is None or (without_top_k and not probs.is_cpu):
+    without_top_k = limits.top_p and not limits.top_p_within_top_k
+    size = max(limits.top_k, FEW_CANDIDATES if without_top_k else 0)   # None: the whole vocabulary
+    if not 0 < size <= vocab // 2 or (without_top_k and not probs.is_cpu):
         size = None
-    else:
-        size = max(limits.top_k, FEW_CANDIDATES if without_top_k else 0)
-        size = size if 0 < size <= vocab // 2 else None
     # a top-p row without top-k measures against its whole row's mass, which the candidates' falls short of
     whole = probs.double().cumsum(-1)[:, -1:] if without_top_k and size is not None else None
     while True:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -41,15 +41,11 @@ class Stats:
         for counts, per_position in ((ks, self.offered_per_position), (num_draft, self.drafted_per_position),
                                      (num_accepted, self.accepted_per_position)):
             for n in counts:
-                per_position.extend([0] * (n - len(per_position)))
-                for i in range(n):
-                    per_position[i] += 1
+                count_positions(per_position, n)
 
     def add(self, other: Stats) -> None:
         """Count another run's steps and tokens in this one (stats over several generate calls)."""
-        for name in ("generated_tokens", "steps", "request_steps", "prefill_steps", "preemptions",
-                     "elapsed_s",
-                     "drafted_tokens", "accepted_tokens", "prefix_cache_queries", "prefix_cache_hits"):
+        for name in (f.name for f in fields(self) if f.type in ("int", "float")):   # every counter
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("offered_per_position", "drafted_per_position", "accepted_per_position"):
             pairs = itertools.zip_longest(getattr(self, name), getattr(other, name), fillvalue=0)
@@ -91,7 +87,12 @@ def note_speculation(req, num_draft: int, num_accepted: int) -> None:
     req.spec_steps += 1
     req.drafted += num_draft
     req.accepted += num_accepted
-    for per_position, n in ((req.drafted_per_position, num_draft), (req.accepted_per_position, num_accepted)):
-        per_position.extend([0] * (n - len(per_position)))
-        for i in range(n):
-            per_position[i] += 1
+    count_positions(req.drafted_per_position, num_draft)
+    count_positions(req.accepted_per_position, num_accepted)
+
+
+def count_positions(per_position: list[int], n: int) -> None:
+    """One more at each of positions 0 .. n - 1 (the list grows to hold them)."""
+    per_position.extend([0] * (n - len(per_position)))
+    for i in range(n):
+        per_position[i] += 1
