@@ -50,7 +50,7 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         # (both may quote the request, whose JSON can hold lone surrogates, which UTF-8 cannot encode;
-        # a value is quoted shortened (`quoted`), and a message past MAX_MESSAGE is cut, whatever made it)
+        # a value is quoted shortened (`as_json`), and a message past MAX_MESSAGE is cut, whatever made it)
         safe = lambda text: text and shown(text, MAX_MESSAGE, quote=False).encode(
             "utf-8", "backslashreplace").decode("utf-8")
         return {"error": {"message": safe(self.message), "type": self.kind, "param": safe(self.param),
