@@ -408,22 +408,23 @@ class StepGraphs:
     def full_width(self, key: GraphKey) -> int:
         return (self.draft_tables if key.body == "round" else self.tables).width
 
-    @torch.inference_mode()
     def capture(self, body, key: GraphKey) -> tuple:
         """The graph of body on key and its output tensors, captured on first use: warm up on a side
         stream (it runs the current step, which replay then repeats: the same writes), then capture
-        the body at full width into the shared pool."""
+        the body at full width into the shared pool. (A replay only looks it up: no inference-mode
+        context is entered on that path.)"""
         if key not in self.graphs:
-            width = self.full_width(key)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                body(key, width)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = body(key, width)
-            self.graphs[key] = graph, outputs
+            with torch.inference_mode():
+                width = self.full_width(key)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    body(key, width)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    outputs = body(key, width)
+                self.graphs[key] = graph, outputs
         return self.graphs[key]
 
     @torch.inference_mode()
