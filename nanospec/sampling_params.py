@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanospec.errors import NanospecError, check_int, check_real, is_int, is_real, param, shown
+from nanospec.errors import (NanospecError, check_bool, check_int, check_real, is_int, is_real, param,
+                             shown)
 
 # Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
 MIN_TEMPERATURE = 1e-5
@@ -61,8 +62,7 @@ class SamplingParams:
         if self.seed is not None:
             check_int(self.seed, param("seed"), low=0, high=MAX_SEED)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise NanospecError(f"{name} must be True or False, got {shown(getattr(self, name))}")
+            check_bool(getattr(self, name), name)
         if self.num_speculative_tokens is not None:
             check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0,
                       fix="0 turns speculation off")
