@@ -22,7 +22,7 @@ after it is skipped; the CUDA tests get at most what is left):
                              KV bytes read per second at contexts 1k, 4k, 16k, batch 1 and 64, K 0, 4
   draft_vs_assisted    90 s  a draft model (random:llama3.2-1b, K = 4) against transformers'
                              assisted generation on the same weights, batch 1
-  cuda_tests          240 s  `pytest -m cuda tests/` in a subprocess: the tests that need CUDA only
+  cuda_tests          330 s  `pytest -m cuda tests/` in a subprocess: the tests that need CUDA only
   small_target         60 s  graphs against eager on random:qwen3-0.6b, where launches weigh most;
                              then its plain batch-1 step's kernels per layer
   prefill_attention    25 s  a prefill chunk's attention: tiled kernel, per-token kernel, SDPA
@@ -94,10 +94,10 @@ FULL = dict(target="random:llama3-8b", small_target="random:qwen3-0.6b", dtype="
             small_batches=[1, 16, 64], ks=[4, 2], new_tokens=60, oracle_tries=3, kv_cache_gb=2,
             assisted=("random:llama3-8b", "random:llama3.2-1b"), assisted_tokens=64, copy_megabytes=1024,
             attention=dict(contexts=[1024, 4096, 16384], batches=[1, 64], ks=[0, 4]),
-            prefill=[(1, 3072, 1024), (8, 0, 512)], seconds=480, cuda_tests_timeout=240,
+            prefill=[(1, 3072, 1024), (8, 0, 512)], seconds=480, cuda_tests_timeout=330,
             budgets=dict(copy_bandwidth=20, decode=150, step_anatomy=40, graphs_vs_eager=50,
                          attention_kernel=40,
-                         draft_vs_assisted=90, cuda_tests=240, small_target=60, prefill_attention=25,
+                         draft_vs_assisted=90, cuda_tests=330, small_target=60, prefill_attention=25,
                          host_drafting=20),
             drafting=dict(index_requests=2000, context=512))
 REDUCED = dict(FULL, target="random:tiny", small_target="random:tiny", dtype="float32", batches=[1, 4],
