@@ -19,6 +19,14 @@ example:
       --out rate2.json
   python -m nanospec.bench serve --base-url http://127.0.0.1:8000 --dataset multiturn --num-prompts 8 \\
       --max-concurrency 4
+
+--sweep LABEL=URL ...: several servers (a row each: nanospec with and without speculation, vLLM) at
+each load of --concurrencies and --request-rates, the servers measured in turn (their order rotated
+each round), --rounds times; writes the JSON (every round, and each figure's median over the rounds)
+and beside it a PNG of output throughput, TPOT p50 and TPOT p99 against concurrency and request rate
+(matplotlib: pip install 'nanospec[plot]'):
+  python -m nanospec.bench serve --sweep plain=http://127.0.0.1:8001 k4=http://127.0.0.1:8002 \\
+      --concurrencies 1,4,16,32 --request-rates 1,4 --rounds 3 --out sweep.json
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import json
 import math
 import random
 import re
+import statistics
 import sys
 import threading
 import time
@@ -99,7 +108,15 @@ class Result:
 
 def build_parser():
     ap = parser("python -m nanospec.bench serve", __doc__)
-    ap.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--sweep", nargs="+", metavar="LABEL=URL", help="servers to sweep (see above)")
+    ap.add_argument("--concurrencies", default="1,4,16,32", metavar="C,..", help="the sweep's concurrencies")
+    ap.add_argument("--request-rates", default="1,4", metavar="R,..",
+                    help="the sweep's request rates (requests/s; empty: none)")
+    ap.add_argument("--rounds", type=int, default=1, help="the sweep's rounds (medians over them)")
+    ap.add_argument("--pause", type=float, default=2.0, metavar="S",
+                    help="seconds between the sweep's measurements (vLLM's CPU worker stays busy about a "
+                         "second after its last request, which would fall on the next server)")
     ap.add_argument("--model", help="the model name to send (default: the first of GET /v1/models)")
     ap.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     ap.add_argument("--dataset", default="shipped",
@@ -339,6 +356,8 @@ HEADER = (f"{'run':<28} {'done':>4} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p50':
 
 def check_args(args) -> dict:
     """The flags, checked before any request; returns --extra-body, parsed."""
+    if bool(args.base_url) == bool(args.sweep):
+        raise NanospecError("give --base-url URL (one server) or --sweep LABEL=URL ... (several), not both")
     if args.num_prompts < 1:
         raise NanospecError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -361,12 +380,19 @@ def check_args(args) -> dict:
     return extra
 
 
-def request_bodies(args, common: dict) -> list[dict]:
-    """One request body per prompt of the dataset: chat messages or a completion prompt."""
+def request_bodies(args, common: dict, n: int) -> list[dict]:
+    """One request body per prompt of the dataset's first n: chat messages or a completion prompt."""
     chat = args.endpoint == "chat"
     return [{**common, **({"messages": [{"role": "user", "content": prompt}]} if chat
                            else {"prompt": prompt})}
-            for prompt in load_prompts(args.dataset, args.num_prompts)]
+            for prompt in load_prompts(args.dataset, n)]
+
+
+def common_body(args, client: Client, extra: dict) -> dict:
+    """The fields every request sends: the model (--model, or the server's first), streaming with usage."""
+    model = args.model or json.loads(client.get("/v1/models"))["data"][0]["id"]
+    return {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
 
 
 def command_line() -> str:
@@ -376,11 +402,12 @@ def command_line() -> str:
 
 def run(args) -> dict:
     extra = check_args(args)
+    if args.sweep:
+        return run_sweep(args, extra)
     multiturn = args.dataset == "multiturn"
     client = Client(args.base_url, args.api_key)
-    model = args.model or json.loads(client.get("/v1/models"))["data"][0]["id"]
-    common = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
-              "stream_options": {"include_usage": True}, **extra}
+    common = common_body(args, client, extra)
+    model = common["model"]
     load = f"concurrency {args.max_concurrency}" if args.max_concurrency else f"rate {args.request_rate:g}/s"
     before = spec_counters(client)
     if multiturn:
@@ -389,7 +416,7 @@ def run(args) -> dict:
             f"{load} ...")
         results, duration = run_sessions(client, common, sessions, args.max_concurrency)
     else:
-        bodies = request_bodies(args, common)
+        bodies = request_bodies(args, common, args.num_prompts)
         log(f"bench serve: {len(bodies)} requests to {args.base_url} ({model}), {load} ...")
         results, duration = run_load(client, args.endpoint, bodies, args.request_rate, args.max_concurrency,
                                      args.seed)
@@ -409,6 +436,123 @@ def run(args) -> dict:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     return report
+
+
+# ---- the sweep: several servers at several loads, drawn --------------------------------------------------
+FIGURES = {"output_throughput": ("output_throughput",), "ttft_p50": ("ttft_s", "p50"),
+           "tpot_p50": ("tpot_s", "p50"), "tpot_p99": ("tpot_s", "p99"), "itl_p99": ("itl_s", "p99"),
+           "acceptance_length": ("acceptance_length",)}
+PLOTTED = [("output_throughput", "output tokens/s", 1), ("tpot_p50", "TPOT p50 (ms)", 1000),
+           ("tpot_p99", "TPOT p99 (ms)", 1000)]
+
+
+def sweep_plan(args) -> tuple[dict[str, str], list[dict]]:
+    """The servers {label: url} and the loads ({"concurrency": c} or {"rate": r}) of --sweep, checked."""
+    if any(("=" not in s or not s.split("=", 1)[0]) for s in args.sweep):
+        raise NanospecError(f"--sweep takes LABEL=URL, e.g. plain=http://127.0.0.1:8000; got {args.sweep}")
+    servers = dict(s.split("=", 1) for s in args.sweep)
+    if len(servers) < len(args.sweep):
+        raise NanospecError(f"--sweep labels must differ, got {[s.split('=')[0] for s in args.sweep]}")
+    if args.max_concurrency is not None or math.isfinite(args.request_rate) or args.dataset == "multiturn":
+        raise NanospecError("--sweep sets its loads with --concurrencies and --request-rates (not "
+                            "--max-concurrency or --request-rate) and sends single requests (no multiturn)")
+    if not args.out or args.rounds < 1:
+        raise NanospecError("--sweep needs --out FILE.json (the PNG goes beside it) and --rounds >= 1")
+    try:
+        loads = ([{"concurrency": int(c)} for c in args.concurrencies.split(",") if c]
+                 + [{"rate": float(r)} for r in args.request_rates.split(",") if r])
+    except ValueError:
+        raise NanospecError(f"--concurrencies and --request-rates take numbers like 1,4,16; got "
+                            f"{args.concurrencies!r} and {args.request_rates!r}") from None
+    if not loads or not all(v > 0 and math.isfinite(v) for load in loads for v in load.values()):
+        raise NanospecError("--concurrencies and --request-rates need at least one load, each above 0")
+    try:
+        import matplotlib   # noqa: F401  (checked before a sweep of many minutes, not after it)
+    except ImportError:
+        raise NanospecError("--sweep draws with matplotlib: pip install 'nanospec[plot]'") from None
+    return servers, loads
+
+
+def load_name(load: dict) -> str:
+    return f"concurrency {load['concurrency']}" if "concurrency" in load else f"rate {load['rate']:g}/s"
+
+
+def measure_load(client: Client, args, common: dict, load: dict) -> dict:
+    """One server at one load: at least --num-prompts requests, and twice the concurrency."""
+    n = max(args.num_prompts, 2 * load.get("concurrency", 0))
+    before = spec_counters(client)
+    results, duration = run_load(client, args.endpoint, request_bodies(args, common, n),
+                                 load.get("rate", math.inf), load.get("concurrency"), args.seed)
+    return {"num_prompts": n, **summarize(results, duration, before, spec_counters(client))}
+
+
+def medians(rounds: list[dict]) -> dict:
+    """Each figure's median over the rounds (None where no round has it)."""
+    def figure(summary, path):
+        for key in path:
+            summary = summary.get(key) if isinstance(summary, dict) else None
+        return summary
+    values = {name: [v for r in rounds if (v := figure(r, path)) is not None]
+              for name, path in FIGURES.items()}
+    return {name: statistics.median(v) if v else None for name, v in values.items()}
+
+
+def run_sweep(args, extra: dict) -> dict:
+    """Every server at every load, in turn (the order rotated each round, so that none is always
+    first after a pause), --rounds times; writes the JSON and the PNG beside it."""
+    servers, loads = sweep_plan(args)
+    clients = {label: Client(url, args.api_key) for label, url in servers.items()}
+    commons = {label: common_body(args, client, extra) for label, client in clients.items()}
+    labels, rows = list(servers), []
+    log(f"bench serve: a sweep of {len(servers)} servers at {len(loads)} loads, {args.rounds} rounds ...")
+    print(HEADER)
+    for load in loads:
+        rounds = {label: [] for label in labels}
+        for r in range(args.rounds):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                time.sleep(args.pause)
+                rounds[label].append(measure_load(clients[label], args, commons[label], load))
+                print(format_row(f"{label}, {load_name(load)}", rounds[label][-1]), flush=True)
+        rows += [{"label": label, **load, "median": medians(rounds[label]), "rounds": rounds[label]}
+                 for label in labels]
+    report = {"servers": servers, "rounds": args.rounds, "endpoint": args.endpoint, "dataset": args.dataset,
+              "max_tokens": args.max_tokens, "temperature": args.temperature, "extra_body": extra,
+              "rows": rows, "command": command_line()}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    png = re.sub(r"\.json$", "", args.out) + ".png"
+    plot_sweep(report, png)
+    log(f"wrote {args.out} and {png}")
+    return report
+
+
+def plot_sweep(report: dict, path: str) -> None:
+    """Output throughput, TPOT p50 and TPOT p99 (medians over the rounds) against concurrency (top)
+    and request rate (below), a line per server."""
+    import matplotlib
+    matplotlib.use("Agg")   # a file, no display
+    import matplotlib.pyplot as plt
+    axes_x = [(key, title) for key, title in (("concurrency", "concurrency"), ("rate", "requests/s"))
+              if any(key in row for row in report["rows"])]
+    fig, axes = plt.subplots(len(axes_x), len(PLOTTED), figsize=(5 * len(PLOTTED), 4 * len(axes_x)),
+                             squeeze=False)
+    for (key, title), row_axes in zip(axes_x, axes):
+        for (name, ylabel, scale), ax in zip(PLOTTED, row_axes):
+            for label in report["servers"]:
+                points = sorted((row[key], row["median"][name] * scale) for row in report["rows"]
+                                if row["label"] == label and key in row and row["median"][name] is not None)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=label)
+            if key == "concurrency":
+                ax.set_xscale("log", base=2)
+            ax.set(xlabel=title, ylabel=ylabel)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    fig.suptitle(f"{report['endpoint']}, {report['max_tokens']} tokens a request, medians of "
+                 f"{report['rounds']} rounds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -799,6 +799,50 @@ def test_bench_serve_measures_a_live_server(tiny_llm, capsys, tmp_path):
     assert "concurrency 3" in capsys.readouterr().out
 
 
+def test_bench_serve_sweeps_servers_in_turn_and_draws_them(tiny_llm, capsys, tmp_path):
+    """--sweep: every server (here one server under two labels) at every load, the order rotated
+    each round; each figure in the JSON is the median of its rounds; a PNG is written beside it."""
+    from nanospec import bench_serve
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sweep.json"
+    with serving(tiny_llm) as (server, url):
+        args = bench_serve.build_parser().parse_args([
+            "--sweep", f"a={url}", f"b={url}", "--concurrencies", "1,2", "--request-rates", "8",
+            "--rounds", "2", "--num-prompts", "2", "--max-tokens", "4", "--pause", "0",
+            "--extra-body", '{"ignore_eos": true}', "--out", str(out)])
+        report = bench_serve.run(args)
+    assert json.loads(out.read_text())["rows"] == report["rows"]
+    assert [(r["label"], r.get("concurrency"), r.get("rate")) for r in report["rows"]] == [
+        ("a", 1, None), ("b", 1, None), ("a", 2, None), ("b", 2, None), ("a", None, 8.0), ("b", None, 8.0)]
+    for row in report["rows"]:
+        assert len(row["rounds"]) == 2 and all(r["completed"] == r["num_prompts"] for r in row["rounds"])
+        assert row["rounds"][0]["num_prompts"] == max(2, 2 * row.get("concurrency", 0))
+        tpots = [r["tpot_s"]["p99"] for r in row["rounds"]]
+        assert row["median"]["tpot_p99"] == pytest.approx(sum(tpots) / 2)   # the median of two
+        assert row["median"]["output_throughput"] > 0
+    printed = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if ", " in line]
+    assert printed[:4] == ["a", "b", "b", "a"]   # round 2 starts with the other server
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "give --base-url URL (one server) or --sweep"),
+    (["--base-url", "http://x:1", "--sweep", "a=http://x:1"], "not both"),
+    (["--sweep", "http://x:1"], "--sweep takes LABEL=URL"),
+    (["--sweep", "a=http://x:1", "a=http://x:2", "--out", "s.json"], "labels must differ"),
+    (["--sweep", "a=http://x:1"], "needs --out FILE.json"),
+    (["--sweep", "a=http://x:1", "--out", "s.json", "--max-concurrency", "2"], "sets its loads with"),
+    (["--sweep", "a=http://x:1", "--out", "s.json", "--concurrencies", "1,x"], "take numbers like"),
+    (["--sweep", "a=http://x:1", "--out", "s.json", "--concurrencies", "0"], "each above 0"),
+    (["--sweep", "a=http://x:1", "--out", "s.json", "--concurrencies", "", "--request-rates", ""],
+     "at least one load"),
+])
+def test_bench_serve_sweep_flags_are_checked_before_any_request(flags, message):
+    from nanospec import bench_serve
+    with pytest.raises(NanospecError, match=re.escape(message)):
+        bench_serve.run(bench_serve.build_parser().parse_args(flags))
+
+
 def test_bench_serve_runs_multiturn_sessions(tiny_llm, capsys):
     """--dataset multiturn: each later turn carries the server's earlier answers (found in its prefix
     cache), and TTFT is reported per turn."""
