@@ -448,11 +448,12 @@ PLOTTED = [("output_throughput", "output tokens/s", 1), ("tpot_p50", "TPOT p50 (
 
 def sweep_plan(args) -> tuple[dict[str, str], list[dict]]:
     """The servers {label: url} and the loads ({"concurrency": c} or {"rate": r}) of --sweep, checked."""
-    if any(("=" not in s or not s.split("=", 1)[0]) for s in args.sweep):
+    pairs = [re.fullmatch(r"(.+?)=(https?://.*)", s) for s in args.sweep]   # a label may hold '=' (K=4)
+    if not all(pairs):
         raise NanospecError(f"--sweep takes LABEL=URL, e.g. plain=http://127.0.0.1:8000; got {args.sweep}")
-    servers = dict(s.split("=", 1) for s in args.sweep)
-    if len(servers) < len(args.sweep):
-        raise NanospecError(f"--sweep labels must differ, got {[s.split('=')[0] for s in args.sweep]}")
+    servers = dict(p.groups() for p in pairs)
+    if len(servers) < len(pairs):
+        raise NanospecError(f"--sweep labels must differ, got {[p.group(1) for p in pairs]}")
     if args.max_concurrency is not None or math.isfinite(args.request_rate) or args.dataset == "multiturn":
         raise NanospecError("--sweep sets its loads with --concurrencies and --request-rates (not "
                             "--max-concurrency or --request-rate) and sends single requests (no multiturn)")
@@ -543,8 +544,11 @@ def plot_sweep(report: dict, path: str) -> None:
                                 if row["label"] == label and key in row and row["median"][name] is not None)
                 if points:
                     ax.plot(*zip(*points), marker="o", label=label)
+            xs = sorted({row[key] for row in report["rows"] if key in row})
             if key == "concurrency":
                 ax.set_xscale("log", base=2)
+                ax.minorticks_off()
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
             ax.set(xlabel=title, ylabel=ylabel)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")

@@ -807,13 +807,14 @@ def test_bench_serve_sweeps_servers_in_turn_and_draws_them(tiny_llm, capsys, tmp
     out = tmp_path / "sweep.json"
     with serving(tiny_llm) as (server, url):
         args = bench_serve.build_parser().parse_args([
-            "--sweep", f"a={url}", f"b={url}", "--concurrencies", "1,2", "--request-rates", "8",
+            "--sweep", f"a={url}", f"K=4={url}", "--concurrencies", "1,2", "--request-rates", "8",
             "--rounds", "2", "--num-prompts", "2", "--max-tokens", "4", "--pause", "0",
             "--extra-body", '{"ignore_eos": true}', "--out", str(out)])
         report = bench_serve.run(args)
     assert json.loads(out.read_text())["rows"] == report["rows"]
     assert [(r["label"], r.get("concurrency"), r.get("rate")) for r in report["rows"]] == [
-        ("a", 1, None), ("b", 1, None), ("a", 2, None), ("b", 2, None), ("a", None, 8.0), ("b", None, 8.0)]
+        ("a", 1, None), ("K=4", 1, None), ("a", 2, None), ("K=4", 2, None),
+        ("a", None, 8.0), ("K=4", None, 8.0)]
     for row in report["rows"]:
         assert len(row["rounds"]) == 2 and all(r["completed"] == r["num_prompts"] for r in row["rounds"])
         assert row["rounds"][0]["num_prompts"] == max(2, 2 * row.get("concurrency", 0))
@@ -821,7 +822,7 @@ def test_bench_serve_sweeps_servers_in_turn_and_draws_them(tiny_llm, capsys, tmp
         assert row["median"]["tpot_p99"] == pytest.approx(sum(tpots) / 2)   # the median of two
         assert row["median"]["output_throughput"] > 0
     printed = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if ", " in line]
-    assert printed[:4] == ["a", "b", "b", "a"]   # round 2 starts with the other server
+    assert printed[:4] == ["a", "K=4", "K=4", "a"]   # round 2 starts with the other server
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,0 +1,76 @@
+"""The seeds' figure: output throughput and TPOT against concurrency and request rate, for nanospec
+plain, n-gram at K = 2 and 4, dynamic K, and dynamic K with the queue-size switch-off, and for vLLM
+plain and n-gram K = 4, through one client (`python -m nanospec.bench serve --sweep`). Starts every
+server (on ports from --port up), warms each up, runs the sweep (the servers measured in turn, the
+order rotated each round), stops them; the JSON and the PNG go to --out.
+
+example (vLLM's CPU build in a venv of its own serving the HF folder of tools/gguf_to_hf.py):
+  python -m benchmarks.serve_sweep --model /tmp/smollm2 --vllm-python /work/vllm-venv/bin/python \\
+      --rounds 2 --out bench_results/serve_sweep_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from benchmarks.serve_side_by_side import NGRAM, start, stop, warm_up
+from nanospec import bench_serve
+from nanospec.prompts import shipped_prompts
+
+
+def servers(args) -> list[tuple[str, list[str], dict]]:
+    """(label, command, environment) of every row; vLLM's only with --vllm-python."""
+    nanospec = [sys.executable, "-m", "nanospec.serve", "--max-model-len", "2048"]
+    switch_off = ["--speculative-disable-queue-size", str(args.disable_queue_size)]
+    rows = [("nanospec plain", nanospec, {}),
+            ("nanospec ngram K=2", nanospec + ["--ngram", "--num-speculative-tokens", "2"], {}),
+            ("nanospec ngram K=4", nanospec + ["--ngram", "--num-speculative-tokens", "4"], {}),
+            ("nanospec ngram dynamic K", nanospec + ["--ngram", "--dynamic-k"], {}),
+            (f"nanospec dynamic K, off past {args.disable_queue_size}",
+             nanospec + ["--ngram", "--dynamic-k", *switch_off], {})]
+    if args.vllm_python:
+        vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+                "--dtype", "float32", "--max-model-len", "2048"]
+        env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        rows += [("vLLM plain", vllm, env),
+                 ("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], env)]
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="/tmp/smollm2", help="the HF folder vLLM serves (nanospec serves "
+                    "the GGUF it was made from, the default model)")
+    ap.add_argument("--vllm-python", help="a venv's python with vLLM (without: nanospec's rows alone)")
+    ap.add_argument("--port", type=int, default=8720)
+    ap.add_argument("--disable-queue-size", type=int, default=8)
+    ap.add_argument("--out", required=True, metavar="FILE.json")
+    args, sweep_args = ap.parse_known_args(argv)   # the rest goes to bench serve --sweep
+    checked = bench_serve.build_parser().parse_args(["--sweep", "x=http://127.0.0.1:1", "--out", args.out,
+                                                     *sweep_args])
+    bench_serve.check_args(checked)
+    bench_serve.sweep_plan(checked)   # its flags checked before minutes of starting servers
+    procs, urls = [], []
+    try:
+        for i, (label, cmd, env) in enumerate(servers(args)):
+            port = args.port + i
+            log = f"/tmp/serve_sweep_{port}.log"
+            print(f"starting {label} on port {port} (log: {log})", flush=True)
+            procs.append(start(cmd + ["--port", str(port)], port, env, log))
+            warm_up(port, [r["prompt"] for r in shipped_prompts()])
+            urls.append(f"{label}=http://127.0.0.1:{port}")
+        bench = bench_serve.build_parser().parse_args(
+            ["--sweep", *urls, "--extra-body", '{"ignore_eos": true}', "--out", args.out, *sweep_args])
+        report = bench_serve.run(bench)
+    finally:
+        for proc in procs:
+            stop(proc)
+    report["command"] = "python -m benchmarks.serve_sweep " + " ".join(sys.argv[1:] if argv is None else argv)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
