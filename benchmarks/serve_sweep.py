@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from benchmarks.serve_side_by_side import NGRAM, start, stop, warm_up
@@ -21,7 +22,10 @@ from nanospec.prompts import shipped_prompts
 
 def servers(args) -> list[tuple[str, list[str], dict]]:
     """(label, command, environment) of every row; vLLM's only with --vllm-python."""
-    nanospec = [sys.executable, "-m", "nanospec.serve", "--max-model-len", "2048"]
+    # every core, as on a quiet machine: by default a server takes the cores others leave free when it
+    # starts, and the servers started before it may still be warming up
+    nanospec = [sys.executable, "-m", "nanospec.serve", "--max-model-len", "2048", "--threads",
+                str(os.cpu_count())]
     switch_off = ["--speculative-disable-queue-size", str(args.disable_queue_size)]
     rows = [("nanospec plain", nanospec, {}),
             ("nanospec ngram K=2", nanospec + ["--ngram", "--num-speculative-tokens", "2"], {}),
@@ -45,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-python", help="a venv's python with vLLM (without: nanospec's rows alone)")
     ap.add_argument("--port", type=int, default=8720)
     ap.add_argument("--disable-queue-size", type=int, default=8)
+    ap.add_argument("--rows", help="only these rows, by label, comma-separated (default: all)")
     ap.add_argument("--out", required=True, metavar="FILE.json")
     args, sweep_args = ap.parse_known_args(argv)   # the rest goes to bench serve --sweep
     checked = bench_serve.build_parser().parse_args(["--sweep", "x=http://127.0.0.1:1", "--out", args.out,
@@ -53,7 +58,8 @@ def main(argv=None) -> int:
     bench_serve.sweep_plan(checked)   # its flags checked before minutes of starting servers
     procs, urls = [], []
     try:
-        for i, (label, cmd, env) in enumerate(servers(args)):
+        rows = [row for row in servers(args) if not args.rows or row[0] in args.rows.split(",")]
+        for i, (label, cmd, env) in enumerate(rows):
             port = args.port + i
             log = f"/tmp/serve_sweep_{port}.log"
             print(f"starting {label} on port {port} (log: {log})", flush=True)

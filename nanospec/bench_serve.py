@@ -488,12 +488,13 @@ def measure_load(client: Client, args, common: dict, load: dict) -> dict:
 
 
 def medians(rounds: list[dict]) -> dict:
-    """Each figure's median over the rounds (None where no round has it)."""
+    """Each figure's median over the rounds in which every request completed (None where none did:
+    a server that failed requests is not plotted as a slow one)."""
     def figure(summary, path):
         for key in path:
             summary = summary.get(key) if isinstance(summary, dict) else None
         return summary
-    values = {name: [v for r in rounds if (v := figure(r, path)) is not None]
+    values = {name: [v for r in rounds if not r["failed"] and (v := figure(r, path)) is not None]
               for name, path in FIGURES.items()}
     return {name: statistics.median(v) if v else None for name, v in values.items()}
 

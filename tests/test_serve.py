@@ -826,6 +826,15 @@ def test_bench_serve_sweeps_servers_in_turn_and_draws_them(tiny_llm, capsys, tmp
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_sweep_round_with_failed_requests_is_left_out_of_the_medians():
+    from nanospec import bench_serve
+    good = {"failed": 0, "output_throughput": 30.0, "tpot_s": {"p50": 0.1, "p99": 0.2}}
+    failed = {"failed": 8, "output_throughput": 0.0, "tpot_s": {"p50": None, "p99": None}}
+    assert bench_serve.medians([good, failed])["output_throughput"] == 30.0
+    assert bench_serve.medians([failed])["output_throughput"] is None
+    assert bench_serve.medians([good, {**good, "output_throughput": 40.0}])["tpot_p99"] == 0.2
+
+
 @pytest.mark.parametrize("flags, message", [
     ([], "give --base-url URL (one server) or --sweep"),
     (["--base-url", "http://x:1", "--sweep", "a=http://x:1"], "not both"),
