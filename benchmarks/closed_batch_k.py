@@ -1,8 +1,8 @@
 """A closed batch (every request sent at once, the same max_tokens, ignore_eos): where its time goes
 under plain decoding, static K = 1 and dynamic K (n-gram, its quick profile at start-up). For each:
-tokens/s, the engine's steps, prefill and verify time, the mean verify step, the rest (scheduling,
-the K policy, commit) and each request's decode steps; alternated, --rounds rounds (the prompts
-repeat, so from round 2 on the prefix cache holds them). A closed batch ends with its slowest
+tokens/s, the engine's steps, prefill and verify time, the mean verify step, the rest of the steps
+(scheduling, the K policy, commit) and each request's decode steps; alternated, --rounds rounds
+(the prompts repeat, so from round 2 on the prefix cache holds them). A closed batch ends with its slowest
 request: drafts accepted only make the fast requests end sooner, and the batch then shrinks, which a
 step's cost on this CPU barely rewards (docs/results.md, "Dynamic K in a closed batch").
 
@@ -19,7 +19,7 @@ import time
 from nanospec import LLM, SamplingParams
 from nanospec.prompts import shipped_prompts
 
-TIMED = ("step", "run_prefill", "run_verify", "choose_ks", "commit")
+TIMED = ("step", "run_prefill", "run_verify")
 
 
 def timed_chat(llm: LLM, conversations, params) -> dict:
@@ -29,25 +29,27 @@ def timed_chat(llm: LLM, conversations, params) -> dict:
     def finish(req, *args, **kwargs):   # each request's decode steps, as it ends
         request_steps.append(req.decode_steps)
         return type(engine).finish(engine, req, *args, **kwargs)
-    engine.finish = finish
-    for name in TIMED:
-        real[name] = getattr(engine, name)
 
-        def wrapped(*args, name=name, **kwargs):
+    def timed(name):
+        def wrapped(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return real[name](*args, **kwargs)
             finally:
                 totals[name] += time.perf_counter() - start
                 totals[name + " calls"] += 1
-        setattr(engine, name, wrapped)
+        return wrapped
     try:
+        engine.finish = finish
+        for name in TIMED:
+            real[name] = getattr(engine, name)
+            setattr(engine, name, timed(name))
         start = time.perf_counter()
         outputs = llm.chat(conversations, params)
         wall = time.perf_counter() - start
     finally:
         for name in (*TIMED, "finish"):
-            delattr(engine, name)   # the instance attribute goes; the class's method shows again
+            engine.__dict__.pop(name, None)   # the instance's wrapper goes; the class's method shows again
     tokens = sum(len(o.token_ids) for o in outputs)
     return {"tokens_per_s": tokens / wall, "wall_s": wall, "steps": totals["step calls"],
             "verify_steps": totals["run_verify calls"], "prefill_s": totals["run_prefill"],

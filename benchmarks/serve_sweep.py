@@ -2,7 +2,8 @@
 plain, n-gram at K = 2 and 4, dynamic K, and dynamic K with the queue-size switch-off, and for vLLM
 plain and n-gram K = 4, through one client (`python -m nanospec.bench serve --sweep`). Starts every
 server (on ports from --port up), warms each up, runs the sweep (the servers measured in turn, the
-order rotated each round), stops them; the JSON and the PNG go to --out.
+order rotated each round), stops them; the JSON and the PNG go to --out. Flags it does not know go
+to bench serve (--concurrencies, --request-rates, --rounds, --extra-body: default ignore_eos).
 
 example (vLLM's CPU build in a venv of its own serving the HF folder of tools/gguf_to_hf.py):
   python -m benchmarks.serve_sweep --model /tmp/smollm2 --vllm-python /work/vllm-venv/bin/python \\
@@ -49,16 +50,21 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-python", help="a venv's python with vLLM (without: nanospec's rows alone)")
     ap.add_argument("--port", type=int, default=8720)
     ap.add_argument("--disable-queue-size", type=int, default=8)
-    ap.add_argument("--rows", help="only these rows, by label, comma-separated (default: all)")
+    ap.add_argument("--rows", nargs="+", metavar="LABEL", help="only these rows, by label (default: all)")
     ap.add_argument("--out", required=True, metavar="FILE.json")
     args, sweep_args = ap.parse_known_args(argv)   # the rest goes to bench serve --sweep
+    if "--extra-body" not in sweep_args:   # every answer its full length, unless told otherwise
+        sweep_args += ["--extra-body", '{"ignore_eos": true}']
+    labels = [label for label, *_ in servers(args)]
+    if args.rows and not set(args.rows) <= set(labels):
+        raise SystemExit(f"--rows takes labels among {labels}, got {args.rows}")
     checked = bench_serve.build_parser().parse_args(["--sweep", "x=http://127.0.0.1:1", "--out", args.out,
                                                      *sweep_args])
     bench_serve.check_args(checked)
     bench_serve.sweep_plan(checked)   # its flags checked before minutes of starting servers
     procs, urls = [], []
     try:
-        rows = [row for row in servers(args) if not args.rows or row[0] in args.rows.split(",")]
+        rows = [row for row in servers(args) if not args.rows or row[0] in args.rows]
         for i, (label, cmd, env) in enumerate(rows):
             port = args.port + i
             log = f"/tmp/serve_sweep_{port}.log"
@@ -67,7 +73,7 @@ def main(argv=None) -> int:
             warm_up(port, [r["prompt"] for r in shipped_prompts()])
             urls.append(f"{label}=http://127.0.0.1:{port}")
         bench = bench_serve.build_parser().parse_args(
-            ["--sweep", *urls, "--extra-body", '{"ignore_eos": true}', "--out", args.out, *sweep_args])
+            ["--sweep", *urls, "--out", args.out, *sweep_args])
         report = bench_serve.run(bench)
     finally:
         for proc in procs:

@@ -500,28 +500,31 @@ def medians(rounds: list[dict]) -> dict:
 
 
 def run_sweep(args, extra: dict) -> dict:
-    """Every server at every load, in turn (the order rotated each round, so that none is always
-    first after a pause), --rounds times; writes the JSON and the PNG beside it."""
+    """Every server at every load, in turn, --rounds times: the order rotated each round and reversed
+    every other, so that no server keeps its place in a cycle over which a shared machine drifts.
+    The JSON is rewritten after each load (a long sweep cut short keeps what it measured); the PNG
+    goes beside it at the end."""
     servers, loads = sweep_plan(args)
     clients = {label: Client(url, args.api_key) for label, url in servers.items()}
     commons = {label: common_body(args, client, extra) for label, client in clients.items()}
     labels, rows = list(servers), []
     log(f"bench serve: a sweep of {len(servers)} servers at {len(loads)} loads, {args.rounds} rounds ...")
     print(HEADER)
+    report = {"servers": servers, "rounds": args.rounds, "endpoint": args.endpoint, "dataset": args.dataset,
+              "max_tokens": args.max_tokens, "temperature": args.temperature, "extra_body": extra,
+              "rows": rows, "command": command_line()}
     for load in loads:
         rounds = {label: [] for label in labels}
         for r in range(args.rounds):
-            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            order = labels[r % len(labels):] + labels[:r % len(labels)]
+            for label in order[::-1] if r % 2 else order:
                 time.sleep(args.pause)
                 rounds[label].append(measure_load(clients[label], args, commons[label], load))
                 print(format_row(f"{label}, {load_name(load)}", rounds[label][-1]), flush=True)
         rows += [{"label": label, **load, "median": medians(rounds[label]), "rounds": rounds[label]}
                  for label in labels]
-    report = {"servers": servers, "rounds": args.rounds, "endpoint": args.endpoint, "dataset": args.dataset,
-              "max_tokens": args.max_tokens, "temperature": args.temperature, "extra_body": extra,
-              "rows": rows, "command": command_line()}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
     png = re.sub(r"\.json$", "", args.out) + ".png"
     plot_sweep(report, png)
     log(f"wrote {args.out} and {png}")

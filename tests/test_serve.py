@@ -807,14 +807,13 @@ def test_bench_serve_sweeps_servers_in_turn_and_draws_them(tiny_llm, capsys, tmp
     out = tmp_path / "sweep.json"
     with serving(tiny_llm) as (server, url):
         args = bench_serve.build_parser().parse_args([
-            "--sweep", f"a={url}", f"K=4={url}", "--concurrencies", "1,2", "--request-rates", "8",
+            "--sweep", f"a={url}", f"K=4={url}", f"c={url}", "--concurrencies", "1,2", "--request-rates", "8",
             "--rounds", "2", "--num-prompts", "2", "--max-tokens", "4", "--pause", "0",
             "--extra-body", '{"ignore_eos": true}', "--out", str(out)])
         report = bench_serve.run(args)
     assert json.loads(out.read_text())["rows"] == report["rows"]
     assert [(r["label"], r.get("concurrency"), r.get("rate")) for r in report["rows"]] == [
-        ("a", 1, None), ("K=4", 1, None), ("a", 2, None), ("K=4", 2, None),
-        ("a", None, 8.0), ("K=4", None, 8.0)]
+        (label, c, rate) for c, rate in ((1, None), (2, None), (None, 8.0)) for label in ("a", "K=4", "c")]
     for row in report["rows"]:
         assert len(row["rounds"]) == 2 and all(r["completed"] == r["num_prompts"] for r in row["rounds"])
         assert row["rounds"][0]["num_prompts"] == max(2, 2 * row.get("concurrency", 0))
@@ -822,7 +821,7 @@ def test_bench_serve_sweeps_servers_in_turn_and_draws_them(tiny_llm, capsys, tmp
         assert row["median"]["tpot_p99"] == pytest.approx(sum(tpots) / 2)   # the median of two
         assert row["median"]["output_throughput"] > 0
     printed = [line.split(",")[0] for line in capsys.readouterr().out.splitlines() if ", " in line]
-    assert printed[:4] == ["a", "K=4", "K=4", "a"]   # round 2 starts with the other server
+    assert printed[:6] == ["a", "K=4", "c", "a", "c", "K=4"]   # round 2: rotated by one, reversed
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -832,7 +831,8 @@ def test_a_sweep_round_with_failed_requests_is_left_out_of_the_medians():
     failed = {"failed": 8, "output_throughput": 0.0, "tpot_s": {"p50": None, "p99": None}}
     assert bench_serve.medians([good, failed])["output_throughput"] == 30.0
     assert bench_serve.medians([failed])["output_throughput"] is None
-    assert bench_serve.medians([good, {**good, "output_throughput": 40.0}])["tpot_p99"] == 0.2
+    three = [{**good, "output_throughput": x} for x in (10.0, 60.0, 20.0)]
+    assert bench_serve.medians(three)["output_throughput"] == 20.0   # the median, not the mean (30)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -841,6 +841,8 @@ def test_a_sweep_round_with_failed_requests_is_left_out_of_the_medians():
     (["--sweep", "http://x:1"], "--sweep takes LABEL=URL"),
     (["--sweep", "a=http://x:1", "a=http://x:2", "--out", "s.json"], "labels must differ"),
     (["--sweep", "a=http://x:1"], "needs --out FILE.json"),
+    (["--sweep", "a=http://x:1", "--out", "s.json", "--rounds", "0"], "--rounds >= 1"),
+    (["--sweep", "a=http://x:1", "--out", "s.json", "--request-rate", "2"], "sets its loads with"),
     (["--sweep", "a=http://x:1", "--out", "s.json", "--max-concurrency", "2"], "sets its loads with"),
     (["--sweep", "a=http://x:1", "--out", "s.json", "--concurrencies", "1,x"], "take numbers like"),
     (["--sweep", "a=http://x:1", "--out", "s.json", "--concurrencies", "0"], "each above 0"),
