@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     args, sweep_args = ap.parse_known_args(argv)   # the rest goes to bench serve --sweep
     if "--extra-body" not in sweep_args:   # every answer its full length, unless told otherwise
         sweep_args += ["--extra-body", '{"ignore_eos": true}']
-    labels = [label for label, *_ in servers(args)]
+    every = servers(args)
+    labels = [label for label, *_ in every]
     if args.rows and not set(args.rows) <= set(labels):
         raise SystemExit(f"--rows takes labels among {labels}, got {args.rows}")
     checked = bench_serve.build_parser().parse_args(["--sweep", "x=http://127.0.0.1:1", "--out", args.out,
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     bench_serve.sweep_plan(checked)   # its flags checked before minutes of starting servers
     procs, urls = [], []
     try:
-        rows = [row for row in servers(args) if not args.rows or row[0] in args.rows]
+        rows = [row for row in every if not args.rows or row[0] in args.rows]
         for i, (label, cmd, env) in enumerate(rows):
             port = args.port + i
             log = f"/tmp/serve_sweep_{port}.log"

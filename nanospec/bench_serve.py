@@ -534,13 +534,11 @@ def run_sweep(args, extra: dict) -> dict:
 def plot_sweep(report: dict, path: str) -> None:
     """Output throughput, TPOT p50 and TPOT p99 (medians over the rounds) against concurrency (top)
     and request rate (below), a line per server."""
-    import matplotlib
-    matplotlib.use("Agg")   # a file, no display
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure   # not pyplot: no backend chosen, no figure kept open
     axes_x = [(key, title) for key, title in (("concurrency", "concurrency"), ("rate", "requests/s"))
               if any(key in row for row in report["rows"])]
-    fig, axes = plt.subplots(len(axes_x), len(PLOTTED), figsize=(5 * len(PLOTTED), 4 * len(axes_x)),
-                             squeeze=False)
+    fig = Figure(figsize=(5 * len(PLOTTED), 4 * len(axes_x)), layout="tight")
+    axes = fig.subplots(len(axes_x), len(PLOTTED), squeeze=False)
     for (key, title), row_axes in zip(axes_x, axes):
         for (name, ylabel, scale), ax in zip(PLOTTED, row_axes):
             for label in report["servers"]:
@@ -558,9 +556,7 @@ def plot_sweep(report: dict, path: str) -> None:
     axes[0][0].legend(fontsize="small")
     fig.suptitle(f"{report['endpoint']}, {report['max_tokens']} tokens a request, medians of "
                  f"{report['rounds']} rounds")
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:
