@@ -7,7 +7,8 @@ ignore_eos, greedy, same K; modes alternated and rounds repeated, medians.
 
 Where the server's time goes, per run:
 - steps_s: time inside Engine.step (its count: steps), against offline's on the same work;
-- loop_s: the engine loop's time outside its steps (taking requests, handing out updates);
+- loop_s: the engine loop's time outside its steps, from its first to its last (taking requests,
+  handing out updates, waiting for the next request between a client's requests);
 - cpu_s per thread of this process (the engine loop, uvicorn's thread, torch's OpenMP workers, the
   rest) from /proc, and the client's CPU time: on a machine with few cores, the HTTP thread and
   the client take their CPU from the engine's.
@@ -60,13 +61,16 @@ class StepTimer:
 
     def __init__(self, engine):
         self.seconds, self.steps, step = 0.0, 0, engine.step
+        self.first = self.last = 0.0   # when the first step of a run began (reset), the latest ended
 
         def timed():
             start = time.perf_counter()
+            self.first = self.first or start
             try:
                 return step()
             finally:
-                self.seconds += time.perf_counter() - start
+                self.last = time.perf_counter()
+                self.seconds += self.last - start
                 self.steps += 1
         engine.step = timed
 
@@ -120,7 +124,7 @@ def served(llm, timer: StepTimer, args, concurrency: int, num_prompts: int) -> d
             finally:
                 os.kill(os.getpid(), signal.SIGINT)   # serve() takes it: uvicorn stops, then the loop
         steps, seconds, cpu = timer.steps, timer.seconds, thread_cpu()
-        loop_start = time.perf_counter()
+        timer.first = 0.0
         threading.Thread(target=client, daemon=True).start()
         http_tid = []
         original = threading.Thread.start
@@ -134,7 +138,7 @@ def served(llm, timer: StepTimer, args, concurrency: int, num_prompts: int) -> d
             serve(server, sock, graceful_seconds=5)
         finally:
             threading.Thread.start = original
-        loop_wall = result["end"] - loop_start
+        loop_wall = timer.last - timer.first   # from the first step to the last
         if "error" in result:
             raise SystemExit(f"the client failed:\n{result['error']}")
         with open(out) as f:
@@ -169,7 +173,9 @@ def main(argv=None) -> None:
     llm = load_llm(args, max_num_seqs=max(args.concurrencies), max_num_batched_tokens=512)
     timer = StepTimer(llm.engine)
     shipped = [r["prompt"] for r in shipped_prompts()]
-    llm.generate(shipped[:2], SamplingParams(temperature=0, max_tokens=8))   # warm-up
+    for c in args.concurrencies:   # warm-up: the compiled sampler's shapes of every batch size
+        llm.engine.scheduler.max_num_seqs = c
+        llm.generate(shipped[:c], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     report = {"command": "python -m benchmarks.serve_overhead " + " ".join(sys.argv[1:]), "loads": {}}
     with frozen_gc_heap():
         for r in range(args.rounds):
@@ -187,7 +193,8 @@ def main(argv=None) -> None:
                           f"loop {run.get('loop_s', 0):.2f} s, "
                           f"cpu {json.dumps(run['cpu_s'])}", flush=True)
                     time.sleep(1)
-                med = {m: statistics.median(x["output_throughput"] for x in runs[m]) for m in runs}
+                med = {m: statistics.median(x["output_throughput"] for x in runs[m])
+                       for m in ("offline", "server")}
                 runs["server_over_offline"] = med["server"] / med["offline"]
                 with open(args.out, "w") as f:
                     json.dump(report, f, indent=1)
