@@ -50,7 +50,8 @@ import torch
 from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache,
                                decode_metadata, derive_metadata, padding_to_sink, ragged_metadata, upload)
 from nanospec.proposer import Round, align_vocab, draw
-from nanospec.sampler import SamplingBatch, Truncation, min_p_mask, penalize, prompt_mask
+from nanospec.logits_processors import process
+from nanospec.sampler import SamplingBatch, Truncation
 
 MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
@@ -526,7 +527,8 @@ class StepGraphs:
         logits = self.model.logits(hidden)[:, :self.vocab]
         eager = key.eager_tail
         kept = pick(logits) if eager and self.step.logprobs else None   # [bucket, q_len, vocab], raw
-        processed = self.process(pick(logits), drafts) if eager and self.step.processed else None
+        processed = (process(pick(logits), drafts, self.step.processed, self.no_prompt)
+                     if eager and self.step.processed else None)
         if key.mode == "greedy":
             if processed is not None:
                 row_max, target_ids = processed.max(-1)
@@ -546,36 +548,6 @@ class StepGraphs:
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
         non_finite = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:key.bucket]).long()
         return torch.cat([tokens, num_accepted[:, None], non_finite[:, None]], dim=1), features, kept
-
-    def process(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """The step's logits [bucket, K + 1, vocab] in float32, the processed rows' with their
-        penalties and then their min_p, as vLLM orders them (the sampler's temperature, top-k and
-        top-p come after), all rows in one batch. Eager only (see replay): it reads the requests'
-        tokens on the host and sends them, with the rows and their parameters, in one copy."""
-        logits = logits.float()
-        vocab, processed = logits.shape[-1], self.step.processed
-        reqs = [r for _, r in processed]
-        for req in reqs:
-            if req.params.penalized and req.prompt_mask is None:   # once per request: a prompt may be long
-                req.prompt_mask = prompt_mask(req.prompt_ids, vocab, logits.device)
-        n = len(reqs)
-        # a row without penalties takes neutral ones (an identity, bit for bit), a greedy row min_p 0 at T 1
-        params = [r.params for r in reqs]
-        values = np.array([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-                            p.min_p if p.temperature > 0 else 0.0, p.temperature or 1.0] for p in params],
-                          dtype=np.float64).T.copy().view(np.int64)   # [5, n], float64 bits
-        outputs = [np.asarray(r.output_ids if r.params.penalized else (), dtype=np.int64) for r in reqs]
-        flat = np.concatenate([i * vocab + ids for i, ids in enumerate(outputs)])  # row i, token j: i * V + j
-        device = upload(np.concatenate([[b for b, _ in processed], values.ravel(), flat]), logits.device)
-        rows = device[:n]
-        repetition, frequency, presence, min_p, temperature = device[n:6 * n].view(5, n).view(
-            torch.float64).float()
-        counts = torch.zeros(n * vocab, device=logits.device).index_add_(
-            0, device[6 * n:], torch.ones(len(flat), device=logits.device)).view(n, vocab)
-        in_prompt = torch.stack([r.prompt_mask if r.params.penalized else self.no_prompt for r in reqs])
-        out = penalize(logits[rows], in_prompt, counts, drafts[rows], repetition, frequency, presence)
-        logits[rows] = min_p_mask(out, temperature, min_p)
-        return logits
 
     def round_body(self, key: GraphKey, width: int) -> None:
         """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft

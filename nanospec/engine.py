@@ -20,69 +20,19 @@ import functools
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from nanospec.errors import NanospecError, param, shown
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs, StepOptions, Verified
-from nanospec.kv_cache import BlockAllocator, BlockTable, KVCache, build_metadata
+from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
+from nanospec.request import Request
 from nanospec.sampler import Sampler
 from nanospec.sampling_params import SamplingParams
 from nanospec.stats import Stats, note_speculation
-
-
-@dataclass(slots=True)
-class Request:
-    index: int
-    prompt: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    max_len: int                  # prompt + max_tokens, capped at the model's context
-    tokens: list[int] = field(default_factory=list)    # prompt + output
-    block_table: BlockTable = field(default_factory=BlockTable)
-    num_cached: int = 0
-    finish_reason: str | None = None
-    # set when it finishes: the output before any stop (through it: include_stop_str_in_output)
-    text: str | None = None
-    error: str | None = None      # why it failed (finish_reason "error"): its own logits were not finite
-    proposer_state: object = None  # the proposer's per-request state (its cache, n-gram index)
-    suffix_stream: object = None   # suffix decoding's index of its tokens (beside a hybrid's model state)
-    # Its own speculation: decode steps with drafts, drafts found and accepted (in all, per draft position).
-    # decode steps it took part in (its acceptance length: output tokens / these)
-    decode_steps: int = 0
-    spec_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None   # per output token, when asked: its own and the top N's
-    # with penalties: its prompt's tokens on the device [V] (sampler.prompt_mask)
-    prompt_mask: object = None
-    step_logprobs: list[dict[int, float]] | None = None   # those of the last step's tokens, until committed
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[len(self.prompt_ids):]
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_cached < len(self.tokens) - 1
-
-
-@dataclass
-class RequestOutput:
-    index: int
-    prompt: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str            # "stop" (EOS or a stop string) or "length"
-    prompt_token_ids: list[int]
-    # per token of token_ids, when asked: {id: logprob}, its own first
-    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -580,24 +530,11 @@ class Engine:
                 self.publish(req)
 
     def hit_stop_string(self, req: Request) -> bool:
-        tok, skip = self.tokenizer, req.params.skip_special_tokens
-        # A stop string the newest token completed lies in the newest token's bytes and the
-        # longest stop's before them.
-        newest = tok.decode_bytes(req.output_ids[-1:], skip)
-        num_bytes = max(len(s.encode()) for s in req.params.stop) + len(newest)
-        tail = tok.output_text(tok.tail(req.output_ids, num_bytes, skip), skip)
-        if not any(s in tail for s in req.params.stop):
-            return False
-        text = tok.output_text(req.output_ids, skip)
-        # The stop that ends first (a step's token may complete two), the first listed of a tie, as
-        # vLLM chooses; the text ends before it, or after it. (A stop holding U+FFFD may match only
-        # the tail's cut start: none found then.)
-        found = [(start + len(s), i, start)
-                 for i, s in enumerate(req.params.stop) if (start := text.find(s)) >= 0]
-        if found:
-            end, _, start = min(found)
-            req.text = text[:end if req.params.include_stop_str_in_output else start]
-        return bool(found)
+        """Whether the newest token completed a stop string; if so req.text is the output cut there."""
+        p = req.params
+        req.text = self.tokenizer.text_before_stop(req.output_ids, p.stop, p.skip_special_tokens,
+                                                   p.include_stop_str_in_output)
+        return req.text is not None
 
     def finish(self, req: Request, reason: str, drop_last: bool = False,
                features: torch.Tensor | None = None) -> None:

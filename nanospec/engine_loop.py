@@ -22,7 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from nanospec.engine import Engine, Request
+from nanospec.engine import Engine
+from nanospec.request import Request
 from nanospec.errors import NanospecError
 from nanospec.tokenizer import utf8_decoder
 

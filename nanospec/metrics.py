@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import prometheus_client as prom
 
-from nanospec.engine import Engine, Request
-
-# vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
+from nanospec.engine import Engine
+from nanospec.request import Request
 from nanospec.stats import Stats
 
-# vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
 prom.disable_created_metrics()   # no *_created series, as vLLM
 
+# vLLM's buckets (vllm/v1/metrics/loggers.py), in seconds.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

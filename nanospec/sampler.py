@@ -224,52 +224,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return pick(probs, uniform_noise(seeds, positions, EMIT))
 
 
-def penalize(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch.Tensor, drafts: torch.Tensor,
-             repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
-    """vLLM's penalties on R requests' logits [R, q, V] (float32) at their q verify positions:
-    position j follows the request's output and its first j drafts (drafts [R, q - 1]; [R, 0]:
-    every position as the first). in_prompt [R, V]: the prompt's tokens (prompt_mask); counts
-    [R, V]: each token's count in the output; the penalties [R]. Repetition divides a positive
-    logit and multiplies a negative one of every token in the prompt or the output so far,
-    frequency subtracts frequency x the token's count in it, presence subtracts presence from
-    every token in it (OpenAI's presence_penalty and frequency_penalty)."""
-    repetition, frequency, presence = (x[:, None, None] for x in (repetition, frequency, presence))
-
-    def apply(x, count, prompt):   # x: logits of tokens seen `count` times so far, `prompt`: in the prompt
-        seen = count > 0
-        x = torch.where(seen | prompt, torch.where(x > 0, x / repetition, x * repetition), x)
-        return x - frequency * count - presence * seen.float()
-    out = apply(logits, counts[:, None, :], in_prompt[:, None, :])   # every position with the output's counts
-    q, k = logits.shape[1], drafts.shape[1]
-    if k:
-        # Then the drafts' tokens again, with the drafts before each position counted: only they
-        # differ between positions. Entry [r, j, i] is d_{i+1}'s logit at position j, where its count
-        # adds how many of d_1 .. d_j are d_{i+1} (a token drafted twice is written twice, alike).
-        same = (drafts[:, :, None] == drafts[:, None, :]).float()   # [R, i', i]: d_{i'+1} is d_{i+1}
-        j, i = torch.arange(q, device=logits.device), torch.arange(k, device=logits.device)
-        before = (j[:, None] > i).float()   # [q, K]: d_{i+1} comes before position j
-        count = counts.gather(1, drafts)[:, None, :] + before @ same   # [R, q, K]
-        ids = drafts[:, None, :].expand(-1, q, -1)
-        out.scatter_(2, ids, apply(logits.gather(2, ids), count, in_prompt.gather(1, drafts)[:, None, :]))
-    return out
-
-
-def prompt_mask(prompt_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
-    """[V] bool: the tokens of a prompt (made once per request: a prompt may be long)."""
-    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
-    mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
-    return mask
-
-
-def min_p_mask(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """vLLM's min_p on R requests' logits [R, q, V]: -inf for a token whose probability at the
-    request's temperature ([R]) is below min_p ([R]) x the most likely's; min_p 0 drops nothing (a
-    greedy request keeps its argmax whatever min_p drops: it takes 0)."""
-    temperature, min_p = temperature[:, None, None], min_p[:, None, None]
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return logits.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, float("-inf"))
-
-
 def acceptance_probability(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
     """min(1, p(d) / q(d)) for a draft d drawn from q (so q(d) > 0; one-hot drafts have q(d) = 1);
     0 where q(d) = 0, a draft q could not have drawn."""

@@ -44,8 +44,8 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether its logits take penalties or min_p before sampling (sampler.penalize, min_p_mask;
-        greedy keeps the argmax whatever min_p drops)."""
+        """Whether its logits take penalties or min_p before sampling (logits_processors.py; greedy
+        keeps the argmax whatever min_p drops)."""
         return self.penalized or (self.min_p > 0 and self.temperature > 0)
 
     def validate(self) -> None:

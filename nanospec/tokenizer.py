@@ -158,6 +158,24 @@ class Tokenizer:
                 return ids[start:]
         return ids
 
+    def text_before_stop(self, ids: list[int], stops: list[str], skip_special: bool,
+                         include_stop: bool) -> str | None:
+        """An output's text (ids) cut at the stop string the newest token completed, before it or
+        through it (include_stop); None if it completed none. Of several (a step's token may complete
+        two), the one that ends first, the first listed of a tie, as vLLM chooses."""
+        # A stop the newest token completed lies in its bytes and the longest stop's before them.
+        num_bytes = max(len(s.encode()) for s in stops) + len(self.decode_bytes(ids[-1:], skip_special))
+        tail = self.output_text(self.tail(ids, num_bytes, skip_special), skip_special)
+        if not any(s in tail for s in stops):
+            return None
+        text = self.output_text(ids, skip_special)
+        # (A stop holding U+FFFD may match only the tail's cut start: none found then.)
+        found = [(start + len(s), i, start) for i, s in enumerate(stops) if (start := text.find(s)) >= 0]
+        if not found:
+            return None
+        end, _, start = min(found)
+        return text[:end if include_stop else start]
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                             **template_kwargs) -> list[int]:
         """The conversation (a list of {"role", "content"} dicts, or one string: one user message)

@@ -11,7 +11,7 @@ import torch
 from conftest import PADDED, PROMPTS, assert_no_leak, greedy, proposer_args
 from nanospec import LLM, SamplingParams, checkpoint, cuda_graph
 from nanospec.dynamic_k import Profile
-from nanospec.engine import Request
+from nanospec.request import Request
 from nanospec.cuda_graph import StepOptions
 from nanospec.kv_cache import NULL_BLOCK, SINK_BLOCK, BlockTable, KVCache, build_metadata
 from nanospec.dynamic_k import past_prefill

@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import reference_probs
-from nanospec import sampler
+from nanospec import logits_processors, sampler
 from nanospec.sampler import Sampler, sample, target_probs, uniform_noise
 
 # 99.9% quantile of the chi-square distribution with 5 degrees of freedom.
@@ -239,7 +239,7 @@ def penalties_oracle(logits, prompt, output, drafts, rep, freq, pres):
 
 @pytest.mark.parametrize("break_it", [False, True])
 def test_penalties_in_one_batch_are_each_rows_at_each_position(break_it):
-    """sampler.penalize over three requests at once, Qwen's vocabulary, K = 4 with tokens drafted
+    """logits_processors.penalize over three requests at once, Qwen's vocabulary, K = 4 with tokens drafted
     twice and drafts that are in the output or the prompt: each row, at each position, is the float64
     definition applied to that row alone (within float32 rounding). Leaving the drafts out (every
     position penalized as the first) fails every row."""
@@ -250,10 +250,10 @@ def test_penalties_in_one_batch_are_each_rows_at_each_position(break_it):
     rep, freq, pres = [1.3, 0.8, 1.0], [0.4, -0.5, 0.0], [0.3, 0.0, -1.2]
     counts = torch.stack([torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab).float()
                           for o in outputs])
-    masks = torch.stack([sampler.prompt_mask(p, vocab, torch.device("cpu")) for p in prompts])
+    masks = torch.stack([logits_processors.prompt_mask(p, vocab, torch.device("cpu")) for p in prompts])
     seen_drafts = torch.tensor(drafts)[:, :0] if break_it else torch.tensor(drafts)
-    got = sampler.penalize(logits, masks, counts, seen_drafts, torch.tensor(rep), torch.tensor(freq),
-                           torch.tensor(pres))
+    got = logits_processors.penalize(logits, masks, counts, seen_drafts, torch.tensor(rep),
+                                     torch.tensor(freq), torch.tensor(pres))
     wrong = 0
     for r in range(3):
         want = penalties_oracle(logits[r], prompts[r], outputs[r], drafts[r], rep[r], freq[r], pres[r])
@@ -262,12 +262,12 @@ def test_penalties_in_one_batch_are_each_rows_at_each_position(break_it):
 
 
 def test_min_p_in_one_batch_is_each_rows():
-    """sampler.min_p_mask over rows of their own temperature and min_p: a token stays where its
+    """logits_processors.min_p_mask over rows of their own temperature and min_p: a token stays where its
     probability at the row's temperature is at least min_p x the most likely's (float64), and
     min_p 0 keeps every token."""
     logits = torch.randn(3, 2, 1000, generator=torch.Generator().manual_seed(1)) * 3
     temperature, min_p = torch.tensor([0.7, 1.5, 1.0]), torch.tensor([0.1, 0.3, 0.0])
-    got = sampler.min_p_mask(logits, temperature, min_p)
+    got = logits_processors.min_p_mask(logits, temperature, min_p)
     for r in range(3):
         probs = torch.softmax(logits[r].double() / temperature[r].item(), dim=-1)
         keep = probs >= min_p[r].item() * probs.max(-1, keepdim=True).values

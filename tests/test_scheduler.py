@@ -1,7 +1,8 @@
 """The scheduler on its own (no model): admission under max_num_seqs, prefill chunks under the
 token budget, decode steps that grow blocks for the drafts, preemption of the newest request when
 blocks run out, and every block back in the pool when requests finish or are removed."""
-from nanospec.engine import Request, Scheduler
+from nanospec.engine import Scheduler
+from nanospec.request import Request
 from nanospec.sampling_params import SamplingParams
 from nanospec.kv_cache import BlockAllocator
 
