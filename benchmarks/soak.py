@@ -107,7 +107,7 @@ def metric(text: str, name: str, **labels) -> float:
     """The sum of a Prometheus series' samples whose labels include `labels`."""
     total = 0.0
     for line in text.splitlines():
-        m = re.match(rf"nanospec:{name}(?:{{(.*)}})? (\S+)$", line)
+        m = re.match(rf"nanospec:{name}(?:_total)?(?:{{(.*)}})? (\S+)$", line)   # a counter's _total
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total += float(m.group(2))
     return total
