@@ -885,8 +885,9 @@ def test_of_two_stops_one_token_completes_the_first_to_end_wins(tiny_llm):
 
 def test_integer_sampling_values_sample_as_their_floats(tiny_llm):
     """A client's JSON may send `"temperature": 1, "top_p": 1` or `"repetition_penalty": 2`: Python
-    ints. They travel to the device as float64 bits (cuda_graph's pack_rows and process): a batch
-    of only ints made an int array there, whose bits read as float64 are ~0, so temperature 1
+    ints. They travel to the device as float64 bits (cuda_graph's pack_rows and
+    logits_processors.process): a batch of only ints made an int array there, whose bits read as
+    float64 are ~0, so temperature 1
     sampled greedily and a penalty of 2 divided by 0. Each must sample as its float does."""
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     for ints, floats in ((dict(temperature=1, top_p=1), dict(temperature=1.0, top_p=1.0)),
