@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import random
 import re
 import statistics
@@ -113,6 +114,12 @@ def metric(text: str, name: str, **labels) -> float:
     return total
 
 
+def speculation(text: str) -> dict:
+    return {"steps": metric(text, "spec_decode_chosen_k"), "tokens": metric(text, "generation_tokens"),
+            "draft_tokens": metric(text, "spec_decode_num_draft_tokens"),
+            "accepted_tokens": metric(text, "spec_decode_num_accepted_tokens")}
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -154,7 +161,7 @@ def main(argv=None) -> None:
         before = get(port, "/metrics")
         free_before = {pool: metric(before, "kv_cache_free_blocks", pool=pool)
                        for pool in ("target", "draft")}
-        results, threads, rss = [], [], []
+        results, threads, rss, spec = [], [], [], []
         lock = threading.Lock()
         start = time.perf_counter()
         end = start + 60 * args.minutes
@@ -169,8 +176,10 @@ def main(argv=None) -> None:
             now = time.perf_counter()
             if next_arrival > end:
                 break
-            if not rss or now - rss[-1][0] >= 5:
+            if not rss or now - start - rss[-1][0] >= 5:
                 rss.append((now - start, rss_bytes(server.pid)))
+            if now - start >= 60 * len(spec):   # the speculation counters at each minute's start
+                spec.append(speculation(get(port, "/metrics")))
             time.sleep(max(0.0, next_arrival - now))
             path, body = request_body(rng, rng.choice(prompts), model)
             drop_after = rng.randint(1, 6) if rng.random() < args.drop else None
@@ -182,11 +191,18 @@ def main(argv=None) -> None:
         rss.append((time.perf_counter() - start, rss_bytes(server.pid)))
         time.sleep(2)   # the aborts of the last dropped clients reach the engine
         after = get(port, "/metrics")
+        spec.append(speculation(after))
     finally:
         server.terminate()
         server.wait(60)
     report = summarize(args, results, rss, start, before, after, free_before)
+    report["speculation_by_minute"] = [   # draft tokens verified and accepted in each minute
+        {"minute": m + 1, **{k: b[k] - a[k] for k in a}} for m, (a, b) in enumerate(zip(spec, spec[1:]))]
     print(json.dumps(report["checks"], indent=1))
+    for row, spec_row in zip(report["by_minute"], report["speculation_by_minute"]):
+        tpot_ms = row["tpot_ms"]
+        print(f"minute {row['minute']}: {row['finished']} finished, TPOT p50 {tpot_ms.get('p50', 0):.1f} ms, "
+              f"p99 {tpot_ms.get('p99', 0):.1f} ms; {json.dumps(spec_row)}")
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 
@@ -201,6 +217,9 @@ def summarize(args, results, rss, start, before, after, free_before) -> dict:
     minute = lambda lo, hi: [t for s in kept if lo <= s["end"] - start < hi and (t := tpot(s)) is not None]
     span = 60 * args.minutes
     first, last = percentiles(minute(0, 60))["p99"], percentiles(minute(span - 60, span + 3600))["p99"]
+    minutes = [{"minute": m + 1, "finished": len(ts := minute(60 * m, 60 * (m + 1))),
+                "tpot_ms": {q: 1000 * v for q, v in percentiles(ts).items() if v is not None}}
+               for m in range(math.ceil(args.minutes))]
     checks = {
         "requests": len(results), "dropped": len(results) - len(kept), "lost": len(lost),
         "first_lost": lost[0] if lost else None,
@@ -216,6 +235,7 @@ def summarize(args, results, rss, start, before, after, free_before) -> dict:
         "tpot_p50_ms": 1000 * statistics.median(t for s in kept if (t := tpot(s)) is not None),
     }
     return {"command": "python -m benchmarks.soak " + " ".join(sys.argv[1:]), "checks": checks,
+            "by_minute": minutes,
             "rss": rss, "minutes": args.minutes, "rate": args.rate}
 
 
