@@ -236,6 +236,9 @@ def summarize(args, results, rss, start, before, after, free_before) -> dict:
     }
     return {"command": "python -m benchmarks.soak " + " ".join(sys.argv[1:]), "checks": checks,
             "by_minute": minutes,
+            # each kept request: [its end (s from the start), output tokens, TPOT ms]
+            "requests": [[round(s["end"] - start, 3), (s.get("usage") or {}).get("completion_tokens", 0),
+                          round(1000 * t, 2) if (t := tpot(s)) is not None else None] for s in kept],
             "rss": rss, "minutes": args.minutes, "rate": args.rate}
 
 
