@@ -97,22 +97,27 @@ def offline(llm, timer: StepTimer, prompts: list[str], concurrency: int, max_tok
             "cpu_s": cpu_split(cpu, thread_cpu(), None)}
 
 
-def served(llm, timer: StepTimer, args, concurrency: int, num_prompts: int) -> dict:
-    """One run of the server under the client; the server stops when the client is done."""
-    scheduler = llm.engine.scheduler
-    scheduler.max_num_seqs = max(args.concurrencies)
-    server = Server(llm, "smollm2", decode_between_prefills=not args.prefill_first)
+def served(llm, timer: StepTimer, prompts: list[str], concurrency: int, max_tokens: int,
+           max_num_seqs: int, prefill_first: bool = False) -> dict:
+    """One run of the server under the client (the same prompts, as a JSON-lines dataset); the server
+    stops when the client is done."""
+    llm.engine.scheduler.max_num_seqs = max_num_seqs
+    server = Server(llm, "served", decode_between_prefills=not prefill_first)
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     result: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "client.json")
+        out, dataset = os.path.join(tmp, "client.json"), os.path.join(tmp, "prompts.jsonl")
+        with open(dataset, "w") as f:
+            f.writelines(json.dumps({"prompt": p}) + "\n" for p in prompts)
         cmd = [sys.executable, "-m", "nanospec.bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-               "--endpoint", "completions", "--num-prompts", str(num_prompts), "--max-tokens",
-               str(args.max_tokens), "--max-concurrency", str(concurrency),
+               "--endpoint", "completions", "--dataset", dataset, "--num-prompts", str(len(prompts)),
+               "--max-tokens", str(max_tokens), "--max-concurrency", str(concurrency),
                "--extra-body", json.dumps({"ignore_eos": True}), "--out", out]
 
         def client():
+            while not server.loop.running:   # serve() takes SIGINT by now (it stops the server below)
+                time.sleep(0.01)
             try:
                 result["client_cpu_s"] = -children_cpu()
                 done = subprocess.run(cmd, capture_output=True, text=True)
@@ -186,7 +191,8 @@ def main(argv=None) -> None:
                 order = ["offline", "server"] if r % 2 == 0 else ["server", "offline"]
                 for mode in order:
                     run = (offline(llm, timer, prompts, c, args.max_tokens) if mode == "offline"
-                           else served(llm, timer, args, c, n))
+                           else served(llm, timer, prompts, c, args.max_tokens, max(args.concurrencies),
+                                       args.prefill_first))
                     runs[mode].append(run)
                     print(f"round {r + 1} c={c} {mode}: {run['output_throughput']:.1f} tok/s, "
                           f"{run['steps']} steps in {run['steps_s']:.2f} s, "

@@ -30,7 +30,7 @@ import threading
 import time
 
 from nanospec.bench_serve import percentiles
-from nanospec.prompts import shipped_prompts
+from nanospec.prompts import read_prompts_file, shipped_prompts
 
 SAMPLING = [   # the sampling fields a request takes, one of these, each with its own seed
     {"temperature": 0},
@@ -126,14 +126,14 @@ def rss_bytes(pid: int) -> int:
 
 
 def start_server(args) -> tuple[subprocess.Popen, int]:
-    port = args.port
-    cmd = [sys.executable, "-m", "nanospec.serve", "--port", str(port), *args.server_args.split()]
+    cmd = [sys.executable, "-m", "nanospec.serve", "--port", str(args.port), *args.server_args.split()]
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in server.stderr:   # its log, until it serves
         print("server:", line.rstrip(), flush=True)
-        if "serving" in line:
+        serving = re.search(r"serving .* on http://[^:]+:(\d+)/", line)
+        if serving:
             threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
-            return server, port
+            return server, int(serving.group(1))
     raise SystemExit("the server did not start")
 
 
@@ -149,12 +149,15 @@ def main(argv=None) -> None:
     ap.add_argument("--rate", type=float, default=1.5, help="requests per second (Poisson)")
     ap.add_argument("--drop", type=float, default=0.2, help="the share of clients that go away mid-stream")
     ap.add_argument("--server-args", default="--suffix", help="the server's flags (default: --suffix)")
-    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataset", default="shipped",
+                    help="shipped (nanospec's prompts) or a FILE.jsonl of 'prompt's")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
-    prompts = [r["prompt"] for r in shipped_prompts()]
+    prompts = ([r["prompt"] for r in shipped_prompts()] if args.dataset == "shipped"
+               else read_prompts_file(args.dataset))
     server, port = start_server(args)
     try:
         model = json.loads(get(port, "/v1/models"))["data"][0]["id"]
