@@ -75,7 +75,8 @@ def replay(traces: list[Trace], batch_size: int, policy: int | KPolicy, clock: P
         if continuous or not running:
             while queue and len(running) < batch_size:
                 running.append(queue.pop(0))
-        ks = policy.choose(running, len(queue) + len(running))
+        # the engine's queue: in groups (a generate() call each) nothing waits to join the group
+        ks = policy.choose(running, len(running) + (len(queue) if continuous else 0))
         ks = [max(0, min(k, max_tokens - r.done - 1)) for k, r in zip(ks, running)]
         found = [min(k, r.trace.found[r.done]) for k, r in zip(ks, running)]
         accepted = [min(f, r.trace.matched[r.done]) for f, r in zip(found, running)]
