@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import resource
-import signal
 import socket
 import statistics
 import subprocess
@@ -116,21 +115,22 @@ def served(llm, timer: StepTimer, prompts: list[str], concurrency: int, max_toke
                "--extra-body", json.dumps({"ignore_eos": True}), "--out", out]
 
         def client():
-            while not server.loop.running:   # serve() takes SIGINT by now (it stops the server below)
-                time.sleep(0.01)
             try:
                 result["client_cpu_s"] = -children_cpu()
-                done = subprocess.run(cmd, capture_output=True, text=True)
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
                 result["client_cpu_s"] += children_cpu()
                 # uvicorn's thread is still up: its CPU time can be read
                 result["cpu_after"], result["end"] = thread_cpu(), time.perf_counter()
                 if done.returncode:
                     result["error"] = done.stderr[-2000:]
+            except subprocess.TimeoutExpired:
+                result["error"] = "the client ran past 30 minutes"
             finally:
-                os.kill(os.getpid(), signal.SIGINT)   # serve() takes it: uvicorn stops, then the loop
+                server.loop.stop()   # the loop ends, then serve() takes uvicorn down and returns
         steps, seconds, cpu = timer.steps, timer.seconds, thread_cpu()
         timer.first = 0.0
-        threading.Thread(target=client, daemon=True).start()
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
         http_tid = []
         original = threading.Thread.start
 
@@ -143,6 +143,7 @@ def served(llm, timer: StepTimer, prompts: list[str], concurrency: int, max_toke
             serve(server, sock, graceful_seconds=5)
         finally:
             threading.Thread.start = original
+            thread.join()
         loop_wall = timer.last - timer.first   # from the first step to the last
         if "error" in result:
             raise SystemExit(f"the client failed:\n{result['error']}")

@@ -31,11 +31,13 @@ def run_client(args, url: str, load: dict, dataset: str, seed: int) -> dict:
     """One load against one server through `vllm bench serve`; its figures (METRICS)."""
     how = (["--max-concurrency", str(load["concurrency"])] if "concurrency" in load
            else ["--request-rate", str(load["rate"])])
+    # enough requests that the concurrency is reached, twice over
+    num_prompts = max(args.num_prompts, 2 * load.get("concurrency", 0))
     with tempfile.TemporaryDirectory() as out:
         cmd = [args.vllm_python, "-c", CLIENT, "--backend", "openai-chat",
                "--endpoint", "/v1/chat/completions", "--base-url", url, "--model", NAME,
                "--tokenizer", args.model, "--dataset-name", "custom",
-               "--dataset-path", dataset, "--skip-chat-template", "--num-prompts", str(args.num_prompts),
+               "--dataset-path", dataset, "--skip-chat-template", "--num-prompts", str(num_prompts),
                "--custom-output-len", str(args.max_tokens), *how, "--ignore-eos", "--temperature", "0",
                "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
                "--disable-tqdm", "--save-result", "--result-dir", out, "--result-filename", "r.json"]
@@ -45,6 +47,8 @@ def run_client(args, url: str, load: dict, dataset: str, seed: int) -> dict:
             raise SystemExit(f"vllm bench serve failed:\n{done.stderr[-3000:]}")
         with open(os.path.join(out, "r.json")) as f:
             result = json.load(f)
+    if result["completed"] != num_prompts:
+        raise SystemExit(f"{url}: {num_prompts - result['completed']} of {num_prompts} requests failed")
     return {"completed": result["completed"], **{key: result[key] for key in METRICS}}
 
 
@@ -84,7 +88,9 @@ def main(argv=None) -> int:
         labels = list(urls)
         for round_ in range(args.rounds):
             for load in loads:
-                order = labels[round_ % len(labels):] + labels[:round_ % len(labels)]
+                # reversed every other round (each server's place mirrored), rotated every two rounds
+                shift = (round_ // 2) % len(labels)
+                order = labels[shift:] + labels[:shift]
                 for label in (order if round_ % 2 == 0 else order[::-1]):
                     settle()
                     row = {"server": label, **load, "round": round_,
@@ -96,7 +102,7 @@ def main(argv=None) -> int:
             stop(proc)
         os.unlink(dataset)
     same = lambda label, load: [r for r in rows
-                                if r["server"] == label and all(r[k] == v for k, v in load.items())]
+                                if r["server"] == label and all(r.get(k) == v for k, v in load.items())]
     medians = [{"server": label, **load, **{key: statistics.median(r[key] for r in same(label, load))
                                              for key in METRICS}}
                for load in loads for label in urls]

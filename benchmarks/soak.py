@@ -23,12 +23,14 @@ import json
 import math
 import random
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 
+from benchmarks import serve_side_by_side
 from nanospec.bench_serve import percentiles
 from nanospec.prompts import read_prompts_file, shipped_prompts
 
@@ -126,15 +128,25 @@ def rss_bytes(pid: int) -> int:
 
 
 def start_server(args) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "nanospec.serve", "--port", str(args.port), *args.server_args.split()]
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    for line in server.stderr:   # its log, until it serves
-        print("server:", line.rstrip(), flush=True)
-        serving = re.search(r"serving .* on http://[^:]+:(\d+)/", line)
-        if serving:
-            threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()
-            return server, int(serving.group(1))
-    raise SystemExit("the server did not start")
+    """The server, up (its /health answers; it fails or gives up after 15 minutes), and its port."""
+    port = args.port
+    if not port:   # a free one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanospec.serve", "--port", str(port), *args.server_args.split()]
+    return serve_side_by_side.start(cmd, port, {}, f"/tmp/soak_server_{port}.log"), port
+
+
+def settled_metrics(port: int, sent: int, timeout: float = 60) -> str:
+    """/metrics once the server's finished requests add up to those sent (a dropped client's abort
+    reaches the engine at its next step), or after timeout seconds."""
+    deadline = time.perf_counter() + timeout
+    while True:
+        text = get(port, "/metrics")
+        if metric(text, "request_success") >= sent or time.perf_counter() > deadline:
+            return text
+        time.sleep(0.5)
 
 
 def tpot(seen: dict) -> float | None:
@@ -192,12 +204,10 @@ def main(argv=None) -> None:
         for thread in threads:
             thread.join()
         rss.append((time.perf_counter() - start, rss_bytes(server.pid)))
-        time.sleep(2)   # the aborts of the last dropped clients reach the engine
-        after = get(port, "/metrics")
+        after = settled_metrics(port, metric(before, "request_success") + len(results))
         spec.append(speculation(after))
     finally:
-        server.terminate()
-        server.wait(60)
+        serve_side_by_side.stop(server)
     report = summarize(args, results, rss, start, before, after, free_before)
     report["speculation_by_minute"] = [   # draft tokens verified and accepted in each minute
         {"minute": m + 1, **{k: b[k] - a[k] for k in a}} for m, (a, b) in enumerate(zip(spec, spec[1:]))]
@@ -214,7 +224,8 @@ def summarize(args, results, rss, start, before, after, free_before) -> dict:
     kept = [s for s in results if not s["dropped"]]
     lost = [s for s in kept if s["status"] != 200 or s["finish_reason"] is None or s["usage"] is None]
     finished = metric(after, "request_success") - metric(before, "request_success")
-    aborted = metric(after, "request_success", finished_reason="abort")
+    aborted = (metric(after, "request_success", finished_reason="abort")
+               - metric(before, "request_success", finished_reason="abort"))
     free_after = {pool: metric(after, "kv_cache_free_blocks", pool=pool) for pool in free_before}
     warm = [b for t, b in rss if t >= 60] or [rss[-1][1]]
     minute = lambda lo, hi: [t for s in kept if lo <= s["end"] - start < hi and (t := tpot(s)) is not None]
