@@ -31,7 +31,7 @@ import threading
 import time
 
 from benchmarks import serve_side_by_side
-from nanospec.bench_serve import percentiles
+from nanospec.bench_serve import Client, percentiles
 from nanospec.prompts import read_prompts_file, shipped_prompts
 
 SAMPLING = [   # the sampling fields a request takes, one of these, each with its own seed
@@ -98,12 +98,7 @@ def send(port: int, path: str, body: dict, drop_after: int | None) -> dict:
 
 
 def get(port: int, path: str) -> str:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().read().decode()
-    finally:
-        conn.close()
+    return Client(f"http://127.0.0.1:{port}", None).get(path)
 
 
 def metric(text: str, name: str, **labels) -> float:
