@@ -17,7 +17,7 @@ LAYERS = [
     {"errors"},
     {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy",
      "chat_template", "sampling_params", "stats"},
-    {"kv_mirror", "request", "logits_processors"},
+    {"kv_mirror", "request", "logits_processors", "tree"},
     {"model", "proposer"},
     {"checkpoint", "suffix"},
     {"tokenizer", "eagle", "cuda_graph", "hybrid"},
