@@ -132,6 +132,42 @@ def rerank(scores: list[float], parents: list[int], n: int) -> list[int]:
     return [0, *sorted(best)]
 
 
+def own_draws(p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+              depth: torch.Tensor) -> torch.Tensor:
+    """The target's own token after every node [B, N+1], from p [B, N+1, V]: what plain sampling draws at
+    the node's position (positions [B]: the first draft's; depth [B, N+1]), with its EMIT noise."""
+    batch, nodes, vocab = p.shape
+    at = (positions[:, None] + depth).flatten()
+    noise = uniform_noise(seeds.repeat_interleave(nodes), at, EMIT)
+    return pick(p.reshape(-1, vocab), noise).view(batch, nodes)
+
+
+def walk_ids(target_ids: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, max_depth: int):
+    """Tree verification of deterministic candidates (a one-hot q: suffix continuations, a drafter's
+    top-k, greedy drafts): from the root, emit the target's own token after the node, target_ids
+    [B, N+1] (the argmax, or own_draws), and go down to the child that holds it, while one does. That
+    is the rule above with one-hot q_j (a candidate is accepted with the target's probability of it,
+    given the siblings rejected before it), coupled to plain sampling's draws: the output equals plain
+    decoding's token for token, whatever the tree. tokens, parents as in tree_rejection_sample; returns
+    what it returns."""
+    batch = len(target_ids)
+    rows = torch.arange(batch, device=target_ids.device)
+    node = torch.zeros(batch, dtype=torch.long, device=target_ids.device)
+    walking = torch.ones(batch, dtype=torch.bool, device=target_ids.device)
+    out = torch.zeros(batch, max_depth + 1, dtype=torch.long, device=target_ids.device)
+    path = torch.zeros(batch, max_depth, dtype=torch.long, device=target_ids.device)
+    for depth in range(max_depth + 1):
+        drawn = target_ids[rows, node]
+        out[:, depth] = torch.where(walking, drawn, out[:, depth])
+        if depth == max_depth:
+            break
+        match = (parents == node[:, None]) & (tokens == drawn[:, None])   # the child holding it, if any
+        walking = walking & match.any(-1)
+        node = torch.where(walking, match.long().argmax(-1), node)
+        path[:, depth] = torch.where(walking, node, 0)
+    return out, path, (path > 0).sum(-1)
+
+
 def tree_rejection_sample(p: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                           q: torch.Tensor | None, seeds: torch.Tensor, positions: torch.Tensor,
                           max_depth: int, max_children: int):
@@ -141,14 +177,14 @@ def tree_rejection_sample(p: torch.Tensor, tokens: torch.Tensor, parents: torch.
     tokens     [B, N+1]     the node's draft token (node 0: unused)
     parents    [B, N+1]     the parent list; -2 for padding past a request's own tree (never a parent)
     q          [B, N+1, V]  q_j of each node's token (node 0: unused); None where every candidate is
-                            deterministic (a one-hot q): then the node's token is the target's own draw
-                            at its position, with plain sampling's noise, and the walk follows the child
-                            that drew it (the same law, and greedy and sampled output equal plain
-                            decoding's token for token, whatever the tree)
+                            deterministic: walk_ids over own_draws
     positions  [B]          the position of the first draft token (the request's current length)
     max_depth, max_children: the trees' largest depth and branching (from the host: static shapes)
-    Returns tokens [B, max_depth + 1], accepted node indices [B, max_depth] (0-padded) and
+    Returns tokens [B, max_depth + 1], the accepted path's nodes [B, max_depth] (0-padded) and
     num_accepted [B]: request b's output is tokens[b, :num_accepted[b] + 1]."""
+    if q is None:
+        depth = depths_of(parents, max_depth)
+        return walk_ids(own_draws(p, seeds, positions, depth), tokens, parents, max_depth)
     batch, _, vocab = p.shape
     rows = torch.arange(batch, device=p.device)
     earlier = torch.ones(parents.shape[1], parents.shape[1], device=p.device).tril(-1).bool()
@@ -157,23 +193,34 @@ def tree_rejection_sample(p: torch.Tensor, tokens: torch.Tensor, parents: torch.
     walking = torch.ones(batch, dtype=torch.bool, device=p.device)
     out = torch.zeros(batch, max_depth + 1, dtype=torch.long, device=p.device)
     path = torch.zeros(batch, max_depth, dtype=torch.long, device=p.device)
-    num_accepted = torch.zeros(batch, dtype=torch.long, device=p.device)
     for depth in range(max_depth + 1):
         children = parents == node[:, None]                   # [B, N+1]: the current node's children
-        at = positions + depth
-        if q is None:
-            drawn = pick(p[rows, node], uniform_noise(seeds, at, EMIT))
-            match = children & (tokens == drawn[:, None])
-            accepted, child = walking & match.any(-1), match.long().argmax(-1)
-        else:
-            drawn, accepted, child = try_children(p[rows, node], tokens, q, children, rank, seeds, at,
-                                                  walking, max_children)
+        drawn, accepted, child = try_children(p[rows, node], tokens, q, children, rank, seeds,
+                                              positions + depth, walking, max_children)
         out[:, depth] = torch.where(walking, drawn, out[:, depth])
         if depth < max_depth:
             path[:, depth] = torch.where(accepted, child, 0)
-        num_accepted += accepted.long()
         walking, node = accepted, torch.where(accepted, child, node)
-    return out, path, num_accepted
+    return out, path, (path > 0).sum(-1)
+
+
+def depths_of(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Each node's depth [B, N+1] from parents [B, N+1] on the device (padding nodes: 0)."""
+    depth = torch.zeros_like(parents)
+    for _ in range(max_depth):
+        depth = torch.where(parents >= 0, depth.gather(1, parents.clamp(min=0)) + 1, 0)
+    return depth
+
+
+def ancestors_of(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """ancestor_mask on the device for a batch: [B, N+1, N+1], True where j is i's ancestor or i itself."""
+    nodes = parents.shape[1]
+    eye = torch.eye(nodes, dtype=torch.bool, device=parents.device).expand(len(parents), -1, -1)
+    mask = eye
+    for _ in range(max_depth):
+        up = mask.gather(1, parents.clamp(min=0)[:, :, None].expand(-1, -1, nodes))   # the parent's row
+        mask = eye | (up & (parents >= 0)[:, :, None])
+    return mask
 
 
 def try_children(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, children: torch.Tensor,

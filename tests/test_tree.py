@@ -152,6 +152,16 @@ def test_a_node_sees_its_ancestors_and_itself():
     assert tree.child_ranks(parents) == [0, 0, 1, 0, 0, 0]
 
 
+def test_the_device_depths_and_masks_are_the_host_ones():
+    trees_ = [[-1, 0, 0, 1, 2, 3], tree.chain(5), [-1, 0, 1, 1, 0, 4]]
+    parents = torch.tensor(trees_)
+    padded = torch.cat([parents, torch.full((3, 2), -2)], 1)   # two padding nodes each
+    for b, ps in enumerate(trees_):
+        assert tree.depths_of(padded, 5)[b, :6].tolist() == tree.depths(ps)
+        assert torch.equal(tree.ancestors_of(padded, 5)[b, :6, :6], tree.ancestor_mask(ps))
+        assert not tree.ancestors_of(padded, 5)[b, :6, 6:].any()
+
+
 def test_path_moves_bring_the_accepted_path_in_place():
     slots = list(range(10))   # what offset i holds before: node i's K/V
     for accepted in ([1, 3, 7], [2, 4], [1, 2, 3], [5]):
