@@ -46,12 +46,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache,
                                decode_metadata, derive_metadata, padding_to_sink, ragged_metadata, upload)
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.logits_processors import process
-from nanospec.sampler import SamplingBatch, Truncation
+from nanospec.sampler import SamplingBatch, Truncation, target_probs
+from nanospec.tree import ancestors_of, depths_of, own_draws, tree_shape, walk_ids
 
 MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
@@ -96,15 +98,19 @@ FLOATS = slice(ROW["temperature"], ROW["top_p"] + 1)   # adjacent rows: converte
 class Verified:
     """One request's row of the verify step's output [bucket, K + 3], read on the host: its K + 1
     tokens, how many drafts it accepted, and a flag for non-finite logits (1: the target's, 2: the
-    drafter's, 3: both)."""
+    drafter's, 3: both). A tree's step has K more columns before the last two: the accepted path's
+    nodes (tree.py), its `path`; a chain's is 1 .. accepted."""
     tokens: list[int]
     accepted: int
     non_finite: int
+    path: list[int] | None = None
 
     @classmethod
-    def rows(cls, out: torch.Tensor) -> list[Verified]:
-        """out [batch, K + 3] on the host: the step's one copy back."""
-        return [cls(row[:-2], row[-2], row[-1]) for row in out.tolist()]
+    def rows(cls, out: torch.Tensor, tree: bool = False) -> list[Verified]:
+        """out [batch, K + 3] (a tree's: [batch, 2K + 3]) on the host: the step's one copy back."""
+        k = (out.shape[1] - 3) // 2 if tree else out.shape[1] - 3
+        return [cls(row[:k + 1], row[-2], row[-1], row[k + 1:k + 1 + row[-2]] if tree else None)
+                for row in out.tolist()]
 
     @property
     def emitted(self) -> list[int]:
@@ -122,6 +128,7 @@ class GraphKey:
     mode: str | Truncation | bool = "greedy"   # how it samples (StepGraphs.mode)
     probs: bool = False       # the drafts come with probabilities
     eager_tail: bool = False  # verify: the forward graph, then the rest eagerly (see replay)
+    tree: bool = False        # verify: the drafts are trees (tree.py), not chains
     with_first: bool = False  # round: a draft model's first step in the graph too
 
 
@@ -136,6 +143,7 @@ class Step:
     logprobs: bool        # a request asked for logprobs: the verify returns its logits too
     processed: list       # (row, request) of the requests that ask for penalties or min_p
     tokens: int           # an unpadded verify's queries (a padding row has 1)
+    tree: tuple[int, int] | None = None   # a tree step's largest depth and branching (None: chains)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -250,7 +258,7 @@ class StepGraphs:
         smaller buffers are dropped (their addresses are gone)."""
         bucket = self.buckets[-1]
         # the fields, the drafts, every table entry as an update, a model proposer's usual catch-up
-        size = (FIELDS + k) * bucket + 2 * self.row_width * bucket + 8 * (k + 2) * bucket
+        size = (FIELDS + 2 * k + 1) * bucket + 2 * self.row_width * bucket + 8 * (k + 2) * bucket
         if self.inputs is None or self.inputs.numel() < size:
             self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
             self.host = torch.zeros(size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -271,20 +279,21 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
 
     def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None = None,
-               plan: Round | None = None) -> SamplingBatch:
-        """Pack the step's host data (a model proposer's planned round too) and send it in one
-        copy; returns the batch's sampling parameters on the device."""
+               plan: Round | None = None, parents: list[list[int]] | None = None) -> SamplingBatch:
+        """Pack the step's host data (a model proposer's planned round too; host drafts' trees as
+        their parent lists) and send it in one copy; returns the batch's sampling parameters on the
+        device."""
         batch, bucket, k = len(requests), self.bucket(len(requests)), max(num_draft)
         self.grow(k)
         rows, pairs = self.tables.updates([r.block_table for r in requests])
-        fields = self.pack_rows(bucket, k, requests, num_draft, rows, host_drafts or ())
+        fields = self.pack_rows(bucket, k, requests, num_draft, rows, host_drafts or (), parents)
         if plan is not None:   # the round's rows: their proposer's table rows, positions and catch-ups
             draft_rows, draft_pairs = self.draft_tables.updates([requests[b].proposer_state.block_table
                                                                  for b in plan.rows])
             pairs += draft_pairs
             fields.draft_row[plan.rows] = draft_rows
             fields.first_position[:batch], fields.catch_up[:batch] = plan.first_position, plan.catch_up
-        buf, end = self.host.numpy(), (FIELDS + k) * bucket
+        buf, end = self.host.numpy(), (FIELDS + k + (k + 1) * (parents is not None)) * bucket
         buf[end:end + len(pairs)] = pairs
         n = end + len(pairs)
         extra = plan.host if plan else []
@@ -303,24 +312,27 @@ class StepGraphs:
             self.flat_tables.scatter_(0, updates[:, 0], updates[:, 1])
         self.finite.fill_(True)
         if host_drafts is not None:
-            self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:end].view(bucket, k))
+            self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:(FIELDS + k) * bucket].view(bucket, k))
         params = [r.params for r in requests]
         self.step = Step(batch, bucket, k, longest=max(r.num_cached + d + 1
                                                         for r, d in zip(requests, num_draft)),
                          probs=plan is not None and not all(p.temperature == 0 for p in params),
                          logprobs=any(p.logprobs is not None for p in params),
                          processed=[(b, r) for b, r in enumerate(requests) if r.params.processed],
-                         tokens=sum(num_draft) + bucket)
+                         tokens=sum(num_draft) + bucket,
+                         tree=None if parents is None else tree_shape(parents))
         truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
             max(p.top_k for p in params), any(p.top_p < 1 for p in params),
             all(p.top_k for p in params if p.top_p < 1))
         return self.sampling_batch(bucket, all(p.temperature == 0 for p in params), truncate, batch)
 
-    def pack_rows(self, bucket: int, k: int, requests=(), num_draft=(), rows=(), host_drafts=()) -> Fields:
+    def pack_rows(self, bucket: int, k: int, requests=(), num_draft=(), rows=(), host_drafts=(),
+                  parents=None) -> Fields:
         """Into the host buffer: the Fields of every row of the bucket [FIELDS, bucket], as in a step
         without a draft round (upload writes a round's columns over them; returned: numpy views),
-        then the [bucket, k] host drafts (zeros past a row's own). The rows past the batch are
-        padding: greedy requests of one token at position 0 on the null rows."""
+        then the [bucket, k] host drafts (zeros past a row's own), then for a tree step the [bucket,
+        k + 1] parent lists (-2 past a row's own nodes). The rows past the batch are padding: greedy
+        requests of one token at position 0 on the null rows."""
         buf = self.host.numpy()
         block = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
         batch, params, fields = len(requests), [r.params for r in requests], Fields(*block)
@@ -341,7 +353,17 @@ class StepGraphs:
         drafts[:] = 0
         for b, d in enumerate(host_drafts):
             drafts[b, :len(d)] = d
+        if parents is not None:
+            lists = buf[(FIELDS + k) * bucket:(FIELDS + 2 * k + 1) * bucket].reshape(bucket, k + 1)
+            lists[:] = -2
+            lists[:, 0] = -1
+            for b, ps in enumerate(parents):
+                lists[b, :len(ps)] = ps
         return fields
+
+    def parents(self, bucket: int, k: int) -> torch.Tensor:
+        """A tree step's parent lists on the device, [bucket, k + 1] (pack_rows)."""
+        return self.inputs[(FIELDS + k) * bucket:(FIELDS + 2 * k + 1) * bucket].view(bucket, k + 1)
 
     def mode(self, sampling: SamplingBatch, bucket: int):
         """How a step samples: "greedy", or its truncation (under a graph or a compiled sampler: any
@@ -385,7 +407,7 @@ class StepGraphs:
         queries ([bucket, K + 1, vocab], from an eager step; else None)."""
         step = self.step
         key = GraphKey("verify", step.bucket, step.k, self.mode(sampling, step.bucket), step.probs,
-                       eager_tail=step.logprobs or bool(step.processed))
+                       eager_tail=step.logprobs or bool(step.processed), tree=step.tree is not None)
         return self.replay(key, self.kv_cache.allocator.blocks_for(step.longest))
 
     def replay(self, key: GraphKey, width: int):
@@ -395,7 +417,8 @@ class StepGraphs:
             # The whole step as a graph would keep [bucket, K + 1, vocab] logits in the pool for good
             # (one such graph per bucket, K and mode), and the penalties read the requests' tokens on
             # the host; the forward's outputs are a few rows a query.
-            return self.verify_tail(key, *self.replay(GraphKey("forward", key.bucket, key.k), width))
+            return self.verify_tail(key, *self.replay(GraphKey("forward", key.bucket, key.k, tree=key.tree),
+                                                      width))
         body = {"verify": self.verify_body, "forward": self.forward_body, "round": self.round_body}[key.body]
         if not self.graphed(key.bucket):
             if self.options.rehearse:   # as capture (a warm-up) and replay would: twice, at full width
@@ -455,6 +478,23 @@ class StepGraphs:
         truncate = key.mode if not greedy else False
         return self.fields(key.bucket), self.sampling_batch(key.bucket, greedy, truncate)
 
+    def tree_bounds(self, key: GraphKey) -> tuple[int, int]:
+        """The largest depth and branching a tree step's walk covers: the step's own (from the host)
+        where it runs eagerly, K for both under a graph (any tree of K nodes fits)."""
+        return (key.k, key.k) if self.graphed(key.bucket) else self.step.tree
+
+    def with_tree(self, key: GraphKey, meta: AttentionMetadata, cached: torch.Tensor,
+                  real_offsets: torch.Tensor) -> torch.Tensor:
+        """A tree step's mask on the metadata: row b's query i (its node real_offsets[b, i], [bucket,
+        K + 1]) sees the context and its node's ancestors among the new keys. Returns the queries'
+        positions for the rotary embedding [T]: cached + the node's depth (its slot is cached + node)."""
+        parents = self.parents(key.bucket, key.k)
+        depth_bound = self.tree_bounds(key)[0]
+        nodes = real_offsets[..., None].expand(-1, -1, key.k + 1)
+        meta.tree = cached, ancestors_of(parents, depth_bound).gather(1, nodes)
+        row = meta.token_seq
+        return cached[row] + depths_of(parents, depth_bound)[row, meta.positions - cached[row]]
+
     def padded_metadata(self, tables: torch.Tensor, cached: torch.Tensor, num_new: torch.Tensor, q_len: int,
                         block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """Metadata of q_len queries per row over tables [bucket, width] on the device: row b's
@@ -513,7 +553,8 @@ class StepGraphs:
                 return x[rows]
         proposer = self.proposer
         capture = proposer.capture_layers if proposer else ()
-        hidden, captured = self.model(input_ids, meta.positions, self.kv_cache, meta, capture)
+        positions = self.with_tree(key, meta, cached, real_offsets) if key.tree else meta.positions
+        hidden, captured = self.model(input_ids, positions, self.kv_cache, meta, capture)
         features = proposer.features(hidden, captured) if proposer and proposer.needs_features else None
         if features is not None and not padded:
             features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
@@ -527,14 +568,29 @@ class StepGraphs:
         logits = self.model.logits(hidden)[:, :self.vocab]
         eager = key.eager_tail
         kept = pick(logits) if eager and self.step.logprobs else None   # [bucket, q_len, vocab], raw
-        processed = (process(pick(logits), drafts, self.step.processed, self.no_prompt)
+        paths = (ancestors_of(self.parents(key.bucket, key.k), self.tree_bounds(key)[0])[:, :, 1:]
+                 if key.tree else None)
+        processed = (process(pick(logits), drafts, self.step.processed, self.no_prompt, paths)
                      if eager and self.step.processed else None)
+        path = None
         if key.mode == "greedy":
             if processed is not None:
                 row_max, target_ids = processed.max(-1)
             else:   # each row's argmax, then the padded gather: ids, not [B, K+1, V] logits
                 row_max, target_ids = map(pick, logits.max(-1))
-            tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
+            if key.tree:
+                tokens, path, num_accepted = self.walk_tree(key, fields, target_ids)
+            else:
+                tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
+        elif key.tree:   # host drafts: deterministic candidates (tree.walk_ids)
+            logits = pick(logits) if processed is None else processed
+            row_max = logits.amax(-1)
+            per_node = (x.repeat_interleave(key.k + 1) for x in (sampling.temperature, sampling.top_k,
+                                                                 sampling.top_p))
+            p = target_probs(logits.flatten(0, 1), *per_node, key.mode).view(logits.shape)
+            depth = depths_of(self.parents(key.bucket, key.k), self.tree_bounds(key)[0])
+            tokens, path, num_accepted = self.walk_tree(key, fields, own_draws(p, sampling.seeds,
+                                                                               fields.cached + 1, depth))
         else:
             logits = pick(logits) if processed is None else processed
             row_max = logits.amax(-1)
@@ -547,7 +603,17 @@ class StepGraphs:
                 sampling.top_k, sampling.top_p, sampling.seeds, fields.cached + 1, key.mode)
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
         non_finite = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:key.bucket]).long()
-        return torch.cat([tokens, num_accepted[:, None], non_finite[:, None]], dim=1), features, kept
+        columns = [tokens] + ([] if path is None else [path]) + [num_accepted[:, None], non_finite[:, None]]
+        return torch.cat(columns, dim=1), features, kept
+
+    def walk_tree(self, key: GraphKey, fields: Fields, target_ids: torch.Tensor):
+        """A tree step's acceptance (tree.walk_ids) over the target's own tokens at each node [bucket,
+        K + 1]: tokens [bucket, K + 1] and path [bucket, K] (zeros past the walk), num_accepted [bucket]."""
+        nodes = torch.cat([fields.last[:, None], self.drafts[:key.bucket, :key.k]], dim=1)
+        depth_bound = self.tree_bounds(key)[0]
+        tokens, path, num_accepted = walk_ids(target_ids, nodes, self.parents(key.bucket, key.k), depth_bound)
+        pad = key.k - depth_bound
+        return F.pad(tokens, (0, pad)), F.pad(path, (0, pad)), num_accepted
 
     def round_body(self, key: GraphKey, width: int) -> None:
         """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft

@@ -187,6 +187,10 @@ class AttentionMetadata:
     query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
     query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token
     extra: torch.Tensor | None = None   # [n] the rest of the step's one host-to-device copy (build_metadata)
+    # A draft tree's verification (tree.py): row b's new tokens sit in the slots from base[b] on, and
+    # its query i sees the new key j only where visible[b, i, j] (j is i's ancestor or i): (base [B],
+    # visible [B, max_q, max_q]). None: causal.
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None
     # What every layer of the pass would otherwise derive again (masks, rotary tables, row indices):
     # built by the first layer that asks, shared by the others (once per pass, not once per layer).
     per_pass: dict = field(default_factory=dict)
@@ -199,13 +203,22 @@ class AttentionMetadata:
     def attention_mask(self, block_size: int, group: int = 1,
                        dtype: torch.dtype | None = None) -> torch.Tensor:
         """[B, 1, group * max_q, max_k] True where a query may see a key: keys 0 .. its own position
-        (causal, in context), repeated for the `group` query heads stacked along the query axis.
-        With a dtype: the additive mask SDPA makes of the boolean one on every call (0 where True,
-        -inf where False), made once here. The reference path's; the Triton kernel never asks."""
+        (causal, in context), and of a tree's new keys only its ancestors', repeated for the `group`
+        query heads stacked along the query axis. With a dtype: the additive mask SDPA makes of the
+        boolean one on every call (0 where True, -inf where False), made once here. The reference
+        path's; the Triton kernel never asks."""
         def make():
             keys = torch.arange(self.block_tables.shape[1] * block_size, device=self.positions.device)
             query_pos = self.positions[self.query_index]   # [B, max_q]; padding: a real position
-            visible = (keys[None, None, :] <= query_pos[:, :, None])[:, None].repeat(1, 1, group, 1)
+            visible = keys[None, None, :] <= query_pos[:, :, None]   # [B, max_q, max_k]
+            if self.tree is not None:
+                base, among_new = self.tree
+                offset = keys[None, :] - base[:, None]   # [B, max_k]: a key's node, where it is new
+                new = (offset >= 0) & (offset < among_new.shape[2])
+                node = offset.clamp(0, among_new.shape[2] - 1)[:, None, :].expand_as(visible)
+                seen = among_new.gather(2, node)
+                visible = visible & (~new[:, None, :] | seen)
+            visible = visible[:, None].repeat(1, 1, group, 1)
             return visible if dtype is None else torch.zeros(visible.shape, dtype=dtype, device=visible.device
                                                              ).masked_fill_(~visible, float("-inf"))
         return self.once(("mask", block_size, group, dtype), make)
@@ -357,6 +370,15 @@ class KVCache:
         """Zero these blocks in every layer (K/V a pass wrote that are not finite)."""
         self.pool[:, :, blocks] = 0
         self.mirror = None   # written outside a pass: the mirror cannot tell
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Slot src[i]'s K/V to slot dst[i] in every layer (a tree step's accepted path): all read,
+        then all written. The mirror re-reads the blocks written (kv_mirror's versions)."""
+        pool = self.pool.view(*self.pool.shape[:2], -1, *self.pool.shape[4:])   # [layers, 2, slots, kv_h, hd]
+        to = torch.tensor(dst, device=self.pool.device)
+        pool[:, :, to] = pool[:, :, torch.tensor(src, device=self.pool.device)]
+        if self.mirror is not None:
+            self.mirror.versions[to.cpu().numpy() // self.block_size] += 1
 
     def layer(self, i: int) -> torch.Tensor:
         """Layer i's pages [2 (k/v), num_blocks, block_size, kv_heads, head_dim]: K at [0], V at [1]."""

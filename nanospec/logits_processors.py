@@ -11,11 +11,14 @@ from nanospec.kv_cache import upload
 
 
 def penalize(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch.Tensor, drafts: torch.Tensor,
-             repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+             repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+             before: torch.Tensor | None = None) -> torch.Tensor:
     """vLLM's penalties on R requests' logits [R, q, V] (float32) at their q verify positions:
     position j follows the request's output and its first j drafts (drafts [R, q - 1]; [R, 0]:
-    every position as the first). in_prompt [R, V]: the prompt's tokens (prompt_mask); counts
-    [R, V]: each token's count in the output; the penalties [R]. Repetition divides a positive
+    every position as the first); in a draft tree, its node's path instead (before [R, q, q - 1]:
+    True where draft i is on position j's path, tree.py's ancestor mask without the root).
+    in_prompt [R, V]: the prompt's tokens (prompt_mask); counts [R, V]: each token's count in the
+    output; the penalties [R]. Repetition divides a positive
     logit and multiplies a negative one of every token in the prompt or the output so far,
     frequency subtracts frequency x the token's count in it, presence subtracts presence from
     every token in it (OpenAI's presence_penalty and frequency_penalty)."""
@@ -33,7 +36,8 @@ def penalize(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch.Tensor
         # adds how many of d_1 .. d_j are d_{i+1} (a token drafted twice is written twice, alike).
         same = (drafts[:, :, None] == drafts[:, None, :]).float()   # [R, i', i]: d_{i'+1} is d_{i+1}
         j, i = torch.arange(q, device=logits.device), torch.arange(k, device=logits.device)
-        before = (j[:, None] > i).float()   # [q, K]: d_{i+1} comes before position j
+        # [(R,) q, K]: d_{i+1} comes before position j
+        before = (j[:, None] > i).float() if before is None else before.float()
         count = counts.gather(1, drafts)[:, None, :] + before @ same   # [R, q, K]
         ids = drafts[:, None, :].expand(-1, q, -1)
         out.scatter_(2, ids, apply(logits.gather(2, ids), count, in_prompt.gather(1, drafts)[:, None, :]))
@@ -57,10 +61,11 @@ def min_p_mask(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Ten
 
 
 def process(logits: torch.Tensor, drafts: torch.Tensor, processed: list,
-            no_prompt: torch.Tensor) -> torch.Tensor:
+            no_prompt: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
     """The step's logits [bucket, K + 1, vocab] in float32, the processed rows' with their
     penalties and then their min_p, all rows in one batch; processed: the (row, request) pairs that
-    ask for them, no_prompt: [vocab] False (a row without penalties). Eager only (cuda_graph.py's
+    ask for them, no_prompt: [vocab] False (a row without penalties), before: a tree step's paths
+    (penalize). Eager only (cuda_graph.py's
     replay): it reads the requests' tokens on the host and sends them, with the rows and their
     parameters, in one copy."""
     logits = logits.float()
@@ -84,6 +89,7 @@ def process(logits: torch.Tensor, drafts: torch.Tensor, processed: list,
     counts = torch.zeros(n * vocab, device=logits.device).index_add_(
         0, device[6 * n:], torch.ones(len(flat), device=logits.device)).view(n, vocab)
     in_prompt = torch.stack([r.prompt_mask if r.params.penalized else no_prompt for r in reqs])
-    out = penalize(logits[rows], in_prompt, counts, drafts[rows], repetition, frequency, presence)
+    out = penalize(logits[rows], in_prompt, counts, drafts[rows], repetition, frequency, presence,
+                   None if before is None else before[rows])
     logits[rows] = min_p_mask(out, temperature, min_p)
     return logits

@@ -54,6 +54,8 @@ class Proposal:
     num_draft: list[int]                             # drafts request b verifies (0: none)
     host_drafts: list[list[int]] | None = None       # request b's drafts made on the host ([]: none)
     round: Round | None = None                       # a model proposer's round of draft steps
+    # host drafts as trees (tree.py): request b's parent list over [last token, its drafts]; None: chains
+    parents: list[list[int]] | None = None
 
 
 class Proposer:

@@ -26,6 +26,7 @@ never a rejected child's, and the walk goes down exactly when the emitted token 
 from __future__ import annotations
 
 import ast
+from collections import Counter
 
 import torch
 
@@ -52,6 +53,12 @@ def check_parents(parents: list[int]) -> None:
     if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
         raise ValueError(f"not a tree's parent list: {parents}; node 0 has parent -1 and node i > 0 a parent "
                          "in 0 .. i - 1")
+
+
+def tree_shape(trees: list[list[int]]) -> tuple[int, int]:
+    """The largest depth and the most children of a node over the trees' parent lists."""
+    return (max(max(depths(ps)) for ps in trees),
+            max(max(Counter(ps[1:]).values(), default=0) for ps in trees))
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
