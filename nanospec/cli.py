@@ -148,6 +148,10 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
                       help="draft tokens per step, 1..16 (default: 4 with a proposer, 16 with --suffix, "
                            "which drafts as far as its match is strong; with --dynamic-k the largest K it "
                            "may choose, 8)")
+    spec.add_argument("--speculative-topk", "--speculative-eagle-topk", type=int, default=1, metavar="N",
+                      dest="speculative_topk",
+                      help="draft trees: at most N children a node, K nodes a tree, verified in one step "
+                           "(suffix decoding; default: 1, chains)")
     spec.add_argument("--dynamic-k", action="store_true",
                       help="choose K per step by goodput (acceptance length / step time for the batch size); "
                            "the hybrid (--suffix with --eagle or --draft) chooses per step whether to draft "

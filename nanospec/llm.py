@@ -104,6 +104,9 @@ class SpeculativeConfig:
     suffix_max_cached_requests: int | None = None   # default 10,000
     suffix_max_spec_factor: float | None = None     # default 1.0
     suffix_min_token_prob: float | None = None      # default 0.1
+    # the most children a draft node has: 1 drafts chains, more trees of K nodes (SGLang's
+    # speculative_eagle_topk; suffix decoding's drafts for now)
+    speculative_topk: int = 1
 
     def suffix_settings(self) -> dict:
         """SuffixProposer's keyword arguments for the settings given."""
@@ -148,6 +151,12 @@ class SpeculativeConfig:
                             "suffix_min_token_prob": partial(check_real, low=0, high=1)})
         chosen = self.chosen_proposer()
         self.check_dynamic_k_settings()
+        topk = param("speculative_topk")
+        if check_int(self.speculative_topk, topk, low=1, high=MAX_SPECULATIVE_TOKENS) > 1 and (
+                chosen != ["suffix"]):
+            raise NanospecError(f"{topk} {self.speculative_topk} drafts trees, which only suffix decoding "
+                                f"drafts for now: add {param('suffix')} (without a draft model or head), or "
+                                f"leave {topk} at 1")
         queue = param("disable_queue_size", "--speculative-disable-queue-size")
         if self.speculative_disable_queue_size is not None:
             check_int(self.speculative_disable_queue_size, queue, low=0)
@@ -334,7 +343,8 @@ class LLM:
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
                  suffix_max_spec_offset: int | None = None, suffix_max_cached_requests: int | None = None,
                  suffix_max_spec_factor: float | None = None, suffix_min_token_prob: float | None = None,
-                 enforce_eager: bool = False, enable_prefix_caching: bool | None = None,
+                 speculative_topk: int = 1, enforce_eager: bool = False,
+                 enable_prefix_caching: bool | None = None,
                  generation_config: str = "auto", log=None, step_options: StepOptions | None = None):
         """Load the target, its tokenizer and proposer, and build an engine sized for them. The keyword
         arguments fill three records, each checked before anything loads: EngineOptions (how steps
@@ -418,7 +428,8 @@ class LLM:
                                           self.vocab_size, self.device)
         if not spec.suffix:
             return model_drafter
-        suffix_proposer = SuffixProposer(self.device, **spec.suffix_settings())
+        suffix_proposer = SuffixProposer(self.device, branches=spec.speculative_topk,
+                                         **spec.suffix_settings())
         if model_drafter is None:
             return suffix_proposer
         return HybridProposer(suffix_proposer, model_drafter, priced=priced)

@@ -35,6 +35,8 @@ whatever the index holds: other requests can change how fast a request decodes, 
 from __future__ import annotations
 
 import sys
+import heapq
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -43,6 +45,7 @@ import torch
 
 from nanospec.estimators import StepTimes
 from nanospec.proposer import Proposal, Proposer
+from nanospec.tree import chain, depths
 
 MAX_DEPTH = 24            # the longest suffix of the context matched
 MIN_TOKEN_PROB = 0.1      # a draft stops where its path's probability falls below this
@@ -68,9 +71,14 @@ LLM_SETTINGS = dict(suffix_max_spec_offset="max_spec_offset", suffix_max_cached_
 @dataclass
 class Draft:
     tokens: list[int]
-    score: float = 0.0       # expected accepted tokens: the sum of the path's probabilities
-    # its last tokens that are past the length its match earns (L * factor): the offset's
+    score: float = 0.0       # expected accepted tokens: the sum of its nodes' path probabilities
+    # its last levels that are past the length its match earns (L * factor): the offset's
     extra: int = 0
+    parents: list[int] | None = None   # a tree's parent list over [last token, tokens] (tree.py); None: chain
+
+    @property
+    def depth(self) -> int:
+        return max(depths(self.parents)) if self.parents else len(self.tokens)
 
 
 NO_DRAFT = Draft([])
@@ -88,36 +96,49 @@ def windows(stream: np.ndarray, positions: np.ndarray, depth: int, ahead: int) -
     return taken[:, depth - 1::-1], taken[:, depth:]
 
 
-def walk(after: np.ndarray, limit: int, min_prob: float) -> Draft:
-    """Down the tree from a node whose occurrences continue as the rows of after [m, >= limit]: at
-    each step the most frequent next token, the path's probability times its count over the
-    node's (occurrences that end there count in the node, in no child); stop below min_prob."""
-    tokens, score, prob = [], 0.0, 1.0
-    for i in range(limit):
-        column = after[:, i]
+def walk(after: np.ndarray, limit: int, min_prob: float, budget: int | None = None,
+         branches: int = 1) -> Draft:
+    """Down the tree from a node whose occurrences continue as the rows of after [m, >= limit]. A
+    candidate's probability is its parent's times its count over the parent's (occurrences that end
+    there count in the parent, in no child); the most probable candidates are taken, best first,
+    until `budget` nodes (default: limit), none below min_prob and none deeper than limit, at most
+    `branches` children a node (ties: the smallest id first). With one branch that is a chain, the most
+    frequent next token at each step; with more, the draft is a tree (its parent list: parents come
+    first, as a child is no more probable than its parent)."""
+    budget = limit if budget is None else budget
+    tokens, parents, score, order = [], [-1], 0.0, itertools.count()
+    candidates = []   # a heap of (-probability, order, token, parent node, its rows of after, depth)
+
+    def add_children(rows: np.ndarray, prob: float, node: int, depth: int) -> None:
+        if depth >= limit:
+            return
+        column = rows[:, depth]
         if (column == column[0]).all():
-            token, count = int(column[0]), len(column)
-        else:
-            # (a Counter beats np.unique on the few rows)
+            counts = {int(column[0]): len(column)}
+        else:   # (a Counter beats np.unique on the few rows)
             counts = Counter(t for t in column.tolist() if t >= 0)
-            if not counts:
-                break
-            # most frequent, then smallest id
-            token, count = max(counts.items(), key=lambda tc: (tc[1], -tc[0]))
-        prob *= count / len(column)
-        if token < 0 or prob < min_prob:
-            break
+        for token, count in sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))[:branches]:
+            child = prob * count / len(column)
+            if token >= 0 and child >= min_prob:
+                heapq.heappush(candidates, (-child, next(order), token, node, rows[column == token],
+                                            depth + 1))
+
+    add_children(after, 1.0, 0, 0)
+    while candidates and len(tokens) < budget:
+        minus_prob, _, token, parent, rows, depth = heapq.heappop(candidates)
         tokens.append(token)
-        score += prob
-        after = after[column == token]
-    return Draft(tokens, score)
+        parents.append(parent)
+        score -= minus_prob
+        add_children(rows, -minus_prob, len(tokens), depth)
+    return Draft(tokens, score, parents=parents if branches > 1 else None)
 
 
 def best_draft(before: np.ndarray, after: np.ndarray, context: list[int], k: int, min_match: int,
                min_prob: float = MIN_TOKEN_PROB, factor: float = MAX_SPEC_FACTOR,
-               offset: float = MAX_SPEC_OFFSET) -> Draft:
+               offset: float = MAX_SPEC_OFFSET, branches: int = 1) -> Draft:
     """The best-scoring draft over every match length L >= min_match: the occurrences (rows of
-    windows) whose L tokens before match the context's last L are the node of that suffix."""
+    windows) whose L tokens before match the context's last L are the node of that suffix. A chain
+    has at most L * factor + offset tokens (and k); a tree (branches > 1) k nodes, none deeper."""
     if not len(before):
         return NO_DRAFT
     suffix = np.array(context[::-1][:before.shape[1]])
@@ -125,13 +146,13 @@ def best_draft(before: np.ndarray, after: np.ndarray, context: list[int], k: int
     best = NO_DRAFT
     for length in sorted({m for m in matched.tolist() if m >= min_match}, reverse=True):   # deepest first
         limit = min(k, int(length * factor + offset))
-        if best.score >= limit:   # a score is at most its draft's length: no shorter match can win
+        if best.score >= limit:   # a score is at most its draft's depth: no shorter match can win
             break
         node = matched >= length   # the same rows for every L down to the next distinct length
-        draft = walk(after[node], limit, min_prob)
+        draft = walk(after[node], limit, min_prob, k if branches > 1 else limit, branches)
         if draft.score > best.score:
             best = draft
-            best.extra = max(0, len(draft.tokens) - int(length * factor))
+            best.extra = max(0, draft.depth - int(length * factor))
     return best
 
 
@@ -355,8 +376,9 @@ class ExtraTokens:
         self.rows = DECAY * self.rows + len(num_accepted)
         self.drafts = DECAY * self.drafts + sum(num_draft)
         for draft, d, a in zip(drafts, num_draft, num_accepted):
-            base = len(draft.tokens) - draft.extra   # the extra tokens are the draft's last
-            for i in range(min(draft.extra, d - base)):   # those verified (a step may verify fewer, or pad)
+            base = draft.depth - draft.extra   # the extra levels are the draft's last
+            # those verified (a step may verify fewer, or pad)
+            for i in range(min(draft.extra, min(d, draft.depth) - base)):
                 self.drafted[i] += 1
                 self.accepted[i] += a > base + i
 
@@ -371,11 +393,14 @@ class SuffixProposer(Proposer):
 
     def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
                  min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR,
-                 max_spec_offset: int = EXTRA_TOKENS):
+                 max_spec_offset: int = EXTRA_TOKENS, branches: int = 1):
         self.device = device
         self.settings = dict(max_requests=max_requests, max_tokens=max_tokens, min_token_prob=min_token_prob,
-                             max_spec_factor=max_spec_factor, max_spec_offset=max_spec_offset)
-        self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor, offset=max_spec_offset)
+                             max_spec_factor=max_spec_factor, max_spec_offset=max_spec_offset,
+                             branches=branches)
+        # branches > 1: each draft a tree of K nodes, a node's most frequent continuations its children
+        self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor, offset=max_spec_offset,
+                              branches=branches)
         self.global_index = GlobalIndex(max_requests, max_tokens)
         self.extras = ExtraTokens(int(max_spec_offset)) if max_spec_offset else None
         self.drafts_made: list[Draft] = []   # the last step's, row by row (propose)
@@ -400,7 +425,10 @@ class SuffixProposer(Proposer):
     def propose(self, requests, ks) -> Proposal:
         self.drafts_made = self.drafts(requests, ks,
                                        self.extras.allowed(len(requests)) if self.extras else None)
-        return Proposal([len(d.tokens) for d in self.drafts_made], [d.tokens for d in self.drafts_made])
+        drafts = self.drafts_made
+        trees = self.walk_args["branches"] > 1
+        parents = [d.parents or chain(len(d.tokens)) for d in drafts] if trees else None
+        return Proposal([len(d.tokens) for d in drafts], [d.tokens for d in drafts], parents=parents)
 
     def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
         if self.extras:

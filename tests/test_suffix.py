@@ -222,7 +222,7 @@ def test_vllms_suffix_settings_reach_the_index_and_the_walk(spec_models):
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
               suffix_max_cached_requests=0, suffix_max_spec_factor=2.0, suffix_min_token_prob=0.3)
     proposer = llm.engine.proposer
-    assert proposer.walk_args == dict(min_prob=0.3, factor=2.0, offset=EXTRA_TOKENS)
+    assert proposer.walk_args == dict(min_prob=0.3, factor=2.0, offset=EXTRA_TOKENS, branches=1)
     assert [o.token_ids for o in llm.generate(PROMPTS * 2, greedy(30))] == \
         [o.token_ids for o in plain.generate(PROMPTS * 2, greedy(30))]
     assert proposer.global_index.num_requests == 0 and llm.stats["drafted_tokens"] > 0

@@ -1,0 +1,130 @@
+"""A draft tree verified in one target forward is lossless end to end: greedy and seeded sampled output
+equal plain decoding token for token, whatever the tree (deterministic candidates are walked with plain
+sampling's own draws, tree.walk_ids), in every way a step runs on a CPU (padded to the graphs' buckets,
+rehearsed as capture and replay, the reference attention or its mirror). Each piece of the tree's
+verification is shown to matter: without the tree mask, the rotary positions at each node's depth, or
+moving the accepted path's K/V in place, the output changes."""
+import random
+
+import pytest
+
+from conftest import PROMPTS, assert_no_leak, greedy
+from nanospec import LLM, SamplingParams
+from nanospec.cuda_graph import StepGraphs, StepOptions
+from nanospec.kv_cache import KVCache
+from nanospec.proposer import Proposal, Proposer
+from nanospec.suffix import SuffixProposer
+
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True)
+# penalties count the drafts on each node's path (logits_processors.penalize)
+PENALIZED = SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.4, presence_penalty=0.2)
+
+
+class TreeOracle(Proposer):
+    """Trees around the target's own continuation: at each level, sometimes a wrong sibling first, then
+    the true token (sometimes a wrong one instead); K nodes in all."""
+    drafts_on_host = True
+
+    def __init__(self, continuations: dict[str, list[int]], seed: int = 0):
+        self.continuations, self.rng = continuations, random.Random(seed)
+
+    def propose(self, requests, ks) -> Proposal:
+        drafts, parents = [], []
+        for req, k in zip(requests, ks):
+            done = len(req.tokens) - len(req.prompt_ids)
+            tokens, tree, node = [], [-1], 0
+            for true in self.continuations[req.prompt][done:done + k]:
+                if len(tokens) + 2 > k:
+                    break
+                if self.rng.random() < 0.5:
+                    tokens.append((true + 1) % 300)
+                    tree.append(node)
+                tokens.append(true if self.rng.random() < 0.8 else (true + 7) % 300)
+                tree.append(node)
+                node = len(tokens)
+            drafts.append(tokens)
+            parents.append(tree)
+        return Proposal([len(d) for d in drafts], drafts, parents=parents)
+
+
+def decode(target, params, proposer=None, step_options=None, **kwargs):
+    llm = LLM(target, device="cpu", dtype="float32", kv_cache_gb=0.05, step_options=step_options,
+              **({"ngram": True, "num_speculative_tokens": 6} if proposer else {}), **kwargs)
+    if proposer:
+        llm.engine.proposer = llm.engine.step_graphs.proposer = proposer
+    return llm, [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("params", [greedy(), SAMPLED, PENALIZED], ids=["greedy", "sampled", "penalized"])
+@pytest.mark.parametrize("options", [StepOptions(), StepOptions(pad_batches=True, rehearse=True),
+                                     StepOptions(kv_mirror=False)], ids=["ragged", "rehearsed", "reference"])
+def test_tree_output_equals_plain_decoding(checkpoints, params, options):
+    _, want = decode(checkpoints["qwen3"], params, step_options=options)
+    llm, got = decode(checkpoints["qwen3"], params, TreeOracle(dict(zip(PROMPTS, want))), options)
+    assert got == want
+    assert llm.stats["accepted_tokens"] > 0 and llm.stats["drafted_tokens"] > llm.stats["accepted_tokens"]
+    assert_no_leak(llm)
+
+
+def without_mask(self, key, meta, cached, real_offsets, with_tree=StepGraphs.with_tree):
+    positions = with_tree(self, key, meta, cached, real_offsets)
+    meta.tree = None
+    return positions
+
+
+def without_depths(self, key, meta, cached, real_offsets, with_tree=StepGraphs.with_tree):
+    with_tree(self, key, meta, cached, real_offsets)
+    return meta.positions
+
+
+@pytest.mark.parametrize("fault", ["no tree mask", "no depth positions", "path not moved"])
+def test_each_piece_of_tree_verification_matters(checkpoints, monkeypatch, fault):
+    _, want = decode(checkpoints["qwen3"], greedy())
+    if fault == "no tree mask":
+        monkeypatch.setattr(StepGraphs, "with_tree", without_mask)
+    elif fault == "no depth positions":
+        monkeypatch.setattr(StepGraphs, "with_tree", without_depths)
+    else:
+        monkeypatch.setattr(KVCache, "move_slots", lambda self, src, dst: None)
+    _, got = decode(checkpoints["qwen3"], greedy(), TreeOracle(dict(zip(PROMPTS, want))))
+    assert got != want
+
+
+TREE_PARAMS = {"greedy": greedy(40),
+               "sampled": SamplingParams(temperature=0.5, seed=5, max_tokens=40, ignore_eos=True),
+               "logprobs": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)}
+
+
+@pytest.mark.parametrize("params", list(TREE_PARAMS.values()), ids=list(TREE_PARAMS))
+def test_suffix_trees_equal_plain_decoding(checkpoints, monkeypatch, params):
+    """Suffix decoding's trees (a node's most frequent continuations as its children): the output and
+    its logprobs are plain decoding's, the trees branch, and no block is left behind."""
+    plain = LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+    plain = plain.generate(PROMPTS, params)
+    branching, propose = [], SuffixProposer.propose
+
+    def spy(self, requests, ks):
+        proposal = propose(self, requests, ks)
+        branching.extend(any(p != i - 1 for i, p in enumerate(ps) if i) for ps in proposal.parents)
+        return proposal
+    monkeypatch.setattr(SuffixProposer, "propose", spy)
+    llm = LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
+              num_speculative_tokens=8, speculative_topk=3)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    if params.logprobs:
+        for got, want in zip(outs, plain):
+            for a, b in zip(got.logprobs, want.logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert any(branching) and llm.stats["accepted_tokens"] > 0
+    assert_no_leak(llm)
+
+
+def test_trees_are_asked_for_with_suffix_decoding_only(checkpoints):
+    with pytest.raises(Exception, match="speculative_topk 3 drafts trees, which only suffix decoding"):
+        LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05, ngram=True,
+            speculative_topk=3)
+    with pytest.raises(Exception, match="speculative_topk"):
+        LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
+            speculative_topk=0)
