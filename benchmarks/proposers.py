@@ -52,13 +52,15 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     """'ngram,suffix:8,hybrid:dynamic,suffix+0,ngram@cold,...' -> [(name, K)], K None unless given:
     the LLM's default (4; suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a
     quick profile measured at start-up; the hybrid prices its own plans instead). A suffix or hybrid
-    row's +N is its suffix_max_spec_offset, and @cold turns its prefix caching off (row_settings)."""
+    row's +N is its suffix_max_spec_offset, @cold turns its prefix caching off, and a suffix row's @treeN
+    drafts trees of at most N children a node (speculative_topk; row_settings)."""
     rows, kinds = [], set()
     for item in (x.strip() for x in text.split(",") if x.strip()):
         spec, at, where = item.partition("@")
-        if at and where != "cold":
-            raise NanospecError(f"--proposers: {item!r}: the one row option after @ is cold (no prefix "
-                                "caching)")
+        if at and where != "cold" and not (where.startswith("tree") and where[4:].isdigit()
+                                          and spec.startswith("suffix")):
+            raise NanospecError(f"--proposers: {item!r}: a row option after @ is cold (no prefix caching) "
+                                "or, for a suffix row, treeN (trees of at most N children a node)")
         name, _, k = spec.partition(":")
         name, plus, offset = name.partition("+")
         if name not in KINDS:
@@ -90,11 +92,13 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
 
 def row_settings(item: str, args) -> dict:
     """A row's LLM settings: its kind's, a suffix or hybrid row's +N as its suffix_max_spec_offset,
-    and @cold as enable_prefix_caching=False (else --[no-]enable-prefix-caching: by default on)."""
-    spec, cold, _ = item.partition("@")
+    @cold as enable_prefix_caching=False (else --[no-]enable-prefix-caching: by default on) and @treeN
+    as speculative_topk=N."""
+    spec, _, option = item.partition("@")
     kind, plus, offset = spec.partition(":")[0].partition("+")
     return {**KINDS[kind](args), **(dict(suffix_max_spec_offset=int(offset)) if plus else {}),
-            "enable_prefix_caching": False if cold else args.enable_prefix_caching}
+            **(dict(speculative_topk=int(option[4:])) if option.startswith("tree") else {}),
+            "enable_prefix_caching": False if option == "cold" else args.enable_prefix_caching}
 
 
 def new_row(llm: LLM, batch_size: int, longest: int):
@@ -276,7 +280,8 @@ def build_parser():
                     help="proposers side by side: comma-separated plain, ngram, suffix, eagle, draft, "
                          "hybrid, each with :K (default: the proposer's own, 4, or 16 for suffix and "
                          "hybrid); suffix+N, hybrid+N: that row's --suffix-max-spec-offset; NAME@cold: "
-                         "without prefix caching; answers end at EOS")
+                         "without prefix caching; suffix@treeN: trees of at most N children a node "
+                         "(--speculative-topk N); answers end at EOS")
     ap.add_argument("--workload", choices=["shipped", "multiturn"], default="shipped",
                     help="the shipped prompts once, or multi-turn sessions over them")
     ap.add_argument("--turns", type=int, default=3, metavar="N", help="turns a multi-turn session has, 1..3")
