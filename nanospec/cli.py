@@ -151,7 +151,14 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
     spec.add_argument("--speculative-topk", "--speculative-eagle-topk", type=int, default=1, metavar="N",
                       dest="speculative_topk",
                       help="draft trees: at most N children a node, K nodes a tree, verified in one step "
-                           "(suffix decoding; default: 1, chains)")
+                           "(--suffix, --eagle or --draft; default: 1, chains)")
+    spec.add_argument("--speculative-num-steps", type=int, default=None, metavar="D",
+                      help="with --speculative-topk and --eagle or --draft, the tree's depth: the drafter's "
+                           "steps, each expanding the N best nodes of the last (EAGLE-2; default: 4)")
+    spec.add_argument("--speculative-token-tree", metavar="TREE",
+                      help="a static draft tree as vLLM writes it, e.g. \"[(0,), (1,), (0, 0)]\": each node "
+                           "the path of child ranks from the root, breadth first; K is its size (suffix "
+                           "decoding: rank r is a node's r-th most frequent continuation)")
     spec.add_argument("--dynamic-k", action="store_true",
                       help="choose K per step by goodput (acceptance length / step time for the batch size); "
                            "the hybrid (--suffix with --eagle or --draft) chooses per step whether to draft "

@@ -53,7 +53,7 @@ from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockT
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.logits_processors import process
 from nanospec.sampler import SamplingBatch, Truncation, target_probs
-from nanospec.tree import ancestors_of, depths_of, own_draws, tree_shape, walk_ids
+from nanospec.tree import ancestors_of, depths_of, grow_tree, own_draws, walk_ids
 
 MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
@@ -279,21 +279,22 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
 
     def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None = None,
-               plan: Round | None = None, parents: list[list[int]] | None = None) -> SamplingBatch:
+               plan: Round | None = None, parents: list[list[int]] | None = None,
+               tree: tuple[int, int] | None = None) -> SamplingBatch:
         """Pack the step's host data (a model proposer's planned round too; host drafts' trees as
-        their parent lists) and send it in one copy; returns the batch's sampling parameters on the
-        device."""
+        their parent lists, a tree step's bounds: largest depth, branching) and send it in one copy;
+        returns the batch's sampling parameters on the device."""
         batch, bucket, k = len(requests), self.bucket(len(requests)), max(num_draft)
         self.grow(k)
         rows, pairs = self.tables.updates([r.block_table for r in requests])
-        fields = self.pack_rows(bucket, k, requests, num_draft, rows, host_drafts or (), parents)
+        fields = self.pack_rows(bucket, k, requests, num_draft, rows, host_drafts or (), parents, tree)
         if plan is not None:   # the round's rows: their proposer's table rows, positions and catch-ups
             draft_rows, draft_pairs = self.draft_tables.updates([requests[b].proposer_state.block_table
                                                                  for b in plan.rows])
             pairs += draft_pairs
             fields.draft_row[plan.rows] = draft_rows
             fields.first_position[:batch], fields.catch_up[:batch] = plan.first_position, plan.catch_up
-        buf, end = self.host.numpy(), (FIELDS + k + (k + 1) * (parents is not None)) * bucket
+        buf, end = self.host.numpy(), (FIELDS + k + (k + 1) * (tree is not None)) * bucket
         buf[end:end + len(pairs)] = pairs
         n = end + len(pairs)
         extra = plan.host if plan else []
@@ -316,23 +317,24 @@ class StepGraphs:
         params = [r.params for r in requests]
         self.step = Step(batch, bucket, k, longest=max(r.num_cached + d + 1
                                                         for r, d in zip(requests, num_draft)),
-                         probs=plan is not None and not all(p.temperature == 0 for p in params),
+                         probs=plan is not None and not plan.tree and any(p.temperature for p in params),
                          logprobs=any(p.logprobs is not None for p in params),
                          processed=[(b, r) for b, r in enumerate(requests) if r.params.processed],
                          tokens=sum(num_draft) + bucket,
-                         tree=None if parents is None else tree_shape(parents))
+                         tree=tree)
         truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
             max(p.top_k for p in params), any(p.top_p < 1 for p in params),
             all(p.top_k for p in params if p.top_p < 1))
         return self.sampling_batch(bucket, all(p.temperature == 0 for p in params), truncate, batch)
 
     def pack_rows(self, bucket: int, k: int, requests=(), num_draft=(), rows=(), host_drafts=(),
-                  parents=None) -> Fields:
+                  parents=None, tree=None) -> Fields:
         """Into the host buffer: the Fields of every row of the bucket [FIELDS, bucket], as in a step
         without a draft round (upload writes a round's columns over them; returned: numpy views),
         then the [bucket, k] host drafts (zeros past a row's own), then for a tree step the [bucket,
-        k + 1] parent lists (-2 past a row's own nodes). The rows past the batch are padding: greedy
-        requests of one token at position 0 on the null rows."""
+        k + 1] parent lists (-2 past a row's own nodes; a round's trees are written there on the device).
+        The rows past the batch are padding: greedy requests of one token at position 0 on the null
+        rows."""
         buf = self.host.numpy()
         block = buf[:FIELDS * bucket].reshape(FIELDS, bucket)
         batch, params, fields = len(requests), [r.params for r in requests], Fields(*block)
@@ -353,11 +355,11 @@ class StepGraphs:
         drafts[:] = 0
         for b, d in enumerate(host_drafts):
             drafts[b, :len(d)] = d
-        if parents is not None:
+        if tree is not None:
             lists = buf[(FIELDS + k) * bucket:(FIELDS + 2 * k + 1) * bucket].reshape(bucket, k + 1)
             lists[:] = -2
             lists[:, 0] = -1
-            for b, ps in enumerate(parents):
+            for b, ps in enumerate(parents or ()):
                 lists[b, :len(ps)] = ps
         return fields
 
@@ -381,7 +383,7 @@ class StepGraphs:
             self.grow(step.k, probs=True)
         # plan.k: its own rows' most drafts (<= the step's K)
         key = GraphKey("round", step.bucket, plan.k, self.mode(sampling, step.bucket), step.probs)
-        if plan.shape.max_q <= self.proposer.graphed_catch_up:
+        if plan.shape.max_q <= self.proposer.graphed_catch_up and not plan.tree:
             self.replay(dataclasses.replace(key, with_first=True), plan.width)
             return
         fields = self.fields(step.bucket)
@@ -392,6 +394,16 @@ class StepGraphs:
         meta = derive_metadata(plan.device[:meta_size], shape, block_size, tables)
         logits = self.proposer.first_step(meta, plan, rows, self.carry)
         self.finite[rows] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
+        if plan.tree:   # EAGLE-2's tree, eagerly: its drafts and parent lists into the step's buffers
+            tables = self.draft_tables.tables[fields.draft_row[rows], :plan.width]
+            tokens, parents, finite = grow_tree(
+                self.proposer.next_step, tables, fields.first_position[rows], logits,
+                None if self.carry is None else self.carry[rows], *plan.tree, fields.num_draft[rows],
+                block_size, self.vocab)
+            self.drafts[rows, :tokens.shape[1]] = tokens
+            self.parents(step.bucket, step.k)[rows, :parents.shape[1]] = parents
+            self.finite[rows] &= finite
+            return
         tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, fields.cached[rows] + 1)
         self.drafts[rows, 0] = tokens
         if step.probs:
@@ -493,7 +505,8 @@ class StepGraphs:
         nodes = real_offsets[..., None].expand(-1, -1, key.k + 1)
         meta.tree = cached, ancestors_of(parents, depth_bound).gather(1, nodes)
         row = meta.token_seq
-        return cached[row] + depths_of(parents, depth_bound)[row, meta.positions - cached[row]]
+        meta.rotary = cached[row] + depths_of(parents, depth_bound)[row, meta.positions - cached[row]]
+        return meta.rotary
 
     def padded_metadata(self, tables: torch.Tensor, cached: torch.Tensor, num_new: torch.Tensor, q_len: int,
                         block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:

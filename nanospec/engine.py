@@ -419,19 +419,19 @@ class Engine:
         proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal([0] * len(reqs))
         steps = self.step_graphs
         sampling = steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round,
-                                proposal.parents)
+                                proposal.parents, proposal.tree)
         if proposal.round:   # a model proposer's draft steps, on the device
             steps.run_round(proposal.round, sampling)
         out, features, logits = steps.run(sampling)
-        rows = Verified.rows(out[:len(reqs)], tree=proposal.parents is not None)   # the one copy back
+        rows = Verified.rows(out[:len(reqs)], tree=proposal.tree is not None)   # the one copy back
         if any(v.non_finite for v in rows):
             raise NonFiniteLogits([(r, non_finite_error(r, v.non_finite, self.proposer))
                                    for r, v in zip(reqs, rows) if v.non_finite])
         q_len = max(proposal.num_draft) + 1
         if features is not None:   # out of the graph's output before the next replay overwrites it
             features = features[:len(reqs) * q_len].clone()
-        if proposal.parents is not None:   # the accepted paths' K/V down to the slots after the last token
-            logits = self.settle_paths(reqs, rows, logits)
+        if proposal.tree is not None:   # the accepted paths' K/V down to the slots after the last token
+            logits, features = self.settle_paths(reqs, rows, logits, features)
         if logits is not None:   # a request asked for logprobs: a second copy back
             note_logprobs(reqs, [v.emitted for v in rows], logits)
         self.account(reqs, ks, proposal.num_draft, [v.accepted for v in rows], start)
@@ -439,10 +439,11 @@ class Engine:
         return [(r, v.emitted, None if features is None else features[b * q_len:b * q_len + v.accepted + 1])
                 for b, (r, v) in enumerate(zip(reqs, rows))]
 
-    def settle_paths(self, reqs: list[Request], rows: list[Verified], logits: torch.Tensor | None):
+    def settle_paths(self, reqs: list[Request], rows: list[Verified], logits: torch.Tensor | None,
+                     features: torch.Tensor | None):
         """After a tree step: each request's accepted path moved in place in the cache (tree.path_moves:
-        node j's K/V, at the slot cached + j, to cached + its depth); returns the logits, if any, with
-        each row's queries in path order (what note_logprobs reads)."""
+        node j's K/V, at the slot cached + j, to cached + its depth); returns the logits and EAGLE's
+        features, if any, with each row's queries in path order (what note_logprobs and the head read)."""
         size, moves = self.kv_cache.block_size, []
         for req, v in zip(reqs, rows):
             slot = lambda offset, r=req: r.block_table[(r.num_cached + offset) // size] * size + (  # noqa: E731
@@ -450,11 +451,15 @@ class Engine:
             moves += [(slot(src), slot(dst)) for src, dst in path_moves(v.path)]
         if moves:
             self.kv_cache.move_slots(*zip(*moves))
-        if logits is None:
-            return None
-        order = [[0, *v.path] + [0] * (logits.shape[1] - 1 - len(v.path)) for v in rows]
-        index = torch.tensor(order, device=logits.device)
-        return logits[:len(rows)].gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))
+        q_len = self.step_graphs.step.k + 1
+        order = torch.tensor([[0, *v.path] + [0] * (q_len - 1 - len(v.path)) for v in rows],
+                             device=self.device)
+        if features is not None:   # request b's rows b * q_len ...
+            rows_at = (torch.arange(len(rows), device=self.device)[:, None] * q_len + order).flatten()
+            features = features[rows_at]
+        if logits is not None:
+            logits = logits[:len(rows)].gather(1, order[..., None].expand(-1, -1, logits.shape[-1]))
+        return logits, features
 
     def account(self, reqs: list[Request], ks: list[int], num_draft: list[int], accepted: list[int],
                 start: float) -> None:

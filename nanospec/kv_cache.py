@@ -187,10 +187,16 @@ class AttentionMetadata:
     query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
     query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token
     extra: torch.Tensor | None = None   # [n] the rest of the step's one host-to-device copy (build_metadata)
-    # A draft tree's verification (tree.py): row b's new tokens sit in the slots from base[b] on, and
-    # its query i sees the new key j only where visible[b, i, j] (j is i's ancestor or i): (base [B],
-    # visible [B, max_q, max_q]). None: causal.
+    # A draft tree (tree.py): row b's tree nodes sit in the slots from base[b] on, R of them, and its
+    # query i sees node j's key only where visible[b, i, j] (j is i's ancestor or i), its context as
+    # usual: (base [B], visible [B, max_q, R]). None: causal.
     tree: tuple[torch.Tensor, torch.Tensor] | None = None
+    rotary: torch.Tensor | None = None   # [T] a tree's positions for the rotary embedding (its depths)
+
+    @property
+    def rotary_positions(self) -> torch.Tensor:
+        """Each new token's position for the rotary embedding: its slot's, or in a tree its depth's."""
+        return self.positions if self.rotary is None else self.rotary
     # What every layer of the pass would otherwise derive again (masks, rotary tables, row indices):
     # built by the first layer that asks, shared by the others (once per pass, not once per layer).
     per_pass: dict = field(default_factory=dict)
@@ -216,8 +222,7 @@ class AttentionMetadata:
                 offset = keys[None, :] - base[:, None]   # [B, max_k]: a key's node, where it is new
                 new = (offset >= 0) & (offset < among_new.shape[2])
                 node = offset.clamp(0, among_new.shape[2] - 1)[:, None, :].expand_as(visible)
-                seen = among_new.gather(2, node)
-                visible = visible & (~new[:, None, :] | seen)
+                visible = torch.where(new[:, None, :], among_new.gather(2, node), visible)
             visible = visible[:, None].repeat(1, 1, group, 1)
             return visible if dtype is None else torch.zeros(visible.shape, dtype=dtype, device=visible.device
                                                              ).masked_fill_(~visible, float("-inf"))

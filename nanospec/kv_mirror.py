@@ -129,12 +129,20 @@ class KVMirror:
         self.versions[written] += 1
         self.held_ids[:batch] = -1   # until the last layer has written the pass
         spare, length = self.kv.shape[3] - 1, self.kv.shape[4]
+        held_versions = self.versions[tables]
+        # A block another row of the pass wrote too (rows of one sequence: a draft tree's frontier
+        # nodes) is not held as the pool holds it by this row, which has its own writes only.
+        pairs = np.unique(np.stack([written[real], rows[real]]), axis=1)   # (block, writer row)
+        blocks, writers = np.unique(pairs[0], return_counts=True)
+        if (writers > 1).any():
+            shared = np.isin(tables, blocks[writers > 1])
+            held_versions = np.where(shared, -1, held_versions)
         return Plan(batch, width,
                     (torch.from_numpy(copy_rows), torch.from_numpy(copy_blocks),
                      torch.from_numpy(tables[copy_rows, copy_blocks])) if len(copy_rows) else None,
                     torch.from_numpy(np.where(real, rows * length + positions, spare * length).astype(
                         np.int64, copy=False)),
-                    tables.copy(), self.versions[tables])
+                    tables.copy(), held_versions)
 
     def attention(self, layer: int, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:

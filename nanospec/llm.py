@@ -31,6 +31,7 @@ from nanospec.hybrid import HybridProposer
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer
 from nanospec.suffix import LLM_SETTINGS, SuffixProposer
 from nanospec.tokenizer import load_tokenizer
+from nanospec.tree import parse_static_tree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,6 +71,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DYNAMIC_MAX_K = 8     # the largest K dynamic K may choose, unless told
+DEFAULT_TREE_STEPS = 4        # an EAGLE-2 tree's depth, unless told (speculative_num_steps)
 
 
 def kv_block_bytes(config, dtype: torch.dtype, block_size: int, num_layers: int | None = None) -> int:
@@ -105,8 +107,21 @@ class SpeculativeConfig:
     suffix_max_spec_factor: float | None = None     # default 1.0
     suffix_min_token_prob: float | None = None      # default 0.1
     # the most children a draft node has: 1 drafts chains, more trees of K nodes (SGLang's
-    # speculative_eagle_topk; suffix decoding's drafts for now)
+    # speculative_eagle_topk): suffix decoding's, or EAGLE-2's from a head or a draft model
     speculative_topk: int = 1
+    speculative_num_steps: int | None = None   # an EAGLE-2 tree's depth: its drafter's steps (default 4)
+    # a static tree, vLLM's speculative_token_tree: "[(0,), (1,), (0, 0)]", each node its path of child
+    # ranks (suffix decoding's drafts for now); K is its number of nodes
+    speculative_token_tree: str | None = None
+
+    def static_tree(self) -> list[int] | None:
+        """The static tree's parent list (tree.parse_static_tree), or None."""
+        if self.speculative_token_tree is None:
+            return None
+        try:
+            return parse_static_tree(self.speculative_token_tree)
+        except ValueError as e:
+            raise NanospecError(f"{param('speculative_token_tree')}: {e}") from None
 
     def suffix_settings(self) -> dict:
         """SuffixProposer's keyword arguments for the settings given."""
@@ -151,12 +166,7 @@ class SpeculativeConfig:
                             "suffix_min_token_prob": partial(check_real, low=0, high=1)})
         chosen = self.chosen_proposer()
         self.check_dynamic_k_settings()
-        topk = param("speculative_topk")
-        if check_int(self.speculative_topk, topk, low=1, high=MAX_SPECULATIVE_TOKENS) > 1 and (
-                chosen != ["suffix"]):
-            raise NanospecError(f"{topk} {self.speculative_topk} drafts trees, which only suffix decoding "
-                                f"drafts for now: add {param('suffix')} (without a draft model or head), or "
-                                f"leave {topk} at 1")
+        self.check_tree_settings(chosen)
         queue = param("disable_queue_size", "--speculative-disable-queue-size")
         if self.speculative_disable_queue_size is not None:
             check_int(self.speculative_disable_queue_size, queue, low=0)
@@ -170,7 +180,35 @@ class SpeculativeConfig:
                                         f"{param('ngram')} or {param('suffix')}")
             return 0
         k = self.default_k if self.num_speculative_tokens is None else self.num_speculative_tokens
-        return check_int(k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
+        static = self.static_tree()
+        if static and self.num_speculative_tokens not in (None, len(static) - 1):
+            raise NanospecError(f"{k_name} {k} differs from the {len(static) - 1} nodes of "
+                                f"{param('speculative_token_tree')}: leave it unset, or give the tree's size")
+        return check_int(len(static) - 1 if static else k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
+
+    def check_tree_settings(self, chosen: list[str]) -> None:
+        """Trees: grown (speculative_topk > 1) by suffix decoding, an EAGLE head or a draft model; static
+        by suffix decoding; not by the hybrid or n-gram; one kind at a time; a static tree fixes K (not
+        with dynamic K)."""
+        topk, static, steps = (param(n) for n in ("speculative_topk", "speculative_token_tree",
+                                                  "speculative_num_steps"))
+        check_int(self.speculative_topk, topk, low=1, high=MAX_SPECULATIVE_TOKENS)
+        shape = self.static_tree()
+        asked = f"{topk} {self.speculative_topk}" if self.speculative_topk > 1 else static
+        if (self.speculative_topk > 1 and (self.hybrid or chosen not in (["suffix"], ["eagle"], ["draft"]))
+                or shape and chosen != ["suffix"]):
+            drafters = "suffix decoding" if shape else "suffix decoding, an EAGLE head or a draft model"
+            raise NanospecError(f"{asked} drafts trees, which {drafters} draft (not the hybrid or n-gram): "
+                                f"choose one of them, or leave it out")
+        if self.speculative_num_steps is not None:
+            if self.speculative_topk == 1 or chosen == ["suffix"]:
+                raise NanospecError(f"{steps} is the depth of an EAGLE head's or a draft model's tree: add "
+                                    f"{topk} N (N > 1) with {param('eagle')} or {param('draft')}")
+            check_int(self.speculative_num_steps, steps, low=1, high=MAX_SPECULATIVE_TOKENS)
+        if shape and self.speculative_topk > 1:
+            raise NanospecError(f"choose one kind of tree: {topk} (grown by probability) or {static} (fixed)")
+        if shape and self.dynamic_k:
+            raise NanospecError(f"{static} fixes the drafts a step verifies: drop {param('dynamic_k')}")
 
     def chosen_proposer(self) -> list[str]:
         """The one proposer asked for (suffix with a model: the model's name), or none."""
@@ -343,7 +381,9 @@ class LLM:
                  speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
                  suffix_max_spec_offset: int | None = None, suffix_max_cached_requests: int | None = None,
                  suffix_max_spec_factor: float | None = None, suffix_min_token_prob: float | None = None,
-                 speculative_topk: int = 1, enforce_eager: bool = False,
+                 speculative_topk: int = 1, speculative_token_tree: str | None = None,
+                 speculative_num_steps: int | None = None,
+                 enforce_eager: bool = False,
                  enable_prefix_caching: bool | None = None,
                  generation_config: str = "auto", log=None, step_options: StepOptions | None = None):
         """Load the target, its tokenizer and proposer, and build an engine sized for them. The keyword
@@ -426,10 +466,12 @@ class LLM:
         if models.head is not None:
             model_drafter = EagleProposer(models.head, self.model, models.aux_layers, blocks, block_size,
                                           self.vocab_size, self.device)
+        if model_drafter is not None and spec.speculative_topk > 1:   # EAGLE-2 trees
+            model_drafter.tree = spec.speculative_topk, spec.speculative_num_steps or DEFAULT_TREE_STEPS
         if not spec.suffix:
             return model_drafter
         suffix_proposer = SuffixProposer(self.device, branches=spec.speculative_topk,
-                                         **spec.suffix_settings())
+                                         shape=spec.static_tree(), **spec.suffix_settings())
         if model_drafter is None:
             return suffix_proposer
         return HybridProposer(suffix_proposer, model_drafter, priced=priced)

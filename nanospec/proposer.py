@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from nanospec.kv_cache import BlockTable, KVCache, MetadataShape, build_metadata, pack_metadata
 from nanospec.sampler import DRAFT, SamplingBatch, pick, target_probs, uniform_noise
+from nanospec.tree import tree_shape
 
 
 @dataclass
@@ -54,8 +55,13 @@ class Proposal:
     num_draft: list[int]                             # drafts request b verifies (0: none)
     host_drafts: list[list[int]] | None = None       # request b's drafts made on the host ([]: none)
     round: Round | None = None                       # a model proposer's round of draft steps
-    # host drafts as trees (tree.py): request b's parent list over [last token, its drafts]; None: chains
+    # host drafts as trees (tree.py): request b's parent list over [last token, its drafts]
     parents: list[list[int]] | None = None
+    tree: tuple[int, int] | None = None   # a tree step's largest depth and branching (None: chains)
+
+    def __post_init__(self):
+        if self.parents is not None and self.tree is None:
+            self.tree = tree_shape(self.parents)
 
 
 class Proposer:
@@ -176,6 +182,7 @@ class Round:
     device: torch.Tensor | None = None    # `host` on the device, once sent
     # draft steps: the most drafts a row asks of it (a hybrid's suffix rows may verify more)
     k: int = 0
+    tree: tuple[int, int] | None = None   # EAGLE-2 trees of (topk, steps) instead of chains (tree.grow_tree)
 
 
 @dataclass(slots=True)
@@ -219,6 +226,11 @@ class ModelProposer(Proposer):
     # state: 1 after a rejection, 2 when all K were accepted) runs as one graph, catch-up included.
     graphed_catch_up = 0
     shift = 0   # its position i holds what tokens[:i + 1 + shift] make (EAGLE's element i reads t_{i+1})
+    tree: tuple[int, int] | None = None   # (topk, steps): it drafts EAGLE-2 trees (tree.grow_tree)
+
+    def round_slots(self, k: int) -> int:
+        """The slots a round writes past its catch-up: K - 1 drafts fed, or a tree's frontiers."""
+        return self.tree[0] * (self.tree[1] - 1) if self.tree else k - 1
 
     def __init__(self, kv_cache: KVCache, vocab: int, max_positions: int, device: torch.device):
         # vocab: the ids the engine emits (its drafts are over those); max_positions: its context
@@ -263,8 +275,8 @@ class ModelProposer(Proposer):
         for b, k in enumerate(ks):
             if k:
                 st = self.state(requests[b])
-                need = allocator.blocks_for(st.num_cached + self.catch_up_len(requests[b], st) + k - 1) \
-                    - len(st.block_table)
+                need = allocator.blocks_for(st.num_cached + self.catch_up_len(requests[b], st)
+                                            + self.round_slots(k)) - len(st.block_table)
                 if need <= free:
                     rows.append(b)
                     free -= need
@@ -276,7 +288,8 @@ class ModelProposer(Proposer):
         num_draft = [min(k, self.max_drafts(r)) for r, k in zip(requests, ks)]
         plan = self.prepare(requests, num_draft) if max(num_draft) else None
         kept = set(plan.rows) if plan else set()
-        return Proposal([d if b in kept else 0 for b, d in enumerate(num_draft)], round=plan)
+        tree = (self.tree[1], min(self.tree[0], max(num_draft))) if plan and self.tree else None
+        return Proposal([d if b in kept else 0 for b, d in enumerate(num_draft)], round=plan, tree=tree)
 
     def prepare(self, requests, ks) -> Round | None:
         """Plan a round of draft steps (request b drafts ks[b]) and grow every block it will write,
@@ -294,13 +307,14 @@ class ModelProposer(Proposer):
         first_width = width = 1
         for b, st, n in zip(rows, states, lens):   # the round feeds n positions, then ks[b] - 1 drafts
             first_width = max(first_width, allocator.blocks_for(st.num_cached + n))
-            allocator.grow(st.block_table, st.num_cached + n + ks[b] - 1)
+            allocator.grow(st.block_table, st.num_cached + n + self.round_slots(ks[b]))
             width = max(width, len(st.block_table))
             st.num_cached += n
             first_position[b], catch_up[b] = st.num_cached, n
-            st.num_cached += ks[b] - 1
+            if not self.tree:   # (a tree's slots are scratch past the cache: never cached inputs)
+                st.num_cached += ks[b] - 1
         return Round(host + rows, rows, shape, first_position, catch_up, first_width, width, features,
-                     k=max(ks[b] for b in rows))
+                     k=max(ks[b] for b in rows), tree=self.tree)
 
     def carry(self, batch: int) -> torch.Tensor | None:
         """What a draft step hands the next besides its token (EAGLE: its hidden states), for
@@ -350,7 +364,7 @@ class DraftModelProposer(ModelProposer):
 
     def catch_up_step(self, meta, input_ids, last) -> torch.Tensor:
         """The logits at flat rows `last` (each request's last fed position)."""
-        hidden, _ = self.model(input_ids, meta.positions, self.kv_cache, meta)
+        hidden, _ = self.model(input_ids, meta.rotary_positions, self.kv_cache, meta)
         return self.model.logits(hidden[last])
 
     def next_step(self, meta, input_ids, hidden):
@@ -490,7 +504,7 @@ class EagleProposer(ModelProposer):
 
     def forward(self, meta, token_ids, features) -> torch.Tensor:
         embeds = self.embed(token_ids)
-        hidden = self.head(embeds, features, meta.positions, self.kv_cache, meta)
+        hidden = self.head(embeds, features, meta.rotary_positions, self.kv_cache, meta)
         return hidden[meta.query_start[1:] - 1]
 
     def rollback(self, request) -> None:

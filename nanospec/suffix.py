@@ -45,7 +45,7 @@ import torch
 
 from nanospec.estimators import StepTimes
 from nanospec.proposer import Proposal, Proposer
-from nanospec.tree import chain, depths
+from nanospec.tree import chain, child_ranks, depths
 
 MAX_DEPTH = 24            # the longest suffix of the context matched
 MIN_TOKEN_PROB = 0.1      # a draft stops where its path's probability falls below this
@@ -96,20 +96,27 @@ def windows(stream: np.ndarray, positions: np.ndarray, depth: int, ahead: int) -
     return taken[:, depth - 1::-1], taken[:, depth:]
 
 
-def walk(after: np.ndarray, limit: int, min_prob: float, budget: int | None = None,
-         branches: int = 1) -> Draft:
+def walk(after: np.ndarray, limit: int, min_prob: float, budget: int | None = None, branches: int = 1,
+         shape: list[int] | None = None) -> Draft:
     """Down the tree from a node whose occurrences continue as the rows of after [m, >= limit]. A
     candidate's probability is its parent's times its count over the parent's (occurrences that end
     there count in the parent, in no child); the most probable candidates are taken, best first,
     until `budget` nodes (default: limit), none below min_prob and none deeper than limit, at most
-    `branches` children a node (ties: the smallest id first). With one branch that is a chain, the most
-    frequent next token at each step; with more, the draft is a tree (its parent list: parents come
-    first, as a child is no more probable than its parent)."""
+    `branches` children a node, its most frequent continuations (ties: the smallest id first). With
+    one branch that is a chain, the most frequent next token at each step; with more, the draft is a
+    tree (its parent list: parents come first, as a child is no more probable than its parent).
+    shape: a static tree (tree.parse_static_tree) instead: a node's children are its shape node's,
+    the one of rank r its r-th most frequent continuation (those that exist and pass min_prob)."""
     budget = limit if budget is None else budget
+    below = {}   # a shape node's children: (rank, shape node)
+    for node, (parent, rank) in enumerate(zip(shape or (), child_ranks(shape or [-1]))):
+        if node:
+            below.setdefault(parent, []).append((rank, node))
     tokens, parents, score, order = [], [-1], 0.0, itertools.count()
-    candidates = []   # a heap of (-probability, order, token, parent node, its rows of after, depth)
+    # a heap of (-probability, order, token, parent node, its rows of after, depth, shape node)
+    candidates = []
 
-    def add_children(rows: np.ndarray, prob: float, node: int, depth: int) -> None:
+    def add_children(rows: np.ndarray, prob: float, node: int, depth: int, at: int) -> None:
         if depth >= limit:
             return
         column = rows[:, depth]
@@ -117,28 +124,34 @@ def walk(after: np.ndarray, limit: int, min_prob: float, budget: int | None = No
             counts = {int(column[0]): len(column)}
         else:   # (a Counter beats np.unique on the few rows)
             counts = Counter(t for t in column.tolist() if t >= 0)
-        for token, count in sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))[:branches]:
+        ranked = sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))
+        for rank, shape_node in below.get(at, []) if shape else zip(range(branches), [0] * branches):
+            if rank >= len(ranked):
+                break
+            token, count = ranked[rank]
             child = prob * count / len(column)
             if token >= 0 and child >= min_prob:
                 heapq.heappush(candidates, (-child, next(order), token, node, rows[column == token],
-                                            depth + 1))
+                                            depth + 1, shape_node))
 
-    add_children(after, 1.0, 0, 0)
+    add_children(after, 1.0, 0, 0, 0)
     while candidates and len(tokens) < budget:
-        minus_prob, _, token, parent, rows, depth = heapq.heappop(candidates)
+        minus_prob, _, token, parent, rows, depth, at = heapq.heappop(candidates)
         tokens.append(token)
         parents.append(parent)
         score -= minus_prob
-        add_children(rows, -minus_prob, len(tokens), depth)
-    return Draft(tokens, score, parents=parents if branches > 1 else None)
+        add_children(rows, -minus_prob, len(tokens), depth, at)
+    return Draft(tokens, score, parents=parents if branches > 1 or shape else None)
 
 
 def best_draft(before: np.ndarray, after: np.ndarray, context: list[int], k: int, min_match: int,
                min_prob: float = MIN_TOKEN_PROB, factor: float = MAX_SPEC_FACTOR,
-               offset: float = MAX_SPEC_OFFSET, branches: int = 1) -> Draft:
+               offset: float = MAX_SPEC_OFFSET, branches: int = 1,
+               shape: list[int] | None = None) -> Draft:
     """The best-scoring draft over every match length L >= min_match: the occurrences (rows of
     windows) whose L tokens before match the context's last L are the node of that suffix. A chain
-    has at most L * factor + offset tokens (and k); a tree (branches > 1) k nodes, none deeper."""
+    has at most L * factor + offset tokens (and k); a tree (branches > 1, or a static shape) k nodes,
+    none deeper."""
     if not len(before):
         return NO_DRAFT
     suffix = np.array(context[::-1][:before.shape[1]])
@@ -149,7 +162,8 @@ def best_draft(before: np.ndarray, after: np.ndarray, context: list[int], k: int
         if best.score >= limit:   # a score is at most its draft's depth: no shorter match can win
             break
         node = matched >= length   # the same rows for every L down to the next distinct length
-        draft = walk(after[node], limit, min_prob, k if branches > 1 else limit, branches)
+        tree = branches > 1 or shape is not None
+        draft = walk(after[node], limit, min_prob, k if tree else limit, branches, shape)
         if draft.score > best.score:
             best = draft
             best.extra = max(0, draft.depth - int(length * factor))
@@ -393,14 +407,16 @@ class SuffixProposer(Proposer):
 
     def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
                  min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR,
-                 max_spec_offset: int = EXTRA_TOKENS, branches: int = 1):
+                 max_spec_offset: int = EXTRA_TOKENS, branches: int = 1,
+                 shape: list[int] | None = None):
         self.device = device
         self.settings = dict(max_requests=max_requests, max_tokens=max_tokens, min_token_prob=min_token_prob,
                              max_spec_factor=max_spec_factor, max_spec_offset=max_spec_offset,
-                             branches=branches)
-        # branches > 1: each draft a tree of K nodes, a node's most frequent continuations its children
+                             branches=branches, shape=shape)
+        # branches > 1: each draft a tree of K nodes, a node's most frequent continuations its children;
+        # shape: a static tree's parent list (a node's children: the continuations of its ranks)
         self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor, offset=max_spec_offset,
-                              branches=branches)
+                              branches=branches, shape=shape)
         self.global_index = GlobalIndex(max_requests, max_tokens)
         self.extras = ExtraTokens(int(max_spec_offset)) if max_spec_offset else None
         self.drafts_made: list[Draft] = []   # the last step's, row by row (propose)
@@ -426,7 +442,7 @@ class SuffixProposer(Proposer):
         self.drafts_made = self.drafts(requests, ks,
                                        self.extras.allowed(len(requests)) if self.extras else None)
         drafts = self.drafts_made
-        trees = self.walk_args["branches"] > 1
+        trees = self.walk_args["branches"] > 1 or self.walk_args["shape"] is not None
         parents = [d.parents or chain(len(d.tokens)) for d in drafts] if trees else None
         return Proposal([len(d.tokens) for d in drafts], [d.tokens for d in drafts], parents=parents)
 

@@ -29,7 +29,9 @@ import ast
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 
+from nanospec.kv_cache import ragged_metadata
 from nanospec.sampler import ACCEPT, EMIT, acceptance_probability, next_token_weights, pick, uniform_noise
 
 SIBLING_STREAM = 16   # the noise stream of the acceptance test of a node's j-th child, j >= 1 (j = 0: ACCEPT)
@@ -93,15 +95,15 @@ def parse_static_tree(spec: str | list) -> list[int]:
     try:
         paths = [tuple(p) for p in (ast.literal_eval(spec) if isinstance(spec, str) else spec)]
     except (ValueError, SyntaxError, TypeError) as e:
-        raise ValueError(f"speculative_token_tree {spec!r} is not a list of tuples of child ranks, such as "
+        raise ValueError(f"{spec!r} is not a list of tuples of child ranks, such as "
                          "[(0,), (1,), (0, 0)]") from e
     index = {(): 0}
     parents = [-1]
     for path in paths:
         if not path or any(not isinstance(r, int) or r < 0 for r in path) or path in index:
-            raise ValueError(f"speculative_token_tree: node {path} is not a new path of child ranks >= 0")
+            raise ValueError(f"node {path} is not a new path of child ranks >= 0")
         if path[:-1] not in index or (path[-1] and path[:-1] + (path[-1] - 1,) not in index):
-            raise ValueError(f"speculative_token_tree: node {path} comes before its parent or its elder "
+            raise ValueError(f"node {path} comes before its parent or its elder "
                              "sibling; list the nodes breadth first, as vLLM does")
         index[path] = len(parents)
         parents.append(index[path[:-1]])
@@ -129,14 +131,6 @@ def sibling_proposal(q: torch.Tensor, earlier: list[int]) -> torch.Tensor:
 def renormalized(weights: torch.Tensor) -> torch.Tensor:
     """r_{j+1} from the weights max(r_j - q_j, 0) a rejection leaves: divided by their sum."""
     return weights / weights.sum(-1, keepdim=True)
-
-
-def rerank(scores: list[float], parents: list[int], n: int) -> list[int]:
-    """EAGLE-2's rerank: the n nodes (besides the root) of highest score, the product of draft
-    probabilities along the path, in tree order. A child's score is at most its parent's, and ties go to
-    the earlier node, so every chosen node's parent is chosen too: the result is a tree."""
-    best = sorted(range(1, len(parents)), key=lambda i: (-scores[i], i))[:n]
-    return [0, *sorted(best)]
 
 
 def own_draws(p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
@@ -256,3 +250,78 @@ def try_children(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, childre
         r = torch.where(rejected[:, None], renormalized(weights), r)
     drawn = pick(weights, uniform_noise(seeds, at, EMIT))
     return torch.where(accepted, tokens[rows, child], drawn), accepted, child
+
+
+def grow_tree(next_step, tables: torch.Tensor, first_position: torch.Tensor, logits: torch.Tensor,
+              hidden: torch.Tensor | None, topk: int, steps: int, budget: torch.Tensor, block_size: int,
+              vocab: int):
+    """EAGLE-2's dynamic tree for R rows of a model drafter, after its catch-up step (logits [R, V] for
+    the token after the last, hidden [R, H] its carried state or None): a candidate's score is the sum
+    of the drafter's log-probabilities along its path. Step 1 takes the root's top-k children; each
+    later step feeds the `topk` best candidates of the last depth (the frontier) through
+    next_step(meta, ids, hidden) -> (logits, hidden) and adds each one's top-k children; `steps`
+    depths in all. Then the best budget[r] candidates (rerank) are row r's tree: a child scores at most
+    its parent (ties: the earlier candidate), so every chosen node's parent is chosen too.
+
+    The frontier at depth d is written to the drafter's slots first_position + (d - 1) * topk + j at the
+    position first_position + d - 1, seeing its context and its ancestors (the tree mask). Returns the
+    tree's tokens [R, N] and parents [R, N + 1] (N = budget's largest; -2 past a row's own), nodes in
+    candidate order (parents first), and whether every row's draft logits were finite [R]. Candidates
+    are deterministic (top-k), so verification is walk_ids."""
+    rows, device = len(logits), logits.device
+    scores, tokens = F.log_softmax(logits.float(), -1)[:, :vocab].topk(topk, -1)   # depth 1: [R, topk]
+    cand_scores, cand_tokens = [scores], [tokens]
+    cand_parents = [torch.full((rows, topk), -1, device=device)]   # a candidate's parent candidate (-1: root)
+    frontier = torch.arange(topk, device=device).expand(rows, -1)   # candidate indices, depth d
+    parent_fed = torch.full((rows, topk), -1, device=device)        # the frontier's parents' fed slots
+    fed = torch.zeros(rows, topk * (steps - 1), topk * (steps - 1), dtype=torch.bool, device=device)
+    carried = None if hidden is None else hidden.repeat_interleave(topk, 0)
+    flat_scores, flat_tokens = scores, tokens
+    finite = logits.amax(-1).isfinite()
+    for depth in range(1, steps):
+        start = (depth - 1) * topk   # the frontier's fed slots: start .. start + topk - 1
+        here = torch.arange(start, start + topk, device=device)
+        above = fed.gather(1, parent_fed.clamp(min=0)[..., None].expand(-1, -1, fed.shape[2]))
+        fed[:, start:start + topk] = (above & (parent_fed >= 0)[..., None]) | (
+            torch.arange(fed.shape[2], device=device) == here[:, None])
+        # each frontier node a sequence of its own (a drafter's step reads its sequences' last queries)
+        each = lambda x: x.repeat_interleave(topk, 0)   # noqa: E731
+        slots = each(first_position + start) + torch.arange(topk, device=device).repeat(rows)
+        meta = ragged_metadata(each(tables), slots, torch.ones_like(slots), rows * topk, 1, block_size)
+        meta.tree = each(first_position), fed[:, start:start + topk, :start + topk].flatten(0, 1)[:, None]
+        meta.rotary = each(first_position + depth - 1)
+        ids = flat_tokens.gather(1, frontier)
+        logits, carried = next_step(meta, ids.flatten(), carried)
+        finite &= logits.amax(-1).isfinite().view(rows, topk).all(-1)
+        child_scores, child_tokens = F.log_softmax(logits.float(), -1)[:, :vocab].topk(topk, -1)
+        child_scores = flat_scores.gather(1, frontier)[..., None] + child_scores.view(rows, topk, topk)
+        offset = sum(s.shape[1] for s in cand_scores)
+        cand_scores.append(child_scores.flatten(1))
+        cand_tokens.append(child_tokens.view(rows, topk * topk))
+        cand_parents.append(frontier.repeat_interleave(topk, 1))
+        flat_scores, flat_tokens = torch.cat(cand_scores, 1), torch.cat(cand_tokens, 1)
+        best = cand_scores[-1].topk(topk, -1).indices   # the next frontier, among the new candidates
+        frontier, parent_fed = offset + best, start + best // topk
+        if carried is not None:
+            carried = carried.view(rows, topk, -1).gather(1, (best // topk)[..., None].expand(
+                -1, -1, carried.shape[-1])).flatten(0, 1)
+    return *rerank(flat_scores, flat_tokens, torch.cat(cand_parents, 1), budget), finite
+
+
+def rerank(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, budget: torch.Tensor):
+    """The best budget[r] of each row's candidates (scores, tokens, parent candidate [R, C]; -1: the
+    root) as a tree: tokens [R, N] and parents [R, N + 1], nodes in candidate order (see grow_tree)."""
+    rows, count = scores.shape
+    n = int(budget.max())
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(count, device=scores.device).expand(rows, -1)
+    rank = torch.empty_like(order).scatter_(1, order, ranks)
+    chosen = rank < budget[:, None]
+    node = chosen.long().cumsum(-1) * chosen   # a chosen candidate's node (1 ..), 0 otherwise
+    parent_node = torch.where(parents >= 0, node.gather(1, parents.clamp(min=0)), 0)
+    slot = torch.where(chosen, node - 1, n)    # unchosen: past the end, dropped
+    out_tokens = torch.zeros(rows, n + 1, dtype=tokens.dtype, device=tokens.device).scatter_(1, slot, tokens)
+    out_parents = torch.full((rows, n + 2), -2, dtype=torch.long, device=tokens.device).scatter_(
+        1, slot + 1, parent_node)
+    out_parents[:, 0] = -1
+    return out_tokens[:, :n], out_parents[:, :n + 1]

@@ -17,6 +17,7 @@ from nanospec.suffix import (EXTRA_PROBE_EVERY, EXTRA_TOKENS, MAX_DEPTH, MAX_SPE
                              RUN_SEGMENTS, Draft, ExtraTokens, GlobalIndex, RequestStream)
 
 from conftest import PROMPTS, greedy
+from nanospec.tree import child_ranks as tree_ranks, path_to
 
 
 def trie(streams: list[list[int]], depth: int) -> dict:
@@ -86,6 +87,61 @@ def test_a_requests_draft_is_its_suffix_trees_best_path(seed, offset):
     draft = stream.draft(k, offset=offset)
     score, expected = oracle_draft([tokens], tokens, k, 1, context_in_streams=True, offset=offset)
     assert draft.tokens == expected and draft.score == pytest.approx(score)
+
+
+def oracle_tree_score(streams, context, k, branches, limit_offset=0, shape=None):
+    """The best tree's score over match lengths L >= 1 of a request's own stream (streams[0] ends with
+    the context), by the stated rule on a trie: the nodes a draft may hold are the paths whose every
+    step is among its parent's `branches` most frequent continuations (or, with a static shape, the
+    continuation of each shape node's rank), at most L * factor + offset deep, each of probability >=
+    MIN_TOKEN_PROB; a tree's score is the sum of its k most probable ones. Returns (score, trie node of
+    each match length, limit)."""
+    tree = trie(streams, MAX_DEPTH + k)
+    best = 0.0
+    for length in range(1, min(MAX_DEPTH, len(context)) + 1):
+        node = tree
+        for token in context[-length:]:
+            node = node.get(token)
+            if node is None:
+                return best
+        limit = min(k, int(length * MAX_SPEC_FACTOR + limit_offset))
+        probs = []
+
+        def visit(node, count, prob, depth, at):
+            ranked = sorted(((t, c["n"]) for t, c in node.items() if t != "n"),
+                            key=lambda tc: (-tc[1], tc[0]))
+            ranks = ([(r, i) for i, (p, r) in enumerate(zip(shape, tree_ranks(shape))) if i and p == at]
+                     if shape else [(r, 0) for r in range(branches)])
+            for rank, shape_node in ranks:
+                if rank < len(ranked) and depth < limit:
+                    token, c = ranked[rank]
+                    if prob * c / count >= MIN_TOKEN_PROB:
+                        probs.append(prob * c / count)
+                        visit(node[token], node[token]["n"], prob * c / count, depth + 1, shape_node)
+        visit(node, node["n"] - 1, 1.0, 0, 0)   # the context's own occurrence ends at the node
+        best = max(best, sum(sorted(probs, reverse=True)[:k]))
+    return best
+
+
+@pytest.mark.parametrize("shape", [None, [-1, 0, 0, 1, 1, 2, 3]], ids=["grown", "static"])
+@pytest.mark.parametrize("branches", [2, 3])
+@pytest.mark.parametrize("seed", range(30))
+def test_a_requests_tree_is_its_suffix_trees_best(seed, branches, shape):
+    """Trees: the best score over match lengths, and every node a path of the request's own suffix
+    tree under the matched context (so the tree's tokens are continuations that occurred)."""
+    rng = random.Random(seed)
+    tokens = random_stream(rng, rng.randrange(2, 300), rng.choice([3, 8, 50]))
+    k = len(shape) - 1 if shape else rng.randrange(2, 9)
+    stream = RequestStream()
+    stream.sync(tokens)
+    draft = stream.draft(k, offset=3, branches=branches, shape=shape)
+    assert draft.score == pytest.approx(oracle_tree_score([tokens], tokens, k, branches, 3, shape))
+    if draft.tokens:
+        parents = draft.parents
+        assert len(parents) == len(draft.tokens) + 1 and all(0 <= p < i for i, p in enumerate(parents) if i)
+        for node in range(1, len(parents)):
+            path = [draft.tokens[n - 1] for n in path_to(parents, node)]
+            assert any(tokens[i:i + len(path)] == path for i in range(1, len(tokens)))   # it occurred
 
 
 @pytest.mark.parametrize("offset", [0, 3])
@@ -222,7 +278,7 @@ def test_vllms_suffix_settings_reach_the_index_and_the_walk(spec_models):
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
               suffix_max_cached_requests=0, suffix_max_spec_factor=2.0, suffix_min_token_prob=0.3)
     proposer = llm.engine.proposer
-    assert proposer.walk_args == dict(min_prob=0.3, factor=2.0, offset=EXTRA_TOKENS, branches=1)
+    assert proposer.walk_args == dict(min_prob=0.3, factor=2.0, offset=EXTRA_TOKENS, branches=1, shape=None)
     assert [o.token_ids for o in llm.generate(PROMPTS * 2, greedy(30))] == \
         [o.token_ids for o in plain.generate(PROMPTS * 2, greedy(30))]
     assert proposer.global_index.num_requests == 0 and llm.stats["drafted_tokens"] > 0

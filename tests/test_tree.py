@@ -139,7 +139,7 @@ def test_a_static_tree_is_read_as_vllm_writes_it():
     assert tree.parse_static_tree("[(0,), (1,), (0, 0), (0, 1), (1, 0)]") == [-1, 0, 0, 1, 1, 2]
     assert tree.parse_static_tree([(0,), (0, 0), (0, 0, 0)]) == tree.chain(3)
     for bad in ["[(1,)]", "[(0, 0)]", "[(0,), (0,)]", "[(0,), (-1,)]", "nonsense", "[()]"]:
-        with pytest.raises(ValueError, match="speculative_token_tree"):
+        with pytest.raises(ValueError, match="is not a list of tuples|is not a new path|comes before its"):
             tree.parse_static_tree(bad)
 
 
@@ -170,14 +170,6 @@ def test_path_moves_bring_the_accepted_path_in_place():
             held[dst] = held[src]
         assert held[1:len(accepted) + 1] == accepted
     assert tree.path_moves([1, 2, 3]) == []
-
-
-def test_rerank_keeps_the_best_nodes_as_a_tree():
-    parents = [-1, 0, 0, 1, 1, 2, 3]
-    scores = [1.0, 0.6, 0.4, 0.3, 0.2, 0.35, 0.3]
-    chosen = tree.rerank(scores, parents, 4)
-    assert chosen == [0, 1, 2, 3, 5]   # node 6 ties node 3 and comes later
-    assert all(parents[i] in chosen for i in chosen[1:])
 
 
 # -- the batched sampler -----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from conftest import PROMPTS, assert_no_leak, greedy
 from nanospec import LLM, SamplingParams
 from nanospec.cuda_graph import StepGraphs, StepOptions
+from nanospec.errors import NanospecError
 from nanospec.kv_cache import KVCache
 from nanospec.proposer import Proposal, Proposer
 from nanospec.suffix import SuffixProposer
@@ -121,10 +122,63 @@ def test_suffix_trees_equal_plain_decoding(checkpoints, monkeypatch, params):
     assert_no_leak(llm)
 
 
-def test_trees_are_asked_for_with_suffix_decoding_only(checkpoints):
-    with pytest.raises(Exception, match="speculative_topk 3 drafts trees, which only suffix decoding"):
-        LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05, ngram=True,
-            speculative_topk=3)
-    with pytest.raises(Exception, match="speculative_topk"):
-        LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
-            speculative_topk=0)
+def test_a_static_tree_equals_plain_decoding(checkpoints):
+    """vLLM's speculative_token_tree, filled by suffix decoding's ranked continuations."""
+    plain = LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+    plain = plain.generate(PROMPTS, greedy(40))
+    llm = LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05, suffix=True,
+              speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]")
+    assert llm.engine.max_k == 6
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(40))] == [o.token_ids for o in plain]
+    assert llm.stats["accepted_tokens"] > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(ngram=True, speculative_topk=3), "speculative_topk 3 drafts trees, which suffix decoding, an"),
+    (dict(suffix=True, eagle="head", speculative_topk=3), "not the hybrid or n-gram"),
+    (dict(eagle="head", speculative_num_steps=3), "speculative_num_steps is the depth of an EAGLE head's"),
+    (dict(suffix=True, speculative_topk=0), "speculative_topk"),
+    (dict(eagle="head", speculative_token_tree="[(0,)]"), "speculative_token_tree drafts trees, which suffix "
+                                                          "decoding draft"),
+    (dict(suffix=True, speculative_token_tree="[(0,), (1,)]", speculative_topk=2), "choose one kind of tree"),
+    (dict(suffix=True, speculative_token_tree="[(0,), (1,)]", dynamic_k=True), "fixes the drafts a step"),
+    (dict(suffix=True, speculative_token_tree="[(0,), (1,)]", num_speculative_tokens=4),
+     "num_speculative_tokens 4 differs from the 2 nodes"),
+    (dict(suffix=True, speculative_token_tree="[(0, 0)]"), "comes before its parent"),
+    (dict(suffix=True, speculative_token_tree="tree"), "is not a list of tuples of child ranks")])
+def test_tree_settings_are_checked_before_anything_loads(settings, message):
+    with pytest.raises(NanospecError, match=message):
+        LLM("no/such-model", device="cpu", **settings)
+
+
+def test_a_drafters_tree_steps_see_each_node_after_its_own_path(spec_models, monkeypatch):
+    """EAGLE-2's growth (tree.grow_tree) with the target as its own draft model: every frontier node's
+    draft logits are the target's own after the request's tokens and that node's path (read off the
+    step's tree mask over the nodes fed so far), as a fresh forward in transformers computes them."""
+    import torch
+    import transformers
+    from nanospec import proposer as proposer_module
+    reference = transformers.AutoModelForCausalLM.from_pretrained(spec_models["target"], dtype=torch.float32)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              draft=spec_models["target"], num_speculative_tokens=10, speculative_topk=2,
+              speculative_num_steps=3)
+    fed, checked, next_step = [], [], proposer_module.DraftModelProposer.next_step
+
+    def spy(self, meta, input_ids, hidden):
+        logits, carried = next_step(self, meta, input_ids, hidden)
+        if meta.tree is not None:   # a frontier: one query a node, after the nodes fed before it
+            fed.extend(input_ids.tolist())
+            tokens = llm.engine.scheduler.running[0].tokens
+            for q, visible in enumerate(meta.tree[1][:, 0]):
+                path = [fed[j] for j in torch.nonzero(visible).flatten().tolist()]
+                with torch.no_grad():
+                    want = reference(torch.tensor([tokens + path])).logits[0, -1]
+                assert torch.allclose(logits[q, :len(want)], want, atol=1e-4), path
+                checked.append(len(path))
+        return logits, carried
+    monkeypatch.setattr(proposer_module.DraftModelProposer, "next_step", spy)
+    monkeypatch.setattr(proposer_module.DraftModelProposer, "rollback", lambda self, r, f=fed,
+                        rollback=proposer_module.DraftModelProposer.rollback: (f.clear(), rollback(self, r)))
+    llm.generate([PROMPTS[0]], greedy(12))
+    assert checked and max(checked) == 2   # depths 1 and 2 fed (depth 3 is read, never fed)
