@@ -52,15 +52,15 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     """'ngram,suffix:8,hybrid:dynamic,suffix+0,ngram@cold,...' -> [(name, K)], K None unless given:
     the LLM's default (4; suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a
     quick profile measured at start-up; the hybrid prices its own plans instead). A suffix or hybrid
-    row's +N is its suffix_max_spec_offset, @cold turns its prefix caching off, and a suffix row's @treeN
-    drafts trees of at most N children a node (speculative_topk; row_settings)."""
+    row's +N is its suffix_max_spec_offset, @cold turns its prefix caching off, and @treeN drafts trees of
+    at most N children a node (speculative_topk), an eagle or draft row's @treeNxD D deep
+    (speculative_num_steps; row_settings)."""
     rows, kinds = [], set()
     for item in (x.strip() for x in text.split(",") if x.strip()):
         spec, at, where = item.partition("@")
-        if at and where != "cold" and not (where.startswith("tree") and where[4:].isdigit()
-                                          and spec.startswith("suffix")):
-            raise NanospecError(f"--proposers: {item!r}: a row option after @ is cold (no prefix caching) "
-                                "or, for a suffix row, treeN (trees of at most N children a node)")
+        if at and where != "cold" and not tree_option(where):
+            raise NanospecError(f"--proposers: {item!r}: a row option after @ is cold (no prefix caching), "
+                                "treeN (trees of at most N children a node) or treeNxD (and D deep)")
         name, _, k = spec.partition(":")
         name, plus, offset = name.partition("+")
         if name not in KINDS:
@@ -90,6 +90,14 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     return rows
 
 
+def tree_option(option: str) -> dict | None:
+    """A row's @treeN or @treeNxD as LLM settings (speculative_topk, speculative_num_steps), else None."""
+    topk, x, steps = option.removeprefix("tree").partition("x")
+    if not option.startswith("tree") or not topk.isdigit() or x and not steps.isdigit():
+        return None
+    return dict(speculative_topk=int(topk), **(dict(speculative_num_steps=int(steps)) if x else {}))
+
+
 def row_settings(item: str, args) -> dict:
     """A row's LLM settings: its kind's, a suffix or hybrid row's +N as its suffix_max_spec_offset,
     @cold as enable_prefix_caching=False (else --[no-]enable-prefix-caching: by default on) and @treeN
@@ -97,7 +105,7 @@ def row_settings(item: str, args) -> dict:
     spec, _, option = item.partition("@")
     kind, plus, offset = spec.partition(":")[0].partition("+")
     return {**KINDS[kind](args), **(dict(suffix_max_spec_offset=int(offset)) if plus else {}),
-            **(dict(speculative_topk=int(option[4:])) if option.startswith("tree") else {}),
+            **(tree_option(option) or {}),
             "enable_prefix_caching": False if option == "cold" else args.enable_prefix_caching}
 
 
@@ -280,8 +288,9 @@ def build_parser():
                     help="proposers side by side: comma-separated plain, ngram, suffix, eagle, draft, "
                          "hybrid, each with :K (default: the proposer's own, 4, or 16 for suffix and "
                          "hybrid); suffix+N, hybrid+N: that row's --suffix-max-spec-offset; NAME@cold: "
-                         "without prefix caching; suffix@treeN: trees of at most N children a node "
-                         "(--speculative-topk N); answers end at EOS")
+                         "without prefix caching; NAME@treeN: trees of at most N children a node "
+                         "(--speculative-topk N), eagle@treeNxD, draft@treeNxD: D deep "
+                         "(--speculative-num-steps D); answers end at EOS")
     ap.add_argument("--workload", choices=["shipped", "multiturn"], default="shipped",
                     help="the shipped prompts once, or multi-turn sessions over them")
     ap.add_argument("--turns", type=int, default=3, metavar="N", help="turns a multi-turn session has, 1..3")

@@ -91,7 +91,7 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert rows[(1, "ngram@cold")]["prefix_cache_hits"] == 0 and not rows[(1, "ngram@cold")]["prefix_caching"]
     assert rows[(1, "eagle")]["prefix_cache_hits"] > 0   # a model drafter's cache too
     assert proposers_main(args[:2] + ["--proposers", "ngram@warm"]) != 0
-    assert "'ngram@warm': the one row option after @ is cold" in capsys.readouterr().err
+    assert "'ngram@warm': a row option after @ is cold" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "hybrid"]) != 0
     assert "--proposers hybrid needs a model drafter: add --eagle HEAD" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "ngram", "--ks", "0,4"]) != 0

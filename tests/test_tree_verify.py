@@ -182,3 +182,24 @@ def test_a_drafters_tree_steps_see_each_node_after_its_own_path(spec_models, mon
                         rollback=proposer_module.DraftModelProposer.rollback: (f.clear(), rollback(self, r)))
     llm.generate([PROMPTS[0]], greedy(12))
     assert checked and max(checked) == 2   # depths 1 and 2 fed (depth 3 is read, never fed)
+
+
+@pytest.mark.parametrize("params", [greedy(24), SamplingParams(temperature=0.9, seed=4, max_tokens=24,
+                                                                 ignore_eos=True)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", ["eagle1", "eagle3", "draft", "self_draft"])
+def test_eagle_2_trees_equal_plain_decoding(spec_models, name, params):
+    """EAGLE-2 trees of a head or a draft model (random weights; the target as its own draft accepts
+    the greedy path the tree holds): the output is plain decoding's, and no block of either cache is
+    left behind."""
+    drafter = {"eagle1": dict(eagle=spec_models["eagle1"]), "eagle3": dict(eagle=spec_models["eagle3"]),
+               "draft": dict(draft=spec_models["draft"]),
+               "self_draft": dict(draft=spec_models["target"])}[name]
+    plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+    plain = plain.generate(PROMPTS, params)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              num_speculative_tokens=6, speculative_topk=3, speculative_num_steps=3, **drafter)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+    assert llm.stats["drafted_tokens"] > 0
+    if name == "self_draft" and not params.temperature:   # at least the depth-1 argmax, every step
+        assert llm.stats["mean_acceptance_length"] > 1.8
+    assert_no_leak(llm)
