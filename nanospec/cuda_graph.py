@@ -46,14 +46,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache,
                                decode_metadata, derive_metadata, padding_to_sink, ragged_metadata, upload)
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.logits_processors import process
-from nanospec.sampler import SamplingBatch, Truncation, target_probs
-from nanospec.tree import ancestors_of, depths_of, grow_tree, own_draws, walk_ids
+from nanospec.sampler import SamplingBatch, Truncation
+from nanospec.tree import ancestors_of, grow_tree, mask_tree, verify_tree
 
 MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
@@ -495,19 +494,6 @@ class StepGraphs:
         where it runs eagerly, K for both under a graph (any tree of K nodes fits)."""
         return (key.k, key.k) if self.graphed(key.bucket) else self.step.tree
 
-    def with_tree(self, key: GraphKey, meta: AttentionMetadata, cached: torch.Tensor,
-                  real_offsets: torch.Tensor) -> torch.Tensor:
-        """A tree step's mask on the metadata: row b's query i (its node real_offsets[b, i], [bucket,
-        K + 1]) sees the context and its node's ancestors among the new keys. Returns the queries'
-        positions for the rotary embedding [T]: cached + the node's depth (its slot is cached + node)."""
-        parents = self.parents(key.bucket, key.k)
-        depth_bound = self.tree_bounds(key)[0]
-        nodes = real_offsets[..., None].expand(-1, -1, key.k + 1)
-        meta.tree = cached, ancestors_of(parents, depth_bound).gather(1, nodes)
-        row = meta.token_seq
-        meta.rotary = cached[row] + depths_of(parents, depth_bound)[row, meta.positions - cached[row]]
-        return meta.rotary
-
     def padded_metadata(self, tables: torch.Tensor, cached: torch.Tensor, num_new: torch.Tensor, q_len: int,
                         block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
         """Metadata of q_len queries per row over tables [bucket, width] on the device: row b's
@@ -566,7 +552,9 @@ class StepGraphs:
                 return x[rows]
         proposer = self.proposer
         capture = proposer.capture_layers if proposer else ()
-        positions = self.with_tree(key, meta, cached, real_offsets) if key.tree else meta.positions
+        parents = self.parents(bucket, key.k) if key.tree else None
+        positions = (mask_tree(meta, parents, cached, real_offsets, self.tree_bounds(key)[0]) if key.tree
+                     else meta.positions)
         hidden, captured = self.model(input_ids, positions, self.kv_cache, meta, capture)
         features = proposer.features(hidden, captured) if proposer and proposer.needs_features else None
         if features is not None and not padded:
@@ -586,24 +574,18 @@ class StepGraphs:
         processed = (process(pick(logits), drafts, self.step.processed, self.no_prompt, paths)
                      if eager and self.step.processed else None)
         path = None
-        if key.mode == "greedy":
+        if key.tree:   # deterministic candidates: host drafts, a drafter's top-k (tree.verify_tree)
+            logits = pick(logits) if processed is None else processed
+            row_max = logits.amax(-1)
+            nodes = torch.cat([fields.last[:, None], drafts], dim=1)
+            tokens, path, num_accepted = verify_tree(logits, nodes, self.parents(key.bucket, key.k), sampling,
+                                                     key.mode, fields.cached + 1, self.tree_bounds(key)[0])
+        elif key.mode == "greedy":
             if processed is not None:
                 row_max, target_ids = processed.max(-1)
             else:   # each row's argmax, then the padded gather: ids, not [B, K+1, V] logits
                 row_max, target_ids = map(pick, logits.max(-1))
-            if key.tree:
-                tokens, path, num_accepted = self.walk_tree(key, fields, target_ids)
-            else:
-                tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
-        elif key.tree:   # host drafts: deterministic candidates (tree.walk_ids)
-            logits = pick(logits) if processed is None else processed
-            row_max = logits.amax(-1)
-            per_node = (x.repeat_interleave(key.k + 1) for x in (sampling.temperature, sampling.top_k,
-                                                                 sampling.top_p))
-            p = target_probs(logits.flatten(0, 1), *per_node, key.mode).view(logits.shape)
-            depth = depths_of(self.parents(key.bucket, key.k), self.tree_bounds(key)[0])
-            tokens, path, num_accepted = self.walk_tree(key, fields, own_draws(p, sampling.seeds,
-                                                                               fields.cached + 1, depth))
+            tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
         else:
             logits = pick(logits) if processed is None else processed
             row_max = logits.amax(-1)
@@ -618,15 +600,6 @@ class StepGraphs:
         non_finite = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:key.bucket]).long()
         columns = [tokens] + ([] if path is None else [path]) + [num_accepted[:, None], non_finite[:, None]]
         return torch.cat(columns, dim=1), features, kept
-
-    def walk_tree(self, key: GraphKey, fields: Fields, target_ids: torch.Tensor):
-        """A tree step's acceptance (tree.walk_ids) over the target's own tokens at each node [bucket,
-        K + 1]: tokens [bucket, K + 1] and path [bucket, K] (zeros past the walk), num_accepted [bucket]."""
-        nodes = torch.cat([fields.last[:, None], self.drafts[:key.bucket, :key.k]], dim=1)
-        depth_bound = self.tree_bounds(key)[0]
-        tokens, path, num_accepted = walk_ids(target_ids, nodes, self.parents(key.bucket, key.k), depth_bound)
-        pad = key.k - depth_bound
-        return F.pad(tokens, (0, pad)), F.pad(path, (0, pad)), num_accepted
 
     def round_body(self, key: GraphKey, width: int) -> None:
         """A model proposer's draft steps for every row of the bucket: step 1 (with_first: a draft

@@ -33,7 +33,7 @@ from nanospec.request import Request
 from nanospec.sampler import Sampler
 from nanospec.sampling_params import SamplingParams
 from nanospec.stats import Stats, note_speculation
-from nanospec.tree import path_moves
+from nanospec.tree import follow_paths
 
 
 @dataclass
@@ -431,35 +431,14 @@ class Engine:
         if features is not None:   # out of the graph's output before the next replay overwrites it
             features = features[:len(reqs) * q_len].clone()
         if proposal.tree is not None:   # the accepted paths' K/V down to the slots after the last token
-            logits, features = self.settle_paths(reqs, rows, logits, features)
+            paths = [v.path for v in rows]
+            logits, features = follow_paths(self.kv_cache, reqs, paths, logits, features, q_len)
         if logits is not None:   # a request asked for logprobs: a second copy back
             note_logprobs(reqs, [v.emitted for v in rows], logits)
         self.account(reqs, ks, proposal.num_draft, [v.accepted for v in rows], start)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, v.emitted, None if features is None else features[b * q_len:b * q_len + v.accepted + 1])
                 for b, (r, v) in enumerate(zip(reqs, rows))]
-
-    def settle_paths(self, reqs: list[Request], rows: list[Verified], logits: torch.Tensor | None,
-                     features: torch.Tensor | None):
-        """After a tree step: each request's accepted path moved in place in the cache (tree.path_moves:
-        node j's K/V, at the slot cached + j, to cached + its depth); returns the logits and EAGLE's
-        features, if any, with each row's queries in path order (what note_logprobs and the head read)."""
-        size, moves = self.kv_cache.block_size, []
-        for req, v in zip(reqs, rows):
-            slot = lambda offset, r=req: r.block_table[(r.num_cached + offset) // size] * size + (  # noqa: E731
-                r.num_cached + offset) % size
-            moves += [(slot(src), slot(dst)) for src, dst in path_moves(v.path)]
-        if moves:
-            self.kv_cache.move_slots(*zip(*moves))
-        q_len = self.step_graphs.step.k + 1
-        order = torch.tensor([[0, *v.path] + [0] * (q_len - 1 - len(v.path)) for v in rows],
-                             device=self.device)
-        if features is not None:   # request b's rows b * q_len ...
-            rows_at = (torch.arange(len(rows), device=self.device)[:, None] * q_len + order).flatten()
-            features = features[rows_at]
-        if logits is not None:
-            logits = logits[:len(rows)].gather(1, order[..., None].expand(-1, -1, logits.shape[-1]))
-        return logits, features
 
     def account(self, reqs: list[Request], ks: list[int], num_draft: list[int], accepted: list[int],
                 start: float) -> None:

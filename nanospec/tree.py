@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from nanospec.kv_cache import ragged_metadata
-from nanospec.sampler import ACCEPT, EMIT, acceptance_probability, next_token_weights, pick, uniform_noise
+from nanospec.sampler import (ACCEPT, EMIT, acceptance_probability, next_token_weights, pick, target_probs,
+                              uniform_noise)
 
 SIBLING_STREAM = 16   # the noise stream of the acceptance test of a node's j-th child, j >= 1 (j = 0: ACCEPT)
 
@@ -250,6 +251,58 @@ def try_children(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor, childre
         r = torch.where(rejected[:, None], renormalized(weights), r)
     drawn = pick(weights, uniform_noise(seeds, at, EMIT))
     return torch.where(accepted, tokens[rows, child], drawn), accepted, child
+
+
+def mask_tree(meta, parents: torch.Tensor, cached: torch.Tensor, real_offsets: torch.Tensor,
+              depth_bound: int) -> torch.Tensor:
+    """A verify step's tree mask on the target's metadata: row b's query i (its node real_offsets[b, i],
+    [B, K + 1]; node j's slot is cached[b] + j) sees the context and its node's ancestors. Returns the
+    queries' positions for the rotary embedding [T]: cached + the node's depth."""
+    nodes = real_offsets[..., None].expand(-1, -1, parents.shape[1])
+    meta.tree = cached, ancestors_of(parents, depth_bound).gather(1, nodes)
+    row = meta.token_seq
+    meta.rotary = cached[row] + depths_of(parents, depth_bound)[row, meta.positions - cached[row]]
+    return meta.rotary
+
+
+def verify_tree(logits: torch.Tensor, nodes: torch.Tensor, parents: torch.Tensor, sampling, mode,
+                positions: torch.Tensor, depth_bound: int):
+    """A tree step's acceptance (walk_ids) from the target's logits at every node [B, K + 1, V], each
+    node's token [B, K + 1] and the parent lists: the target's own token at each node (its argmax, or
+    own_draws under the rows' temperature, top-k and top-p; `mode`: "greedy" or the truncation).
+    Returns tokens [B, K + 1] and the accepted path [B, K] (zeros past the walk), num_accepted [B]."""
+    if mode == "greedy":
+        target_ids = logits.argmax(-1)
+    else:
+        per_node = (x.repeat_interleave(nodes.shape[1]) for x in (sampling.temperature, sampling.top_k,
+                                                                  sampling.top_p))
+        p = target_probs(logits.flatten(0, 1), *per_node, mode).view(logits.shape)
+        target_ids = own_draws(p, sampling.seeds, positions, depths_of(parents, depth_bound))
+    tokens, path, num_accepted = walk_ids(target_ids, nodes, parents, depth_bound)
+    pad = nodes.shape[1] - 1 - depth_bound
+    return F.pad(tokens, (0, pad)), F.pad(path, (0, pad)), num_accepted
+
+
+def follow_paths(kv_cache, requests, paths: list[list[int]], logits: torch.Tensor | None,
+                 features: torch.Tensor | None, q_len: int):
+    """After a tree step: each request's accepted path moved in place in the cache (path_moves: node j's
+    K/V, at the slot num_cached + j, to num_cached + its depth); returns the step's logits [B, q_len, V]
+    and EAGLE's features [B * q_len, F], if any, with each row's queries in path order (what the logprobs
+    and the head read)."""
+    size, moves = kv_cache.block_size, []
+    for req, path in zip(requests, paths):
+        slot = lambda offset, r=req: (r.block_table[(r.num_cached + offset) // size] * size   # noqa: E731
+                                      + (r.num_cached + offset) % size)
+        moves += [(slot(src), slot(dst)) for src, dst in path_moves(path)]
+    if moves:
+        kv_cache.move_slots(*zip(*moves))
+    device = kv_cache.pool.device
+    order = torch.tensor([[0, *p] + [0] * (q_len - 1 - len(p)) for p in paths], device=device)
+    if features is not None:   # request b's rows b * q_len ...
+        features = features[(torch.arange(len(paths), device=device)[:, None] * q_len + order).flatten()]
+    if logits is not None:
+        logits = logits[:len(paths)].gather(1, order[..., None].expand(-1, -1, logits.shape[-1]))
+    return logits, features
 
 
 def grow_tree(next_step, tables: torch.Tensor, first_position: torch.Tensor, logits: torch.Tensor,

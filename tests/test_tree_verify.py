@@ -10,7 +10,8 @@ import pytest
 
 from conftest import PROMPTS, assert_no_leak, greedy
 from nanospec import LLM, SamplingParams
-from nanospec.cuda_graph import StepGraphs, StepOptions
+from nanospec import cuda_graph
+from nanospec.cuda_graph import StepOptions
 from nanospec.errors import NanospecError
 from nanospec.kv_cache import KVCache
 from nanospec.proposer import Proposal, Proposer
@@ -68,14 +69,14 @@ def test_tree_output_equals_plain_decoding(checkpoints, params, options):
     assert_no_leak(llm)
 
 
-def without_mask(self, key, meta, cached, real_offsets, with_tree=StepGraphs.with_tree):
-    positions = with_tree(self, key, meta, cached, real_offsets)
+def without_mask(meta, *args, mask_tree=cuda_graph.mask_tree):
+    positions = mask_tree(meta, *args)
     meta.tree = None
     return positions
 
 
-def without_depths(self, key, meta, cached, real_offsets, with_tree=StepGraphs.with_tree):
-    with_tree(self, key, meta, cached, real_offsets)
+def without_depths(meta, *args, mask_tree=cuda_graph.mask_tree):
+    mask_tree(meta, *args)
     return meta.positions
 
 
@@ -83,9 +84,9 @@ def without_depths(self, key, meta, cached, real_offsets, with_tree=StepGraphs.w
 def test_each_piece_of_tree_verification_matters(checkpoints, monkeypatch, fault):
     _, want = decode(checkpoints["qwen3"], greedy())
     if fault == "no tree mask":
-        monkeypatch.setattr(StepGraphs, "with_tree", without_mask)
+        monkeypatch.setattr(cuda_graph, "mask_tree", without_mask)
     elif fault == "no depth positions":
-        monkeypatch.setattr(StepGraphs, "with_tree", without_depths)
+        monkeypatch.setattr(cuda_graph, "mask_tree", without_depths)
     else:
         monkeypatch.setattr(KVCache, "move_slots", lambda self, src, dst: None)
     _, got = decode(checkpoints["qwen3"], greedy(), TreeOracle(dict(zip(PROMPTS, want))))
