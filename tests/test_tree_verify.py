@@ -204,3 +204,17 @@ def test_eagle_2_trees_equal_plain_decoding(spec_models, name, params):
     if name == "self_draft" and not params.temperature:   # at least the depth-1 argmax, every step
         assert llm.stats["mean_acceptance_length"] > 1.8
     assert_no_leak(llm)
+
+
+@pytest.mark.slow
+def test_the_tree_cost_harness_measures_trees(spec_models):
+    """benchmarks.tree_costs on a tiny checkpoint: both shapes verify their N nodes (the tree's depth
+    is below the chain's), and suffix trees' host work is timed inside the step."""
+    from benchmarks import tree_costs
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, max_num_seqs=4,
+              suffix=True, num_speculative_tokens=16, speculative_topk=3)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    row = tree_costs.verify_costs(llm, prompts, 6, 2, 3, 2)
+    assert row["tree_depth"] == 2 and row["chain_step_ms"] > 0 and row["tree_step_ms"] > 0
+    host = tree_costs.host_costs(llm, prompts * 2, 4, 6)
+    assert 0 < host["drafting_ms"] < host["step_ms"] and 0 <= host["tree_host_share"] < 1
