@@ -1,7 +1,7 @@
 """What a draft tree costs on this machine, SmolLM2 greedy, past prefill:
 
-  verify  a decode step verifying a tree of N nodes against one verifying a chain of N (random drafts
-          from a fixed-shape host proposer, so both steps compute the same number of queries): two
+  verify  a decode step verifying a tree of N nodes against one verifying a chain of N as a chain
+          (random drafts from a fixed-shape host proposer: both compute N + 1 queries a row): two
           engines stepped in turn, --steps each, medians; the tree is the static one of --tree-shape
           grown breadth first (a node's children before its grandchildren), cut to N nodes;
   host    a step of suffix decoding's trees (--speculative-topk 3, K 8) at batch 1, 64 and 256: the
@@ -33,7 +33,7 @@ from nanospec.prompts import shipped_prompts
 from nanospec.proposer import Proposal, Proposer
 from nanospec.suffix import SuffixProposer
 from nanospec.tokenizer import load_tokenizer
-from nanospec.tree import chain, depths
+from nanospec.tree import depths
 
 
 def breadth_first_tree(nodes: int, branches: int) -> list[int]:
@@ -42,16 +42,19 @@ def breadth_first_tree(nodes: int, branches: int) -> list[int]:
 
 
 class ShapeProposer(Proposer):
-    """Random drafts in one fixed shape (a parent list over [last token, drafts]) for every request."""
+    """Random drafts in one fixed shape for every request: a tree's parent list over [last token,
+    drafts], or N for a chain of N (a chain step: no tree mask)."""
     drafts_on_host = True
 
-    def __init__(self, parents: list[int], vocab: int, seed: int = 0):
-        self.parents, self.vocab, self.rng = parents, vocab, random.Random(seed)
+    def __init__(self, shape: list[int] | int, vocab: int, seed: int = 0):
+        self.shape, self.vocab, self.rng = shape, vocab, random.Random(seed)
 
     def propose(self, requests, ks) -> Proposal:
-        ns = [min(len(self.parents) - 1, k) for k in ks]   # (breadth first: any first n nodes are a tree)
+        tree = isinstance(self.shape, list)
+        most = len(self.shape) - 1 if tree else self.shape
+        ns = [min(most, k) for k in ks]   # (breadth first: any first n nodes are a tree)
         drafts = [[self.rng.randrange(self.vocab) for _ in range(n)] for n in ns]
-        return Proposal(ns, drafts, parents=[self.parents[:n + 1] for n in ns])
+        return Proposal(ns, drafts, parents=[self.shape[:n + 1] for n in ns] if tree else None)
 
 
 def engine_for(llm: LLM, proposer, batch: int, longest: int, k: int):
@@ -62,7 +65,7 @@ def engine_for(llm: LLM, proposer, batch: int, longest: int, k: int):
 
 
 def verify_costs(llm: LLM, prompts, nodes: int, batch: int, steps: int, branches: int) -> dict:
-    shapes = {"chain": chain(nodes), "tree": breadth_first_tree(nodes, branches)}
+    shapes = {"chain": nodes, "tree": breadth_first_tree(nodes, branches)}
     longest = max(len(p) for p in prompts) + steps + 16
     engines = {name: engine_for(llm, ShapeProposer(parents, llm.vocab_size), batch, longest, nodes)
                for name, parents in shapes.items()}

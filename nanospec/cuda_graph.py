@@ -412,7 +412,8 @@ class StepGraphs:
 
     @torch.inference_mode()
     def run(self, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (Verified), the
+        """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (Verified; a tree
+        step's [bucket, 2K + 3], its accepted paths too), the
         target's features for EAGLE ([bucket * (K + 1), F], request b's at rows b * (K + 1) ...)
         and, where a request asked for logprobs, the target's raw logits at each row's K + 1
         queries ([bucket, K + 1, vocab], from an eager step; else None)."""

@@ -413,7 +413,8 @@ class Engine:
         forward, rejection-sample. With no proposer (or K = 0) this is plain decoding. It runs on
         the static buffers of cuda_graph.py (a graph replay on CUDA): one copy in, which carries
         the whole step's host data (n-gram's drafts too), and one copy back of tokens, accepted
-        counts and finiteness flags (and a second, of logprobs, when a request asked for them)."""
+        counts and finiteness flags (and a second, of logprobs, when a request asked for them). A
+        draft tree (tree.py) is verified alike, its accepted path then moved in place (follow_paths)."""
         start = time.perf_counter()
         reqs, ks = batch.requests, [n - 1 for n in batch.query_lens]
         proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal([0] * len(reqs))

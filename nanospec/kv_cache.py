@@ -399,8 +399,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention_reference(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
                               scale: float) -> torch.Tensor:
-    """Causal attention of the new tokens q [T, heads, head_dim] over their sequences' pages, kv
-    [2 (k/v), num_blocks, block_size, kv_heads, head_dim] (KVCache.layer).
+    """Causal attention (in a draft tree, its mask) of the new tokens q [T, heads, head_dim] over their
+    sequences' pages, kv [2 (k/v), num_blocks, block_size, kv_heads, head_dim] (KVCache.layer).
 
     Gathers each sequence's pages into a padded [B, max_k] layout and attends over it
     (padded_attention). On the CPU a pass keeps that layout from the last one instead (kv_mirror.py).
@@ -418,11 +418,11 @@ def paged_attention_reference(q: torch.Tensor, kv: torch.Tensor, meta: Attention
 
 def padded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata,
                      scale: float, block_size: int) -> torch.Tensor:
-    """Causal attention of the new tokens q [T, heads, head_dim] over their sequences' keys and values
-    in the padded layout, each [B, kv_heads, max_k, head_dim] (key i of row b: position i, past the
-    context masked): one masked softmax attention per K/V head. Grouped-query attention without
-    copying K/V per query head: the `group` query heads that share a K/V head are stacked along the
-    query axis instead."""
+    """Causal attention (in a draft tree, its mask: meta.attention_mask) of the new tokens q [T, heads,
+    head_dim] over their sequences' keys and values in the padded layout, each [B, kv_heads, max_k,
+    head_dim] (key i of row b: position i, past the context masked): one masked softmax attention per
+    K/V head. Grouped-query attention without copying K/V per query head: the `group` query heads that
+    share a K/V head are stacked along the query axis instead."""
     batch, kv_heads, _, head_dim = keys.shape
     group = q.shape[1] // kv_heads
     max_q = meta.query_index.shape[1]

@@ -17,9 +17,11 @@ it again:
 What the mirror holds is tracked by versions: every pass bumps the version of each block it writes,
 and a mirror row records, per block, the id and version it holds. A row holds block j as the pool
 does when the ids and versions match: no pass wrote that block since, except through this row (whose
-writes went to both). Rows of the pass are recorded as holding nothing until its last layer has
-written them, so a pass that fails midway leaves them to be copied again. Anything else that writes
-the pool (KVCache.clear, zero_blocks) drops the mirror.
+writes went to both; a block another row of the same pass wrote too, as a draft tree's frontier rows
+share their request's blocks, is recorded as not held). Rows of the pass are recorded as holding nothing
+until its last layer has written them, so a pass that fails midway leaves them to be copied again.
+Anything else that writes the pool drops the mirror (KVCache.clear, zero_blocks) or bumps the versions
+of the blocks it wrote (KVCache.move_slots).
 
 The attention itself is the reference's (kv_cache.padded_attention), over views of the mirror laid
 out as the reference's gathered copy: every query reads the keys and values the reference would
@@ -129,14 +131,14 @@ class KVMirror:
         self.versions[written] += 1
         self.held_ids[:batch] = -1   # until the last layer has written the pass
         spare, length = self.kv.shape[3] - 1, self.kv.shape[4]
-        held_versions = self.versions[tables]
-        # A block another row of the pass wrote too (rows of one sequence: a draft tree's frontier
-        # nodes) is not held as the pool holds it by this row, which has its own writes only.
-        pairs = np.unique(np.stack([written[real], rows[real]]), axis=1)   # (block, writer row)
-        blocks, writers = np.unique(pairs[0], return_counts=True)
-        if (writers > 1).any():
-            shared = np.isin(tables, blocks[writers > 1])
-            held_versions = np.where(shared, -1, held_versions)
+        # A block of a row's table that another row of the pass wrote (rows of one sequence: a draft
+        # tree's frontier nodes) is not held as the pool holds it: the row has its own writes only.
+        writer = np.full(len(self.versions), -1)    # per block: the row that wrote it (-2: several)
+        writer[written[real]] = rows[real]
+        # (numpy keeps the last of repeated assignments: a row other than the one kept wrote it too)
+        writer[written[real][writer[written[real]] != rows[real]]] = -2
+        by_other = (writer[tables] != -1) & (writer[tables] != np.arange(batch)[:, None])
+        held_versions = np.where(by_other, -1, self.versions[tables])
         return Plan(batch, width,
                     (torch.from_numpy(copy_rows), torch.from_numpy(copy_blocks),
                      torch.from_numpy(tables[copy_rows, copy_blocks])) if len(copy_rows) else None,

@@ -471,6 +471,7 @@ class LLM:
                                           self.vocab_size, self.device)
         if model_drafter is not None and spec.speculative_topk > 1:   # EAGLE-2 trees
             model_drafter.tree = spec.speculative_topk, spec.speculative_num_steps or DEFAULT_TREE_STEPS
+            model_drafter.max_slots = self.max_model_len
         if not spec.suffix:
             return model_drafter
         suffix_proposer = SuffixProposer(self.device, branches=spec.speculative_topk,

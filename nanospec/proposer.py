@@ -227,10 +227,16 @@ class ModelProposer(Proposer):
     graphed_catch_up = 0
     shift = 0   # its position i holds what tokens[:i + 1 + shift] make (EAGLE's element i reads t_{i+1})
     tree: tuple[int, int] | None = None   # (topk, steps): it drafts EAGLE-2 trees (tree.grow_tree)
+    max_slots = 1 << 62   # the positions its block tables reach (the engine's max_model_len: LLM sets it)
 
     def round_slots(self, k: int) -> int:
         """The slots a round writes past its catch-up: K - 1 drafts fed, or a tree's frontiers."""
         return self.tree[0] * (self.tree[1] - 1) if self.tree else k - 1
+
+    def tree_nodes(self) -> int:
+        """The most nodes its trees can have: every candidate grow_tree makes."""
+        topk, steps = self.tree
+        return topk + (steps - 1) * topk * topk
 
     def __init__(self, kv_cache: KVCache, vocab: int, max_positions: int, device: torch.device):
         # vocab: the ids the engine emits (its drafts are over those); max_positions: its context
@@ -243,7 +249,12 @@ class ModelProposer(Proposer):
 
     def max_drafts(self, request) -> int:
         """How many drafts this proposer can make for the request now: positions up to
-        len(tokens) + K - 2 are fed, and its position table ends at max_positions."""
+        len(tokens) + K - 2 are fed, and its position table ends at max_positions. A tree's round
+        writes its frontiers' slots past them whatever its K (within its block table, max_slots) and
+        has at most tree_nodes() nodes."""
+        if self.tree:
+            fits = len(request.tokens) + self.round_slots(0) <= min(self.max_positions, self.max_slots)
+            return self.tree_nodes() if fits else 0
         return max(0, self.max_positions + 1 - len(request.tokens))
 
     def cached_prefix(self, request, n: int) -> int:
@@ -305,7 +316,7 @@ class ModelProposer(Proposer):
         allocator = self.kv_cache.allocator
         first_position, catch_up = [0] * len(requests), [0] * len(requests)
         first_width = width = 1
-        for b, st, n in zip(rows, states, lens):   # the round feeds n positions, then ks[b] - 1 drafts
+        for b, st, n in zip(rows, states, lens):   # the round feeds n positions, then round_slots
             first_width = max(first_width, allocator.blocks_for(st.num_cached + n))
             allocator.grow(st.block_table, st.num_cached + n + self.round_slots(ks[b]))
             width = max(width, len(st.block_table))
@@ -338,7 +349,8 @@ class DraftModelProposer(ModelProposer):
     Rollback: the draft fed the committed tokens and d_1 .. d_{K-1}. Its cache stays valid up to
     the first position whose committed token differs from what it fed, i.e. min(its length, the
     request's length - 1). When all K drafts are accepted, d_K (never fed) and the bonus token are
-    both new to it: the next catch-up feeds them."""
+    both new to it: the next catch-up feeds them. A tree round's frontiers go to scratch slots past
+    its length (prepare does not count them), so the rollback keeps only what the catch-up fed."""
 
     graphed_catch_up = 2
 

@@ -322,6 +322,7 @@ def grow_tree(next_step, tables: torch.Tensor, first_position: torch.Tensor, log
     candidate order (parents first), and whether every row's draft logits were finite [R]. Candidates
     are deterministic (top-k), so verification is walk_ids."""
     rows, device = len(logits), logits.device
+    steps = min(steps, int(budget.max()))   # no deeper than its largest tree (a sync: tree rounds are eager)
     scores, tokens = F.log_softmax(logits.float(), -1)[:, :vocab].topk(topk, -1)   # depth 1: [R, topk]
     cand_scores, cand_tokens = [scores], [tokens]
     cand_parents = [torch.full((rows, topk), -1, device=device)]   # a candidate's parent candidate (-1: root)
@@ -365,7 +366,7 @@ def rerank(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, bu
     """The best budget[r] of each row's candidates (scores, tokens, parent candidate [R, C]; -1: the
     root) as a tree: tokens [R, N] and parents [R, N + 1], nodes in candidate order (see grow_tree)."""
     rows, count = scores.shape
-    n = int(budget.max())
+    n = min(int(budget.max()), count)   # (a sync with the host: tree rounds run eagerly)
     order = scores.argsort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(count, device=scores.device).expand(rows, -1)
     rank = torch.empty_like(order).scatter_(1, order, ranks)

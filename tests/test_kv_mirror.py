@@ -49,18 +49,23 @@ def workload(llm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["plain", "ngram", "suffix", "draft", "eagle1", "eagle3"])
+@pytest.mark.parametrize("name", ["plain", "ngram", "suffix", "draft", "eagle1", "eagle3", "suffix_tree",
+                                  "draft_tree", "eagle1_tree"])
 def test_every_mirrored_layer_equals_the_reference_and_so_do_the_pool_and_the_tokens(spec_models, checked,
                                                                                      monkeypatch, name):
     """A pool small enough to preempt, prefills in chunks of 8 tokens, 5 running at most (rows
     change as requests finish and join), drafts of 3 (rejected ones rolled back), later turns that
-    find their prefixes cached: the mirror's layers equal the reference's throughout, its engine's
-    tokens are the reference engine's, and both pools end the same (but the sink, padding's)."""
+    find their prefixes cached, draft trees (an EAGLE-2 frontier's rows share their request's blocks of
+    4 slots): the mirror's layers equal the reference's throughout, its engine's tokens are the
+    reference engine's, and both pools end the same (but the sink, padding's)."""
     args = dict(device="cpu", dtype="float32", num_kv_blocks=48, block_size=4, max_num_seqs=5,
-                max_num_batched_tokens=8, **(proposer_args(spec_models, name) if name != "plain" else {}),
+                max_num_batched_tokens=8,
+                **(proposer_args(spec_models, name.removesuffix("_tree")) if name != "plain" else {}),
+                **({"speculative_topk": 2} if name.endswith("tree") else {}),
+                **({"speculative_num_steps": 3} if name in ("draft_tree", "eagle1_tree") else {}),
                 **({"num_speculative_tokens": 3} if name != "plain" else {}),
                 # (suffix's offset is priced by step times: not repeatable)
-                **({"suffix_max_spec_offset": 0} if name == "suffix" else {}))
+                **({"suffix_max_spec_offset": 0} if name.startswith("suffix") else {}))
     mirrored = LLM(spec_models["target"], **args)
     got = workload(mirrored)
     assert checked["layers"] and checked["copied blocks"]   # the mirror ran, and copied blocks in
