@@ -195,8 +195,7 @@ class Attention(nn.Module):
                                 lambda: (*rope.tables(positions), positions))
         # (a CPU's attention reads no page here)
         pages = kv_cache.layer(self.layer_index) if qk.is_cuda else None
-        # (a draft tree's mask is the reference attention's: the kernel's is not built)
-        if pages is not None and meta.tree is None and triton_attention.available(qk, pages[0]):
+        if pages is not None and triton_attention.available(qk, pages[0], meta):
             # the norms, the rotation and both writes in one kernel; the pages not unpacked: unbind's
             # views refuse in-place writes under autograd
             k_cache, v_cache = pages[0], pages[1]

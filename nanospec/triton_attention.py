@@ -45,15 +45,20 @@ except ImportError:   # CPU-only installs: the reference path is used
     triton = None
 
 
-def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+TREE_NODES = 63   # the nodes a draft tree's mask holds: the bits of an int64, its sign bit left clear
+
+
+def available(q: torch.Tensor, k_cache: torch.Tensor, meta=None) -> bool:
     """Whether the Triton kernels run this attention: triton installed, q [T, heads, head_dim] on
     CUDA, and shapes they compile for, k_cache [num_blocks, block_size, kv_heads, head_dim] giving
     the block size. tl.arange spans a power of two (head_dim; the page in the per-token kernel, and
     the tiled kernel's page arithmetic is compiled for one), tl.dot needs 16 or more along head_dim,
-    and tiles past head_dim 128 are neither compiled by the tests nor sized to fit."""
+    and tiles past head_dim 128 are neither compiled by the tests nor sized to fit. A draft tree's mask
+    (meta.tree) is a bitmask of TREE_NODES nodes a token."""
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
     powers_of_two = all(n > 0 and n & (n - 1) == 0 for n in (head_dim, block_size))
-    return triton is not None and q.is_cuda and 16 <= head_dim <= 128 and powers_of_two
+    tree_fits = meta is None or meta.tree is None or meta.tree[1].shape[2] <= TREE_NODES
+    return triton is not None and q.is_cuda and 16 <= head_dim <= 128 and powers_of_two and tree_fits
 
 
 if triton is not None:
@@ -121,6 +126,8 @@ def paged_attention_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 if triton is not None:
+    _TREE_NODES = tl.constexpr(TREE_NODES)
+
     @triton.jit
     def _rows(query_block, kv_head, group, tokens, BLOCK_M: tl.constexpr):
         """A program's rows: row r is new token query_block * tokens + r // group of its sequence and
@@ -179,12 +186,15 @@ if triton is not None:
     # merge_constexprs, and the ahead-of-time test compiles exactly those.
     @triton.jit(do_not_specialize=["max_blocks", "num_kv_heads", "group", "tokens", "max_splits"])
     def _tiled_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_stats_ptr,
-                      block_tables_ptr, query_start_ptr, positions_ptr, scale, max_blocks, num_kv_heads,
-                      group, tokens, max_splits, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, FP32: tl.constexpr):
+                      block_tables_ptr, query_start_ptr, positions_ptr, tree_base_ptr, tree_bits_ptr, scale,
+                      max_blocks, num_kv_heads, group, tokens, max_splits, BLOCK_SIZE: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DIRECT: tl.constexpr, FP32: tl.constexpr, TREE: tl.constexpr):
         """One program per (sequence, KV head, query block x split of the bound max_splits): its
         rows' attention over its split of the context. DIRECT: the bound is 1, so there is no split
-        to choose and no partial result."""
+        to choose and no partial result. TREE: a draft tree's mask (kv_cache.AttentionMetadata.tree):
+        of the keys from the sequence's tree_base on, a row sees node j only where bit j of its
+        tree_bits is set (its ancestors and itself)."""
         seq, kv_head = tl.program_id(0), tl.program_id(1)
         query_block, split = tl.program_id(2) // max_splits, tl.program_id(2) % max_splits
         start = tl.load(query_start_ptr + seq)
@@ -204,6 +214,9 @@ if triton is not None:
         q = tl.load(q_ptr + ((start + token) * num_heads + head)[:, None] * HEAD_DIM + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
         pos = tl.load(positions_ptr + start + token, mask=row_ok, other=-1)   # each row sees keys 0 .. pos
+        if TREE:
+            base = tl.load(tree_base_ptr + seq)
+            bits = tl.load(tree_bits_ptr + start + token, mask=row_ok, other=0)
         hi = tl.max(pos, axis=0) + 1
         if DIRECT:
             lo = 0
@@ -219,7 +232,13 @@ if triton is not None:
             k, v = _load_keys(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * max_blocks, keys, key_ok,
                               num_kv_heads, kv_head, dims, BLOCK_SIZE, HEAD_DIM)
             scores = _dot(q, tl.trans(k), FP32) * scale   # [BLOCK_M, BLOCK_N]
-            scores = tl.where(key_ok[None, :] & (keys[None, :] <= pos[:, None]), scores, float("-inf"))
+            visible = keys[None, :] <= pos[:, None]
+            if TREE:   # (a tree's nodes sit at or below each row's own slot: inside 0 .. pos)
+                node = keys - base
+                in_tree = (node >= 0) & (node < _TREE_NODES)
+                seen = ((bits[:, None] >> tl.where(in_tree, node, 0)[None, :]) & 1) != 0
+                visible = tl.where(in_tree[None, :], seen, visible)
+            scores = tl.where(key_ok[None, :] & visible, scores, float("-inf"))
             # the FlashAttention recurrence: rescale what came before to the new running max
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             correction = tl.exp(running_max - new_max)
@@ -351,10 +370,11 @@ def tile_config(max_q: int, group: int, head_dim: int, dtype: torch.dtype) -> Ti
     return Tile(tokens, block_m, block_n if elements <= 8192 else 32, warps)
 
 
-def tiled_constexprs(tile: Tile, head_dim: int, block_size: int, dtype: torch.dtype, direct: bool) -> dict:
+def tiled_constexprs(tile: Tile, head_dim: int, block_size: int, dtype: torch.dtype, direct: bool,
+                     tree: bool = False) -> dict:
     """The tiled kernel's compile-time arguments (one variant each)."""
     return dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                DIRECT=direct, FP32=dtype == torch.float32)
+                DIRECT=direct, FP32=dtype == torch.float32, TREE=tree)
 
 
 def merge_constexprs(tile: Tile, head_dim: int) -> dict:
@@ -378,14 +398,16 @@ def sm_count(device: torch.device) -> int:
 
 def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start: torch.Tensor, positions: torch.Tensor,
-                          max_q: int, scale: float, splits: int | None = None) -> torch.Tensor:
+                          max_q: int, scale: float, splits: int | None = None,
+                          tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim], sequence b's new tokens at query_start[b] .. query_start[b + 1]
     (at most max_q of them), token t at positions[t]; caches: [num_blocks, block_size, kv_heads,
     head_dim]; block_tables: [B, max_blocks]. Returns [T, heads, head_dim] in q's dtype.
 
     splits: the bound on context splits (default: split_bound). With one, every program writes its
     rows of the output; with more, a sequence that uses several writes partial results that
-    _merge_kernel combines into the output."""
+    _merge_kernel combines into the output. tree: a draft tree's (base [B], bits [T] int64): token t
+    sees node j (the key at base + j, j < TREE_NODES) only where bit j of bits[t] is set."""
     q = q.contiguous()
     num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -401,8 +423,9 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     part_stats = torch.empty(parts, 2, tile.block_m, dtype=torch.float32, device=q.device)   # (max, sum)
     _tiled_kernel[(batch, kv_heads, query_blocks * splits)](
         q, k_cache, v_cache, out, part_acc, part_stats, block_tables.contiguous(), query_start, positions,
-        scale, max_blocks, kv_heads, group, tile.tokens, splits,
-        **tiled_constexprs(tile, head_dim, block_size, q.dtype, direct=splits == 1), num_warps=tile.num_warps)
+        *(tree or (query_start, positions)), scale, max_blocks, kv_heads, group, tile.tokens, splits,
+        **tiled_constexprs(tile, head_dim, block_size, q.dtype, direct=splits == 1, tree=tree is not None),
+        num_warps=tile.num_warps)
     if splits > 1:
         _merge_kernel[(batch, kv_heads, query_blocks)](
             out, part_acc, part_stats, query_start, positions, kv_heads, group, tile.tokens, splits,
@@ -441,8 +464,22 @@ def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                     scale: float) -> torch.Tensor:
     """The kernel for a pass (meta: kv_cache.AttentionMetadata; the kernels need no attention mask,
-    so none is built on this path): the tiled one, for decode and verify steps and for prefill chunks
-    (in blocks of new tokens). Its alternatives for prefill, the per-token kernel and the reference's
-    SDPA over gathered pages, are timed beside it by `python -m benchmarks.gpu_check`."""
+    so none is built on this path; a draft tree's goes as a bitmask a token): the tiled one, for decode
+    and verify steps and for prefill chunks (in blocks of new tokens). Its alternatives for prefill, the
+    per-token kernel and the reference's SDPA over gathered pages, are timed beside it by `python -m
+    benchmarks.gpu_check`."""
+    tree = None if meta.tree is None else meta.once("bits", lambda: tree_bits(meta))   # (per pass)
     return paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
-                                 meta.query_index.shape[1], scale)   # max_q: a shape the host knows
+                                 meta.query_index.shape[1], scale, tree=tree)   # max_q: known on the host
+
+
+def tree_bits(meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """meta.tree as the kernel reads it: (base [B], bits [T]), bit j of a token's bits set where it sees
+    node j (at most TREE_NODES nodes: `available`)."""
+    base, visible = meta.tree   # visible [B, max_q, R]
+    powers = torch.ones(visible.shape[2], dtype=torch.int64, device=visible.device) << torch.arange(
+        visible.shape[2], device=visible.device)
+    bits = (visible.long() * powers).sum(-1)   # [B, max_q]
+    row = meta.token_seq
+    offset = torch.arange(len(row), device=row.device) - meta.query_start[row]
+    return base.contiguous(), bits[row, offset].contiguous()

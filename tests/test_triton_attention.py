@@ -69,11 +69,51 @@ TILED = [
     (16, 16, 2, 128, [(600, 40)], 4, 0), (16, 8, 2, 64, [(200, 330)], 4, 0),
 ]
 
+def tree_error(device, dtype, block_size, heads, kv_heads, dim, seqs, splits=None):
+    # seqs: (context, earlier nodes, new nodes) per sequence: a draft tree's nodes sit from the
+    # context on, the earlier ones cached (a drafter's frontier) and the new ones this pass's queries;
+    # a random tree over them, each query seeing its node's ancestors and itself
+    from nanospec.triton_attention import tree_bits
+    cache = KVCache(1, 160, block_size, kv_heads, dim, dtype, torch.device(device))
+    k_cache, v_cache = cache.layer(0)
+    tables = [[] for _ in seqs]
+    for b, (context, earlier, new) in enumerate(seqs):
+        cache.allocator.grow(tables[b], context + earlier + new)
+    k_cache.copy_(torch.randn(k_cache.shape, generator=g).to(dtype))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=g).to(dtype))
+    meta = build_metadata(tables, [c + e for c, e, _ in seqs], [n for _, _, n in seqs], block_size,
+                          torch.device(device))
+    region, most = max(e + n for _, e, n in seqs), max(n for _, _, n in seqs)
+    visible = torch.zeros(len(seqs), most, region, dtype=torch.bool)
+    for b, (_, earlier, new) in enumerate(seqs):
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, earlier + new)]
+        for i in range(new):
+            node = earlier + i
+            while node >= 0:
+                visible[b, i, node] = True
+                node = parents[node]
+    meta.tree = torch.tensor([c for c, _, _ in seqs], device=device), visible.to(device)
+    q = torch.randn(len(meta.positions), heads, dim, generator=g).to(device=device, dtype=dtype)
+    ref = paged_attention_reference(q.float(), cache.layer(0).float(), meta, dim ** -0.5)
+    out = paged_attention_tiled(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.positions,
+                                most, dim ** -0.5, splits=splits, tree=tree_bits(meta))
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+# (block size, heads, kv heads, head_dim, (context, earlier nodes, new nodes) per sequence, split bound):
+# a verify step's trees (no earlier nodes), a drafter's frontier (earlier nodes, one query), across
+# blocks and splits
+TREES = [(16, 4, 4, 64, [(20, 0, 5), (3, 0, 9), (40, 0, 1)], 1),
+         (4, 8, 2, 64, [(17, 0, 7), (0, 0, 4)], 16),
+         (16, 8, 1, 64, [(33, 6, 1), (15, 3, 1), (70, 9, 1)], 1),
+         (16, 4, 2, 128, [(600, 0, 9), (5, 4, 1)], 4)]
+
 def check(device, dtype, tol):
     for case in TOKENS:
         assert error("tokens", device, dtype, *case) < tol, case
     for case in TILED:
         assert error("tiled", device, dtype, *case) < tol, case
+    for case in TREES:
+        assert tree_error(device, dtype, *case) < tol, case
     print("ok")
 """
 
@@ -191,8 +231,17 @@ def broken_error(tmp_path, old: str, new: str, case: str, check: str = CHECK, ca
 def test_a_wrong_tiled_kernel_fails_the_check(tmp_path):
     """The check's power: the tiled kernel with the causal mask dropped (each new token sees the
     step's later tokens too) is caught."""
-    error = broken_error(tmp_path, "(keys[None, :] <= pos[:, None])", "(keys[None, :] <= pos[:, None] + 8)",
+    error = broken_error(tmp_path, "visible = keys[None, :] <= pos[:, None]",
+                         "visible = keys[None, :] <= pos[:, None] + 8",
                          "'tiled', 'cpu', torch.float32, 16, 4, 4, 64, [(20, 5), (3, 9)], 1")
+    assert error > 1e-2
+
+
+@pytest.mark.slow
+def test_a_tiled_kernel_without_the_tree_mask_fails_the_check(tmp_path):
+    """A draft tree's mask dropped (each node sees every earlier node, not its ancestors only) is caught."""
+    error = broken_error(tmp_path, "visible = tl.where(in_tree[None, :], seen, visible)", "visible = visible",
+                         "'cpu', torch.float32, 16, 4, 4, 64, [(20, 0, 7), (3, 5, 1)], 1", call="tree_error")
     assert error > 1e-2
 
 

@@ -53,9 +53,11 @@ def engine_variants() -> set[tuple]:
                 for max_q in MAX_Q:
                     tile = triton_attention.tile_config(max_q, group, head_dim, dtype)
                     for direct in (True, False):   # a split bound of 1, or of more
-                        constexprs = triton_attention.tiled_constexprs(tile, head_dim, BLOCK_SIZE, dtype,
-                                                                       direct)
-                        variants.add(("_tiled_kernel", tuple(constexprs.items()), tile.num_warps, name))
+                        # a draft tree's mask on a verify step (K + 1 queries) or a drafter's frontier (1)
+                        for tree in (False, True) if max_q <= MAX_SPECULATIVE_TOKENS + 1 else (False,):
+                            constexprs = triton_attention.tiled_constexprs(tile, head_dim, BLOCK_SIZE, dtype,
+                                                                           direct, tree)
+                            variants.add(("_tiled_kernel", tuple(constexprs.items()), tile.num_warps, name))
                     constexprs = triton_attention.merge_constexprs(tile, head_dim)
                     variants.add(("_merge_kernel", tuple(constexprs.items()), tile.num_warps, name))
     return variants
