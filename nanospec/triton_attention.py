@@ -154,6 +154,20 @@ if triton is not None:
         tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
+    def _visible(keys, key_ok, pos, tree_ptr, seq, at, row_ok, TREE: tl.constexpr):
+        """[rows, keys]: the keys (key_ok: real) each row sees, 0 .. its position; of a draft tree's
+        nodes (the keys from its sequence's base, tree_ptr[seq], on: at or below each row's own slot)
+        only those whose bit is set in the row's bits (tree_ptr past the bases, at its token `at`)."""
+        visible = key_ok[None, :] & (keys[None, :] <= pos[:, None])
+        if TREE:
+            node = keys - tl.load(tree_ptr + seq)
+            in_tree = (node >= 0) & (node < _TREE_NODES)
+            bits = tl.load(tree_ptr + tl.num_programs(0) + at, mask=row_ok, other=0)
+            seen = ((bits[:, None] >> tl.where(in_tree, node, 0)[None, :]) & 1) != 0
+            visible = tl.where(in_tree[None, :], seen & key_ok[None, :], visible)
+        return visible
+
+    @triton.jit
     def _dot(a, b, FP32: tl.constexpr):
         """a @ b, in exact float32 products where FP32 (the default would round the inputs to tf32)."""
         if FP32:
@@ -186,15 +200,14 @@ if triton is not None:
     # merge_constexprs, and the ahead-of-time test compiles exactly those.
     @triton.jit(do_not_specialize=["max_blocks", "num_kv_heads", "group", "tokens", "max_splits"])
     def _tiled_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_stats_ptr,
-                      block_tables_ptr, query_start_ptr, positions_ptr, tree_base_ptr, tree_bits_ptr, scale,
-                      max_blocks, num_kv_heads, group, tokens, max_splits, BLOCK_SIZE: tl.constexpr,
+                      block_tables_ptr, query_start_ptr, positions_ptr, tree_ptr, scale, max_blocks,
+                      num_kv_heads, group, tokens, max_splits, BLOCK_SIZE: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, FP32: tl.constexpr, TREE: tl.constexpr):
         """One program per (sequence, KV head, query block x split of the bound max_splits): its
         rows' attention over its split of the context. DIRECT: the bound is 1, so there is no split
-        to choose and no partial result. TREE: a draft tree's mask (kv_cache.AttentionMetadata.tree):
-        of the keys from the sequence's tree_base on, a row sees node j only where bit j of its
-        tree_bits is set (its ancestors and itself)."""
+        to choose and no partial result. TREE: a draft tree's mask (kv_cache.AttentionMetadata.tree),
+        tree_ptr [B + T]: each sequence's base, then each token's bits (_visible)."""
         seq, kv_head = tl.program_id(0), tl.program_id(1)
         query_block, split = tl.program_id(2) // max_splits, tl.program_id(2) % max_splits
         start = tl.load(query_start_ptr + seq)
@@ -214,31 +227,22 @@ if triton is not None:
         q = tl.load(q_ptr + ((start + token) * num_heads + head)[:, None] * HEAD_DIM + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
         pos = tl.load(positions_ptr + start + token, mask=row_ok, other=-1)   # each row sees keys 0 .. pos
-        if TREE:
-            base = tl.load(tree_base_ptr + seq)
-            bits = tl.load(tree_bits_ptr + start + token, mask=row_ok, other=0)
         hi = tl.max(pos, axis=0) + 1
         if DIRECT:
             lo = 0
         else:   # this split's keys (none where this block of tokens sees fewer keys than its sequence)
             lo = split * split_len
             hi = tl.minimum(lo + split_len, hi)
-        running_max = tl.full((BLOCK_M,), -1.0e30, tl.float32)   # finite: a row with no key here stays at 0
-        running_sum = tl.zeros((BLOCK_M,), tl.float32)
+        # the recurrence's running max (finite: a row with no key here stays at 0), sum and output
+        running_max, running_sum = tl.full((BLOCK_M,), -1.0e30, tl.float32), tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         for first in range(_bound(lo), _bound(hi), BLOCK_N):
             keys = first + tl.arange(0, BLOCK_N)
             key_ok = keys < hi
             k, v = _load_keys(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * max_blocks, keys, key_ok,
                               num_kv_heads, kv_head, dims, BLOCK_SIZE, HEAD_DIM)
-            scores = _dot(q, tl.trans(k), FP32) * scale   # [BLOCK_M, BLOCK_N]
-            visible = keys[None, :] <= pos[:, None]
-            if TREE:   # (a tree's nodes sit at or below each row's own slot: inside 0 .. pos)
-                node = keys - base
-                in_tree = (node >= 0) & (node < _TREE_NODES)
-                seen = ((bits[:, None] >> tl.where(in_tree, node, 0)[None, :]) & 1) != 0
-                visible = tl.where(in_tree[None, :], seen, visible)
-            scores = tl.where(key_ok[None, :] & visible, scores, float("-inf"))
+            scores = tl.where(_visible(keys, key_ok, pos, tree_ptr, seq, start + token, row_ok, TREE),
+                              _dot(q, tl.trans(k), FP32) * scale, float("-inf"))   # [BLOCK_M, BLOCK_N]
             # the FlashAttention recurrence: rescale what came before to the new running max
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             correction = tl.exp(running_max - new_max)
@@ -407,7 +411,8 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     splits: the bound on context splits (default: split_bound). With one, every program writes its
     rows of the output; with more, a sequence that uses several writes partial results that
     _merge_kernel combines into the output. tree: a draft tree's (base [B], bits [T] int64): token t
-    sees node j (the key at base + j, j < TREE_NODES) only where bit j of bits[t] is set."""
+    sees node j (the key at base + j, j < TREE_NODES) only where bit j of bits[t] is set (sent as one
+    buffer [B + T], base then bits)."""
     q = q.contiguous()
     num_tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -423,7 +428,8 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     part_stats = torch.empty(parts, 2, tile.block_m, dtype=torch.float32, device=q.device)   # (max, sum)
     _tiled_kernel[(batch, kv_heads, query_blocks * splits)](
         q, k_cache, v_cache, out, part_acc, part_stats, block_tables.contiguous(), query_start, positions,
-        *(tree or (query_start, positions)), scale, max_blocks, kv_heads, group, tile.tokens, splits,
+        positions if tree is None else torch.cat(tree), scale, max_blocks, kv_heads, group, tile.tokens,
+        splits,
         **tiled_constexprs(tile, head_dim, block_size, q.dtype, direct=splits == 1, tree=tree is not None),
         num_warps=tile.num_warps)
     if splits > 1:

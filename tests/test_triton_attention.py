@@ -231,8 +231,7 @@ def broken_error(tmp_path, old: str, new: str, case: str, check: str = CHECK, ca
 def test_a_wrong_tiled_kernel_fails_the_check(tmp_path):
     """The check's power: the tiled kernel with the causal mask dropped (each new token sees the
     step's later tokens too) is caught."""
-    error = broken_error(tmp_path, "visible = keys[None, :] <= pos[:, None]",
-                         "visible = keys[None, :] <= pos[:, None] + 8",
+    error = broken_error(tmp_path, "(keys[None, :] <= pos[:, None])", "(keys[None, :] <= pos[:, None] + 8)",
                          "'tiled', 'cpu', torch.float32, 16, 4, 4, 64, [(20, 5), (3, 9)], 1")
     assert error > 1e-2
 
@@ -240,7 +239,8 @@ def test_a_wrong_tiled_kernel_fails_the_check(tmp_path):
 @pytest.mark.slow
 def test_a_tiled_kernel_without_the_tree_mask_fails_the_check(tmp_path):
     """A draft tree's mask dropped (each node sees every earlier node, not its ancestors only) is caught."""
-    error = broken_error(tmp_path, "visible = tl.where(in_tree[None, :], seen, visible)", "visible = visible",
+    error = broken_error(tmp_path, "visible = tl.where(in_tree[None, :], seen & key_ok[None, :], visible)",
+                         "visible = visible",
                          "'cpu', torch.float32, 16, 4, 4, 64, [(20, 0, 7), (3, 5, 1)], 1", call="tree_error")
     assert error > 1e-2
 
