@@ -155,7 +155,8 @@ def served(llm, timer: StepTimer, prompts: list[str], concurrency: int, max_toke
             "steps_s": step_s, "loop_s": loop_wall - step_s,
             "tpot_p50_s": report["tpot_s"]["p50"], "itl_p99_s": report["itl_s"]["p99"],
             "cpu_s": {**cpu_split(cpu, result["cpu_after"], http_tid[0] if http_tid else None),
-                      "client": result["client_cpu_s"]}}
+                      "client": result["client_cpu_s"]},
+            "http_thread_found": bool(http_tid)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,7 +25,8 @@ def test_serve_overhead_runs_both_modes_on_the_same_work(checkpoints):
     assert served["steps"] >= offline["steps"] > 0 and timer.steps == offline["steps"] + served["steps"]
     assert served["steps_s"] > 0 and served["loop_s"] >= 0
     assert set(served["cpu_s"]) == {"engine_loop", "http", "others", "client"}
-    assert served["cpu_s"]["http"] > 0 and served["cpu_s"]["client"] > 0   # the threads were found
+    # the threads were found (uvicorn's may use under one clock tick of CPU on a small load: 0.0)
+    assert served["http_thread_found"] and served["cpu_s"]["http"] >= 0 and served["cpu_s"]["client"] > 0
 
 
 @pytest.mark.slow
