@@ -51,13 +51,6 @@ def depths(parents: list[int]) -> list[int]:
     return depth
 
 
-def check_parents(parents: list[int]) -> None:
-    """A tree's parent list: node 0 is the root (parent -1), and every other node's parent comes before it."""
-    if not parents or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
-        raise ValueError(f"not a tree's parent list: {parents}; node 0 has parent -1 and node i > 0 a parent "
-                         "in 0 .. i - 1")
-
-
 def tree_shape(trees: list[list[int]]) -> tuple[int, int]:
     """The largest depth and the most children of a node over the trees' parent lists."""
     return (max(max(depths(ps)) for ps in trees),
