@@ -570,10 +570,11 @@ class StepGraphs:
         logits = self.model.logits(hidden)[:, :self.vocab]
         eager = key.eager_tail
         kept = pick(logits) if eager and self.step.logprobs else None   # [bucket, q_len, vocab], raw
-        paths = (ancestors_of(self.parents(key.bucket, key.k), self.tree_bounds(key)[0])[:, :, 1:]
-                 if key.tree else None)
-        processed = (process(pick(logits), drafts, self.step.processed, self.no_prompt, paths)
-                     if eager and self.step.processed else None)
+        processed = None
+        if eager and self.step.processed:   # (in a tree, each position counts the drafts on its path)
+            paths = (ancestors_of(self.parents(key.bucket, key.k), self.tree_bounds(key)[0])[:, :, 1:]
+                     if key.tree else None)
+            processed = process(pick(logits), drafts, self.step.processed, self.no_prompt, paths)
         path = None
         if key.tree:   # deterministic candidates: host drafts, a drafter's top-k (tree.verify_tree)
             logits = pick(logits) if processed is None else processed
