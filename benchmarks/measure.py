@@ -34,6 +34,17 @@ def drafting_seconds(proposer, requests, k: int, next_token, repeats: int) -> fl
     return statistics.median(times)
 
 
+def clocked(totals, name: str, fn):
+    """fn, adding each call's wall-clock seconds into totals[name] (a Counter)."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+    return run
+
+
 def decoding(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int) -> list:
     """Greedy requests (greedy_requests) queued and stepped past prefill and their first decode step
     (a proposer's catch-up, graphs of sampling steps: what a measurement leaves untimed); returns them."""

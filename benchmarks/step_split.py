@@ -17,6 +17,7 @@ costs beyond its weights' traffic. The prompts are SmolLM2's token ids whatever 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -25,7 +26,7 @@ from collections import Counter
 
 import torch
 
-from benchmarks.measure import decoding
+from benchmarks.measure import clocked, decoding
 from nanospec import LLM, gguf_file, model
 from nanospec.checkpoint import default_model_path
 from nanospec.cuda_graph import StepOptions
@@ -39,14 +40,7 @@ def timed_parts(totals: Counter):
     returns undo."""
     linear, attention, select = model.Linear.forward, model.paged_attention, torch.Tensor.index_select
 
-    def clock(name, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[name] += time.perf_counter() - start
-        return run
+    clock = functools.partial(clocked, totals)
     timed_attention = clock("attention", attention)
 
     # the keys read, and those that are padding

@@ -24,7 +24,7 @@ from collections import Counter
 
 import torch
 
-from benchmarks.measure import decoding
+from benchmarks.measure import clocked, decoding
 from nanospec import LLM, engine as engine_module, gguf_file
 from nanospec.checkpoint import default_model_path
 from nanospec.cli import set_threads
@@ -91,16 +91,8 @@ def host_costs(llm: LLM, prompts, batch: int, steps: int) -> dict:
     totals, per_step = Counter(), {"step": [], "drafting": [], "paths": []}
     propose, follow = engine.proposer.propose, engine_module.follow_paths
 
-    def clocked(name, fn):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[name] += time.perf_counter() - start
-        return run
-    engine.proposer.propose = clocked("drafting", propose)
-    engine_module.follow_paths = clocked("paths", follow)
+    engine.proposer.propose = clocked(totals, "drafting", propose)
+    engine_module.follow_paths = clocked(totals, "paths", follow)
     try:
         for _ in range(steps):
             totals.clear()
