@@ -4,7 +4,7 @@ A request's tree hangs below its last token, node 0 (the root). Nodes 1 .. N are
 parent parents[i] < i (a parent comes before its children) and a depth (its distance from the root);
 siblings are tried in node order. A chain of K drafts is the tree parents = [-1, 0, 1, .., K - 1].
 Verified in one target forward, node i is written to the cache slot num_cached + i, sits at the position
-num_cached + depth[i], and sees the context and its own ancestors (`ancestor_mask`). After the step the
+num_cached + depth[i], and sees the context and its own ancestors (`ancestors_of`). After the step the
 accepted path's K/V move down to the slots num_cached + 1 .. (`path_moves`); the rest are rolled back.
 
 Tree speculative sampling (SpecInfer's multi-step speculative sampling, as SGLang verifies EAGLE-2
@@ -55,24 +55,6 @@ def tree_shape(trees: list[list[int]]) -> tuple[int, int]:
     """The largest depth and the most children of a node over the trees' parent lists."""
     return (max(max(depths(ps)) for ps in trees),
             max(max(Counter(ps[1:]).values(), default=0) for ps in trees))
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[N + 1, N + 1] bool: True where node j is node i's ancestor or i itself (what i attends to)."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        mask[i] |= mask[parents[i]]
-    return mask
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    """The nodes from the root's first child down to `node` (empty for the root)."""
-    path = []
-    while node > 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 def path_moves(accepted_nodes: list[int]) -> list[tuple[int, int]]:
@@ -208,7 +190,7 @@ def depths_of(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 
 
 def ancestors_of(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """ancestor_mask on the device for a batch: [B, N+1, N+1], True where j is i's ancestor or i itself."""
+    """[B, N+1, N+1] on the device: True where node j is node i's ancestor or i itself (what i attends to)."""
     nodes = parents.shape[1]
     eye = torch.eye(nodes, dtype=torch.bool, device=parents.device).expand(len(parents), -1, -1)
     mask = eye

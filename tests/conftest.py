@@ -214,6 +214,15 @@ def proposer_args(spec_models, name: str) -> dict:
             "hybrid_eagle3": dict(suffix=True, eagle=spec_models["eagle3"])}[name]
 
 
+def tree_path(parents: list[int], node: int) -> list[int]:
+    """A draft tree's nodes from the root's first child down to `node` (empty for the root)."""
+    path = []
+    while node > 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 def greedy(max_tokens=20):
     from nanospec import SamplingParams
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -17,7 +17,8 @@ from nanospec.suffix import (EXTRA_PROBE_EVERY, EXTRA_TOKENS, MAX_DEPTH, MAX_SPE
                              RUN_SEGMENTS, Draft, ExtraTokens, GlobalIndex, RequestStream)
 
 from conftest import PROMPTS, greedy
-from nanospec.tree import child_ranks as tree_ranks, path_to
+from conftest import tree_path
+from nanospec.tree import child_ranks as tree_ranks
 
 
 def trie(streams: list[list[int]], depth: int) -> dict:
@@ -140,7 +141,7 @@ def test_a_requests_tree_is_its_suffix_trees_best(seed, branches, shape):
         parents = draft.parents
         assert len(parents) == len(draft.tokens) + 1 and all(0 <= p < i for i, p in enumerate(parents) if i)
         for node in range(1, len(parents)):
-            path = [draft.tokens[n - 1] for n in path_to(parents, node)]
+            path = [draft.tokens[n - 1] for n in tree_path(parents, node)]
             assert any(tokens[i:i + len(path)] == path for i in range(1, len(tokens)))   # it occurred
 
 

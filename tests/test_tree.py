@@ -18,6 +18,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from chisquare import chi_square_pvalue
+from conftest import tree_path
 from nanospec import sampler, tree
 from nanospec.sampler import EMIT, pick, rejection_sample, target_probs, uniform_noise
 
@@ -143,11 +144,17 @@ def test_a_static_tree_is_read_as_vllm_writes_it():
             tree.parse_static_tree(bad)
 
 
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[N + 1, N + 1] bool, on the host: True where node j is node i's ancestor or i itself."""
+    return torch.tensor([[j in (0, *tree_path(parents, i)) for j in range(len(parents))]
+                         for i in range(len(parents))])
+
+
 def test_a_node_sees_its_ancestors_and_itself():
     parents = [-1, 0, 0, 1, 2, 3]
-    mask = tree.ancestor_mask(parents)
+    mask = tree.ancestors_of(torch.tensor([parents]), 5)[0]
     for i in range(len(parents)):
-        assert set(torch.nonzero(mask[i]).flatten().tolist()) == {0, *tree.path_to(parents, i)}
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == {0, *tree_path(parents, i)}
     assert tree.depths(parents) == [0, 1, 1, 2, 2, 3]
     assert tree.child_ranks(parents) == [0, 0, 1, 0, 0, 0]
 
@@ -158,7 +165,7 @@ def test_the_device_depths_and_masks_are_the_host_ones():
     padded = torch.cat([parents, torch.full((3, 2), -2)], 1)   # two padding nodes each
     for b, ps in enumerate(trees_):
         assert tree.depths_of(padded, 5)[b, :6].tolist() == tree.depths(ps)
-        assert torch.equal(tree.ancestors_of(padded, 5)[b, :6, :6], tree.ancestor_mask(ps))
+        assert torch.equal(tree.ancestors_of(padded, 5)[b, :6, :6], ancestor_mask(ps))
         assert not tree.ancestors_of(padded, 5)[b, :6, 6:].any()
 
 
