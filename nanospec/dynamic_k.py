@@ -334,10 +334,10 @@ class DynamicK(KPolicy):
         return min(k + 1, self.max_k) if up else k - 1
 
     def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
-                seconds: float | None = None, requests=None) -> None:
+                seconds: float | None = None, requests=None, paths=None) -> None:
         """A decode step: request b asked for ks[b] drafts, found num_draft[b], had num_accepted[b]
-        accepted; the step took `seconds` (None: not timed). With per_request, `requests` are the
-        step's requests, whose records this updates."""
+        accepted (a tree's: the nodes paths[b]); the step took `seconds` (None: not timed). With
+        per_request, `requests` are the step's requests, whose records this updates."""
         self.steps += 1
         if self.per_request and requests:
             rates = self.rates()[0]   # what the shared rates expected, before this step moves them
@@ -346,7 +346,7 @@ class DynamicK(KPolicy):
                     record = self.record(req)
                     record[0] = record[0] * self.request_decay + accepted
                     record[1] = record[1] * self.request_decay + sum(rates[:k])
-        self.acceptance.observe(ks, num_accepted, num_draft, requests)
+        self.acceptance.observe(ks, num_accepted, num_draft, requests, paths)
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks
             drafts = sum(verified) / batch

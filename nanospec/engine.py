@@ -32,7 +32,7 @@ from nanospec.proposer import Proposal, Proposer
 from nanospec.request import Request
 from nanospec.sampler import Sampler
 from nanospec.sampling_params import SamplingParams
-from nanospec.stats import Stats, note_speculation
+from nanospec.stats import Stats, accepted_positions, note_speculation
 from nanospec.tree import follow_paths
 
 
@@ -431,31 +431,31 @@ class Engine:
         q_len = max(proposal.num_draft) + 1
         if features is not None:   # out of the graph's output before the next replay overwrites it
             features = features[:len(reqs) * q_len].clone()
-        if proposal.tree is not None:   # the accepted paths' K/V down to the slots after the last token
-            paths = [v.path for v in rows]
+        paths = None if proposal.tree is None else [v.path for v in rows]
+        if paths:   # the accepted paths' K/V down to the slots after the last token
             logits, features = follow_paths(self.kv_cache, reqs, paths, logits, features, q_len)
         if logits is not None:   # a request asked for logprobs: a second copy back
             note_logprobs(reqs, [v.emitted for v in rows], logits)
-        self.account(reqs, ks, proposal.num_draft, [v.accepted for v in rows], start)
+        self.account(reqs, ks, proposal.num_draft, [v.accepted for v in rows], start, paths)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, v.emitted, None if features is None else features[b * q_len:b * q_len + v.accepted + 1])
                 for b, (r, v) in enumerate(zip(reqs, rows))]
 
     def account(self, reqs: list[Request], ks: list[int], num_draft: list[int], accepted: list[int],
-                start: float) -> None:
+                start: float, paths: list[list[int]] | None = None) -> None:
         """Count a verified step: each request's cached positions and its speculation, the engine's
-        stats; the proposer and the K policy learn from its outcome and its time (taken after the
-        one copy back, so the device's work is in it)."""
-        for req, d, a in zip(reqs, num_draft, accepted):
+        stats; the proposer and the K policy learn from its outcome (a tree's: the accepted paths) and
+        its time (taken after the one copy back, so the device's work is in it)."""
+        for req, d, positions in zip(reqs, num_draft, accepted_positions(accepted, paths)):
             req.num_cached += d + 1
             req.decode_steps += 1
             if d:
-                note_speculation(req, d, a)
-        self.stats.record(self.step_k, ks, num_draft, accepted)
+                note_speculation(req, d, positions)
+        self.stats.record(self.step_k, ks, num_draft, accepted, paths)
         seconds = time.perf_counter() - start
         if max(ks):
             self.proposer.verified(num_draft, accepted, seconds)
-        self.k_policy.observe(ks, accepted, num_draft, seconds=seconds, requests=reqs)
+        self.k_policy.observe(ks, accepted, num_draft, seconds=seconds, requests=reqs, paths=paths)
 
     def fail(self, failed: list[tuple[Request, str]]) -> list[Request]:
         """Requests whose own logits were not finite fail alone (finish_reason "error", their error

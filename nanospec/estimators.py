@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 
+from nanospec.stats import accepted_positions
+
 
 class AcceptanceRates:
     """a_i (draft i accepted) and d_i (draft i found) of the running requests, per request-step that
@@ -34,16 +36,19 @@ class AcceptanceRates:
         self.accepted = [0.0] * len(prior)
 
     def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
-                requests=None) -> None:
+                requests=None, paths: list[list[int]] | None = None) -> None:
         """One decode step: request b asked for ks[b] drafts, got num_draft[b] (default ks[b]) and
-        had num_accepted[b] accepted (whose request it was does not matter here; it does to SpanRates)."""
+        had num_accepted[b] accepted, a tree's the nodes paths[b] (stats.accepted_positions; whose
+        request it was does not matter here; it does to SpanRates)."""
         n = len(self.prior)
-        for counts, per_request in ((self.offered, ks), (self.found, num_draft or ks),
-                                    (self.accepted, num_accepted)):
+        for counts, per_request in ((self.offered, [range(m) for m in ks]),
+                                    (self.found, [range(m) for m in num_draft or ks]),
+                                    (self.accepted, accepted_positions(num_accepted, paths))):
             counts[:] = [c * self.decay for c in counts]
-            for m in per_request:
-                for i in range(min(m, n)):
-                    counts[i] += 1
+            for positions in per_request:
+                for i in positions:
+                    if i < n:
+                        counts[i] += 1
 
     def rates(self) -> list[float]:
         return self._estimate(self.accepted, self.prior)
@@ -104,9 +109,11 @@ class SpanRates:
         self.estimates = None                               # (a_i, d_i), worked out once a step
 
     def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
-                requests=None) -> None:
-        """One decode step (as AcceptanceRates.observe); `requests` tell whose spans go on (default:
-        the batch's slots, for a batch whose requests stay put)."""
+                requests=None, paths: None = None) -> None:
+        """One decode step (as AcceptanceRates.observe, of chains: a tree is no span of text);
+        `requests` tell whose spans go on (default: the batch's slots, for a batch whose requests
+        stay put)."""
+        assert paths is None, "spans are chains': DynamicK reads trees by AcceptanceRates"
         requests = requests if requests is not None else range(len(ks))
         self.estimates = None
         for counts in (self.spans, self.past_accepted, self.past_found):

@@ -17,9 +17,11 @@ class KPolicy:
         raise NotImplementedError
 
     def observe(self, ks: list[int], num_accepted: list[int], num_draft: list[int] | None = None,
-                seconds: float | None = None, requests: list | None = None) -> None:
+                seconds: float | None = None, requests: list | None = None,
+                paths: list[list[int]] | None = None) -> None:
         """After a decode step: request b asked for ks[b] drafts, the proposer found num_draft[b],
-        num_accepted[b] were accepted; the step took `seconds` (None: not timed)."""
+        num_accepted[b] were accepted (a tree's: the nodes paths[b], stats.accepted_positions); the
+        step took `seconds` (None: not timed)."""
 
     def forget(self, request) -> None:
         """The request finished or was dropped: whatever the policy kept about it can go."""

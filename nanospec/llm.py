@@ -209,9 +209,6 @@ class SpeculativeConfig:
             raise NanospecError(f"choose one kind of tree: {topk} (grown by probability) or {static} (fixed)")
         if shape and self.dynamic_k:
             raise NanospecError(f"{static} fixes the drafts a step verifies: drop {param('dynamic_k')}")
-        if self.speculative_topk > 1 and self.dynamic_k:   # its model of acceptance is a chain's
-            raise NanospecError(f"{param('dynamic_k')} sizes chains; with {topk} {self.speculative_topk} "
-                                f"give {param('num_speculative_tokens')} (the tree's nodes) instead")
 
     def chosen_proposer(self) -> list[str]:
         """The one proposer asked for (suffix with a model: the model's name), or none."""

@@ -20,7 +20,8 @@ class Stats:
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache (every token but the last)
     prefix_cache_hits: int = 0      # of those, the tokens found cached
     # Per draft position i, counted over request-steps: K asked of the proposer > i (offered), a draft
-    # found there (drafted; an n-gram miss drafts less than offered), that draft accepted.
+    # found there (drafted; an n-gram miss drafts less than offered), that draft accepted. A tree's
+    # position i is its node i + 1, its (i + 1)-th most likely (accepted_positions).
     offered_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -29,19 +30,22 @@ class Stats:
     # with per-request K, each request's own)
     request_k: dict[int, dict[int, int]] = field(default_factory=dict)
 
-    def record(self, k: int, ks: list[int], num_draft: list[int], num_accepted: list[int]) -> None:
+    def record(self, k: int, ks: list[int], num_draft: list[int], num_accepted: list[int],
+               paths: list[list[int]] | None = None) -> None:
         """A decode step that chose K = k for a batch whose request b asked for ks[b] <= k drafts
-        (fewer near its max_tokens), got num_draft[b] and had num_accepted[b] accepted."""
+        (fewer near its max_tokens), got num_draft[b] and had num_accepted[b] accepted (a tree's: the
+        nodes paths[b])."""
         self.steps += 1
         self.request_steps += len(num_draft)
         self.drafted_tokens += sum(num_draft)
         self.accepted_tokens += sum(num_accepted)
         count_in(self.chosen_k, len(ks), {k: 1})
         count_in(self.request_k, len(ks), Counter(ks))
-        for counts, per_position in ((ks, self.offered_per_position), (num_draft, self.drafted_per_position),
-                                     (num_accepted, self.accepted_per_position)):
+        for counts, per_position in ((ks, self.offered_per_position), (num_draft, self.drafted_per_position)):
             for n in counts:
-                count_positions(per_position, n)
+                count_positions(per_position, range(n))
+        for positions in accepted_positions(num_accepted, paths):
+            count_positions(self.accepted_per_position, positions)
 
     def add(self, other: Stats) -> None:
         """Count another run's steps and tokens in this one (stats over several generate calls)."""
@@ -82,17 +86,28 @@ def histogram(per_batch: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]
     return {str(b): {str(k): n for k, n in sorted(ks.items())} for b, ks in sorted(per_batch.items())}
 
 
-def note_speculation(req, num_draft: int, num_accepted: int) -> None:
-    """Count a decode step's drafts in the request's own figures (its usage, in the server)."""
+def note_speculation(req, num_draft: int, positions) -> None:
+    """Count a decode step's drafts in the request's own figures (its usage, in the server); positions:
+    those of its accepted drafts (accepted_positions)."""
     req.spec_steps += 1
     req.drafted += num_draft
-    req.accepted += num_accepted
-    count_positions(req.drafted_per_position, num_draft)
-    count_positions(req.accepted_per_position, num_accepted)
+    req.accepted += len(positions)
+    count_positions(req.drafted_per_position, range(num_draft))
+    count_positions(req.accepted_per_position, positions)
 
 
-def count_positions(per_position: list[int], n: int) -> None:
-    """One more at each of positions 0 .. n - 1 (the list grows to hold them)."""
-    per_position.extend([0] * (n - len(per_position)))
-    for i in range(n):
+def count_positions(per_position: list[int], positions) -> None:
+    """One more at each of the positions (the list grows to hold them)."""
+    for i in positions:
+        per_position.extend([0] * (i + 1 - len(per_position)))
         per_position[i] += 1
+
+
+def accepted_positions(num_accepted: list[int], paths: list[list[int]] | None = None) -> list:
+    """The draft positions each request had accepted: a chain's first num_accepted[b]; a tree's, the
+    nodes on its accepted path paths[b] (node n is position n - 1). Trees number their nodes best
+    first (tree.py), so a tree's position i is its (i + 1)-th most likely node, and its acceptance
+    length is 1 + the sum of its positions' rates, as a chain's."""
+    if paths is None:
+        return [range(a) for a in num_accepted]
+    return [[n - 1 for n in path] for path in paths]

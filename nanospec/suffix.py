@@ -402,7 +402,6 @@ class SuffixProposer(Proposer):
     n-gram, its drafts riding in the step's one copy. Its extra tokens (max_spec_offset) are priced
     step by step (ExtraTokens); a hybrid that drafts with it (drafts(), not propose()) takes them all."""
 
-    acceptance_in_spans = True   # its drafts are the text after a match, as n-gram's
     drafts_on_host = True
 
     def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
@@ -420,6 +419,11 @@ class SuffixProposer(Proposer):
         self.global_index = GlobalIndex(max_requests, max_tokens)
         self.extras = ExtraTokens(int(max_spec_offset)) if max_spec_offset else None
         self.drafts_made: list[Draft] = []   # the last step's, row by row (propose)
+
+    @property
+    def acceptance_in_spans(self) -> bool:
+        """Its chains are the text after a match, as n-gram's; a tree is no span of text."""
+        return self.walk_args["branches"] == 1 and self.walk_args["shape"] is None
 
     def draft(self, request, k: int, offset: float | None = None) -> Draft:
         return self.drafts([request], [k], offset)[0]

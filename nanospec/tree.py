@@ -293,9 +293,9 @@ def grow_tree(next_step, tables: torch.Tensor, first_position: torch.Tensor, log
 
     The frontier at depth d is written to the drafter's slots first_position + (d - 1) * topk + j at the
     position first_position + d - 1, seeing its context and its ancestors (the tree mask). Returns the
-    tree's tokens [R, N] and parents [R, N + 1] (N = budget's largest; -2 past a row's own), nodes in
-    candidate order (parents first), and whether every row's draft logits were finite [R]. Candidates
-    are deterministic (top-k), so verification is walk_ids."""
+    tree's tokens [R, N] and parents [R, N + 1] (N = budget's largest; -2 past a row's own), nodes best
+    first (so parents first, and a budget of n nodes keeps a tree's first n), and whether every row's
+    draft logits were finite [R]. Candidates are deterministic (top-k), so verification is walk_ids."""
     rows, device = len(logits), logits.device
     steps = min(steps, int(budget.max()))   # no deeper than its largest tree (a sync: tree rounds are eager)
     scores, tokens = F.log_softmax(logits.float(), -1)[:, :vocab].topk(topk, -1)   # depth 1: [R, topk]
@@ -339,16 +339,17 @@ def grow_tree(next_step, tables: torch.Tensor, first_position: torch.Tensor, log
 
 def rerank(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, budget: torch.Tensor):
     """The best budget[r] of each row's candidates (scores, tokens, parent candidate [R, C]; -1: the
-    root) as a tree: tokens [R, N] and parents [R, N + 1], nodes in candidate order (see grow_tree)."""
+    root) as a tree: tokens [R, N] and parents [R, N + 1], node i + 1 the row's i-th best candidate
+    (see grow_tree)."""
     rows, count = scores.shape
     n = min(int(budget.max()), count)   # (a sync with the host: tree rounds run eagerly)
     order = scores.argsort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(count, device=scores.device).expand(rows, -1)
     rank = torch.empty_like(order).scatter_(1, order, ranks)
     chosen = rank < budget[:, None]
-    node = chosen.long().cumsum(-1) * chosen   # a chosen candidate's node (1 ..), 0 otherwise
+    node = (rank + 1) * chosen   # a chosen candidate's node (1 ..), 0 otherwise
     parent_node = torch.where(parents >= 0, node.gather(1, parents.clamp(min=0)), 0)
-    slot = torch.where(chosen, node - 1, n)    # unchosen: past the end, dropped
+    slot = torch.where(chosen, rank, n)    # unchosen: past the end, dropped
     out_tokens = torch.zeros(rows, n + 1, dtype=tokens.dtype, device=tokens.device).scatter_(1, slot, tokens)
     out_parents = torch.full((rows, n + 2), -2, dtype=torch.long, device=tokens.device).scatter_(
         1, slot + 1, parent_node)

@@ -18,6 +18,7 @@ from nanospec.errors import NanospecError
 from nanospec.estimators import AcceptanceRates, SpanRates, StepTimes
 from nanospec.dynamic_k import monotone_in_batch
 from nanospec.profiler import main as profiler_main
+from nanospec.stats import Stats
 
 # Step times in ms: batch 1 barely grows with K (bound by reading weights), batch 8 grows fast.
 TABLE = Profile(batch_sizes=[1, 8], ks=[0, 2, 4], itl_s=[[10, 11, 12], [20, 40, 60]],
@@ -177,6 +178,22 @@ def simulate_step(rng, conditional, batch, k):
             n += 1
         accepted.append(n)
     return accepted
+
+
+def test_a_trees_positions_are_its_nodes_best_first():
+    """A tree's draft position i is its node i + 1 (the (i + 1)-th most likely), accepted where the
+    accepted path holds it; a chain's are its first `accepted`. Read as a chain's, the paths [1, 3]
+    and [2] would count positions 0, 1 and 0: the rates and the stats both tell them apart."""
+    chains, trees = AcceptanceRates([0.5] * 4, decay=1.0), AcceptanceRates([0.5] * 4, decay=1.0)
+    chains.observe([4, 4], [2, 1])
+    trees.observe([4, 4], [2, 1], paths=[[1, 3], [2]])
+    assert chains.accepted == [2, 1, 0, 0]
+    assert trees.accepted == [1, 1, 1, 0]
+    stats = Stats()
+    stats.record(4, [4, 4], [4, 3], [2, 1], paths=[[1, 3], [2]])
+    assert (stats.offered_per_position, stats.drafted_per_position, stats.accepted_per_position) == \
+        ([2, 2, 2, 2], [2, 2, 2, 1], [1, 1, 1])
+    assert stats.accepted_tokens == 3
 
 
 def test_online_rates_converge_to_what_the_proposer_accepts_and_follow_a_change():
@@ -351,15 +368,27 @@ def varying_profile(tmp_path):
                          [[1.0, 1.0, 1.0], [1.0, 1.4, 6.0], [1.0, 2.5, 20.0]], [0.9] * 8)
 
 
+TREES = {"suffix@tree": ("suffix", dict(speculative_topk=3)),
+         "draft@tree": ("draft", dict(speculative_topk=2, speculative_num_steps=3)),
+         "eagle1@tree": ("eagle1", dict(speculative_topk=3, speculative_num_steps=2))}
+
+
+def spec_args(spec_models, name: str) -> dict:
+    """A proposer's settings; NAME@tree: its trees, whose K is their nodes."""
+    base, tree = TREES.get(name, (name, {}))
+    return {**proposer_args(spec_models, base), **tree}
+
+
 @pytest.mark.parametrize("per_request", [False, True])
-@pytest.mark.parametrize("name", PROPOSERS)
+@pytest.mark.parametrize("name", PROPOSERS + list(TREES))
 def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, varying_profile, name,
                                                      per_request):
     """The batch shrinks from 8 to 1 as requests finish, and online rates replace the profile's:
-    K changes from step to step (and from request to request), output does not. The hybrid takes
-    no profile and no K per request: it prices its plans (hybrid.StepPlans), which change instead."""
+    K changes from step to step (and from request to request), output does not. With trees, K is a
+    request's nodes: its tree's K most likely. The hybrid takes no profile and no K per request: it
+    prices its plans (hybrid.StepPlans), which change instead."""
     args = dict(device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True,
-                **proposer_args(spec_models, name))
+                **spec_args(spec_models, name))
     hybrid = name.startswith("hybrid")
     if hybrid and per_request:
         with pytest.raises(NanospecError, match="per_request_k is not for the hybrid"):

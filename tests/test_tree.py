@@ -337,3 +337,28 @@ def test_these_tests_fail_on_a_broken_tree_sampler(name):
         return
     assert not holds_on_hypothesis_trees(broken)
     assert walk_pvalue("without_replacement", broken) < 1e-4
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.sampled_from([0.0, -0.1, -0.7, -0.7, -2.0])),
+                min_size=1, max_size=12), st.integers(1, 12), st.integers(1, 12))
+def test_rerank_numbers_a_trees_nodes_best_first(candidates, small, large):
+    """EAGLE-2's rerank: candidate c's parent is an earlier candidate (or the root), its score its
+    parent's plus a log-probability <= 0 (ties included). Node i + 1 is the i-th best candidate (ties:
+    the earlier), so a parent comes before its children, and a budget of n keeps the first n nodes
+    of any larger budget's tree: the budget policy's position i is the same node whatever K it asks."""
+    parents, scores = [], []
+    for c, (parent, step) in enumerate(candidates):
+        parent = parent % (c + 1) - 1   # -1 (the root) or an earlier candidate
+        parents.append(parent)
+        scores.append(step + (scores[parent] if parent >= 0 else 0.0))
+    small, large = sorted((min(small, len(scores)), min(large, len(scores))))
+    as_rows = lambda x, dtype: torch.tensor([x], dtype=dtype)   # noqa: E731
+    tokens = as_rows(list(range(100, 100 + len(scores))), torch.long)
+    trees = [tree.rerank(as_rows(scores, torch.float64), tokens, as_rows(parents, torch.long),
+                         torch.tensor([n])) for n in (small, large)]
+    (few, few_parents), (many, many_parents) = [(t[0].tolist(), p[0].tolist()) for t, p in trees]
+    assert few == many[:small] and few_parents == many_parents[:small + 1]
+    order = sorted(range(len(scores)), key=lambda c: (-scores[c], c))[:large]
+    assert many == [100 + c for c in order]
+    assert many_parents == [-1] + [0 if parents[c] < 0 else order.index(parents[c]) + 1 for c in order]

@@ -144,7 +144,6 @@ def test_a_static_tree_equals_plain_decoding(checkpoints):
                                                           "decoding draft"),
     (dict(suffix=True, speculative_token_tree="[(0,), (1,)]", speculative_topk=2), "choose one kind of tree"),
     (dict(suffix=True, speculative_token_tree="[(0,), (1,)]", dynamic_k=True), "fixes the drafts a step"),
-    (dict(suffix=True, speculative_topk=2, dynamic_k=True), "dynamic_k sizes chains"),
     (dict(suffix=True, speculative_token_tree="[(0,), (1,)]", num_speculative_tokens=4),
      "num_speculative_tokens 4 differs from the 2 nodes"),
     (dict(suffix=True, speculative_token_tree="[(0, 0)]"), "comes before its parent"),
