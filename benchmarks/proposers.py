@@ -41,6 +41,7 @@ from nanospec.llm import LLM
 from nanospec.prompts import by_category_in_turn, shipped_prompts
 from nanospec.suffix import EXTRA_TOKENS
 
+DYNAMIC = ("dynamic", "dynamic-per-request")   # a row's K by goodput: one for the batch, or per request
 SUFFIX = lambda args: dict(suffix=True, **suffix_flags(args))   # its rows' settings
 KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suffix": SUFFIX,
          "eagle": lambda args: dict(eagle=args.eagle), "draft": lambda args: dict(draft=args.draft),
@@ -51,7 +52,8 @@ KINDS = {"plain": lambda args: {}, "ngram": lambda args: dict(ngram=True), "suff
 def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     """'ngram,suffix:8,hybrid:dynamic,suffix+0,ngram@cold,...' -> [(name, K)], K None unless given:
     the LLM's default (4; suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a
-    quick profile measured at start-up; the hybrid prices its own plans instead). A suffix or hybrid
+    quick profile measured at start-up; the hybrid prices its own plans instead), "dynamic-per-request"
+    with --per-request-k too (the budget placed request by request). A suffix or hybrid
     row's +N is its suffix_max_spec_offset, @cold turns its prefix caching off, and @treeN drafts trees of
     at most N children a node (speculative_topk), an eagle or draft row's @treeNxD D deep
     (speculative_num_steps; row_settings)."""
@@ -69,9 +71,10 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
             raise NanospecError(f"--proposers: {item!r}: +N is a suffix or hybrid row's max_spec_offset, "
                                 "0..16")
         try:
-            k = 0 if name == "plain" else int(k) if k and k != "dynamic" else k or None
+            k = 0 if name == "plain" else int(k) if k and k not in DYNAMIC else k or None
         except ValueError:
-            raise NanospecError(f"--proposers: {item!r} is not NAME, NAME:K or NAME:dynamic") from None
+            raise NanospecError(f"--proposers: {item!r} is not NAME, NAME:K, NAME:dynamic or "
+                                "NAME:dynamic-per-request") from None
         if isinstance(k, int):
             check_int(k, f"--proposers {name}'s K", low=0 if name == "plain" else 1, high=16)
         if name in ("eagle", "hybrid") and not (args.eagle or name == "hybrid" and args.draft):
@@ -175,7 +178,8 @@ def summarize(name: str, row: dict) -> dict:
     stats = row["engine"].stats
     policy, max_k, proposer = row["engine"].k_policy, row["llm"].engine.max_k, row["engine"].proposer
     dynamic = not hasattr(policy, "k") or getattr(proposer, "plans", None)   # dynamic K, or a priced hybrid
-    out = {"row": name, "k": "dynamic" if dynamic else policy.k,
+    per_request = getattr(policy, "per_request", False)
+    out = {"row": name, "k": ("dynamic-per-request" if per_request else "dynamic") if dynamic else policy.k,
            "tokens_per_s": round(tokens / row["seconds"], 2), "generated_tokens": tokens,
            "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps,
            "decode_steps": stats.steps, "prefix_caching": row["engine"].kv_cache.allocator.prefix_caching,
@@ -206,7 +210,7 @@ def load_rows(args, rows: list, batch_sizes: list[int]) -> dict:
     log_loading(args.target)
     return {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
                       num_speculative_tokens=k if isinstance(k, int) and k else None,
-                      dynamic_k=k == "dynamic",
+                      dynamic_k=k in DYNAMIC, per_request_k=k == "dynamic-per-request",
                       log=log, enforce_eager=args.enforce_eager, **row_settings(name, args))
             for name, k in rows}
 
