@@ -291,10 +291,12 @@ def dynamic_policy(args, llm, max_k: int):
         profile = quick_profile(llm.engine, prompts, max_k, llm.profile_meta(),
                                 llm.engine.scheduler.max_num_seqs)
     # a fresh policy per row: every row starts from the profile
-    spans = llm.engine.proposer.acceptance_in_spans   # (run checked that dynamic rows have a proposer)
+    proposer = llm.engine.proposer   # (run checked that dynamic rows have a proposer)
     padded = llm.engine.use_graphs or llm.engine.step_options.pad_batches
     return profile, lambda row, batch: DynamicK(profile, max_k, per_request=row == "dynamic-per-request",
-                                                spans=spans, buckets=step_buckets(batch, padded))
+                                                spans=proposer.acceptance_in_spans,
+                                                buckets=step_buckets(batch, padded), padded=padded,
+                                                rounds=not proposer.drafts_on_host)
 
 
 def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, new_policy, max_k: int) -> dict:

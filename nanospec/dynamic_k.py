@@ -26,6 +26,13 @@ drafts it verifies in all, not on whose. So drafts go where they are accepted: r
 chosen to maximise sum_b AL_b(K_b) / ITL(B, mean_b D(K_b)), AL_b from the shared rates scaled by
 what request b accepted lately next to what those rates expected of it (allocate, scaled_rates).
 
+Trees (tree.py, `speculative_topk`): a request's K is its tree's nodes, its K most likely (trees number
+their nodes best first, so a smaller K keeps a prefix), and a_i is the probability that node i + 1 lies on
+the accepted path. The path's length counts its nodes, so AL(K) = 1 + sum_{i<K} a_i holds as for a chain,
+a_i need not be a run's tail, and the profile times trees of K nodes. So the policy is a verification
+budget: a step's drafts verified in all, and where (with per_request: the most likely nodes of the
+requests most likely to accept them first), by goodput; a chain per request is its special case.
+
 ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included,
 every request verifying exactly K drafts (`python -m nanospec.profiler ...`, or a quick one
 at start-up), interpolated linearly between the profiled batch sizes and K values (and at the
@@ -181,19 +188,20 @@ def expected_time(time_at, drafts: float, finding: float, batch: int, most: floa
 
 def allocate(rates: list[list[float]], drafted: list[float], cost_at) -> list[int]:
     """K per request: the argmax over (K_0, .., K_B-1) of (B + sum_b sum_{i<K_b} rates[b][i]) /
-    cost_at(x), x = sum_b sum_{i<K_b} drafted[i] / B the drafts a request verifies on average.
-    Every rates[b] must not increase with i. For a given number of drafts in all, the gain is largest
-    when they are the most likely accepted ones, and taking them in that order never takes a
-    request's draft i + 1 before its draft i; so walking the drafts from the most to the least likely
-    accepted and keeping the best prefix finds the argmax (exactly when every draft is found,
-    drafted = 1; with n-gram misses the order ignores that a missed draft costs nothing)."""
+    cost_at(x, max_b K_b), x = sum_b sum_{i<K_b} drafted[i] / B the drafts a request verifies on
+    average. Every rates[b] must not increase with i. For a given number of drafts in all, the gain
+    is largest when they are the most likely accepted ones, and taking them in that order never
+    takes a request's draft i + 1 before its draft i; so walking the drafts from the most to the
+    least likely accepted and keeping the best prefix finds the argmax (exactly when the cost
+    depends on x alone and every draft is found, drafted = 1; with n-gram misses the order ignores
+    that a missed draft costs nothing)."""
     batch = len(rates)
     order = sorted((-a, i, b) for b, row in enumerate(rates) for i, a in enumerate(row))
-    gain, drafts = float(batch), 0.0
-    best, best_n = gain / cost_at(0.0), 0
+    gain, drafts, deepest = float(batch), 0.0, 0
+    best, best_n = gain / cost_at(0.0, 0), 0
     for n, (minus_a, i, b) in enumerate(order, 1):
-        gain, drafts = gain - minus_a, drafts + drafted[i]
-        goodput = gain / cost_at(drafts / batch)
+        gain, drafts, deepest = gain - minus_a, drafts + drafted[i], max(deepest, i + 1)
+        goodput = gain / cost_at(drafts / batch, deepest)
         if goodput > best:   # a tie keeps the shorter prefix: same goodput, less work
             best, best_n = goodput, n
     ks = [0] * batch
@@ -234,11 +242,13 @@ class DynamicK(KPolicy):
     def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8,
                  per_request: bool = False,
                  request_decay: float = 0.95, warmup_steps: int = 4, spans: bool = False, buckets=None,
-                 **rate_options):
+                 padded: bool = False, rounds: bool = False, **rate_options):
         """buckets: the batch sizes the engine pads a step to (cuda_graph.batch_buckets; None: none):
-        a step costs what its bucket's step costs, so its time is looked up, and learned, there."""
+        a step costs what its bucket's step costs, so its time is looked up, and learned, there.
+        padded: a verify step gives every row the step's largest K + 1 queries (graphs, pad_batches);
+        rounds: the proposer drafts in rounds of model steps (profile_time)."""
         self.profile, self.per_request, self.request_decay = profile, per_request, request_decay
-        self.buckets = buckets
+        self.buckets, self.padded, self.rounds = buckets, padded, rounds
         self.max_k = min(profile.max_k, max_k or profile.max_k)
         rates = SpanRates if spans else AcceptanceRates   # spans: for n-gram (Proposer.acceptance_in_spans)
         self.acceptance = rates(profile.acceptance[:self.max_k], profile.drafted[:self.max_k], **rate_options)
@@ -257,25 +267,40 @@ class DynamicK(KPolicy):
             return self.acceptance.prior, self.acceptance.prior_drafted
         return self.acceptance.rates(), self.acceptance.drafted()
 
-    def padded(self, batch_size: int) -> int:
+    def bucket(self, batch_size: int) -> int:
         """The batch size a step of batch_size requests runs at: its bucket."""
         if not self.buckets or batch_size > self.buckets[-1]:
             return batch_size
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
 
-    def profile_time(self, batch_size: int, drafts: float) -> float:
-        """The profile's seconds for a step whose requests verify `drafts` each on average."""
-        batch_size = self.padded(batch_size)
+    def itl(self, batch_size: int) -> list[float]:
+        """The profile's ITL(batch_size, K), K = 0..max_k, at the batch's bucket."""
+        batch_size = self.bucket(batch_size)
         if batch_size not in self._itl:   # the profile is fixed: interpolate over the batch once
             self._itl[batch_size] = self.profile.itl(batch_size)[:self.max_k + 1]
-        return itl_at(self._itl[batch_size], drafts)
+        return self._itl[batch_size]
 
-    def step_time(self, batch_size: int, drafts: float) -> float:
+    def profile_time(self, batch_size: int, drafts: float, deepest: float | None = None) -> float:
+        """The profile's seconds for a step whose requests verify `drafts` each on average, the most
+        `deepest` (None: all alike). The profile times requests that verify alike; where they do not,
+        the mean undercharges a padded step, which gives every row deepest + 1 queries, and a model
+        proposer's round, which runs deepest draft steps however few rows draft: at least a round at
+        batch 1 on top of a plain step."""
+        itl = self.itl(batch_size)
+        if deepest is None or deepest <= drafts:
+            return itl_at(itl, drafts)
+        if self.padded:
+            return itl_at(itl, deepest)
+        alone = self.itl(1)
+        round_time = itl_at(alone, deepest) - alone[0] if self.rounds else 0.0
+        return max(itl_at(itl, drafts), itl[0] + round_time)
+
+    def step_time(self, batch_size: int, drafts: float, deepest: float | None = None) -> float:
         """The seconds the policy expects of such a step: the profile's, times how much slower or
         faster the engine's own steps have run than the profile said (StepTimes; 1 while warming up)."""
         warming = self.steps < self.warmup_steps
-        ratio = 1.0 if warming else self.step_times.ratio(self.padded(batch_size), drafts)
-        return self.profile_time(batch_size, drafts) * ratio
+        ratio = 1.0 if warming else self.step_times.ratio(self.bucket(batch_size), drafts)
+        return self.profile_time(batch_size, drafts, deepest) * ratio
 
     def cost(self, batch_size: int) -> list[float]:
         """Expected seconds of a step at K = 0..max_k (step_cost)."""
@@ -292,9 +317,9 @@ class DynamicK(KPolicy):
         best_for: on a probe step each request one K up, then one K down."""
         batch = max(1, len(requests))
         rates, drafted = self.rates()
-        time_at = functools.partial(self.step_time, batch)
         ks = allocate([scaled_rates(rates, self.record(r)) for r in requests], drafted,
-                      lambda x: expected_time(time_at, x, drafted[0], batch, self.max_k))
+                      lambda x, deepest: expected_time(lambda y: self.step_time(batch, y, deepest), x,
+                                                       drafted[0], batch, self.max_k))
         return [self.probed(k) for k in ks]
 
     def record(self, request) -> list[float]:
@@ -350,7 +375,8 @@ class DynamicK(KPolicy):
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks
             drafts = sum(verified) / batch
-            self.step_times.observe(self.padded(batch), drafts, seconds / self.profile_time(batch, drafts))
+            self.step_times.observe(self.bucket(batch), drafts,
+                                    seconds / self.profile_time(batch, drafts, max(verified)))
 
 
 # ---- the profiler: ITL(batch, K) and acceptance per draft position, measured with the real engine --------

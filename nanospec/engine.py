@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from nanospec.errors import NanospecError, param, shown
+from nanospec.errors import NonFiniteLogits, non_finite_error
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs, StepOptions, Verified
 from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
-from nanospec.request import Request
+from nanospec.request import Request, new_request, note_logprobs
 from nanospec.sampler import Sampler
 from nanospec.sampling_params import SamplingParams
 from nanospec.stats import Stats, accepted_positions, note_speculation
@@ -156,47 +155,6 @@ class Scheduler:
             self.on_free(req)
 
 
-class NonFiniteLogits(Exception):
-    """A decode step found NaN / inf logits: failed holds (request, message) for each request hit."""
-
-    def __init__(self, failed: list[tuple[Request, str]]):
-        super().__init__(failed[0][1])
-        self.failed = failed
-
-
-def note_logprobs(reqs: list[Request], emitted: list[list[int]], logits: torch.Tensor) -> None:
-    """For each request that asked, the logprobs of the tokens the step emitted for it and of the N
-    most likely at each of their positions (req.step_logprobs, one {id: logprob} per token, its own
-    first; commit keeps those of the tokens it keeps). Raw logprobs, vLLM's default: the log-softmax
-    of the target's logits in float32, before temperature, top-k or top-p. logits: [bucket, K + 1,
-    vocab], row b's queries in order; in one copy back."""
-    rows = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
-    # (a toy vocabulary may hold fewer)
-    n = min(max(reqs[b].params.logprobs for b in rows), logits.shape[-1])
-    q = max(len(emitted[b]) for b in rows)
-    logprobs = torch.log_softmax(logits[rows, :q].float(), dim=-1)   # [R, q, vocab]
-    ids = torch.tensor([emitted[b] + [0] * (q - len(emitted[b])) for b in rows], device=logits.device)
-    own = logprobs.gather(-1, ids[..., None])
-    top = logprobs.topk(n, dim=-1)
-    # ids exact in float64
-    host = torch.cat([own.double(), top.values.double(), top.indices.double()], dim=-1).tolist()
-    for i, b in enumerate(rows):
-        keep = reqs[b].params.logprobs
-        top_n = lambda row: zip(row[1 + n:1 + n + keep], row[1:1 + keep])   # (id, logprob) pairs
-        reqs[b].step_logprobs = [{token: row[0], **{int(t): v for t, v in top_n(row) if int(t) != token}}
-                                 for token, row in zip(emitted[b], host[i])]
-
-
-def non_finite_error(req: Request, flag: int, proposer, what: str = "logits") -> str:
-    """flag: 1 where the target's logits (or `what`) for the request held NaN or +inf, 2 the
-    drafter's (3 both)."""
-    who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
-    return (f"the {who} produced NaN or infinite {what} for request {req.index} at position "
-            f"{len(req.tokens)}: its weights hold NaN/inf, its config.json has a broken value (rope_theta, "
-            "rms_norm_eps), or float16 overflowed; check the checkpoint, or run in float32 (--dtype float32, "
-            "dtype='float32')")
-
-
 def own_cap(req: Request, k: int) -> int:
     """k, at most the request's own num_speculative_tokens (0: no speculation for it)."""
     cap = req.params.num_speculative_tokens
@@ -307,36 +265,10 @@ class Engine:
             self.k_policy.forget(req)
 
     def new_request(self, index: int, prompt: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """A validated request; add_requests queues it."""
-        params.validate()
-        if not prompt_ids:
-            raise NanospecError(f"prompt {index} is empty; give at least one token of text")
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise NanospecError(f"prompt {index} holds token id {shown(bad[0])}, outside this model and "
-                                f"tokenizer's ids 0..{self.vocab_size - 1}; give ids the tokenizer produces")
-        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if outside:
-            raise NanospecError(f"{param('stop_token_ids')} holds {shown(outside[0])}, outside this "
-                                f"model and tokenizer's ids 0..{self.vocab_size - 1}")
-        if len(prompt_ids) >= self.max_model_len:
-            raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "
-                                f"{self.max_model_len}; shorten the prompt or raise {param('max_model_len')}")
-        max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        """A request checked against this engine (request.new_request); add_requests queues it."""
         allocator = self.kv_cache.allocator
-        if allocator.blocks_for(max_len) > allocator.num_blocks:
-            raise NanospecError(f"request {index} needs up to {max_len} tokens of KV cache but the pool "
-                                f"holds {allocator.num_blocks * allocator.block_size}; raise the KV cache "
-                                "size or lower max_tokens")
-        asked = params.num_speculative_tokens
-        if asked is not None and asked > self.max_k:
-            raise NanospecError(f"request {index} asks for {param('num_speculative_tokens')} {asked} but "
-                                "this engine "
-                                + (f"drafts at most {self.max_k}; ask for 0..{self.max_k}" if self.proposer
-                                   else "has no proposer; ask for 0 or leave it unset"))
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids),
-                       logprobs=None if params.logprobs is None else [])
+        return new_request(index, prompt, prompt_ids, params, self.vocab_size, self.max_model_len,
+                           allocator.num_blocks * allocator.block_size, self.max_k, self.proposer is not None)
 
     def choose_ks(self) -> None:
         """Ask the K policy for the next decode step's K per request (its batch: the running

@@ -117,3 +117,21 @@ def run_command(body) -> int:
     finally:
         COMMAND_LINE.reset(token)
     return 0
+
+
+class NonFiniteLogits(Exception):
+    """A step found NaN / inf logits (or K/V): failed holds (request, message) for each request hit."""
+
+    def __init__(self, failed: list):
+        super().__init__(failed[0][1])
+        self.failed = failed
+
+
+def non_finite_error(req, flag: int, proposer, what: str = "logits") -> str:
+    """flag: 1 where the target's logits (or `what`) for the request held NaN or +inf, 2 the
+    drafter's (3 both)."""
+    who = "target model" if flag & 1 else "EAGLE head" if getattr(proposer, "head", None) else "draft model"
+    return (f"the {who} produced NaN or infinite {what} for request {req.index} at position "
+            f"{len(req.tokens)}: its weights hold NaN/inf, its config.json has a broken value (rope_theta, "
+            "rms_norm_eps), or float16 overflowed; check the checkpoint, or run in float32 (--dtype float32, "
+            "dtype='float32')")

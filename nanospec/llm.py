@@ -525,10 +525,12 @@ class LLM:
         policy = StaticK(k)
         if spec.dynamic_k and not spec.hybrid:
             self.profile = self.dynamic_k_profile(spec.profile, k)
-            spans = self.make_proposer(1).acceptance_in_spans   # n-gram's and suffix's drafts: spans of text
-            policy = DynamicK(self.profile, k, per_request=spec.per_request_k, spans=spans,
-                              buckets=step_buckets(self.sizes.max_num_seqs,
-                                                   self.use_graphs or self.options.steps.pad_batches))
+            proposer, padded = self.make_proposer(1), self.use_graphs or self.options.steps.pad_batches
+            # n-gram's and suffix's drafts: spans of text; a model drafter's: rounds on the device
+            policy = DynamicK(self.profile, k, per_request=spec.per_request_k,
+                              spans=proposer.acceptance_in_spans, padded=padded,
+                              buckets=step_buckets(self.sizes.max_num_seqs, padded),
+                              rounds=not proposer.drafts_on_host)
         if spec.speculative_disable_queue_size is not None:
             policy = QueueSwitch(policy, spec.speculative_disable_queue_size)
         return policy

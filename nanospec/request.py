@@ -2,8 +2,12 @@
 gets back when it finishes."""
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
+import torch
+
+from nanospec.errors import NanospecError, param, shown
 from nanospec.kv_cache import BlockTable
 from nanospec.sampling_params import SamplingParams
 
@@ -45,6 +49,61 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.num_cached < len(self.tokens) - 1
+
+
+def new_request(index: int, prompt: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int,
+                max_model_len: int, pool_tokens: int, max_k: int, drafts: bool) -> Request:
+    """A request checked against what its engine holds: ids 0 .. vocab_size - 1, a context of
+    max_model_len, a KV pool of pool_tokens, at most max_k drafts a step (drafts: it has a proposer)."""
+    params.validate()
+    if not prompt_ids:
+        raise NanospecError(f"prompt {index} is empty; give at least one token of text")
+    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise NanospecError(f"prompt {index} holds token id {shown(bad[0])}, outside this model and "
+                            f"tokenizer's ids 0..{vocab_size - 1}; give ids the tokenizer produces")
+    outside = [t for t in params.stop_token_ids if t >= vocab_size]
+    if outside:
+        raise NanospecError(f"{param('stop_token_ids')} holds {shown(outside[0])}, outside this "
+                            f"model and tokenizer's ids 0..{vocab_size - 1}")
+    if len(prompt_ids) >= max_model_len:
+        raise NanospecError(f"prompt {index} has {len(prompt_ids)} tokens but the context holds "
+                            f"{max_model_len}; shorten the prompt or raise {param('max_model_len')}")
+    max_len = min(len(prompt_ids) + params.max_tokens, max_model_len)
+    if max_len > pool_tokens:
+        raise NanospecError(f"request {index} needs up to {max_len} tokens of KV cache but the pool "
+                            f"holds {pool_tokens}; raise the KV cache size or lower max_tokens")
+    asked = params.num_speculative_tokens
+    if asked is not None and asked > max_k:
+        raise NanospecError(f"request {index} asks for {param('num_speculative_tokens')} {asked} but "
+                            "this engine " + (f"drafts at most {max_k}; ask for 0..{max_k}" if drafts
+                                              else "has no proposer; ask for 0 or leave it unset"))
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    return Request(index, prompt, list(prompt_ids), params, seed, max_len, tokens=list(prompt_ids),
+                   logprobs=None if params.logprobs is None else [])
+
+
+def note_logprobs(reqs: list[Request], emitted: list[list[int]], logits: torch.Tensor) -> None:
+    """For each request that asked, the logprobs of the tokens the step emitted for it and of the N
+    most likely at each of their positions (req.step_logprobs, one {id: logprob} per token, its own
+    first; commit keeps those of the tokens it keeps). Raw logprobs, vLLM's default: the log-softmax
+    of the target's logits in float32, before temperature, top-k or top-p. logits: [bucket, K + 1,
+    vocab], row b's queries in order; in one copy back."""
+    rows = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+    # (a toy vocabulary may hold fewer)
+    n = min(max(reqs[b].params.logprobs for b in rows), logits.shape[-1])
+    q = max(len(emitted[b]) for b in rows)
+    logprobs = torch.log_softmax(logits[rows, :q].float(), dim=-1)   # [R, q, vocab]
+    ids = torch.tensor([emitted[b] + [0] * (q - len(emitted[b])) for b in rows], device=logits.device)
+    own = logprobs.gather(-1, ids[..., None])
+    top = logprobs.topk(n, dim=-1)
+    # ids exact in float64
+    host = torch.cat([own.double(), top.values.double(), top.indices.double()], dim=-1).tolist()
+    for i, b in enumerate(rows):
+        keep = reqs[b].params.logprobs
+        top_n = lambda row: zip(row[1 + n:1 + n + keep], row[1:1 + keep])   # (id, logprob) pairs
+        reqs[b].step_logprobs = [{token: row[0], **{int(t): v for t, v in top_n(row) if int(t) != token}}
+                                 for token, row in zip(emitted[b], host[i])]
 
 
 @dataclass

@@ -129,11 +129,11 @@ def test_per_request_allocation_is_the_argmax_over_every_k_per_request(table):
     """The oracle tries every (K_0, .., K_B-1) in 0..max_k^B."""
     rates, cost = table
     batch, max_k = len(rates), len(cost) - 1
-    cost_at = lambda x: interpolate(list(range(max_k + 1)), cost, x)
+    cost_at = lambda x, deepest: interpolate(list(range(max_k + 1)), cost, x)
 
     def goodput(ks):
         gain = batch + sum(sum(row[:k]) for row, k in zip(rates, ks))
-        return gain / cost_at(sum(ks) / batch)
+        return gain / cost_at(sum(ks) / batch, max(ks))
     best = max(goodput(ks) for ks in itertools.product(range(max_k + 1), repeat=batch))
     assert goodput(allocate(rates, [1.0] * max_k, cost_at)) >= best * (1 - 1e-9)
 
@@ -142,13 +142,30 @@ def test_per_request_allocation_by_hand():
     """Two requests, a_i 0.9, 0.8 and 0.1, 0.05; a step costs 10 ms + 2 ms per draft a request
     verifies on average. K = (2, 0): (2 + 1.7) / 12 = 0.308 per ms; the best one K for both,
     K = 1: (2 + 1.0) / 12 = 0.25; K = 2: 3.85 / 14 = 0.275."""
-    cost_at = lambda x: 10 + 2 * x
+    cost_at = lambda x, deepest: 10 + 2 * x
     assert allocate([[0.9, 0.8], [0.1, 0.05]], [1.0, 1.0], cost_at) == [2, 0]
     # no record: the shared rates
     assert scaled_rates([0.6, 0.5, 0.2], [0.0, 0.0]) == [0.6, 0.5, 0.2]
     # twice as good, capped at 1
     assert scaled_rates([0.6, 0.5, 0.2], [6.0, 2.0], prior_weight=2.0) == [1.0, 1.0, 0.4]
     assert scaled_rates([0.6, 0.5, 0.2], [0.0, 2.0], prior_weight=2.0) == [0.3, 0.25, 0.1]
+
+
+def test_requests_that_verify_unalike_cost_a_padded_step_or_a_models_round_more_than_their_mean():
+    """ITL(8, K) = 20 + 10 K, ITL(1, K) = 10 + 5 K (ms). One request of 8 verifying 4 drafts (0.5 on
+    average): 25 ms where each row verifies its own (host drafts), the deepest's 60 where a step pads
+    every row to it, and where a model drafts, at least a batch-1 round of 4 steps on a plain step
+    (20 + 20). A budget priced by the mean gives that one request its drafts; priced by its round, none."""
+    profile = Profile([1, 8], [0, 4], [[10, 30], [20, 60]], acceptance=[0.3, 0.2, 0.1, 0.05])
+    host, padded, rounds = (DynamicK(profile, per_request=True, probe_every=0, **options)
+                            for options in ({}, dict(padded=True), dict(rounds=True)))
+    assert [p.profile_time(8, 0.5, 4) for p in (host, padded, rounds)] == [25, 60, 40]
+    assert all(p.profile_time(8, 2, 2) == p.profile_time(8, 2) == 40 for p in (host, padded, rounds))
+    requests = [object() for _ in range(8)]
+    for policy in (host, rounds):
+        policy.records[id(requests[0])] = [40.0, 10.0]   # it accepted four times what the rates expected
+    assert host.choose_per_request(requests)[0] > 0
+    assert rounds.choose_per_request(requests) == [0] * 8
 
 
 def test_a_request_that_keeps_rejecting_gets_a_smaller_k():
@@ -493,4 +510,4 @@ def test_a_step_costs_what_its_bucket_costs():
     assert padded.profile_time(5, 1) == padded.profile_time(8, 1) == 6.0
     assert unpadded.profile_time(5, 1) == pytest.approx(3.75)
     padded.observe([1] * 5, [0] * 5, seconds=12.0)   # twice the profile's time for its bucket
-    assert padded.step_times.ratio(8, 1) > 1 and padded.padded(9) == 9
+    assert padded.step_times.ratio(8, 1) > 1 and padded.bucket(9) == 9
