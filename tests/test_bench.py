@@ -99,7 +99,8 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert proposers_main(args[:2] + ["--proposers", "ngram,nope"]) != 0
     assert "unknown proposer 'nope'" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "ngram:fast"]) != 0
-    assert "'ngram:fast' is not NAME, NAME:K or NAME:dynamic" in capsys.readouterr().err
+    assert "'ngram:fast' is not NAME, NAME:K, NAME:dynamic or NAME:dynamic-per-request" in \
+        capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "ngram+3"]) != 0
     assert "'ngram+3': +N is a suffix or hybrid row's max_spec_offset" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "ngram", "--suffix-max-spec-offset", "3"]) != 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nanospec import LLM
+from nanospec import LLM, SamplingParams
 from conftest import PROMPTS, PROPOSERS, assert_no_leak, greedy, proposer_args
 from nanospec.dynamic_k import (DynamicK, Profile, allocate, best_k, expected_time, interpolate, scaled_rates,
                                 step_cost)
@@ -422,6 +422,33 @@ def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, 
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("name", ["suffix@tree", "eagle1@tree"])
+def test_the_budget_keeps_each_requests_cap_on_trees(spec_models, plain_greedy, varying_profile, name):
+    """The budget placed request by request over trees: a request's num_speculative_tokens caps its
+    nodes (0: none), and the queue-size switch-off, wrapped around it, still turns drafting off while
+    more than 6 requests wait or run (the requests end one by one)."""
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, dynamic_k=True,
+              per_request_k=True, profile=varying_profile, speculative_disable_queue_size=6,
+              **spec_args(spec_models, name))
+    engine, caps = llm.engine, [0, 2, None]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True,
+                             num_speculative_tokens=caps[i % 3]) for i in range(len(PROMPTS))]
+    reqs = [engine.new_request(i, p, llm.encode_prompt(p), params[i]) for i, p in enumerate(PROMPTS)]
+    engine.add_requests(reqs)
+    drafting_at = set()
+    while engine.scheduler.has_work():
+        queue = len(engine.scheduler.waiting) + len(engine.scheduler.running)
+        drafted = engine.stats.drafted_tokens
+        engine.step()
+        if engine.stats.drafted_tokens > drafted:
+            drafting_at.add(queue)
+    assert [r.output_ids for r in reqs] == [plain_greedy[p][:6 + 2 * i] for i, p in enumerate(PROMPTS)]
+    assert drafting_at and max(drafting_at) <= 6
+    assert all(r.drafted == 0 for r in reqs[::3])
+    assert all(len(r.drafted_per_position) <= 2 for r in reqs[1::3])
+    assert_no_leak(llm)
+
+
 def test_queue_switch_off_turns_speculation_off_above_the_threshold_and_on_below(spec_models, plain_greedy):
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, ngram=True,
               num_speculative_tokens=4, max_num_seqs=3, speculative_disable_queue_size=3)
@@ -511,3 +538,17 @@ def test_a_step_costs_what_its_bucket_costs():
     assert unpadded.profile_time(5, 1) == pytest.approx(3.75)
     padded.observe([1] * 5, [0] * 5, seconds=12.0)   # twice the profile's time for its bucket
     assert padded.step_times.ratio(8, 1) > 1 and padded.bucket(9) == 9
+
+
+def test_the_upkeep_harness_holds_a_drafter_at_k_0(spec_models, capsys):
+    """benchmarks.proposer_upkeep on a tiny checkpoint: both engines emit the same tokens, and the held
+    one drafted nothing."""
+    from benchmarks import proposer_upkeep
+    assert proposer_upkeep.main(["--target", spec_models["target"], "--eagle", spec_models["eagle1"],
+                                 "--batch-size", "2", "--max-prompts", "3", "--max-new-tokens", "6",
+                                 "--repeats", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["same_tokens"], r["held_drafted"]) for r in report["repeats"]] == [(True, 0), (True, 0)]
+    assert report["held_over_plain_median"] > 0
+    assert proposer_upkeep.main(["--target", spec_models["target"]]) == 2
+    assert "--eagle HEAD or --draft PATH" in capsys.readouterr().err
