@@ -88,6 +88,9 @@ class Profile:
     acceptance: list[float]         # a_i for i < max(ks), greedy, over the profile's prompts
     meta: dict = field(default_factory=dict)   # device, target, proposer, how it was measured
     drafted: list[float] | None = None         # d_i, the same way (None: the proposer always drafts)
+    # where requests verify unalike, the share of the time between their mean's step and their deepest's
+    # they take (measure_unalike; None: not measured, priced by the mean)
+    unalike: float | None = None
 
     def __post_init__(self):
         if self.drafted is None:
@@ -106,7 +109,8 @@ class Profile:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump({"batch_sizes": self.batch_sizes, "ks": self.ks, "itl_s": self.itl_s,
-                       "acceptance": self.acceptance, "drafted": self.drafted, "meta": self.meta}, f,
+                       "acceptance": self.acceptance, "drafted": self.drafted, "unalike": self.unalike,
+                       "meta": self.meta}, f,
                       indent=2)
 
     @classmethod
@@ -115,7 +119,7 @@ class Profile:
             with open(path) as f:
                 raw = json.load(f)
             profile = cls(raw["batch_sizes"], raw["ks"], raw["itl_s"], raw["acceptance"], raw.get("meta", {}),
-                          raw.get("drafted"))
+                          raw.get("drafted"), raw.get("unalike"))
         except FileNotFoundError:
             raise NanospecError(f"profile {path} not found; measure one with "
                                 "`python -m nanospec.profiler ... --out PROFILE.json`")
@@ -137,6 +141,8 @@ class Profile:
             fail("itl_s must be a [batch_sizes][ks] table")
         if not all(t > 0 for row in self.itl_s for t in row):
             fail("every step time in itl_s must be positive")
+        if self.unalike is not None and not 0 <= self.unalike <= 1:
+            fail(f"unalike must be in [0, 1], got {self.unalike}")
         for name in ("acceptance", "drafted"):
             rates = getattr(self, name)
             if len(rates) < self.max_k or not all(0 <= a <= 1 for a in rates):
@@ -283,17 +289,18 @@ class DynamicK(KPolicy):
     def profile_time(self, batch_size: int, drafts: float, deepest: float | None = None) -> float:
         """The profile's seconds for a step whose requests verify `drafts` each on average, the most
         `deepest` (None: all alike). The profile times requests that verify alike; where they do not,
-        the mean undercharges a padded step, which gives every row deepest + 1 queries, and a model
-        proposer's round, which runs deepest draft steps however few rows draft: at least a round at
-        batch 1 on top of a plain step."""
+        the mean undercharges: a padded step gives every row deepest + 1 queries, a CPU's attention
+        pads every row's queries to the deepest's (a share of the way from the mean's step to the
+        deepest's, measured: Profile.unalike), and a model proposer's round runs deepest draft steps
+        however few rows draft, at least a round at batch 1 on top of a plain step."""
         itl = self.itl(batch_size)
         if deepest is None or deepest <= drafts:
             return itl_at(itl, drafts)
-        if self.padded:
-            return itl_at(itl, deepest)
+        mean, deep = itl_at(itl, drafts), itl_at(itl, deepest)
+        share = 1.0 if self.padded else self.profile.unalike or 0.0
         alone = self.itl(1)
         round_time = itl_at(alone, deepest) - alone[0] if self.rounds else 0.0
-        return max(itl_at(itl, drafts), itl[0] + round_time)
+        return max(mean + share * (deep - mean), itl[0] + round_time)
 
     def step_time(self, batch_size: int, drafts: float, deepest: float | None = None) -> float:
         """The seconds the policy expects of such a step: the profile's, times how much slower or
@@ -476,7 +483,7 @@ class ExactlyK:
 
 
 def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: int, ks: list[int],
-                      steps: int) -> list[float]:
+                      steps: int, policy=StaticK) -> list[float]:
     """For each k in ks, the median seconds of `steps` decode steps of batch_size requests (prompts
     cycled) verifying exactly k drafts each, on an engine of its own; prefilled first and one
     warm-up round (the first step also does the proposer's catch-up); the k's take turns a step at
@@ -485,7 +492,7 @@ def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: i
     prompts = fit(prompt_ids, context(engine) - budget - 1, "time the steps")
     prompts = [prompts[i % len(prompts)] for i in range(batch_size)]
     blocks = batch_size * -(-(max(map(len, prompts)) + budget) // engine.kv_cache.block_size)
-    engines = [engine.twin(blocks, max_num_seqs=batch_size, k_policy=StaticK(k),
+    engines = [engine.twin(blocks, max_num_seqs=batch_size, k_policy=policy(k),
                            proposer=ExactlyK(engine.proposer.twin(blocks))) for k in ks]
     for twin in engines:
         greedy_requests(twin, prompts, budget)
@@ -523,6 +530,27 @@ def monotone_in_batch(itl: list[list[float]]) -> list[list[float]]:
     return [list(row) for row in zip(*columns)]
 
 
+class OneRow(KPolicy):
+    """K = k for a step's first request, none for the others: requests that verify unalike."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, requests, queue_size):
+        return [self.k] + [0] * (len(requests) - 1)
+
+
+def measure_unalike(engine: Engine, prompt_ids: list[list[int]], batch_size: int, k: int, steps: int,
+                    itl: list[float], ks: list[int]) -> float:
+    """Profile.unalike: a step of batch_size requests, one verifying k drafts and the rest none, timed
+    as the grid is (itl: the grid's times at this batch size, at ks), placed between the grid's step
+    at the same mean (k / batch_size each) and its step at k for every request: 0 at the first, 1 at
+    the second (a padded step)."""
+    seconds = time_decode_steps(engine, prompt_ids, batch_size, [k], steps, policy=OneRow)[0]
+    mean, deep = interpolate(ks, itl, k / batch_size), interpolate(ks, itl, k)
+    return round(min(1.0, max(0.0, (seconds - mean) / (deep - mean))), 4) if deep > mean else 1.0
+
+
 def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: list[int], ks: list[int],
                     steps: int, max_new_tokens: int, meta: dict, log=None) -> Profile:
     """ITL over batch_sizes x ks and acceptance at max(ks), with the engine's model and proposer;
@@ -542,6 +570,10 @@ def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: li
                     else "")
             log(f"profile: batch {b} ({i + 1}/{len(batch_sizes)}, {spent:.0f} s{left}): step ms "
                 + " ".join(f"K{k}={1000 * t:.1f}" for k, t in zip(ks, measured[-1])))
+    unalike = (measure_unalike(engine, prompt_ids, batch_sizes[-1], ks[-1], steps, measured[-1], ks)
+               if batch_sizes[-1] > 1 else None)
+    if log and unalike is not None:
+        log(f"unalike requests (one of {batch_sizes[-1]} at K{ks[-1]}): {unalike:.2f} of the way to all")
     acceptance, drafted = measure_acceptance(engine, prompt_ids, max(ks), max_new_tokens)
     if log:
         log("acceptance per position: " + " ".join(f"{a:.2f}" for a in acceptance))
@@ -550,7 +582,8 @@ def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: li
             "steps_per_point": steps,
             "acceptance_tokens_per_prompt": max_new_tokens, "itl_s_measured": measured,
             "seconds": round(time.perf_counter() - start, 2)}
-    profile = Profile(list(batch_sizes), list(ks), monotone_in_batch(measured), acceptance, meta, drafted)
+    profile = Profile(list(batch_sizes), list(ks), monotone_in_batch(measured), acceptance, meta, drafted,
+                      unalike)
     profile.check()
     return profile
 

@@ -153,13 +153,17 @@ def test_per_request_allocation_by_hand():
 
 def test_requests_that_verify_unalike_cost_a_padded_step_or_a_models_round_more_than_their_mean():
     """ITL(8, K) = 20 + 10 K, ITL(1, K) = 10 + 5 K (ms). One request of 8 verifying 4 drafts (0.5 on
-    average): 25 ms where each row verifies its own (host drafts), the deepest's 60 where a step pads
-    every row to it, and where a model drafts, at least a batch-1 round of 4 steps on a plain step
-    (20 + 20). A budget priced by the mean gives that one request its drafts; priced by its round, none."""
+    average): 25 ms where each row verifies its own (host drafts, a profile without `unalike`), the
+    deepest's 60 where a step pads every row to it, a quarter of the way there (33.75) where the
+    profile measured a CPU's attention padding so, and where a model drafts, at least a batch-1 round
+    of 4 steps on a plain step (20 + 20). A budget priced by the mean gives that one request its
+    drafts; priced by its round, none."""
     profile = Profile([1, 8], [0, 4], [[10, 30], [20, 60]], acceptance=[0.3, 0.2, 0.1, 0.05])
+    measured = Profile([1, 8], [0, 4], [[10, 30], [20, 60]], acceptance=[0.3, 0.2, 0.1, 0.05], unalike=0.25)
     host, padded, rounds = (DynamicK(profile, per_request=True, probe_every=0, **options)
                             for options in ({}, dict(padded=True), dict(rounds=True)))
-    assert [p.profile_time(8, 0.5, 4) for p in (host, padded, rounds)] == [25, 60, 40]
+    attention = DynamicK(measured, per_request=True, probe_every=0)
+    assert [p.profile_time(8, 0.5, 4) for p in (host, padded, attention, rounds)] == [25, 60, 33.75, 40]
     assert all(p.profile_time(8, 2, 2) == p.profile_time(8, 2) == 40 for p in (host, padded, rounds))
     requests = [object() for _ in range(8)]
     for policy in (host, rounds):
@@ -507,6 +511,7 @@ def test_without_a_profile_a_quick_one_is_measured(checkpoints):
     llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, dynamic_k=True, num_speculative_tokens=2,
               max_num_seqs=2, kv_cache_gb=0.05)
     assert llm.profile.batch_sizes == [1, 2] and llm.profile.ks == [0, 1, 2]
+    assert 0 <= llm.profile.unalike <= 1   # one request of 2 at K = 2, the other at none
     assert llm.profile_seconds > 0 and llm.stats["steps"] == 0   # profiling leaves no stats behind
     allocator = llm.engine.kv_cache.allocator
     assert not llm.engine.scheduler.has_work() and allocator.num_free == allocator.num_blocks
