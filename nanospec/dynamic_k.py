@@ -382,8 +382,10 @@ class DynamicK(KPolicy):
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks
             drafts = sum(verified) / batch
+            # against the time the choice priced: per request, its deepest too; one K, the mean
+            deepest = max(verified) if self.per_request else None
             self.step_times.observe(self.bucket(batch), drafts,
-                                    seconds / self.profile_time(batch, drafts, max(verified)))
+                                    seconds / self.profile_time(batch, drafts, deepest))
 
 
 # ---- the profiler: ITL(batch, K) and acceptance per draft position, measured with the real engine --------
