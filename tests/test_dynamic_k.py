@@ -526,6 +526,8 @@ def test_without_a_profile_a_quick_one_is_measured(checkpoints):
     (json.dumps({"batch_sizes": [1], "ks": [0, 2], "itl_s": [[1, 1]], "acceptance": [0.5]}),
      "acceptance must hold 2"),
     (json.dumps({"batch_sizes": [1], "ks": [0, 1], "itl_s": [[1, 0]], "acceptance": [0.5]}), "positive"),
+    (json.dumps({"batch_sizes": [1], "ks": [0, 1], "itl_s": [[1, 2]], "acceptance": [0.5], "unalike": 2}),
+     r"unalike must be in \[0, 1\]"),
 ])
 def test_bad_profile_is_one_clear_error(tmp_path, content, match):
     path = tmp_path / "p.json"
