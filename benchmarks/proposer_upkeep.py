@@ -6,7 +6,8 @@ Greedy, the shipped prompts in the chat template, every request writing --max-ne
 engines take turns a step at a time (each repeat starts with the other), and a repeat's ratio is the
 held engine's tokens/s over plain's; both must emit the same tokens.
 
-    python -m benchmarks.proposer_upkeep --eagle HEAD [--batch-size 8] [--repeats 3] [--out FILE.json]
+    python -m benchmarks.proposer_upkeep --eagle HEAD [--batch-size 8] [--repeats 3] \
+        [--no-enable-prefix-caching] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def run(args) -> dict:
                         (args.max_prompts, "--max-prompts"), (args.max_new_tokens, "--max-new-tokens")):
         check_int(value, name, low=1)
     set_threads(args.threads)
-    settings = dict(device="cpu", dtype="float32", max_num_seqs=args.batch_size)
+    settings = dict(device="cpu", dtype="float32", max_num_seqs=args.batch_size,
+                    enable_prefix_caching=args.enable_prefix_caching)
     plain = LLM(args.target, **settings)
     held = LLM(args.target, eagle=args.eagle, draft=args.draft, **settings)
     prompts = [plain.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[:args.max_prompts]]
@@ -62,6 +64,7 @@ def run(args) -> dict:
             "command": "python -m benchmarks.proposer_upkeep " + " ".join(sys.argv[1:]),
             "target": plain.target_name, "eagle": args.eagle, "draft": args.draft,
             "batch_size": args.batch_size, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "prefix_caching": args.enable_prefix_caching,
             "held_over_plain_median": statistics.median(r["held_over_plain"] for r in repeats),
             "repeats": repeats}
 
@@ -76,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefix caching in both engines (with it, a finishing request's held-back features "
+                         "are fed to an EAGLE head, so that a later turn finds its cache)")
     ap.add_argument("--out", metavar="FILE.json")
     args = ap.parse_args(argv)
 
