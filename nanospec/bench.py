@@ -28,7 +28,6 @@ from nanospec import checkpoint
 from nanospec.checkpoint import unpack_weights
 from nanospec.cli import (Progress, add_model_args, add_proposer_args, int_list, log, log_loading, parser,
                           set_threads, suffix_flags)
-from nanospec.cuda_graph import step_buckets
 from nanospec.dynamic_k import DynamicK, Profile, device_name, greedy_requests, quick_profile, timed
 from nanospec.engine import Engine
 from nanospec.stats import Stats
@@ -291,12 +290,10 @@ def dynamic_policy(args, llm, max_k: int):
         profile = quick_profile(llm.engine, prompts, max_k, llm.profile_meta(),
                                 llm.engine.scheduler.max_num_seqs)
     # a fresh policy per row: every row starts from the profile
-    proposer = llm.engine.proposer   # (run checked that dynamic rows have a proposer)
-    padded = llm.engine.use_graphs or llm.engine.step_options.pad_batches
-    return profile, lambda row, batch: DynamicK(profile, max_k, per_request=row == "dynamic-per-request",
-                                                spans=proposer.acceptance_in_spans,
-                                                buckets=step_buckets(batch, padded), padded=padded,
-                                                rounds=not proposer.drafts_on_host)
+    engine = llm.engine   # (run checked that dynamic rows have a proposer)
+    padded = engine.use_graphs or engine.step_options.pad_batches
+    return profile, lambda row, batch: DynamicK.for_proposer(profile, max_k, engine.proposer, padded, batch,
+                                                             per_request=row == "dynamic-per-request")
 
 
 def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, new_policy, max_k: int) -> dict:

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.cuda_graph import MAX_GRAPH_BATCH, GraphKey
+from nanospec.cuda_graph import MAX_GRAPH_BATCH, GraphKey, step_buckets
 from nanospec.engine import Engine
 from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError
@@ -267,6 +267,15 @@ class DynamicK(KPolicy):
         self.probed_around, self.last_probe = None, 0
         self.records: dict[int, list[float]] = {}   # id(request) -> its record (choose_per_request)
 
+    @classmethod
+    def for_proposer(cls, profile: Profile, max_k: int, proposer, padded: bool, max_batch: int,
+                     per_request: bool = False) -> "DynamicK":
+        """The policy for an engine of at most max_batch requests drafting with `proposer` (its
+        acceptance by spans of text for n-gram and suffix chains, its rounds for a model drafter),
+        whose steps are padded (graphs, pad_batches) or not."""
+        return cls(profile, max_k, per_request=per_request, spans=proposer.acceptance_in_spans,
+                   buckets=step_buckets(max_batch, padded), padded=padded, rounds=not proposer.drafts_on_host)
+
     def rates(self) -> tuple[list[float], list[float]]:
         """(a_i, d_i) the policy goes by: the profile's while it warms up, then the online estimates."""
         if self.steps < self.warmup_steps:
@@ -298,9 +307,10 @@ class DynamicK(KPolicy):
             return itl_at(itl, drafts)
         mean, deep = itl_at(itl, drafts), itl_at(itl, deepest)
         share = 1.0 if self.padded else self.profile.unalike or 0.0
+        if not self.rounds:
+            return mean + share * (deep - mean)
         alone = self.itl(1)
-        round_time = itl_at(alone, deepest) - alone[0] if self.rounds else 0.0
-        return max(mean + share * (deep - mean), itl[0] + round_time)
+        return max(mean + share * (deep - mean), itl[0] + itl_at(alone, deepest) - alone[0])
 
     def step_time(self, batch_size: int, drafts: float, deepest: float | None = None) -> float:
         """The seconds the policy expects of such a step: the profile's, times how much slower or

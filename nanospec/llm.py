@@ -16,7 +16,7 @@ import torch
 
 from nanospec import checkpoint
 from nanospec.chat_template import check_template_kwargs
-from nanospec.cuda_graph import StepOptions, step_buckets
+from nanospec.cuda_graph import StepOptions
 from nanospec.dynamic_k import DynamicK, Profile, device_name, quick_profile, step_memory
 from nanospec.eagle import load_eagle_head
 from nanospec.engine import Engine, emittable_vocab
@@ -525,12 +525,9 @@ class LLM:
         policy = StaticK(k)
         if spec.dynamic_k and not spec.hybrid:
             self.profile = self.dynamic_k_profile(spec.profile, k)
-            proposer, padded = self.make_proposer(1), self.use_graphs or self.options.steps.pad_batches
-            # n-gram's and suffix's drafts: spans of text; a model drafter's: rounds on the device
-            policy = DynamicK(self.profile, k, per_request=spec.per_request_k,
-                              spans=proposer.acceptance_in_spans, padded=padded,
-                              buckets=step_buckets(self.sizes.max_num_seqs, padded),
-                              rounds=not proposer.drafts_on_host)
+            policy = DynamicK.for_proposer(self.profile, k, self.make_proposer(1),
+                                           self.use_graphs or self.options.steps.pad_batches,
+                                           self.sizes.max_num_seqs, per_request=spec.per_request_k)
         if spec.speculative_disable_queue_size is not None:
             policy = QueueSwitch(policy, spec.speculative_disable_queue_size)
         return policy
