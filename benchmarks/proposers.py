@@ -184,8 +184,7 @@ def summarize(name: str, row: dict) -> dict:
            "seconds": round(row["seconds"], 2), "prefill_steps": stats.prefill_steps,
            "decode_steps": stats.steps, "prefix_caching": row["engine"].kv_cache.allocator.prefix_caching,
            # prompt tokens, and those found cached
-           "prefix_cache_queries": row["engine"].scheduler.prefix_queries,
-           "prefix_cache_hits": row["engine"].scheduler.prefix_hits,
+           "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
            "drafted_per_decode_step": round(stats.drafted_tokens / max(1, stats.steps), 3),
            "accepted_per_drafted": round(stats.accepted_tokens / max(1, stats.drafted_tokens), 3),
            "mean_acceptance_length": round(tokens / steps, 3),

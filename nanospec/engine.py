@@ -28,7 +28,7 @@ from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs, StepOptions, Verified
 from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
-from nanospec.request import Request, new_request, note_logprobs
+from nanospec.request import Request, end_of, new_request, note_logprobs
 from nanospec.sampler import Sampler
 from nanospec.sampling_params import SamplingParams
 from nanospec.stats import Stats, accepted_positions, note_speculation
@@ -51,8 +51,10 @@ class Scheduler:
     for all its chunks; offline, every prefill goes first (the largest decode batches)."""
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_free=None, decode_between_prefills: bool = False, cached_prefix=None):
+                 on_free=None, decode_between_prefills: bool = False, cached_prefix=None,
+                 stats: Stats | None = None):
         self.allocator = allocator
+        self.stats = stats or Stats()   # it counts preemptions and prefix-cache lookups there
         self.on_free = on_free or (lambda request: None)   # the proposer releases its state too
         # a waiting request's cached positions: the prefix cache's (engine.cached_prefix: the proposer's too)
         self.cached_prefix = cached_prefix or (
@@ -63,8 +65,6 @@ class Scheduler:
         self.last_was_prefill = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.prefix_queries = self.prefix_hits = 0   # tokens admitted requests looked up, and found cached
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,8 +103,8 @@ class Scheduler:
             if is_waiting:
                 self.waiting.popleft()
                 self.running.append(req)
-                self.prefix_queries += len(req.tokens) - 1
-                self.prefix_hits += req.num_cached
+                self.stats.prefix_cache_queries += len(req.tokens) - 1
+                self.stats.prefix_cache_hits += req.num_cached
             if chunk == 0:   # a one-token prompt has nothing to prefill
                 continue
             chosen.append(req)
@@ -135,7 +135,7 @@ class Scheduler:
         self.finish(req)   # freed as a finished request is, then back to the front of the queue
         req.num_cached = 0
         self.waiting.appendleft(req)
-        self.num_preemptions += 1
+        self.stats.preemptions += 1
 
     def finish(self, req: Request) -> None:
         """Free req's blocks and proposer state and take it out of running, found by identity
@@ -227,8 +227,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
                                    on_free=functools.partial(release, self.step_graphs, proposer),
                                    cached_prefix=functools.partial(cached_prefix, self.kv_cache.allocator,
-                                                                   proposer))
-        self.stats = Stats()
+                                                                   proposer), stats=Stats())
+        self.stats = self.scheduler.stats   # (LLM.generate replaces both with a new one per call)
         self.max_k = 0           # the largest K a request may ask for (the LLM sets it: its graphs' K)
         self.step_k = 0          # the current decode step's K (the largest of its requests')
         self.request_k = {}      # id(request) -> its K in the current decode step
@@ -424,12 +424,7 @@ class Engine:
             if req.logprobs is not None:
                 req.logprobs.append(req.step_logprobs[i])
             self.stats.generated_tokens += 1
-            stop_token = (token in self.eos_ids
-                          and not req.params.ignore_eos) or token in req.params.stop_token_ids
-            # (reason, drop_last)
-            end = (("stop", not req.params.include_stop_str_in_output) if stop_token else
-                   ("stop", False) if req.params.stop and self.hit_stop_string(req) else
-                   ("length", False) if len(req.tokens) >= req.max_len else None)
+            end = end_of(req, token, self.eos_ids, self.tokenizer)
             if end:
                 return self.finish(req, *end, features=None if features is None else features[:i + 1])
 
@@ -490,13 +485,8 @@ class Engine:
 
     def run_to_completion(self, on_step=None) -> None:
         start = time.perf_counter()
-        preempted_before = self.scheduler.num_preemptions
-        queried_before, hits_before = self.scheduler.prefix_queries, self.scheduler.prefix_hits
         while self.scheduler.has_work():
             updated = self.step()
             if on_step:
                 on_step(updated)
         self.stats.elapsed_s += time.perf_counter() - start
-        self.stats.preemptions += self.scheduler.num_preemptions - preempted_before
-        self.stats.prefix_cache_queries += self.scheduler.prefix_queries - queried_before
-        self.stats.prefix_cache_hits += self.scheduler.prefix_hits - hits_before

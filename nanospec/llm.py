@@ -657,7 +657,7 @@ class LLM:
             raise NanospecError(f"params must be a SamplingParams or a list of them, got {params!r}")
         requests = [self.engine.new_request(i, p, self.encode_prompt(p, chat, i), sp)
                     for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
-        self.engine.stats = Stats()        # llm.stats describes this call
+        self.engine.stats = self.engine.scheduler.stats = Stats()   # llm.stats describes this call
         self.engine.add_requests(requests)  # only once every request is valid
 
         def after_step(updated):   # offline, one failed request (its logits not finite) ends the call

@@ -100,14 +100,13 @@ class Metrics:
         for i, n in enumerate(stats.accepted_per_position):
             before = seen.accepted_per_position[i] if i < len(seen.accepted_per_position) else 0
             self.accepted_per_pos.labels(position=str(i), **self.label).inc(n - before)
-        scheduler = self.engine.scheduler
-        self.preemptions.inc(scheduler.num_preemptions - seen.preemptions)
-        self.prefix_queries.inc(scheduler.prefix_queries - seen.prefix_cache_queries)
-        self.prefix_hits.inc(scheduler.prefix_hits - seen.prefix_cache_hits)
+        self.preemptions.inc(stats.preemptions - seen.preemptions)
+        self.prefix_queries.inc(stats.prefix_cache_queries - seen.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits - seen.prefix_cache_hits)
         self.seen = Stats(generated_tokens=stats.generated_tokens, drafted_tokens=stats.drafted_tokens,
-                          accepted_tokens=stats.accepted_tokens, preemptions=scheduler.num_preemptions,
-                          prefix_cache_queries=scheduler.prefix_queries,
-                          prefix_cache_hits=scheduler.prefix_hits,
+                          accepted_tokens=stats.accepted_tokens, preemptions=stats.preemptions,
+                          prefix_cache_queries=stats.prefix_cache_queries,
+                          prefix_cache_hits=stats.prefix_cache_hits,
                           drafted_per_position=stats.drafted_per_position[:1],
                           accepted_per_position=list(stats.accepted_per_position))
         self.update_queues()

@@ -83,6 +83,26 @@ def new_request(index: int, prompt: str, prompt_ids: list[int], params: Sampling
                    logprobs=None if params.logprobs is None else [])
 
 
+def end_of(req: Request, token: int, eos_ids: set[int], tokenizer) -> tuple[str, bool] | None:
+    """Whether the newest token, just appended, ends the request, and how: (finish reason, whether its
+    text drops that token); None: it goes on. An EOS (unless ignore_eos) or a stop token ends it
+    first, then a stop string (req.text is then the output cut there), then its length."""
+    p = req.params
+    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        return "stop", not p.include_stop_str_in_output
+    if p.stop and hit_stop_string(req, tokenizer):
+        return "stop", False
+    return ("length", False) if len(req.tokens) >= req.max_len else None
+
+
+def hit_stop_string(req: Request, tokenizer) -> bool:
+    """Whether the newest token completed a stop string; if so req.text is the output cut there."""
+    p = req.params
+    req.text = tokenizer.text_before_stop(req.output_ids, p.stop, p.skip_special_tokens,
+                                          p.include_stop_str_in_output)
+    return req.text is not None
+
+
 def note_logprobs(reqs: list[Request], emitted: list[list[int]], logits: torch.Tensor) -> None:
     """For each request that asked, the logprobs of the tokens the step emitted for it and of the N
     most likely at each of their positions (req.step_logprobs, one {id: logprob} per token, its own

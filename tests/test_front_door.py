@@ -20,6 +20,7 @@ from conftest import Planted, assert_no_leak
 from nanospec import LLM, NanospecError, SamplingParams
 from nanospec.cuda_graph import StepOptions
 from nanospec.sampling_params import MIN_TEMPERATURE
+from nanospec.request import hit_stop_string
 
 PROMPT = "The quick brown fox"
 KV = dict(device="cpu", dtype="float32", kv_cache_gb=0.02)
@@ -879,7 +880,7 @@ def test_of_two_stops_one_token_completes_the_first_to_end_wins(tiny_llm):
         req = SimpleNamespace(output_ids=ids[:at + 1], text=None, params=SamplingParams(
             stop=[ends_last, ends_first], include_stop_str_in_output=include))
         req.params.validate()
-        assert tiny_llm.engine.hit_stop_string(req)
+        assert hit_stop_string(req, tiny_llm.tokenizer)
         assert req.text == (before + piece[:2] if include else before)
 
 

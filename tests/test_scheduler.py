@@ -66,7 +66,7 @@ def test_decode_grows_blocks_for_the_drafts_and_preempts_the_newest_when_they_ru
     prefill_all(s)                        # 6 cached tokens each: 2 blocks each, 1 block free
     assert s.allocator.num_free == 1
     batch = s.schedule(lambda r: 2)       # each needs 6 + 3 = 9 slots: 3 blocks, 1 more each
-    assert batch.requests == [a] and s.num_preemptions == 1
+    assert batch.requests == [a] and s.stats.preemptions == 1
     assert list(s.waiting) == [b] and b.num_cached == 0 and b.block_table == []
     assert len(a.block_table) == 3 and s.allocator.num_free == 2
 
