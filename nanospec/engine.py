@@ -28,7 +28,7 @@ from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs, StepOptions, Verified
 from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
 from nanospec.proposer import Proposal, Proposer
-from nanospec.request import Request, end_of, new_request, note_logprobs
+from nanospec.request import Request, emittable_vocab, end_of, new_request, note_logprobs, own_cap
 from nanospec.sampler import Sampler
 from nanospec.sampling_params import SamplingParams
 from nanospec.stats import Stats, accepted_positions, note_speculation
@@ -153,18 +153,6 @@ class Scheduler:
         for req in requests:
             self.allocator.release(req.block_table)   # idempotent: a finished request holds none
             self.on_free(req)
-
-
-def own_cap(req: Request, k: int) -> int:
-    """k, at most the request's own num_speculative_tokens (0: no speculation for it)."""
-    cap = req.params.num_speculative_tokens
-    return k if cap is None else min(k, cap)
-
-
-def emittable_vocab(config, tokenizer) -> int:
-    """How many ids (0 .. n - 1) a request may hold: those the model has an embedding and logits for
-    and the tokenizer decodes."""
-    return min(config.vocab_size, tokenizer.vocab_size)
 
 
 def cached_prefix(allocator: BlockAllocator, proposer: Proposer | None, req: Request) -> int:

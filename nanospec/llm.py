@@ -19,8 +19,8 @@ from nanospec.chat_template import check_template_kwargs
 from nanospec.cuda_graph import StepOptions
 from nanospec.dynamic_k import DynamicK, Profile, device_name, quick_profile, step_memory
 from nanospec.eagle import load_eagle_head
-from nanospec.engine import Engine, emittable_vocab
-from nanospec.request import RequestOutput
+from nanospec.engine import Engine
+from nanospec.request import RequestOutput, emittable_vocab
 from nanospec.sampling_params import SamplingParams
 from nanospec.stats import Stats
 from nanospec.errors import (COMMAND_LINE, NanospecError, check_bool, check_fields, check_int, check_real,

@@ -51,6 +51,18 @@ class Request:
         return self.num_cached < len(self.tokens) - 1
 
 
+def own_cap(req: Request, k: int) -> int:
+    """k, at most the request's own num_speculative_tokens (0: no speculation for it)."""
+    cap = req.params.num_speculative_tokens
+    return k if cap is None else min(k, cap)
+
+
+def emittable_vocab(config, tokenizer) -> int:
+    """How many ids (0 .. n - 1) a request may hold: those the model has an embedding and logits for
+    and the tokenizer decodes."""
+    return min(config.vocab_size, tokenizer.vocab_size)
+
+
 def new_request(index: int, prompt: str, prompt_ids: list[int], params: SamplingParams, vocab_size: int,
                 max_model_len: int, pool_tokens: int, max_k: int, drafts: bool) -> Request:
     """A request checked against what its engine holds: ids 0 .. vocab_size - 1, a context of
