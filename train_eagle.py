@@ -522,6 +522,15 @@ def learning_rate(step: int, args) -> float:
     return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 matmuls natively (AVX-512 BF16 or AMX, through oneDNN).
+    NANOSPEC_NATIVE_BF16=0 answers no, to run what a CPU without it runs."""
+    if os.environ.get("NANOSPEC_NATIVE_BF16") == "0":
+        return False
+    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)   # private: guarded
+    return bool(native is not None and native())
+
+
 def train(args, llm: LLM, head, data, vocab_ids) -> dict:
     device = llm.device
     # the target's LM head over the loss vocabulary

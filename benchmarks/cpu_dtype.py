@@ -13,7 +13,6 @@ import torch
 
 import train_eagle
 from nanospec import LLM, SamplingParams
-from nanospec.llm import native_bfloat16
 
 PROMPTS = ["Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
            "List three uses of Python.", "What is the capital of France?", "Describe a cat.",
@@ -53,7 +52,7 @@ def main() -> None:
             train[d].append(round(train_step_seconds(d), 3))
     result = {"command": "python -m benchmarks.cpu_dtype " + " ".join(sys.argv[1:]),
               "cpu": platform.processor() or platform.machine(),
-              "native_bfloat16": native_bfloat16(), "torch": torch.__version__,
+              "native_bfloat16": train_eagle.native_bfloat16(), "torch": torch.__version__,
               "threads": torch.get_num_threads(),
               "plain_tokens_per_second": rows, "train_step_seconds": train}
     print(json.dumps(result, indent=2))

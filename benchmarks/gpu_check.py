@@ -71,16 +71,17 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.measure import decoding, drafting_seconds, perturbed_window
+from benchmarks.per_token_attention import paged_attention_tokens
 from benchmarks.step_ops import count_step_ops
 from nanospec import kv_cache, triton_attention
-from nanospec.bench import (kernel_seconds, kv_bytes_per_token, oracle_proposer, time_copy, time_transformers,
-                            transformers_model, weight_bytes)
+from nanospec.bench import (kernel_seconds, oracle_proposer, time_copy, time_transformers, transformers_model,
+                            weight_bytes)
 from nanospec.cli import log as log_line, parser
 from nanospec.dynamic_k import device_name, sync, timed
 from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError, run_command
 from nanospec.k_policy import StaticK
-from nanospec.llm import LLM
+from nanospec.llm import LLM, kv_block_bytes
 from nanospec.prompts import shipped_prompts
 from nanospec.proposer import NgramProposer, OracleProposer
 from nanospec.suffix import SuffixProposer
@@ -346,8 +347,9 @@ def add_roofline(check: GpuCheck, row: dict) -> None:
     context) per second over the measured copy bandwidth."""
     loaded, bandwidth = check.load("target"), copy_gb_s(check.report)
     context = sum(map(len, loaded.prompts[:row["batch"]])) / row["batch"] + check.plan["new_tokens"] / 2
-    model = loaded.llm.model
-    row["bytes_per_step"] = int(weight_bytes(model) + row["batch"] * context * kv_bytes_per_token(model))
+    llm = loaded.llm
+    row["bytes_per_step"] = int(weight_bytes(llm.model) + row["batch"] * context
+                                * kv_block_bytes(llm.config, llm.dtype, 1))
     if bandwidth and row["step_ms"]:
         row["fraction_of_copy_bandwidth"] = round(row["bytes_per_step"] / (row["step_ms"] / 1000) / bandwidth
                                                   / 1e9, 3)
@@ -526,7 +528,7 @@ def attention_kernels(device: torch.device, prefill: bool) -> dict:
                                                 or os.environ.get("TRITON_INTERPRET") == "1"):
         kernels["tiled"] = lambda q, kv, meta: triton_attention.paged_attention(q, *kv, meta, scale)
         if prefill:
-            kernels["per_token"] = lambda q, kv, meta: triton_attention.paged_attention_tokens(
+            kernels["per_token"] = lambda q, kv, meta: paged_attention_tokens(
                 q, *kv, meta.block_tables, meta.token_seq, meta.positions, scale)
     if prefill or not kernels:
         kernels["sdpa_gathered"] = lambda q, kv, meta: kv_cache.paged_attention_reference(q, kv, meta, scale)

@@ -33,13 +33,19 @@ import torch
 
 from nanospec import bench
 from nanospec.bench_serve import multiturn_sessions
-from nanospec.cli import Progress, log, log_loading, set_threads, suffix_flags
+from nanospec.cli import Progress, log, log_loading, set_threads
 from nanospec.dynamic_k import timed
 from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.llm import LLM
 from nanospec.prompts import by_category_in_turn, shipped_prompts
-from nanospec.suffix import EXTRA_TOKENS
+from nanospec.suffix import EXTRA_TOKENS, LLM_SETTINGS
+
+
+def suffix_flags(args) -> dict:
+    """The --suffix-* settings, as LLM takes them."""
+    return {name: getattr(args, name) for name in LLM_SETTINGS}
+
 
 DYNAMIC = ("dynamic", "dynamic-per-request")   # a row's K by goodput: one for the batch, or per request
 SUFFIX = lambda args: dict(suffix=True, **suffix_flags(args))   # its rows' settings

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 
-from nanospec.cli import add_max_model_len, add_model_args, add_speculation_args, frozen_gc_heap, load_llm
+from nanospec.cli import add_llm_args, frozen_gc_heap, load_llm
 from nanospec.prompts import shipped_prompts
 from nanospec.sampling_params import SamplingParams
 from nanospec.serve import Server, serve
@@ -162,9 +162,7 @@ def served(llm, timer: StepTimer, prompts: list[str], concurrency: int, max_toke
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serve_overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, dtype="float32")
-    add_speculation_args(ap)
-    add_max_model_len(ap)
+    add_llm_args(ap, dtype="float32")
     ap.add_argument("--concurrencies", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--prompts-per-slot", type=int, default=2,
                     help="requests per load: this times the concurrency (at least 4)")

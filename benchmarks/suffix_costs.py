@@ -5,7 +5,7 @@ Requests are 400-token windows (--request-tokens) of real token ids (the shipped
 the chat template, end to end), cut at random offsets with one token in 8 replaced at random, so
 that no two are alike; each step drafts K = 16 for every request of the batch from a 512-token
 context of the same kind, with the index full (10,000 requests). Memory: tracemalloc's count of
-what the index holds (numpy reports its buffers to it), beside the index's own nbytes; the adds'
+what the index holds (numpy reports its buffers to it), beside its own count (index_nbytes); the adds'
 seconds on untraced builds, with the process's startup heap as it is and frozen as the server
 freezes it (the slowest add: a seal's and a drop's copying, or a full garbage collection, which
 scans the whole unfrozen heap: torch's objects and the model's).
@@ -51,8 +51,16 @@ def index_memory(corpus, num_requests: int, vocab: int, request_tokens: int = 40
         index, adds = timed_build(requests(), frozen)
         report["adds_startup_heap_frozen" if frozen else "adds"] = adds
     return {**report, "tokens": index.num_tokens, "segments": len(index.segments),
-            "nbytes_mb": round(index.nbytes / 2**20, 1), "bytes_per_token": round(held / index.num_tokens, 1),
-            "index": index}
+            "nbytes_mb": round(index_nbytes(index) / 2**20, 1),
+            "bytes_per_token": round(held / index.num_tokens, 1), "index": index}
+
+
+def index_nbytes(index: GlobalIndex) -> int:
+    """Bytes the index holds: the sealed runs' arrays exactly, the open segment's stream, and its
+    dict of position lists at CPython's sizes."""
+    lists = sum(sys.getsizeof(k) + sys.getsizeof(v) + 28 * len(v) for k, v in index.open_follows.items())
+    sealed = sum(run.tokens.nbytes + run.keys.nbytes + run.follows.nbytes for run in index.runs)
+    return sealed + index.open_tokens.nbytes + sys.getsizeof(index.open_follows) + lists
 
 
 def timed_build(requests, frozen: bool) -> tuple[GlobalIndex, dict]:

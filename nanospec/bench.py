@@ -16,6 +16,7 @@ examples:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -26,14 +27,12 @@ import torch
 
 from nanospec import checkpoint
 from nanospec.checkpoint import unpack_weights
-from nanospec.cli import (Progress, add_model_args, add_proposer_args, int_list, log, log_loading, parser,
-                          set_threads, suffix_flags)
-from nanospec.dynamic_k import DynamicK, Profile, device_name, greedy_requests, quick_profile, timed
+from nanospec.cli import Progress, add_model_args, add_proposer_args, int_list, load_llm, parser
+from nanospec.dynamic_k import DynamicK, Profile, device_name, greedy_requests, timed
 from nanospec.engine import Engine
-from nanospec.stats import Stats
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.k_policy import StaticK
-from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS
+from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, LLM, MAX_SPECULATIVE_TOKENS, kv_block_bytes
 from nanospec.prompts import by_category_in_turn, shipped_prompts
 from nanospec.proposer import OracleProposer
 
@@ -41,12 +40,14 @@ from nanospec.proposer import OracleProposer
 # ---- the transformers baseline: the same checkpoint (a folder, a .gguf, or a random model holding our own
 # weights) and its generate() over the same groups of prompts -------------------------------------------
 
-def transformers_model(path: str, dtype: torch.dtype, device: torch.device, ours=None):
-    """The same checkpoint in transformers (a folder, or a .gguf through transformers' own GGUF
-    reader); for random:NAME, a transformers model of its config holding `ours`'s random weights."""
+def transformers_model(target: str | None, dtype: torch.dtype, device: torch.device, ours=None):
+    """The same checkpoint in transformers (a folder or hub id, None the default model, or a .gguf
+    through transformers' own GGUF reader); for random:NAME, a transformers model of its config
+    holding `ours`'s random weights."""
     import transformers
-    if path.startswith("random:"):
-        return random_transformers_model(path, ours, dtype, device)
+    if target and target.startswith("random:"):
+        return random_transformers_model(target, ours, dtype, device)
+    path = checkpoint.resolve(target)
     if not path.endswith(".gguf"):
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -78,11 +79,6 @@ def random_transformers_model(path: str, ours, dtype: torch.dtype, device: torch
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left, f"not loaded: {left[:3]}"
     return model.eval()
-
-
-def resolve(target: str) -> str:
-    """A local path for a checkpoint; random:NAME as it is."""
-    return target if target.startswith("random:") else checkpoint.resolve(target)
 
 
 def groups(prompt_ids: list[list[int]], batch_size: int, continuous: bool = False) -> list[list[list[int]]]:
@@ -151,11 +147,6 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())   # a tied weight counts once
 
 
-def kv_bytes_per_token(model) -> int:
-    cfg, size = model.config, next(model.parameters()).element_size()
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * size
-
-
 # ---- nanospec's rows ---------------------------------------------------------------------------------------
 
 def oracle_proposer(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int) -> OracleProposer:
@@ -171,27 +162,19 @@ def oracle_proposer(engine: Engine, prompt_ids: list[list[int]], max_new_tokens:
 
 def summary(stats, seconds: float, tokens: int) -> dict:
     stats = stats.as_dict()
-    return {"tokens_per_s": round(tokens / seconds, 2),
-            "mean_acceptance_length": stats["mean_acceptance_length"],
-            "acceptance_rate_per_position": stats["acceptance_rate_per_position"],
-            "chosen_k": stats["chosen_k"], "request_k": stats["request_k"]}
+    keys = ("mean_acceptance_length", "acceptance_rate_per_position", "chosen_k", "request_k")
+    return {"tokens_per_s": round(tokens / seconds, 2), **{key: stats[key] for key in keys}}
 
 
-def time_nanospec(llm, prompt_ids: list[list[int]], batch_size: int, max_new_tokens: int,
-                  continuous: bool = False) -> dict:
-    """All prompts, batch_size at a time, each group run to completion (so a group lasts as long as
-    its slowest request); or, continuous, all queued at once and at most batch_size running, a
-    finished request's place taken by the next (continuous batching). Tokens/s over the whole set.
-    Each group runs on an engine of its own, of batch_size requests at a time."""
-    stats, seconds = Stats(), 0.0
-    for group in groups(prompt_ids, batch_size, continuous):
-        engine = llm.engine.twin(max_num_seqs=min(batch_size, llm.engine.scheduler.max_num_seqs),
-                                 k_policy=llm.engine.k_policy)
-        requests = greedy_requests(engine, group, max_new_tokens)
-        seconds += timed(llm.device, engine.run_to_completion)[1]
-        assert all(len(r.output_ids) == max_new_tokens for r in requests)
-        stats.add(engine.stats)
-    return summary(stats, seconds, len(prompt_ids) * max_new_tokens)
+def row_engine(llm, prompts: list[list[int]], batch_size: int, max_new_tokens: int, max_k: int,
+               **twin) -> Engine:
+    """A twin of the LLM's engine (twin: Engine.twin's other arguments) for batch_size of the prompts at
+    a time, its KV cache holding batch_size of the longest requests and their drafts (on a GPU the
+    LLM's own pool takes most of the free memory: another like it would not fit)."""
+    allocator = llm.engine.kv_cache.allocator
+    longest = max(len(ids) for ids in prompts) + max_new_tokens + max_k + 1
+    num_blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
+    return llm.engine.twin(num_blocks, max_num_seqs=batch_size, **twin)
 
 
 @torch.inference_mode()
@@ -200,7 +183,7 @@ def roofline_fraction(llm, prompts: list[list[int]], batch_size: int, max_new_to
     """What plain decoding reads per second (the weights once a step, and the batch's KV cache at
     its mean context; a step emits batch_size tokens) over the measured copy bandwidth."""
     context = sum(map(len, prompts)) / len(prompts) + max_new_tokens / 2
-    step_bytes = weight_bytes(llm.model) + batch_size * context * kv_bytes_per_token(llm.model)
+    step_bytes = weight_bytes(llm.model) + batch_size * context * kv_block_bytes(llm.config, llm.dtype, 1)
     return round(step_bytes * tokens_per_s / batch_size / bandwidth, 3)
 
 
@@ -209,11 +192,9 @@ def environment(llm) -> dict:
            "device_type": llm.device.type, "cpu_count": os.cpu_count(),
            "torch_threads": torch.get_num_threads(),
            "python": platform.python_version(), "torch": torch.__version__, "dtype": str(llm.dtype)}
-    try:
+    with contextlib.suppress(ImportError):
         import transformers
         env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
     return env
 
 
@@ -261,7 +242,7 @@ def transformers_row(args, llm, ref, prompts, bs, k) -> dict:
         spec = dict(prompt_lookup_num_tokens=k)
     else:
         if not hasattr(ref, "_bench_draft"):
-            ref._bench_draft = transformers_model(resolve(args.draft), llm.dtype, llm.device,
+            ref._bench_draft = transformers_model(args.draft, llm.dtype, llm.device,
                                                   llm.engine.proposer.model)
         spec = dict(assistant_model=ref._bench_draft)
         ref._bench_draft.generation_config.num_assistant_tokens = k
@@ -283,12 +264,7 @@ def parse_ks(text: str) -> list:
 
 def dynamic_policy(args, llm, max_k: int):
     """The dynamic-K policy the dynamic rows use: from --profile, or the quick built-in profile."""
-    if args.profile:
-        profile = Profile.load(args.profile)
-    else:
-        prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]]
-        profile = quick_profile(llm.engine, prompts, max_k, llm.profile_meta(),
-                                llm.engine.scheduler.max_num_seqs)
+    profile = llm.dynamic_k_profile(args.profile, max_k)
     # a fresh policy per row: every row starts from the profile
     engine = llm.engine   # (run checked that dynamic rows have a proposer)
     padded = engine.use_graphs or engine.step_options.pad_batches
@@ -303,16 +279,11 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
     shared machine's drift (its speed moves within minutes) hits every row alike. A row counts the
     time of its own steps only. In groups, a row queues its next group once its last one is done;
     with --continuous it queues all its requests at once."""
-    # Each row's KV cache holds batch_size of the longest requests (on a GPU the LLM's own pool
-    # takes most of the free memory: one like it per row would not fit).
-    allocator = llm.engine.kv_cache.allocator
-    longest = max(len(ids) for ids in prompts) + args.max_new_tokens + max_k + 1
-    num_blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
     rows = []
     for k in ks:
         policy = new_policy(k, batch_size) if k in DYNAMIC_ROWS else StaticK(k)   # K = 0 is plain decoding
-        engine = llm.engine.twin(num_blocks, max_num_seqs=batch_size, k_policy=policy,
-                                 proposer=getattr(args, "oracle_proposer", None) if k != 0 else None)
+        engine = row_engine(llm, prompts, batch_size, args.max_new_tokens, max_k, k_policy=policy,
+                            proposer=getattr(args, "oracle_proposer", None) if k != 0 else None)
         rows.append({"k": k, "engine": engine, "groups": groups(prompts, batch_size, args.continuous),
                      "requests": [], "seconds": 0.0})
     while True:
@@ -351,6 +322,9 @@ def check_args(args) -> tuple[list[int], list, int]:
                             "add --no-transformers")
     if args.oracle and proposer_given(args):
         raise NanospecError("--oracle is a proposer of its own: drop --draft, --eagle, --ngram and --suffix")
+    if args.oracle and any(k in DYNAMIC_ROWS for k in ks):
+        raise NanospecError("--oracle rows have a fixed K: dynamic K prices the drafts of a real proposer "
+                            "(--draft, --eagle, --ngram or --suffix); drop the dynamic rows from --ks")
     if any(k != 0 for k in ks) and not (proposer_given(args) or args.oracle):
         raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
                             "--eagle PATH, --ngram, --suffix or --oracle (or --ks 0 for plain decoding)")
@@ -371,12 +345,8 @@ def prompt_rows(args) -> list[dict]:
 
 
 def load(args, batch_sizes: list[int], max_k: int) -> LLM:
-    set_threads(args.threads)
-    log_loading(args.target)
-    return LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
-               draft=args.draft, eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, **suffix_flags(args),
-               num_speculative_tokens=max_k if proposer_given(args) else None, log=log,
-               enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching)
+    return load_llm(args, max_num_seqs=max(batch_sizes), profile=None,   # (--profile is the dynamic rows')
+                    num_speculative_tokens=max_k if proposer_given(args) else None)
 
 
 def transformers_reference(args, llm, prompts: list[list[int]]):
@@ -384,7 +354,7 @@ def transformers_reference(args, llm, prompts: list[list[int]]):
     if args.no_transformers:
         return None
     try:
-        ref = transformers_model(resolve(args.target), llm.dtype, llm.device, llm.model)
+        ref = transformers_model(args.target, llm.dtype, llm.device, llm.model)
         time_transformers(ref, prompts[:2], 2, 4, pad_id=llm.tokenizer.eos_ids[0])
         return ref
     except ImportError:
@@ -445,7 +415,10 @@ def run(args) -> dict:
     llm = load(args, batch_sizes, max_k)
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
-    time_nanospec(llm, prompts[:2], 2, 4)   # warm-up
+    # warm-up: the first steps' one-off costs (allocations, compiles) out of the rows
+    warm_up = row_engine(llm, prompts[:2], 2, 4, max_k, k_policy=llm.engine.k_policy)
+    greedy_requests(warm_up, prompts[:2], 4)
+    warm_up.run_to_completion()
     args.oracle_proposer = oracle_proposer(llm.engine, prompts, args.max_new_tokens) if args.oracle else None
     dynamic = any(k in DYNAMIC_ROWS for k in ks)
     profile, new_policy = dynamic_policy(args, llm, max_k) if dynamic else (None, None)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import itertools
 import json
 import math
 import random
@@ -41,6 +42,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -78,12 +80,9 @@ class Session:
 
     def messages(self) -> list[dict]:
         """The conversation up to the next turn's user message."""
-        messages = []
-        for user, answer in zip(self.turns, self.answers + [None]):
-            messages.append({"role": "user", "content": user})
-            if answer is not None:
-                messages.append({"role": "assistant", "content": answer})
-        return messages
+        said = zip(self.turns, self.answers + [None])   # (user, answer) pairs; the next turn's answer None
+        return [{"role": role, "content": text} for turn in said
+                for role, text in zip(("user", "assistant"), turn) if text is not None]
 
 
 def multiturn_sessions(rows: list[dict], turns: int = 3) -> list[Session]:
@@ -238,46 +237,34 @@ def spec_counters(client: Client) -> dict:
     return out
 
 
-def run_threads(jobs: list, concurrency: int | None, arrive=None) -> float:
-    """Run each job (a callable) on a thread of its own, at most `concurrency` at once (default:
-    all), arrive(i, start) called before job i starts (Poisson arrivals wait there); returns the
-    seconds they all took."""
-    slots = threading.Semaphore(concurrency or len(jobs))
-
-    def one(job):
-        try:
-            job()
-        finally:
-            slots.release()
-
-    start, threads = time.perf_counter(), []
-    for i, job in enumerate(jobs):
-        if arrive:
-            arrive(i, start)
-        slots.acquire()
-        thread = threading.Thread(target=one, args=(job,), daemon=True)
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join()
-    return time.perf_counter() - start
+def run_threads(jobs: list, concurrency: int | None,
+                arrivals: list[float] | None = None) -> tuple[list, float]:
+    """Run the jobs (callables) on threads, at most `concurrency` at once (default: all), job i not
+    before arrivals[i] seconds from the start (Poisson arrivals); returns what they returned, in order,
+    and the seconds they all took. A job's exception is raised here; on one (or Ctrl-C) the jobs not
+    yet started are dropped."""
+    start, futures = time.perf_counter(), []
+    pool = ThreadPoolExecutor(concurrency or len(jobs))
+    try:
+        for i, job in enumerate(jobs):
+            if arrivals:
+                time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            futures.append(pool.submit(job))
+        results = [future.result() for future in futures]
+    finally:
+        pool.shutdown(cancel_futures=True)
+    return results, time.perf_counter() - start
 
 
 def run_load(client: Client, endpoint: str, bodies: list[dict], rate: float, concurrency: int | None,
              seed: int) -> tuple[list[Result], float]:
     """Send every body (at Poisson arrival times of `rate`, or keeping `concurrency` in flight);
     returns the results in order and the run's duration."""
-    results: list[Result | None] = [None] * len(bodies)
-    rng, arrival = random.Random(seed), [0.0]
-
-    def arrive(i, start):
-        if math.isfinite(rate):
-            arrival[0] += rng.expovariate(rate)
-            time.sleep(max(0.0, start + arrival[0] - time.perf_counter()))
-
-    def send(i):
-        results[i] = client.stream(endpoint, bodies[i])
-    return results, run_threads([functools.partial(send, i) for i in range(len(bodies))], concurrency, arrive)
+    rng = random.Random(seed)   # Poisson arrivals: each one an exponential gap after the last
+    arrivals = (list(itertools.accumulate(rng.expovariate(rate) for _ in bodies)) if math.isfinite(rate)
+                else None)
+    return run_threads([functools.partial(client.stream, endpoint, body) for body in bodies], concurrency,
+                       arrivals)
 
 
 def shipped_sessions(count: int, turns: int, first: int = 0) -> list:
@@ -303,8 +290,7 @@ def run_sessions(client: Client, body: dict, sessions: list,
             if not result.ok:
                 return
             session.answers.append(result.text)
-    duration = run_threads([functools.partial(converse, s) for s in sessions], concurrency)
-    return results, duration
+    return results, run_threads([functools.partial(converse, s) for s in sessions], concurrency)[1]
 
 
 def percentiles(values: list[float]) -> dict:

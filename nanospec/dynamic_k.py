@@ -58,7 +58,7 @@ import math
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -82,15 +82,17 @@ def interpolate(xs: list[float], ys: list[float], x: float) -> float:
 
 @dataclass
 class Profile:
+    """ITL over a grid of batch sizes x K, and the acceptance, as `python -m nanospec.profiler` measures
+    them; the fields in the order save() writes them (the key order of the profiles in bench_results/)."""
     batch_sizes: list[int]          # ascending, from 1
     ks: list[int]                   # ascending, from 0
     itl_s: list[list[float]]        # [batch][k]: seconds per decode step
     acceptance: list[float]         # a_i for i < max(ks), greedy, over the profile's prompts
-    meta: dict = field(default_factory=dict)   # device, target, proposer, how it was measured
     drafted: list[float] | None = None         # d_i, the same way (None: the proposer always drafts)
     # where requests verify unalike, the share of the time between their mean's step and their deepest's
     # they take (measure_unalike; None: not measured, priced by the mean)
     unalike: float | None = None
+    meta: dict = field(default_factory=dict)   # device, target, proposer, how it was measured
 
     def __post_init__(self):
         if self.drafted is None:
@@ -108,18 +110,15 @@ class Profile:
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump({"batch_sizes": self.batch_sizes, "ks": self.ks, "itl_s": self.itl_s,
-                       "acceptance": self.acceptance, "drafted": self.drafted, "unalike": self.unalike,
-                       "meta": self.meta}, f,
-                      indent=2)
+            json.dump(asdict(self), f, indent=2)
 
     @classmethod
     def load(cls, path: str) -> "Profile":
         try:
             with open(path) as f:
                 raw = json.load(f)
-            profile = cls(raw["batch_sizes"], raw["ks"], raw["itl_s"], raw["acceptance"], raw.get("meta", {}),
-                          raw.get("drafted"), raw.get("unalike"))
+            profile = cls(raw["batch_sizes"], raw["ks"], raw["itl_s"], raw["acceptance"], raw.get("drafted"),
+                          raw.get("unalike"), raw.get("meta", {}))
         except FileNotFoundError:
             raise NanospecError(f"profile {path} not found; measure one with "
                                 "`python -m nanospec.profiler ... --out PROFILE.json`")
@@ -458,15 +457,11 @@ def step_memory(engine: Engine, k: int) -> int:
     return torch.cuda.max_memory_allocated(engine.device) - base if cuda else 0
 
 
-def context(engine: Engine) -> int:
-    """The positions a measuring engine's requests may reach: its context, and the model's position
-    tables (sized to the serving engine's KV pool, which a measuring twin's own pool may exceed)."""
-    return min(engine.max_model_len, engine.model.config.max_position_embeddings)
-
-
-def fit(prompt_ids: list[list[int]], room: int, what: str) -> list[list[int]]:
-    """The prompts, each cut to its last `room` tokens, so that a measurement's requests fit the
-    context."""
+def fit(engine: Engine, prompt_ids: list[list[int]], tokens: int, what: str) -> list[list[int]]:
+    """The prompts, each cut to its last tokens, so that a measurement's requests, with `tokens` more
+    each, fit the positions they may reach: the engine's context, and the model's position tables
+    (sized to the serving engine's KV pool, which a measuring twin's own pool may exceed)."""
+    room = min(engine.max_model_len, engine.model.config.max_position_embeddings) - tokens - 1
     if room < 1:
         raise NanospecError(f"the context ({room + 1} positions short of what it takes to {what} for a "
                             "dynamic-K profile) is too small: give a measured profile, or a larger KV cache "
@@ -501,7 +496,7 @@ def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: i
     warm-up round (the first step also does the proposer's catch-up); the k's take turns a step at
     a time."""
     budget = sum((steps + 1) * (k + 1) for k in ks) + 1   # no request finishes while we time
-    prompts = fit(prompt_ids, context(engine) - budget - 1, "time the steps")
+    prompts = fit(engine, prompt_ids, budget, "time the steps")
     prompts = [prompts[i % len(prompts)] for i in range(batch_size)]
     blocks = batch_size * -(-(max(map(len, prompts)) + budget) // engine.kv_cache.block_size)
     engines = [engine.twin(blocks, max_num_seqs=batch_size, k_policy=policy(k),
@@ -519,7 +514,7 @@ def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: i
 def measure_acceptance(engine: Engine, prompt_ids: list[list[int]], k: int,
                        max_new_tokens: int) -> tuple[list[float], list[float]]:
     """a_i and d_i, i < k, over the prompts run greedily at K = k, max_num_seqs at a time."""
-    prompt_ids = fit(prompt_ids, context(engine) - max_new_tokens - 1, "measure acceptance")
+    prompt_ids = fit(engine, prompt_ids, max_new_tokens, "measure acceptance")
     running = min(len(prompt_ids), engine.scheduler.max_num_seqs)
     blocks = running * -(-(max(map(len, prompt_ids)) + max_new_tokens) // engine.kv_cache.block_size)
     twin = engine.twin(blocks, k_policy=StaticK(k))
@@ -594,22 +589,22 @@ def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: li
             "steps_per_point": steps,
             "acceptance_tokens_per_prompt": max_new_tokens, "itl_s_measured": measured,
             "seconds": round(time.perf_counter() - start, 2)}
-    profile = Profile(list(batch_sizes), list(ks), monotone_in_batch(measured), acceptance, meta, drafted,
-                      unalike)
+    profile = Profile(list(batch_sizes), list(ks), monotone_in_batch(measured), acceptance, drafted, unalike,
+                      meta)
     profile.check()
     return profile
 
 
-def quick_profile(engine: Engine, prompt_ids: list[list[int]], max_k: int, meta: dict, max_num_seqs: int,
-                  log=None) -> Profile:
+def quick_profile(engine: Engine, prompt_ids: list[list[int]], max_k: int, meta: dict, log=None) -> Profile:
     """The built-in profile measured at start-up when none is given: a coarse grid (batch 1, 8, 64,
-    ... up to max_num_seqs; K 0, 1, 2, 3, 4, 6, 8 up to max_k), 9 steps a point (the median: a step's
-    time moves on a shared CPU), acceptance over 8 prompts x 32 tokens. Interpolation fills in the
-    rest; measured step times and online rates correct it while the engine runs. On a CPU the grid is
-    coarser, so that it takes under a minute: batch 1, 8 and 32 and K 0, 1, 2, 4, 8 (past its last
-    batch a profile follows its last segment, and step times are linear enough in K)."""
+    ... up to the engine's max_num_seqs; K 0, 1, 2, 3, 4, 6, 8 up to max_k), 9 steps a point (the
+    median: a step's time moves on a shared CPU), acceptance over 8 prompts x 32 tokens.
+    Interpolation fills in the rest; measured step times and online rates correct it while the engine
+    runs. On a CPU the grid is coarser, so that it takes under a minute: batch 1, 8 and 32 and K 0, 1,
+    2, 4, 8 (past its last batch a profile follows its last segment, and step times are linear enough
+    in K)."""
     cuda = engine.device.type == "cuda"
-    largest = max_num_seqs if cuda else min(max_num_seqs, 32)
+    largest = engine.scheduler.max_num_seqs if cuda else min(engine.scheduler.max_num_seqs, 32)
     batch_sizes = sorted({b for b in (1, 8, 64) if b < largest} | {largest})
     ks = sorted({k for k in ((0, 1, 2, 3, 4, 6, 8) if cuda else (0, 1, 2, 4, 8)) if k < max_k} | {max_k})
     return measure_profile(engine, prompt_ids[:8], batch_sizes, ks, steps=9, max_new_tokens=32, meta=meta,

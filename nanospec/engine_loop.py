@@ -102,28 +102,23 @@ class EngineLoop:
 
     def run(self) -> None:
         """Step until stop(): on this thread, which should be the one that built the model."""
-        self.running = True
+        engine, self.running = self.engine, True
         try:
-            self.loop()
+            while True:
+                with self.lock:
+                    while not (self.inbox or self.aborts or engine.scheduler.has_work() or self.stopping):
+                        self.wake.wait()
+                    arrived, self.inbox = list(self.inbox), deque()
+                    aborted, self.aborts = list(self.aborts), deque()
+                if self.stopping and not (arrived or engine.scheduler.has_work()):
+                    return
+                self.tracked.update((id(t.req), t) for t in arrived)
+                engine.add_requests([t.req for t in arrived])
+                self.drop(aborted)
+                if engine.scheduler.has_work():
+                    self.step()
         finally:
             self.running = False
-
-    def loop(self) -> None:
-        engine = self.engine
-        while True:
-            with self.lock:
-                while not (self.inbox or self.aborts or engine.scheduler.has_work() or self.stopping):
-                    self.wake.wait()
-                arrived, self.inbox = list(self.inbox), deque()
-                aborted, self.aborts = list(self.aborts), deque()
-            if self.stopping and not (arrived or engine.scheduler.has_work()):
-                return
-            for t in arrived:
-                self.tracked[id(t.req)] = t
-            engine.add_requests([t.req for t in arrived])
-            self.drop(aborted)
-            if engine.scheduler.has_work():
-                self.step()
 
     def step(self) -> None:
         engine = self.engine
@@ -165,10 +160,9 @@ class EngineLoop:
     def drop(self, aborted: list[Request]) -> None:
         gone = [self.tracked.pop(id(r)) for r in aborted if id(r) in self.tracked]
         self.engine.abort([t.req for t in gone])
-        for t in gone:
-            if self.metrics:
-                self.metrics.finished_request(t.req, "abort", t.arrival, t.first, time.perf_counter())
         if gone and self.metrics:
+            for t in gone:
+                self.metrics.finished_request(t.req, "abort", t.arrival, t.first, time.perf_counter())
             self.metrics.update_queues()
 
 

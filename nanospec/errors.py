@@ -56,11 +56,9 @@ def check_real(value, name: str, low: float | None = None, above: float | None =
     """value, when it is a finite number >= low (or > above) and <= high; otherwise one line naming `name`."""
     if not (is_real(value) and (low is None or value >= low) and (above is None or value > above)
             and (high is None or value <= high)):
-        bound = f" >= {low}" if low is not None else f" > {above}" if above is not None else ""
-        if high is not None and low is not None:
-            bound = f" in [{low}, {high}]"
-        elif high is not None and not bound:
-            bound = f" <= {high}"
+        bound = (f" in [{low}, {high}]" if low is not None and high is not None
+                 else f" >= {low}" if low is not None else f" > {above}" if above is not None
+                 else f" <= {high}" if high is not None else "")
         raise NanospecError(f"{name} must be a finite number{bound}, {got(value)}{'; ' + fix if fix else ''}")
     return value
 

@@ -191,11 +191,9 @@ class SpanRates:
                               self.blend(drafted, self.prior_drafted))
         return self.estimates
 
-    def weight(self) -> float:
-        return sum(self.spans) + len(self.open)   # what seen() counts, the open spans with it
-
     def blend(self, observed: list[float], prior: list[float]) -> list[float]:
-        w, m = self.weight(), self.prior_weight
+        # the observed rates weigh what seen() counts, the open spans with it
+        w, m = sum(self.spans) + len(self.open), self.prior_weight
         return [(w * x + m * p) / (w + m) for x, p in zip(observed, prior)]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from nanospec.cli import add_max_model_len, add_model_args, add_speculation_args, load_llm, parser
+from nanospec.cli import add_llm_args, load_llm, parser
 from nanospec.sampling_params import SamplingParams
 from nanospec.engine_loop import TextStream, Update
 from nanospec.errors import NanospecError, run_command
@@ -22,8 +22,7 @@ from nanospec.prompts import read_prompts_file
 
 def build_parser():
     ap = parser("python -m nanospec.generate", __doc__)
-    add_model_args(ap)
-    add_speculation_args(ap)
+    add_llm_args(ap)
     ap.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
     ap.add_argument("--prompts-file", metavar="FILE.jsonl", help="JSON lines with a 'prompt' field")
     ap.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -36,7 +35,6 @@ def build_parser():
     ap.add_argument("--seed", type=int, default=0, help="request i uses seed + i")
     ap.add_argument("--stop", action="append", default=[], metavar="TEXT",
                     help="stop the answer before this text; repeatable")
-    add_max_model_len(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object per request, then the stats")
     return ap
 

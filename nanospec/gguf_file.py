@@ -119,18 +119,17 @@ def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, path: str)
     slope, intercept = np.polyfit(inv_freq[band] / (2 * np.pi), s, 1)
     if intercept >= 0:
         raise refuse
-    scaling = {"rope_type": "llama3", "factor": round(factor, 4), "low_freq_factor": 1.0,
-               "high_freq_factor": round(float(1 - 1 / intercept), 4),
-               "original_max_position_embeddings": int(round(-slope / intercept))}
+    # the parameters, as config.json writes them, then the divisors they give
+    factor, high = round(factor, 4), round(float(1 - 1 / intercept), 4)
+    old_len = int(round(-slope / intercept))
     wavelength = 2 * np.pi / inv_freq
-    old_len, high = scaling["original_max_position_embeddings"], scaling["high_freq_factor"]
     smooth = (old_len / wavelength - 1) / (high - 1)
-    band = 1 / ((1 - smooth) / scaling["factor"] + smooth)
-    expected = np.where(wavelength > old_len, scaling["factor"],
-                        np.where(wavelength < old_len / high, 1.0, band))
+    band = 1 / ((1 - smooth) / factor + smooth)
+    expected = np.where(wavelength > old_len, factor, np.where(wavelength < old_len / high, 1.0, band))
     if not np.allclose(expected, divisors, rtol=1e-4, atol=0):
         raise refuse
-    return scaling
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+            "original_max_position_embeddings": old_len}
 
 
 def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -102,11 +102,9 @@ class HybridProposer:
 
     def worth_of_model(self, k: int) -> float:
         """K = k <= model_k drafts' expected accepted tokens."""
-        rates = [(a + PRIOR_RATE * PRIOR_WEIGHT) / (d + PRIOR_WEIGHT)
-                 for a, d in zip(self.model_accepted[:k], self.model_drafted[:k])]
         worth, survive = 0.0, 1.0
-        for rate in rates:   # a_i: accepted at i given accepted before i, chained
-            survive *= rate
+        for a, d in zip(self.model_accepted[:k], self.model_drafted[:k]):
+            survive *= (a + PRIOR_RATE * PRIOR_WEIGHT) / (d + PRIOR_WEIGHT)   # a_i, given accepted before i
             worth += survive
         return worth
 

@@ -82,14 +82,13 @@ class KVMirror:
         """The cache's mirror and this pass's plan, or None where the pass takes the reference: off
         the CPU, under autograd, or where the mirror would outgrow the pool (it is dropped then)."""
         batch, width = meta.block_tables.shape
-        mirror = None
         autograd = torch.is_grad_enabled() and q.requires_grad
-        if kv_cache.use_mirror and q.device.type == "cpu" and not autograd:
-            mirror = kv_cache.mirror or cls(kv_cache)
-            if not mirror.fit(batch + 1, width):
-                mirror = None
-        kv_cache.mirror = mirror   # a pass that writes the pool itself leaves a mirror behind it: dropped
-        return (mirror, mirror.plan(meta)) if mirror else None
+        wanted = kv_cache.use_mirror and q.device.type == "cpu" and not autograd
+        mirror = (kv_cache.mirror or cls(kv_cache)) if wanted else None
+        fits = mirror is not None and mirror.fit(batch + 1, width)
+        # a pass that writes the pool itself leaves a mirror behind it: dropped
+        kv_cache.mirror = mirror if fits else None
+        return (mirror, mirror.plan(meta)) if fits else None
 
     def fit(self, rows: int, blocks: int) -> bool:
         """Room for `rows` rows of `blocks` blocks (blocks rounded up to GROW_BLOCKS, so that a

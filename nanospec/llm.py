@@ -50,15 +50,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def native_bfloat16() -> bool:
-    """Whether this CPU computes bfloat16 matmuls natively (AVX-512 BF16 or AMX, through oneDNN).
-    NANOSPEC_NATIVE_BF16=0 answers no, to run what a CPU without it runs."""
-    if os.environ.get("NANOSPEC_NATIVE_BF16") == "0":
-        return False
-    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)   # private: guarded
-    return bool(native is not None and native())
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
@@ -155,7 +146,8 @@ class SpeculativeConfig:
                             "ngram": check_bool, "suffix": check_bool, "dynamic_k": check_bool,
                             "per_request_k": check_bool, "ngram_min": partial(check_int, low=1),
                             "ngram_max": partial(check_int, low=self.ngram_min,
-                                                 fix=f"it is at least {param('ngram_min')}")})
+                                                 fix=f"it is at least {param('ngram_min')}"),
+                            "speculative_disable_queue_size": partial(check_int, low=0)})
         for name in LLM_SETTINGS:
             if getattr(self, name) is not None and not self.suffix:
                 raise NanospecError(f"{param(name)} is a setting of suffix decoding: add {param('suffix')}")
@@ -167,14 +159,12 @@ class SpeculativeConfig:
         chosen = self.chosen_proposer()
         self.check_dynamic_k_settings()
         self.check_tree_settings(chosen)
-        queue = param("disable_queue_size", "--speculative-disable-queue-size")
-        if self.speculative_disable_queue_size is not None:
-            check_int(self.speculative_disable_queue_size, queue, low=0)
         k_name = param("num_speculative_tokens")
         if not chosen:
             for name, on in ((k_name, self.num_speculative_tokens is not None),
                              (param("dynamic_k"), self.dynamic_k),
-                             (queue, self.speculative_disable_queue_size is not None)):
+                             (param("speculative_disable_queue_size"),
+                              self.speculative_disable_queue_size is not None)):
                 if on:
                     raise NanospecError(f"{name} needs a proposer: set {param('draft')}, {param('eagle')}, "
                                         f"{param('ngram')} or {param('suffix')}")
@@ -292,12 +282,6 @@ class EngineOptions:
                                 "generation_config.json sets the sampling defaults) or vllm (the neutral "
                                 f"ones), got {self.generation_config!r}")
 
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether the engine caches prefixes (the target's cache and a model proposer's): as asked, by
-        default on."""
-        return self.enable_prefix_caching is not False
-
 
 @dataclass(slots=True)
 class DraftModels:
@@ -370,30 +354,27 @@ def sampling_defaults(generation: dict, source: str) -> tuple[dict, list[str]]:
     return defaults, [f"{key}={value}" for key, value in given.items()]
 
 
+def settings_records(settings: dict) -> tuple[EngineOptions, EngineSizes, SpeculativeConfig]:
+    """LLM's keyword arguments as the records whose fields they are (a field left out keeps its
+    default there); a keyword that no record has is refused as Python refuses it."""
+    kinds = (EngineOptions, EngineSizes, SpeculativeConfig)
+    names = [{field.name for field in dataclasses.fields(kind)} for kind in kinds]
+    unknown = [key for key in settings if not any(key in fields for fields in names)]
+    if unknown:
+        raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+    return tuple(kind(**{key: value for key, value in settings.items() if key in fields})
+                 for kind, fields in zip(kinds, names))
+
+
 class LLM:
-    def __init__(self, target: str | None = None, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int | None = None, kv_cache_gb: float | None = None, block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                 compile_sampler: bool | None = None, draft: str | None = None, eagle: str | None = None,
-                 ngram: bool = False, suffix: bool = False,
-                 num_speculative_tokens: int | None = None, ngram_min: int = 1, ngram_max: int = 4,
-                 num_kv_blocks: int | None = None, dynamic_k: bool = False, profile: str | None = None,
-                 speculative_disable_queue_size: int | None = None, per_request_k: bool = False,
-                 suffix_max_spec_offset: int | None = None, suffix_max_cached_requests: int | None = None,
-                 suffix_max_spec_factor: float | None = None, suffix_min_token_prob: float | None = None,
-                 speculative_topk: int = 1, speculative_token_tree: str | None = None,
-                 speculative_num_steps: int | None = None,
-                 enforce_eager: bool = False,
-                 enable_prefix_caching: bool | None = None,
-                 generation_config: str = "auto", log=None, step_options: StepOptions | None = None):
-        """Load the target, its tokenizer and proposer, and build an engine sized for them. The keyword
-        arguments fill three records, each checked before anything loads: EngineOptions (how steps
-        run), EngineSizes (the KV pool and the scheduler's limits) and SpeculativeConfig (the proposer
-        and K). log: a callable given a line about long work (the quick dynamic-K profile), or None."""
-        given = dict(locals())   # the keyword arguments by name: each record takes those of its fields
-        self.options, self.sizes, self.spec = (
-            kind(**{field.name: given[field.name] for field in dataclasses.fields(kind)})
-            for kind in (EngineOptions, EngineSizes, SpeculativeConfig))
+    def __init__(self, target: str | None = None, device: str = "auto", dtype: str = "auto", *, log=None,
+                 **settings):
+        """Load the target, its tokenizer and proposer, and build an engine sized for them. The other
+        keyword arguments are the fields of three records, by the same names and defaults, each checked
+        before anything loads: EngineOptions (how steps run), EngineSizes (the KV pool and the
+        scheduler's limits) and SpeculativeConfig (the proposer and K). log: a callable given a line
+        about long work (the quick dynamic-K profile), or None."""
+        self.options, self.sizes, self.spec = settings_records(settings)
         self.log = log or (lambda line: None)
         check_target(target)
         self.options.validate()
@@ -483,7 +464,7 @@ class LLM:
         return Engine(self.model, self.tokenizer, self.device, self.max_model_len, blocks, sizes.block_size,
                       sizes.max_num_seqs, sizes.max_num_batched_tokens, options.compile_sampler,
                       self.make_proposer(blocks, priced), policy, use_graphs=self.use_graphs,
-                      prefix_caching=options.prefix_caching, step_options=options.steps)
+                      prefix_caching=options.enable_prefix_caching is not False, step_options=options.steps)
 
     def block_bytes(self) -> int:
         """One block's bytes in every KV pool: the target's, and the draft model's or the EAGLE head's
@@ -556,8 +537,7 @@ class LLM:
         engine = self.make_engine(1, StaticK(0))
         self.log("dynamic K: measuring a quick profile of this machine (measure one once with "
                  "`python -m nanospec.profiler --out profile.json` and pass it as --profile / profile=)")
-        profile = quick_profile(engine, prompts, max_k, self.profile_meta(), engine.scheduler.max_num_seqs,
-                                self.log)
+        profile = quick_profile(engine, prompts, max_k, self.profile_meta(), self.log)
         self.profile_seconds = profile.meta["seconds"]
         self.log(f"dynamic K: quick profile measured in {self.profile_seconds:.0f} s")
         return profile
@@ -588,8 +568,7 @@ class LLM:
     def default_kv_cache_gb(self, reserve: int = 0) -> float:
         """1 GiB on CPU; on CUDA 0.8 of the free memory less `reserve` bytes (what the graphs need)."""
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return 0.8 * max(free - reserve, 0) / 2**30
+            return 0.8 * max(available_memory(self.device) - reserve, 0) / 2**30
         return 1.0
 
     @property

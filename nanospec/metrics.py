@@ -12,7 +12,6 @@ import prometheus_client as prom
 
 from nanospec.engine import Engine
 from nanospec.request import Request
-from nanospec.stats import Stats
 
 prom.disable_created_metrics()   # no *_created series, as vLLM
 
@@ -28,14 +27,13 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class Metrics:
     def __init__(self, engine: Engine, model_name: str):
         self.registry = prom.CollectorRegistry()   # one per server: two servers in one process do not mix
-        self.engine, self.seen = engine, Stats()   # the engine's statistics counted so far
-        label = {"model_name": model_name}
+        self.engine, self.seen = engine, {}   # counter -> the engine's total it has counted so far
+        self.label = {"model_name": model_name}
 
         def make(kind, name, doc, labels=(), **kw):
             metric = kind(f"nanospec:{name}", doc, ["model_name", *labels], registry=self.registry, **kw)
-            return metric if labels else metric.labels(**label)
+            return metric if labels else metric.labels(**self.label)
 
-        self.label = label
         self.running = make(prom.Gauge, "num_requests_running", "Requests in the running batch.")
         self.waiting = make(prom.Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
         self.finished = make(prom.Counter, "request_success", "Finished requests, by finish reason.",
@@ -70,12 +68,8 @@ class Metrics:
         self.update_queues()
 
     def pools(self) -> dict:
-        engine = self.engine
-        pools = {"target": engine.kv_cache.allocator}
-        draft_cache = getattr(engine.proposer, "kv_cache", None)
-        if draft_cache is not None:
-            pools["draft"] = draft_cache.allocator
-        return pools
+        caches = {"target": self.engine.kv_cache, "draft": getattr(self.engine.proposer, "kv_cache", None)}
+        return {pool: cache.allocator for pool, cache in caches.items() if cache is not None}
 
     def update_queues(self) -> None:
         scheduler = self.engine.scheduler
@@ -89,26 +83,18 @@ class Metrics:
 
     def after_step(self, was_decode: bool) -> None:
         """Count what the engine's statistics gained in the step."""
-        stats, seen = self.engine.stats, self.seen
-        self.generation_tokens.inc(stats.generated_tokens - seen.generated_tokens)
+        stats = self.engine.stats
         if was_decode:
             self.chosen_k.labels(k=str(self.engine.step_k), **self.label).inc()
-        drafted = stats.drafted_per_position[:1] or [0]
-        self.drafts.inc(drafted[0] - (seen.drafted_per_position[:1] or [0])[0])
-        self.draft_tokens.inc(stats.drafted_tokens - seen.drafted_tokens)
-        self.accepted.inc(stats.accepted_tokens - seen.accepted_tokens)
-        for i, n in enumerate(stats.accepted_per_position):
-            before = seen.accepted_per_position[i] if i < len(seen.accepted_per_position) else 0
-            self.accepted_per_pos.labels(position=str(i), **self.label).inc(n - before)
-        self.preemptions.inc(stats.preemptions - seen.preemptions)
-        self.prefix_queries.inc(stats.prefix_cache_queries - seen.prefix_cache_queries)
-        self.prefix_hits.inc(stats.prefix_cache_hits - seen.prefix_cache_hits)
-        self.seen = Stats(generated_tokens=stats.generated_tokens, drafted_tokens=stats.drafted_tokens,
-                          accepted_tokens=stats.accepted_tokens, preemptions=stats.preemptions,
-                          prefix_cache_queries=stats.prefix_cache_queries,
-                          prefix_cache_hits=stats.prefix_cache_hits,
-                          drafted_per_position=stats.drafted_per_position[:1],
-                          accepted_per_position=list(stats.accepted_per_position))
+        totals = {self.generation_tokens: stats.generated_tokens, self.draft_tokens: stats.drafted_tokens,
+                  self.drafts: sum(stats.drafted_per_position[:1]),   # request-steps with a first draft
+                  self.accepted: stats.accepted_tokens, self.preemptions: stats.preemptions,
+                  self.prefix_queries: stats.prefix_cache_queries, self.prefix_hits: stats.prefix_cache_hits}
+        totals.update((self.accepted_per_pos.labels(position=str(i), **self.label), n)
+                      for i, n in enumerate(stats.accepted_per_position))
+        for counter, total in totals.items():
+            counter.inc(total - self.seen.get(counter, 0))
+        self.seen = totals
         self.update_queues()
 
     def finished_request(self, req: Request, reason: str, arrival: float, first: float | None,

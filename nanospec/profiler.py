@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import sys
 
-from nanospec.cli import (add_model_args, add_proposer_args, int_list, log, log_loading, parser, set_threads,
-                          suffix_flags)
+from nanospec.cli import add_model_args, add_proposer_args, int_list, load_llm, log, parser
 from nanospec.dynamic_k import Profile, measure_profile
 from nanospec.errors import NanospecError, check_int, run_command
-from nanospec.llm import LLM, MAX_SPECULATIVE_TOKENS
+from nanospec.llm import MAX_SPECULATIVE_TOKENS
 from nanospec.prompts import read_prompts_file, shipped_prompts
 
 
@@ -49,12 +48,7 @@ def profile_command(args, command_line: str) -> Profile:
         raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH, --ngram "
                             "or --suffix")
     texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]
-    set_threads(args.threads)
-    log_loading(args.target)
-    llm = LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=batch_sizes[-1],
-              draft=args.draft, eagle=args.eagle, ngram=args.ngram, suffix=args.suffix, **suffix_flags(args),
-              num_speculative_tokens=ks[-1], enforce_eager=args.enforce_eager,
-              enable_prefix_caching=args.enable_prefix_caching)
+    llm = load_llm(args, max_num_seqs=batch_sizes[-1], num_speculative_tokens=ks[-1])
     prompts = [llm.encode_prompt(t, chat=not args.no_chat) for t in texts]
     profile = measure_profile(llm.engine, prompts, batch_sizes, ks, args.steps, args.max_new_tokens,
                               llm.profile_meta(), log)

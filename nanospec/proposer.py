@@ -233,11 +233,6 @@ class ModelProposer(Proposer):
         """The slots a round writes past its catch-up: K - 1 drafts fed, or a tree's frontiers."""
         return self.tree[0] * (self.tree[1] - 1) if self.tree else k - 1
 
-    def tree_nodes(self) -> int:
-        """The most nodes its trees can have: every candidate grow_tree makes."""
-        topk, steps = self.tree
-        return topk + (steps - 1) * topk * topk
-
     def __init__(self, kv_cache: KVCache, vocab: int, max_positions: int, device: torch.device):
         # vocab: the ids the engine emits (its drafts are over those); max_positions: its context
         self.kv_cache, self.vocab, self.max_positions, self.device = kv_cache, vocab, max_positions, device
@@ -251,10 +246,11 @@ class ModelProposer(Proposer):
         """How many drafts this proposer can make for the request now: positions up to
         len(tokens) + K - 2 are fed, and its position table ends at max_positions. A tree's round
         writes its frontiers' slots past them whatever its K (within its block table, max_slots) and
-        has at most tree_nodes() nodes."""
+        has at most as many nodes as grow_tree makes candidates."""
         if self.tree:
+            topk, steps = self.tree
             fits = len(request.tokens) + self.round_slots(0) <= min(self.max_positions, self.max_slots)
-            return self.tree_nodes() if fits else 0
+            return topk + (steps - 1) * topk * topk if fits else 0   # the tree's most nodes
         return max(0, self.max_positions + 1 - len(request.tokens))
 
     def cached_prefix(self, request, n: int) -> int:

@@ -70,12 +70,10 @@ def new_request(index: int, prompt: str, prompt_ids: list[int], params: Sampling
     params.validate()
     if not prompt_ids:
         raise NanospecError(f"prompt {index} is empty; give at least one token of text")
-    bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
-    if bad:
+    if bad := [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]:
         raise NanospecError(f"prompt {index} holds token id {shown(bad[0])}, outside this model and "
                             f"tokenizer's ids 0..{vocab_size - 1}; give ids the tokenizer produces")
-    outside = [t for t in params.stop_token_ids if t >= vocab_size]
-    if outside:
+    if outside := [t for t in params.stop_token_ids if t >= vocab_size]:
         raise NanospecError(f"{param('stop_token_ids')} holds {shown(outside[0])}, outside this "
                             f"model and tokenizer's ids 0..{vocab_size - 1}")
     if len(prompt_ids) >= max_model_len:

@@ -3,9 +3,10 @@ what cannot be sampled with one line that names the parameter and the fix."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
-from nanospec.errors import (NanospecError, check_bool, check_int, check_real, is_int, is_real, param,
-                             shown)
+from nanospec.errors import (NanospecError, check_bool, check_fields, check_int, check_real, is_int, is_real,
+                             param, shown)
 
 # Below this (and above 0) a temperature makes the float32 logits divided by it overflow: use 0, greedy.
 MIN_TEMPERATURE = 1e-5
@@ -57,22 +58,18 @@ class SamplingParams:
                                 f"divided by it overflow); use 0 for greedy, or at least {MIN_TEMPERATURE}")
         if not (is_real(self.top_p) and 0 < self.top_p <= 1):
             raise NanospecError(f"{param('top_p')} must be in (0, 1] (1 is off), got {shown(self.top_p)}")
-        check_int(self.top_k, param("top_k"), low=0, high=2**63 - 1, fix="0 is off")
         check_int(self.max_tokens, param("max_tokens", "--max-new-tokens"), low=1)
-        if self.seed is not None:
-            check_int(self.seed, param("seed"), low=0, high=MAX_SEED)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            check_bool(getattr(self, name), name)
-        if self.num_speculative_tokens is not None:
-            check_int(self.num_speculative_tokens, param("num_speculative_tokens"), low=0,
-                      fix="0 turns speculation off")
-        if self.logprobs is not None:
-            check_int(self.logprobs, param("logprobs"), low=0, high=MAX_LOGPROBS)
-        # (bounded: a logit divided by 1e-40 overflows float32, and the step would blame the model)
-        check_real(self.repetition_penalty, param("repetition_penalty"), low=0.01, high=100, fix="1 is off")
-        for name in ("frequency_penalty", "presence_penalty"):
-            check_real(getattr(self, name), param(name), low=-2, high=2, fix="0 is off")
-        check_real(self.min_p, param("min_p"), low=0, high=1, fix="0 is off")
+        check_fields(self, {"top_k": partial(check_int, low=0, high=2**63 - 1, fix="0 is off"),
+                            "seed": partial(check_int, low=0, high=MAX_SEED), "ignore_eos": check_bool,
+                            "skip_special_tokens": check_bool, "include_stop_str_in_output": check_bool,
+                            "num_speculative_tokens": partial(check_int, low=0,
+                                                              fix="0 turns speculation off"),
+                            "logprobs": partial(check_int, low=0, high=MAX_LOGPROBS),
+                            # (bounded: a logit / 1e-40 overflows float32, and the step would blame the model)
+                            "repetition_penalty": partial(check_real, low=0.01, high=100, fix="1 is off"),
+                            "frequency_penalty": partial(check_real, low=-2, high=2, fix="0 is off"),
+                            "presence_penalty": partial(check_real, low=-2, high=2, fix="0 is off"),
+                            "min_p": partial(check_real, low=0, high=1, fix="0 is off")})
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise NanospecError(f"{param('stop_token_ids')} must be a list of token ids, got "
                                 f"{shown(self.stop_token_ids)}")

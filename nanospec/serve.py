@@ -30,12 +30,12 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from nanospec.cli import (DEFAULT_MODEL, add_max_model_len, add_model_args, add_speculation_args,
-                          frozen_gc_heap, load_llm, log, parser)
+from nanospec.cli import DEFAULT_MODEL, add_llm_args, frozen_gc_heap, load_llm, log, parser
 from nanospec.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from nanospec.engine_loop import EngineLoop, QueueFull, TextStream, Update
 from nanospec.errors import NanospecError, is_int, run_command, shown
 from nanospec.metrics import Metrics
+from nanospec.stats import acceptance_rates
 from nanospec.tokenizer import utf8_decoder
 
 
@@ -69,6 +69,7 @@ COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "stop", "
 FIELDS = {"completions": COMMON | {"prompt", "logprobs"},
           "chat": COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs",
                             "add_generation_prompt", "logprobs", "top_logprobs"}}
+# (no key of NEUTRAL is in FIELDS)
 NEUTRAL = {"best_of": (1,), "echo": (False,), "logit_bias": ({},), "suffix": ("",),
            "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (False, True), "functions": ([],),
            "response_format": ({"type": "text"},)}
@@ -148,10 +149,8 @@ def check_fields(body: dict, endpoint: str) -> None:
         raise ApiError(400, f"unknown field{'s' * (len(unknown) > 1)} {', '.join(unknown)}: "
                             f"remove {'them' if len(unknown) > 1 else 'it'}", param=unknown[0])
     for key, neutral in NEUTRAL.items():
-        value = body.get(key)
-        if (key in body and key not in FIELDS[endpoint] and value is not None
-                and not is_neutral(value, neutral)):
-            raise ApiError(400, f"{key}={as_json(value)} is not supported by nanospec; remove it",
+        if body.get(key) is not None and not is_neutral(body[key], neutral):
+            raise ApiError(400, f"{key}={as_json(body[key])} is not supported by nanospec; remove it",
                            param=key)
 
 
@@ -175,6 +174,13 @@ def logprobs_asked(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
+# The API's neutral values of the sampling fields that a checkpoint's generation_config may set
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "frequency_penalty": 0.0, "presence_penalty": 0.0}
+# and the true / false fields, with their defaults
+SWITCHES = {"ignore_eos": False, "skip_special_tokens": True, "include_stop_str_in_output": False}
+
+
 def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict,
                     chat: bool = False) -> SamplingParams:
     """The request's SamplingParams, checked (a NanospecError names the field). A field the request
@@ -185,29 +191,18 @@ def sampling_params(body: dict, default_max_tokens: int | None, defaults: dict,
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both",
                            param="max_completion_tokens")
         max_tokens = body["max_completion_tokens"]
-    given = lambda key, neutral: body[key] if body.get(key) is not None else defaults.get(key, neutral)
-    top_k = given("top_k", 0)
+    args = {key: body[key] if body.get(key) is not None else defaults.get(key, neutral)
+            for key, neutral in SAMPLING.items()}
+    args.update((key, bool_field(body, key, default)) for key, default in SWITCHES.items())
+    if args["top_k"] == -1:   # "off" in vLLM, 0 in nanospec
+        args["top_k"] = 0
     params = SamplingParams(
-        temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
-        repetition_penalty=given("repetition_penalty", 1.0),
-        frequency_penalty=given("frequency_penalty", 0.0),
-        presence_penalty=given("presence_penalty", 0.0), min_p=given("min_p", 0.0),
-        top_k=0 if top_k == -1 else top_k,   # -1 is "off" in vLLM, 0 in nanospec
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-        seed=body.get("seed"), stop=body.get("stop"), ignore_eos=bool_field(body, "ignore_eos", False),
-        num_speculative_tokens=body.get("num_speculative_tokens"),
-        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
+        **args, max_tokens=default_max_tokens if max_tokens is None else max_tokens, seed=body.get("seed"),
+        stop=body.get("stop"), num_speculative_tokens=body.get("num_speculative_tokens"),
         logprobs=logprobs_asked(body, chat),
-        stop_token_ids=[] if body.get("stop_token_ids") is None else body["stop_token_ids"],
-        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False))
+        stop_token_ids=[] if body.get("stop_token_ids") is None else body["stop_token_ids"])
     params.validate()
     return params
-
-
-def most_likely(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-    """The n most likely tokens of a position's {id: logprob} (the sampled token's, then the n most
-    likely: the sampled is among them only if it is one of the n)."""
-    return sorted(entry.items(), key=lambda item: -item[1])[:n]
 
 
 def bool_field(body: dict, key: str, default: bool) -> bool:
@@ -274,8 +269,7 @@ def usage(reqs: list, n: int, speculation: bool) -> dict:
         out["speculation"] = {
             "draft_steps": steps, "draft_tokens": sum(r.drafted for r in reqs), "accepted_tokens": accepted,
             "acceptance_length": round(1 + accepted / steps, 4) if steps else None,
-            "acceptance_rate_per_position": [round(a / d, 4) for a, d in
-                                             zip(accepted_at + [0] * len(drafted_at), drafted_at)]}
+            "acceptance_rate_per_position": acceptance_rates(accepted_at, drafted_at)}
     return out
 
 
@@ -415,16 +409,13 @@ class Server:
                 if await request.is_disconnected():   # the client went away: its requests are aborted
                     self.abort(reply, pending)
                     return Response(status_code=499)
-            if update is None:
+            if update is None or update.finish_reason is None:
                 continue
-            choice = reply.choices[i]
+            reply.choices[i].last = update
+            pending.discard(i)
             if update.finish_reason == "error":   # one choice failed: the answer is an error
-                pending.discard(i)
                 self.abort(reply, pending)
                 return ApiError(500, update.error, kind="server_error").response()
-            if update.finish_reason is not None:
-                choice.last = update
-                pending.discard(i)
         return reply.whole()
 
     async def stream(self, reply: "Reply", updates: asyncio.Queue):
@@ -433,28 +424,27 @@ class Server:
         per step that gave it text (or logprobs) and its finish; then the usage if asked, and [DONE].
         If the client goes away, the response is cancelled here and the unfinished choices' requests
         aborted."""
-        pending, failed, started = set(range(len(reply.choices))), False, False
+        pending, started = set(range(len(reply.choices))), False
         try:
             while pending:
                 i, update = await updates.get()
                 if not started:
                     started = True
                     for chunk in reply.first_chunks():
-                        yield reply.sse(chunk)
-                if update.finish_reason == "error":   # the error, then [DONE] (no usage), as vLLM ends it
-                    pending.discard(i)
-                    failed = True
-                    yield reply.sse(ApiError(500, update.error, kind="server_error").body())
-                    break
+                        yield sse(chunk)
                 if update.finish_reason is not None:
                     pending.discard(i)
+                if update.finish_reason == "error":   # the error, then [DONE] (no usage), as vLLM ends it
+                    yield sse(ApiError(500, update.error, kind="server_error").body())
+                    break
                 choice = reply.choices[i]
                 delta = choice.text.push(update)
                 # logprobs come with their tokens
                 if delta or update.finish_reason or (update.logprobs and update.new_ids):
-                    yield reply.sse(reply.chunk(choice, delta, update.finish_reason, update.logprobs))
-            if not pending and not failed and reply.include_usage:
-                yield reply.sse(reply.usage_chunk())
+                    yield sse(reply.chunk(choice, delta, update.finish_reason, update.logprobs))
+            else:   # every choice finished, none failed
+                if reply.include_usage:
+                    yield sse(reply.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:
             self.abort(reply, pending)
@@ -497,6 +487,7 @@ class Reply:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = include_usage(body)
+        self.chunk_kind = "chat.completion.chunk" if self.chat else "text_completion"
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.name}
@@ -517,22 +508,17 @@ class Reply:
     def first_chunks(self) -> list[dict]:
         if not self.chat:
             return []
-        return [{**self.head("chat.completion.chunk"),
+        return [{**self.head(self.chunk_kind),
                  "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}]} for c in self.choices]
 
     def chunk(self, choice: Choice, delta: str, finish_reason: str | None,
               logprobs: list[tuple[int, dict]] | None = None) -> dict:
-        if logprobs:
-            logprobs = self.logprobs(choice, [t for t, _ in logprobs], [e for _, e in logprobs])
-        else:
-            logprobs = None
-        if self.chat:
-            body = {"index": choice.index, "delta": {"content": delta} if delta or logprobs else {},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
-            return {**self.head("chat.completion.chunk"), "choices": [body]}
-        body = {"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**self.head("text_completion"), "choices": [body]}
+        logprobs = (self.logprobs(choice, [t for t, _ in logprobs], [e for _, e in logprobs]) if logprobs
+                    else None)
+        content = {"delta": {"content": delta} if delta or logprobs else {}} if self.chat else {"text": delta}
+        body = {"index": choice.index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {**self.head(self.chunk_kind), "choices": [body]}
 
     def logprobs(self, choice: Choice, ids: list[int], entries: list[dict[int, float]] | None) -> dict | None:
         """The OpenAI shape of these tokens' logprobs (None where not asked): chat's content list
@@ -553,10 +539,11 @@ class Reply:
             steps.append((choice.decoder.decode(raw(t)), alternatives))
         if self.chat:
             item = lambda u, text, v: {"token": text, "logprob": value(v), "bytes": list(raw(u))}
+            # e holds the sampled token's logprob and the N most likely's; chat lists the N most likely
             top = choice.req.params.logprobs
             return {"content": [{**item(t, text, e[t]),
-                                 "top_logprobs": [item(u, alternatives[u], v)
-                                                  for u, v in most_likely(e, top)]}
+                                 "top_logprobs": [item(u, alternatives[u], v) for u, v in
+                                                  sorted(e.items(), key=lambda uv: -uv[1])[:top]]}
                                 for t, e, (text, alternatives) in zip(ids, entries, steps)]}
         tokens = [text for text, _ in steps]
         offsets = list(itertools.accumulate(map(len, tokens), initial=choice.text_offset))
@@ -567,12 +554,11 @@ class Reply:
                 "text_offset": offsets}
 
     def usage_chunk(self) -> dict:
-        return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage()}
+        return {**self.head(self.chunk_kind), "choices": [], "usage": self.usage()}
 
-    @staticmethod
-    def sse(data: dict | None) -> str:
-        return "" if data is None else f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def uvicorn_server(app, host: str, port: int, graceful_seconds: float = 30.0) -> uvicorn.Server:
@@ -610,8 +596,7 @@ def serve(server: Server, sock: socket.socket, graceful_seconds: float = 30.0) -
 
 def build_parser():
     ap = parser("python -m nanospec.serve", __doc__)
-    add_model_args(ap)
-    add_speculation_args(ap)
+    add_llm_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", metavar="NAME",
@@ -619,7 +604,6 @@ def build_parser():
     ap.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 requests")
     ap.add_argument("--max-queue", type=int, default=1024, metavar="N",
                     help="requests that may wait; past it a request gets 503 with Retry-After")
-    add_max_model_len(ap)
     ap.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
                     help="requests in the running batch at most")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",

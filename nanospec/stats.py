@@ -63,9 +63,7 @@ class Stats:
         # Acceptance length: the tokens a request gains in a step, 1 (the target's own: recovered or
         # bonus) plus its accepted drafts. Plain decoding has 1; K drafts all accepted give K + 1.
         mean_al = 1 + self.accepted_tokens / self.request_steps if self.request_steps else 0.0
-        drafted = self.drafted_per_position
-        accepted = self.accepted_per_position + [0] * (len(drafted) - len(self.accepted_per_position))
-        rates = [round(a / d, 4) for a, d in zip(accepted, drafted)]
+        rates = acceptance_rates(self.accepted_per_position, self.drafted_per_position)
         return {"generated_tokens": self.generated_tokens, "steps": self.steps,
                 "prefill_steps": self.prefill_steps, "preemptions": self.preemptions,
                 "prefix_cache_queries": self.prefix_cache_queries,
@@ -74,6 +72,11 @@ class Stats:
                 "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
                 "chosen_k": histogram(self.chosen_k), "request_k": histogram(self.request_k),
                 "elapsed_s": round(self.elapsed_s, 4), "tokens_per_second": round(tps, 2)}
+
+
+def acceptance_rates(accepted: list[int], drafted: list[int]) -> list[float]:
+    """Per draft position, the share of its drafts accepted (past the end of `accepted`, none were)."""
+    return [round(a / d, 4) for a, d in zip(accepted + [0] * len(drafted), drafted)]
 
 
 def count_in(per_batch: dict[int, dict[int, int]], batch_size: int, counts) -> None:

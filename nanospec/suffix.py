@@ -34,7 +34,6 @@ whatever the index holds: other requests can change how fast a request decodes, 
 """
 from __future__ import annotations
 
-import sys
 import heapq
 import itertools
 from collections import Counter, deque
@@ -236,10 +235,6 @@ class Run:
         self.keys[lo[i]:hi[i]] (the keys are integers: where key + 1 would go, key's stretch ends)."""
         return np.searchsorted(self.keys, keys).reshape(2, -1).tolist()
 
-    @property
-    def nbytes(self) -> int:
-        return self.tokens.nbytes + self.keys.nbytes + self.follows.nbytes
-
 
 class GlobalIndex:
     """Recent finished requests' prompts and outputs: at most max_requests requests and max_tokens
@@ -333,13 +328,6 @@ class GlobalIndex:
             before, after = (np.concatenate(parts) for parts in zip(*found))
             out.append(best_draft(before, after, context[-MAX_DEPTH:], k, 2, **walk_args))
         return out
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the sealed arrays exactly, the open segment's lists and dict at CPython's sizes."""
-        lists = sum(sys.getsizeof(k) + sys.getsizeof(v) + 28 * len(v) for k, v in self.open_follows.items())
-        sealed = sum(run.nbytes for run in self.runs)
-        return sealed + self.open_tokens.nbytes + sys.getsizeof(self.open_follows) + lists
 
 
 class ExtraTokens:

@@ -71,11 +71,12 @@ def token_bytes(token: str) -> bytes:
 class Tokenizer:
     def __init__(self, ranked_tokens: list[tuple[bytes, int]], special_tokens: dict[str, int],
                  pattern: str, add_bos: bool = False, bos_token: str | None = None,
-                 eos_tokens: tuple[str, ...] = (), chat_template: ChatTemplate | None = None,
+                 eos_tokens: tuple[str, ...] = STOP_TOKEN_NAMES, chat_template: ChatTemplate | None = None,
                  not_skipped: set[str] = frozenset(), normalize: tuple[str, ...] = ()):
         """ranked_tokens: (bytes, id) in merge order, so that list position is the BPE rank.
         special_tokens: the added tokens, matched literally in text; those in not_skipped (added but
-        not special, as Qwen3's <think>) stay in a decode that skips special tokens.
+        not special, as Qwen3's <think>) stay in a decode that skips special tokens. eos_tokens: those
+        that end a generation, where special_tokens has them (default: the families' STOP_TOKEN_NAMES).
         normalize: Unicode forms (UNICODE_FORMS) the text between added tokens takes before BPE, in
         order, as tokenizer.json's normalizer (Qwen's NFC: "é" typed as e + U+0301 is encoded as é).
         chat_template: the checkpoint's (chat_template.load_template), or None for the fallback
@@ -270,23 +271,22 @@ def from_tokenizer_json(folder: str) -> Tokenizer:
     specials = {t.get("content"): t.get("id") for t in added}
     check_vocabulary(vocab, specials, path)
     not_special = {t.get("content") for t in added if t.get("special") is False}
-    config = tokenizer_config(folder)
-    named = named_special_tokens(config)
+    named, template = folder_template(folder, specials)
     post = json.dumps(data.get("post_processor") or {})
     bos = named.get("bos_token")   # added by the post-processor, if it names it
     return Tokenizer(ranked_from_merges(vocab, merges, path), specials,
                      pattern_from_pre_tokenizer(data.get("pre_tokenizer")),
-                     add_bos=bos is not None and f'"{bos}"' in post, bos_token=bos,
-                     eos_tokens=STOP_TOKEN_NAMES, not_skipped=not_special,
-                     normalize=normalization_forms(data.get("normalizer"), path),
-                     chat_template=load_template(folder, config, special_tokens=named,
-                                                 vocab_specials=specials))
+                     add_bos=bos is not None and f'"{bos}"' in post, bos_token=bos, not_skipped=not_special,
+                     normalize=normalization_forms(data.get("normalizer"), path), chat_template=template)
 
 
-def tokenizer_config(folder: str) -> dict:
-    """tokenizer_config.json of the folder ({} without one)."""
-    path = os.path.join(folder, "tokenizer_config.json")
-    return read_json(path) if os.path.exists(path) else {}
+def folder_template(folder: str, specials: dict[str, int],
+                    named: dict[str, str] | None = None) -> tuple[dict[str, str], ChatTemplate | None]:
+    """The special tokens the folder's tokenizer_config.json (if any) names, over `named`, and its
+    chat template (chat_template.load_template)."""
+    config = read_json(os.path.join(folder, "tokenizer_config.json"), optional=True)
+    named = {**(named or {}), **named_special_tokens(config)}
+    return named, load_template(folder, config, special_tokens=named, vocab_specials=specials)
 
 
 def from_tiktoken_model(folder: str) -> Tokenizer:
@@ -304,12 +304,10 @@ def from_tiktoken_model(folder: str) -> Tokenizer:
                                         "one)") from e
     ranked.sort(key=lambda pair: pair[1])
     specials = {s: len(ranked) + i for i, s in enumerate(LLAMA3_SPECIAL_TOKENS)}
-    config = tokenizer_config(folder)
-    named = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", **named_special_tokens(config)}
+    _, template = folder_template(folder, specials,
+                                  {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
     return Tokenizer(ranked, specials, LLAMA3_PATTERN, add_bos=True, bos_token="<|begin_of_text|>",
-                     eos_tokens=STOP_TOKEN_NAMES,
-                     chat_template=load_template(folder, config, special_tokens=named,
-                                                 vocab_specials=specials))
+                     chat_template=template)
 
 
 def from_gguf(meta: dict) -> Tokenizer:
@@ -354,8 +352,7 @@ def byte_tokenizer(vocab_size: int = 257) -> Tokenizer:
     """The random models' tokenizer: one id per byte (0 .. 255), <|endoftext|> (256), and ids up to
     vocab_size that decode to nothing, so that a random model samples over its whole vocabulary
     (what a real one of its shapes costs)."""
-    tokenizer = Tokenizer([(bytes([b]), b) for b in range(256)], {"<|endoftext|>": 256}, GPT2_PATTERN,
-                          eos_tokens=("<|endoftext|>",))
+    tokenizer = Tokenizer([(bytes([b]), b) for b in range(256)], {"<|endoftext|>": 256}, GPT2_PATTERN)
     tokenizer.id_to_bytes += [b""] * (vocab_size - len(tokenizer.id_to_bytes))
     return tokenizer
 

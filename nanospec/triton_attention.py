@@ -18,9 +18,8 @@ FlashAttention recurrence) that one small merge kernel combines into the output 
 
 Prefill chunks run through the same kernel in blocks of new tokens (a varlen flash kernel: each
 program a block of one sequence's tokens x the query heads of one KV head). The first kernel, one
-program per (new token, query head) walking its context page by page, stays beside it
-(paged_attention_tokens): the GPU check times the two and the reference's SDPA over gathered
-pages on a prefill chunk.
+program per (new token, query head), lives in benchmarks/per_token_attention.py: the GPU check times
+the two and the reference's SDPA over gathered pages on a prefill chunk.
 
 Before attending, one more kernel does the rest of a layer's attention input: rotate_and_store
 rotates the new queries and keys (RoPE; Qwen3's per-head q/k RMSNorm first) and stores the keys
@@ -51,10 +50,10 @@ TREE_NODES = 63   # the nodes a draft tree's mask holds: the bits of an int64, i
 def available(q: torch.Tensor, k_cache: torch.Tensor, meta=None) -> bool:
     """Whether the Triton kernels run this attention: triton installed, q [T, heads, head_dim] on
     CUDA, and shapes they compile for, k_cache [num_blocks, block_size, kv_heads, head_dim] giving
-    the block size. tl.arange spans a power of two (head_dim; the page in the per-token kernel, and
-    the tiled kernel's page arithmetic is compiled for one), tl.dot needs 16 or more along head_dim,
-    and tiles past head_dim 128 are neither compiled by the tests nor sized to fit. A draft tree's mask
-    (meta.tree) is a bitmask of TREE_NODES nodes a token."""
+    the block size. tl.arange spans a power of two (head_dim; the tiled kernel's page arithmetic is
+    compiled for one), tl.dot needs 16 or more along head_dim, and tiles past head_dim 128 are neither
+    compiled by the tests nor sized to fit. A draft tree's mask (meta.tree) is a bitmask of TREE_NODES
+    nodes a token."""
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
     powers_of_two = all(n > 0 and n & (n - 1) == 0 for n in (head_dim, block_size))
     tree_fits = meta is None or meta.tree is None or meta.tree[1].shape[2] <= TREE_NODES
@@ -77,63 +76,16 @@ if triton is not None:
             return x.handle.data.item()   # returned: the interpreter would make an assigned int an array
         return x
 
-    @triton.jit
-    def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, token_seq_ptr,
-                                positions_ptr, scale, max_blocks, num_kv_heads, group,
-                                BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-        token, head = tl.program_id(0), tl.program_id(1)
-        kv_head = head // group
-        seq = tl.load(token_seq_ptr + token)
-        pos = tl.load(positions_ptr + token)                  # sees keys 0 .. pos
-        dims = tl.arange(0, HEAD_DIM)
-        slots = tl.arange(0, BLOCK_SIZE)
-        num_heads = num_kv_heads * group
-        q = tl.load(q_ptr + (token * num_heads + head) * HEAD_DIM + dims).to(tl.float32) * scale
-        running_max = tl.full((), float("-inf"), tl.float32)
-        running_sum = tl.zeros((), tl.float32)
-        acc = tl.zeros((HEAD_DIM,), tl.float32)
-        for page in range(0, _bound(pos // BLOCK_SIZE + 1)):
-            block = tl.load(block_tables_ptr + seq * max_blocks + page)
-            # element (block, slot, kv_head, dim) of the [num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM] pool
-            offsets = (((block * BLOCK_SIZE + slots[:, None]) * num_kv_heads + kv_head) * HEAD_DIM
-                       + dims[None, :])
-            k = tl.load(k_cache_ptr + offsets).to(tl.float32)   # [BLOCK_SIZE, HEAD_DIM]
-            v = tl.load(v_cache_ptr + offsets).to(tl.float32)
-            scores = tl.sum(k * q[None, :], axis=1)                # [BLOCK_SIZE]
-            scores = tl.where(page * BLOCK_SIZE + slots <= pos, scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-            correction = tl.exp(running_max - new_max)
-            weights = tl.exp(scores - new_max)
-            running_sum = running_sum * correction + tl.sum(weights, axis=0)
-            acc = acc * correction + tl.sum(weights[:, None] * v, axis=0)
-            running_max = new_max
-        tl.store(out_ptr + (token * num_heads + head) * HEAD_DIM + dims,
-                 (acc / running_sum).to(out_ptr.dtype.element_ty))
-
-
-def paged_attention_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, token_seq: torch.Tensor, positions: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]; block_tables:
-    [B, max_blocks]; token_seq, positions: [T] (each new token's sequence and position)."""
-    tokens, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
-    _paged_attention_kernel[(tokens, heads)](
-        q.contiguous(), k_cache, v_cache, out, block_tables.contiguous(), token_seq, positions, scale,
-        block_tables.shape[1], kv_heads, heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim)
-    return out
-
-
-if triton is not None:
     _TREE_NODES = tl.constexpr(TREE_NODES)
 
     @triton.jit
-    def _rows(query_block, kv_head, group, tokens, BLOCK_M: tl.constexpr):
-        """A program's rows: row r is new token query_block * tokens + r // group of its sequence and
-        query head kv_head * group + r % group (rows past tokens * group are padding)."""
+    def _rows(query_block, kv_head, group, tokens, q_len, BLOCK_M: tl.constexpr):
+        """A program's rows (rows, token, head, row_ok): row r is new token query_block * tokens + r // group
+        of its sequence and query head kv_head * group + r % group; row_ok is False past the sequence's
+        q_len new tokens and on the padding rows past tokens * group."""
         rows = tl.arange(0, BLOCK_M)
-        return rows, query_block * tokens + rows // group, kv_head * group + rows % group
+        token = query_block * tokens + rows // group
+        return rows, token, kv_head * group + rows % group, (token < q_len) & (rows < tokens * group)
 
     @triton.jit
     def _split_plan(query_start_ptr, positions_ptr, seq, max_splits, BLOCK_N: tl.constexpr):
@@ -220,8 +172,7 @@ if triton is not None:
             num_splits, split_len = _split_plan(query_start_ptr, positions_ptr, seq, max_splits, BLOCK_N)
             if split >= num_splits:   # this sequence's context needs fewer splits than the grid has
                 return
-        rows, token, head = _rows(query_block, kv_head, group, tokens, BLOCK_M)
-        row_ok = (token < q_len) & (rows < tokens * group)
+        rows, token, head, row_ok = _rows(query_block, kv_head, group, tokens, q_len, BLOCK_M)
         dims = tl.arange(0, HEAD_DIM)
         num_heads = num_kv_heads * group
         q = tl.load(q_ptr + ((start + token) * num_heads + head)[:, None] * HEAD_DIM + dims[None, :],
@@ -271,8 +222,7 @@ if triton is not None:
         num_splits, _ = _split_plan(query_start_ptr, positions_ptr, seq, max_splits, BLOCK_N)
         if num_splits == 1:   # the tiled kernel wrote these rows itself
             return
-        rows, token, head = _rows(query_block, kv_head, group, tokens, BLOCK_M)
-        row_ok = (token < q_len) & (rows < tokens * group)
+        rows, token, head, row_ok = _rows(query_block, kv_head, group, tokens, q_len, BLOCK_M)
         dims = tl.arange(0, HEAD_DIM)
         top = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         total = tl.zeros((BLOCK_M,), tl.float32)
@@ -310,6 +260,7 @@ if triton is not None:
         summed in another order: not bit for bit)."""
         token, head = tl.program_id(0), tl.program_id(1)
         dims = tl.arange(0, HEAD_DIM)
+        slot = tl.load(slots_ptr + token)   # the new token's slot in the pages (for a key or value head)
         if head < heads + kv_heads:
             row = qk_ptr + token * qk_token_stride + head * qk_head_stride
             partner = (dims + HEAD_DIM // 2) % HEAD_DIM   # swap's source: the other half
@@ -330,11 +281,9 @@ if triton is not None:
                 tl.store(q_out_ptr + (token * heads + head) * HEAD_DIM + dims,
                          rotated.to(q_out_ptr.dtype.element_ty))
             else:
-                slot = tl.load(slots_ptr + token)
                 tl.store(k_cache_ptr + slot * cache_slot_stride + (head - heads) * HEAD_DIM + dims,
                          rotated.to(k_cache_ptr.dtype.element_ty))
         else:
-            slot = tl.load(slots_ptr + token)
             v_head = head - heads - kv_heads
             value = tl.load(v_ptr + token * v_token_stride + v_head * v_head_stride + dims * v_dim_stride)
             tl.store(v_cache_ptr + slot * cache_slot_stride + v_head * HEAD_DIM + dims, value)
@@ -483,8 +432,7 @@ def tree_bits(meta) -> tuple[torch.Tensor, torch.Tensor]:
     """meta.tree as the kernel reads it: (base [B], bits [T]), bit j of a token's bits set where it sees
     node j (at most TREE_NODES nodes: `available`)."""
     base, visible = meta.tree   # visible [B, max_q, R]
-    powers = torch.ones(visible.shape[2], dtype=torch.int64, device=visible.device) << torch.arange(
-        visible.shape[2], device=visible.device)
+    powers = 1 << torch.arange(visible.shape[2], device=visible.device)   # int64: 2 ** j
     bits = (visible.long() * powers).sum(-1)   # [B, max_q]
     row = meta.token_seq
     offset = torch.arange(len(row), device=row.device) - meta.query_start[row]

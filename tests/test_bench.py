@@ -9,7 +9,7 @@ import pytest
 from benchmarks import proposers
 from benchmarks.proposers import main as proposers_main
 from nanospec import bench
-from nanospec.bench import main as bench_main, time_nanospec
+from nanospec.bench import main as bench_main
 from nanospec.engine import Engine
 from nanospec.prompts import shipped_prompts
 
@@ -150,49 +150,34 @@ def test_rows_that_differ_stop_a_float32_run_and_are_reported_in_lower_precision
             ("ngram", 0), ("ngram", 1)]
 
 
-def test_bench_continuous_keeps_the_batch_full_instead_of_running_groups(tiny_llm, monkeypatch):
-    """Groups of the batch size run one after another, each on an engine of batch-size requests;
-    continuous: all queued at once, at most batch-size running. The LLM's own engine is untouched."""
-    prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:7]]
-    steps_before = tiny_llm.engine.stats.steps   # (the fixture is shared: other tests may have used it)
-    runs, running = [], []
-    run_to_completion, step = Engine.run_to_completion, Engine.step
-    monkeypatch.setattr(Engine, "run_to_completion",
-                        lambda self: (runs.append(len(self.scheduler.waiting)), run_to_completion(self))[1])
-    monkeypatch.setattr(Engine, "step", lambda self: (running.append(len(self.scheduler.running)),
-                                                      step(self))[1])
-    assert time_nanospec(tiny_llm, prompts, 4, 3)["tokens_per_s"] > 0
-    assert runs == [4, 3]                  # groups of 4, one after another
-    runs.clear(), running.clear()
-    assert time_nanospec(tiny_llm, prompts, 4, 3, continuous=True)["tokens_per_s"] > 0
-    assert runs == [7] and max(running) == 4
-    assert tiny_llm.engine.scheduler.max_num_seqs == 64 and tiny_llm.engine.stats.steps == steps_before
-
-
 def test_bench_rows_take_turns_step_by_step(tiny_llm, monkeypatch):
     """Drift on a shared machine must hit every row alike: each row is an engine of its own over
     the same model, and the rows take turns a step at a time; each row queues its groups one after
-    another (continuous: all at once) and keeps its own statistics."""
+    another (continuous: all at once, at most batch-size running) and keeps its own statistics. The
+    LLM's own engine is untouched."""
     prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:7]]
+    steps_before = tiny_llm.engine.stats.steps   # (the fixture is shared: other tests may have used it)
     steps, step = [], Engine.step
-    monkeypatch.setattr(Engine, "step", lambda self: (steps.append(
-        (self, self.k_policy.k, len(self.scheduler.waiting) + len(self.scheduler.running))), step(self))[1])
+    monkeypatch.setattr(Engine, "step", lambda self: (steps.append(   # (engine, K, queued, running) before it
+        (self, self.k_policy.k, len(self.scheduler.waiting) + len(self.scheduler.running),
+         len(self.scheduler.running))), step(self))[1])
     measured = bench.time_rows(tiny_llm, prompts, 4, [2, 0],
                                SimpleNamespace(continuous=False, max_new_tokens=3), None, 2)
-    engines = {k: e for e, k, _ in steps}
+    engines = {k: e for e, k, *_ in steps}
     assert len(engines) == 2 and tiny_llm.engine not in engines.values()
     assert engines[2].model is tiny_llm.model and engines[2].kv_cache is not tiny_llm.engine.kv_cache
     # a pool for the bench's requests, not another like the LLM's (on a GPU that takes most of the memory)
     assert engines[2].kv_cache.allocator.num_blocks < tiny_llm.engine.kv_cache.allocator.num_blocks
-    assert [k for _, k, _ in steps[:6]] == [2, 0, 2, 0, 2, 0]
+    assert [k for _, k, *_ in steps[:6]] == [2, 0, 2, 0, 2, 0]
     for k in (2, 0):   # a group of 4, then (once it is done) the last 3
-        queued = [n for e, _, n in steps if e is engines[k]]
+        queued = [n for e, _, n, _ in steps if e is engines[k]]
         assert queued[0] == 4 and 3 in queued and queued.index(3) > queued.index(4)
     assert engines[2].stats.steps > 0 and engines[0].stats.drafted_tokens == 0
     assert list(measured) == [2, 0] and all(m["tokens_per_s"] > 0 for m in measured.values())
     steps.clear()
     bench.time_rows(tiny_llm, prompts, 4, [0, 2], SimpleNamespace(continuous=True, max_new_tokens=3), None, 2)
-    assert steps[0][2] == 7 and max(len(e.scheduler.running) for e, _, _ in steps) <= 4
+    assert steps[0][2] == 7 and max(running for *_, running in steps) == 4   # all queued, 4 running
+    assert tiny_llm.engine.scheduler.max_num_seqs == 64 and tiny_llm.engine.stats.steps == steps_before
 
 
 @pytest.mark.parametrize("args, match", [
@@ -202,6 +187,7 @@ def test_bench_rows_take_turns_step_by_step(tiny_llm, monkeypatch):
     (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
     (["--repeats", "0"], "--repeats must be an integer >= 1"),
     (["--num-requests", "-1"], "--num-requests must be an integer >= 0"),
+    (["--oracle", "--ks", "0,dynamic", "--profile", "p.json"], "--oracle rows have a fixed K"),
 ])
 def test_bad_bench_flags_are_one_line_before_loading(capsys, args, match):
     assert bench.main(["--no-transformers", "--target", "/never/loaded", *args]) == 2

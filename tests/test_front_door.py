@@ -358,6 +358,9 @@ LLM_PARAM_CASES = [
     (dict(dtype="int8"), "unknown dtype 'int8'"),
     (dict(ngram=True, num_speculative_tokens=0), "must be an integer in 1..16"),
     (dict(draft=5), "draft must be a path"),
+    (dict(ngram=True, speculative_disable_queue_size=-1),
+     "speculative_disable_queue_size must be an integer >= 0"),
+    (dict(speculative_disable_queue_size=4), "speculative_disable_queue_size needs a proposer"),
 ]
 
 
@@ -365,6 +368,15 @@ LLM_PARAM_CASES = [
 def test_bad_llm_parameter(checkpoints, kwargs, match):
     with pytest.raises(NanospecError, match=match):
         LLM(checkpoints["qwen3"], **{**KV, **kwargs})
+
+
+def test_an_unknown_llm_keyword_is_refused_as_python_refuses_it(checkpoints):
+    """LLM's keywords are its records' fields (EngineOptions, EngineSizes, SpeculativeConfig): a
+    misspelt one is a TypeError, before anything loads; so is a size given by position."""
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'num_kv_block'"):
+        LLM(checkpoints["qwen3"], **KV, num_kv_block=4)
+    with pytest.raises(TypeError, match="positional argument"):
+        LLM(checkpoints["qwen3"], "cpu", "float32", 64)
 
 
 SAMPLING_CASES = [

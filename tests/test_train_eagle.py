@@ -10,7 +10,6 @@ from safetensors.torch import load_file
 
 import train_eagle
 from nanospec import LLM, NanospecError, SamplingParams
-from nanospec.llm import native_bfloat16
 from nanospec.kv_cache import KVCache, build_metadata
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello there, how", "1 2 3 4"]
@@ -111,7 +110,7 @@ def test_a_head_that_learned_its_data_is_accepted_by_the_engine(spec_models, tmp
     another chain in the training-time test would show here as a low acceptance length; so would
     a target that trains in one dtype and serves in another. Both dtypes pinned: the verdict must
     not depend on the machine."""
-    if dtype == "bfloat16" and not native_bfloat16():
+    if dtype == "bfloat16" and not train_eagle.native_bfloat16():
         pytest.skip("this CPU has no native bfloat16 (AVX-512 BF16 or AMX), or NANOSPEC_NATIVE_BF16=0")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

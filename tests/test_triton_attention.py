@@ -16,10 +16,13 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 CHECK = r"""
 import torch
 from nanospec.kv_cache import KVCache, build_metadata, paged_attention_reference
-from nanospec.triton_attention import paged_attention_tiled, paged_attention_tokens
+from benchmarks.per_token_attention import paged_attention_tokens
+from nanospec.triton_attention import paged_attention_tiled
 
 g = torch.Generator().manual_seed(0)
 
@@ -186,9 +189,10 @@ def check_rotate(device, dtypes):
 
 
 def run_check(code: str) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter with TRITON_INTERPRET=1 (set before triton is imported)."""
+    """Run `code` in a fresh interpreter with TRITON_INTERPRET=1 (set before triton is imported), at the
+    repository root (the per-token kernel lives in benchmarks/)."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT)
 
 
 @pytest.mark.slow

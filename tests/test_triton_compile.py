@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from benchmarks import per_token_attention  # noqa: E402
 from nanospec import triton_attention  # noqa: E402
 from nanospec.llm import MAX_SPECULATIVE_TOKENS  # noqa: E402
 
@@ -40,7 +41,8 @@ SHARED_MEMORY = {80: 166912, 90: 232448}   # the most one block may use (163, 22
 
 
 def engine_variants() -> set[tuple]:
-    """(kernel name, constexprs, num_warps, dtype) of every launch the engine can make."""
+    """(kernel name, constexprs, num_warps, dtype) of every launch the engine can make, and of the
+    per-token kernel the GPU check times (benchmarks/per_token_attention.py)."""
     variants = set()
     for dtype, name in DTYPES.items():
         for head_dim in HEAD_DIMS:
@@ -88,7 +90,8 @@ def ptxas(capability: int) -> str:
 def build(job: tuple) -> dict:
     """Compile one variant for one capability; ptxas -v's registers and spill bytes."""
     (kernel_name, constexprs, num_warps, dtype), capability = job
-    kernel, constexprs = getattr(triton_attention, kernel_name), dict(constexprs)
+    module = per_token_attention if kernel_name == "_paged_attention_kernel" else triton_attention
+    kernel, constexprs = getattr(module, kernel_name), dict(constexprs)
     signature = {arg: "constexpr" if arg in constexprs else arg_type(arg, dtype) for arg in kernel.arg_names}
     # the launcher's tensors are 16-byte aligned, which Triton's launch specializes on: the same here
     attrs = {(i,): [["tt.divisibility", 16]]
