@@ -66,8 +66,9 @@ from nanospec.cuda_graph import MAX_GRAPH_BATCH, GraphKey, step_buckets
 from nanospec.engine import Engine
 from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError
-from nanospec.estimators import AcceptanceRates, SpanRates, StepTimes
+from nanospec.estimators import AcceptanceRates, Calibration, SpanRates, StepTimes
 from nanospec.k_policy import KPolicy, StaticK
+from nanospec.stats import accepted_positions
 
 
 def interpolate(xs: list[float], ys: list[float], x: float) -> float:
@@ -247,11 +248,12 @@ class DynamicK(KPolicy):
     def __init__(self, profile: Profile, max_k: int | None = None, probe_every: int = 8,
                  per_request: bool = False,
                  request_decay: float = 0.95, warmup_steps: int = 4, spans: bool = False, buckets=None,
-                 padded: bool = False, rounds: bool = False, **rate_options):
+                 padded: bool = False, rounds: bool = False, confident: bool = False, **rate_options):
         """buckets: the batch sizes the engine pads a step to (cuda_graph.batch_buckets; None: none):
         a step costs what its bucket's step costs, so its time is looked up, and learned, there.
         padded: a verify step gives every row the step's largest K + 1 queries (graphs, pad_batches);
-        rounds: the proposer drafts in rounds of model steps (profile_time)."""
+        rounds: the proposer drafts in rounds of model steps (profile_time); confident: its drafts come
+        with its confidence in each (Proposer.confident), which the budget verifies by (trim)."""
         self.profile, self.per_request, self.request_decay = profile, per_request, request_decay
         self.buckets, self.padded, self.rounds = buckets, padded, rounds
         self.max_k = min(profile.max_k, max_k or profile.max_k)
@@ -265,6 +267,9 @@ class DynamicK(KPolicy):
         self.next_probe, self.probe_gap, self.probes = probe_every, probe_every, 0
         self.probed_around, self.last_probe = None, 0
         self.records: dict[int, list[float]] = {}   # id(request) -> its record (choose_per_request)
+        self.confident = confident and per_request
+        self.calibration = Calibration(self.max_k, self.step_times.decay)   # the drafter's confidence
+        self.verifying: list[list[float]] | None = None   # the confidence of the nodes trim kept
 
     @classmethod
     def for_proposer(cls, profile: Profile, max_k: int, proposer, padded: bool, max_batch: int,
@@ -273,7 +278,8 @@ class DynamicK(KPolicy):
         acceptance by spans of text for n-gram and suffix chains, its rounds for a model drafter),
         whose steps are padded (graphs, pad_batches) or not."""
         return cls(profile, max_k, per_request=per_request, spans=proposer.acceptance_in_spans,
-                   buckets=step_buckets(max_batch, padded), padded=padded, rounds=not proposer.drafts_on_host)
+                   buckets=step_buckets(max_batch, padded), padded=padded, rounds=not proposer.drafts_on_host,
+                   confident=proposer.confident)
 
     def rates(self) -> tuple[list[float], list[float]]:
         """(a_i, d_i) the policy goes by: the profile's while it warms up, then the online estimates."""
@@ -330,13 +336,32 @@ class DynamicK(KPolicy):
 
     def choose_per_request(self, requests) -> list[int]:
         """K for each request (see allocate; the policy keeps each one's record), with the probes of
-        best_for: on a probe step each request one K up, then one K down."""
+        best_for: on a probe step each request one K up, then one K down. A confident drafter is
+        asked for max_k each (its cap: Engine.num_drafts), and trim chooses among its drafts."""
+        if self.confident:
+            return [self.max_k] * len(requests)
         batch = max(1, len(requests))
         rates, drafted = self.rates()
         ks = allocate([scaled_rates(rates, self.record(r)) for r in requests], drafted,
                       lambda x, deepest: expected_time(lambda y: self.step_time(batch, y, deepest), x,
                                                        drafted[0], batch, self.max_k))
         return [self.probed(k) for k in ks]
+
+    def trim(self, requests, ks, proposal):
+        """With a confident drafter: the drafts worth verifying, chosen as allocate chooses K's, over
+        each node's calibrated confidence (Calibration) and the step time of the drafts kept, with
+        the probes of best_for (a probe step keeps each request one node more, then one fewer). A
+        request's K is then the nodes kept for it (its drafts found may be fewer)."""
+        self.verifying = None
+        if not (self.confident and proposal.confidence):
+            return ks, proposal
+        batch, rates = len(requests), [self.calibration.rates(row) for row in proposal.confidence]
+        counts = allocate(rates, [1.0] * max(map(len, rates)),
+                          lambda x, deepest: self.step_time(batch, x, deepest))
+        counts = [min(k, self.probed(n)) for k, n in zip(ks, counts)]
+        kept = proposal.keep(counts)
+        self.verifying = kept.confidence
+        return counts, kept
 
     def record(self, request) -> list[float]:
         """[drafts the request had accepted, drafts the shared rates expected of it], both decayed."""
@@ -388,6 +413,8 @@ class DynamicK(KPolicy):
                     record[0] = record[0] * self.request_decay + accepted
                     record[1] = record[1] * self.request_decay + sum(rates[:k])
         self.acceptance.observe(ks, num_accepted, num_draft, requests, paths)
+        if self.verifying is not None:
+            self.calibration.observe(self.verifying, num_draft or ks, accepted_positions(num_accepted, paths))
         if seconds is not None:
             batch, verified = len(ks), num_draft or ks
             drafts = sum(verified) / batch

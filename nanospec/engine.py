@@ -51,10 +51,9 @@ class Scheduler:
     for all its chunks; offline, every prefill goes first (the largest decode batches)."""
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_free=None, decode_between_prefills: bool = False, cached_prefix=None,
-                 stats: Stats | None = None):
+                 on_free=None, decode_between_prefills: bool = False, cached_prefix=None):
         self.allocator = allocator
-        self.stats = stats or Stats()   # it counts preemptions and prefix-cache lookups there
+        self.stats = Stats()   # it counts preemptions and prefix-cache lookups there (Engine.stats)
         self.on_free = on_free or (lambda request: None)   # the proposer releases its state too
         # a waiting request's cached positions: the prefix cache's (engine.cached_prefix: the proposer's too)
         self.cached_prefix = cached_prefix or (
@@ -215,7 +214,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache.allocator, max_num_seqs, max_num_batched_tokens,
                                    on_free=functools.partial(release, self.step_graphs, proposer),
                                    cached_prefix=functools.partial(cached_prefix, self.kv_cache.allocator,
-                                                                   proposer), stats=Stats())
+                                                                   proposer))
         self.stats = self.scheduler.stats   # (LLM.generate replaces both with a new one per call)
         self.max_k = 0           # the largest K a request may ask for (the LLM sets it: its graphs' K)
         self.step_k = 0          # the current decode step's K (the largest of its requests')
@@ -338,6 +337,7 @@ class Engine:
         start = time.perf_counter()
         reqs, ks = batch.requests, [n - 1 for n in batch.query_lens]
         proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal([0] * len(reqs))
+        ks, proposal = self.k_policy.trim(reqs, ks, proposal)   # the drafts worth verifying (a budget's)
         steps = self.step_graphs
         sampling = steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round,
                                 proposal.parents, proposal.tree)

@@ -197,6 +197,51 @@ class SpanRates:
         return [(w * x + m * p) / (w + m) for x, p in zip(observed, prior)]
 
 
+class Calibration:
+    """The drafter's confidence in a draft node, c (its probability that the node lies on the accepted
+    path: suffix decoding's share of past continuations through it), against what is accepted. Nodes
+    are counted by bin of c (BINS, equal widths) and draft position i: the sum of c over those verified
+    and how many of them were accepted, each count decayed every step. A node's calibrated a is c times
+    a scale, (accepted + m s) / (sum of c + m) in its cell, s the same over its bin at every position
+    (with 1 for s): the drafter's own c while nothing is known, its bin's record while its position has
+    none. A walk that saw a continuation once gives c = 1 to every node after it; the cells learn what
+    such a node is worth at each depth."""
+
+    BINS = 10
+
+    def __init__(self, positions: int, decay: float = 0.97, prior_weight: float = 4.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.accepted = [[0.0] * self.BINS for _ in range(positions + 1)]   # the last row: every position
+        self.expected = [[0.0] * self.BINS for _ in range(positions + 1)]   # sum of c over verified nodes
+
+    def cell(self, i: int, c: float) -> tuple[int, int]:
+        return min(i, len(self.accepted) - 2), min(int(c * self.BINS), self.BINS - 1)
+
+    def rates(self, confidence: list[float]) -> list[float]:
+        """A request's nodes' a_i, non-increasing in i (dynamic_k.allocate: it takes node i before
+        node i + 1, and a tree's nodes come best first, each after its parent)."""
+        m, rates = self.prior_weight, []
+        for i, c in enumerate(confidence):
+            row, b = self.cell(i, c)
+            in_bin = (self.accepted[-1][b] + m) / (self.expected[-1][b] + m)
+            scale = (self.accepted[row][b] + m * in_bin) / (self.expected[row][b] + m)
+            rates.append(min(1.0, c * scale, rates[-1] if rates else 1.0))
+        return rates
+
+    def observe(self, confidence: list[list[float]], num_draft: list[int], positions: list[list[int]]):
+        """A step: request b verified its first num_draft[b] nodes, of confidence confidence[b], and
+        had the draft positions positions[b] accepted (stats.accepted_positions)."""
+        for counts in (self.accepted, self.expected):
+            counts[:] = [[x * self.decay for x in row] for row in counts]
+        for conf, n, hits in zip(confidence, num_draft, positions):
+            hits = set(hits)
+            for i, c in enumerate(conf[:n]):
+                row, b = self.cell(i, c)
+                for r in (row, -1):
+                    self.expected[r][b] += c
+                    self.accepted[r][b] += i in hits
+
+
 class StepTimes:
     """How long the engine's decode steps really take, as a ratio to what the profile predicts for
     them, modelled per batch size as a line in x, the drafts a request verified in the step:

@@ -23,6 +23,12 @@ class KPolicy:
         num_accepted[b] were accepted (a tree's: the nodes paths[b], stats.accepted_positions); the
         step took `seconds` (None: not timed)."""
 
+    def trim(self, requests: list, ks: list[int], proposal):
+        """The step's proposal (proposer.Proposal) for requests that asked for ks, cut to the drafts
+        worth verifying, and each request's K as it then counts: a policy that weighs the drafter's
+        own confidence in each draft (dynamic_k.DynamicK) cuts them; the others verify every draft."""
+        return ks, proposal
+
     def forget(self, request) -> None:
         """The request finished or was dropped: whatever the policy kept about it can go."""
 
@@ -47,6 +53,9 @@ class QueueSwitch(KPolicy):
 
     def observe(self, *args, **kwargs):
         self.inner.observe(*args, **kwargs)
+
+    def trim(self, requests, ks, proposal):
+        return self.inner.trim(requests, ks, proposal)
 
     def forget(self, request):
         self.inner.forget(request)

@@ -58,10 +58,20 @@ class Proposal:
     # host drafts as trees (tree.py): request b's parent list over [last token, its drafts]
     parents: list[list[int]] | None = None
     tree: tuple[int, int] | None = None   # a tree step's largest depth and branching (None: chains)
+    # request b's drafts: the drafter's probability that each lies on the accepted path (None: it has none)
+    confidence: list[list[float]] | None = None
 
     def __post_init__(self):
         if self.parents is not None and self.tree is None:
             self.tree = tree_shape(self.parents)
+
+    def keep(self, counts: list[int]) -> Proposal:
+        """Host drafts cut to request b's first counts[b] (a tree's first nodes: a node's parent comes
+        before it, so they are a tree)."""
+        def cut(rows, more=0):
+            return None if rows is None else [row[:n + more] for row, n in zip(rows, counts)]
+        return Proposal([min(d, n) for d, n in zip(self.num_draft, counts)], cut(self.host_drafts),
+                        parents=cut(self.parents, 1), confidence=cut(self.confidence))
 
 
 class Proposer:
@@ -71,6 +81,7 @@ class Proposer:
     # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
     acceptance_in_spans = False
     host_and_model = False                  # host drafts beside a round in one step (the hybrid)
+    confident = False                       # its host drafts come with Proposal.confidence
 
     def max_drafts(self, request) -> int:
         return request.max_len

@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -74,6 +74,7 @@ class Draft:
     # its last levels that are past the length its match earns (L * factor): the offset's
     extra: int = 0
     parents: list[int] | None = None   # a tree's parent list over [last token, tokens] (tree.py); None: chain
+    probs: list[float] = field(default_factory=list)   # each node's path probability (best first)
 
     @property
     def depth(self) -> int:
@@ -111,7 +112,7 @@ def walk(after: np.ndarray, limit: int, min_prob: float, budget: int | None = No
     for node, (parent, rank) in enumerate(zip(shape or (), child_ranks(shape or [-1]))):
         if node:
             below.setdefault(parent, []).append((rank, node))
-    tokens, parents, score, order = [], [-1], 0.0, itertools.count()
+    tokens, parents, probs, score, order = [], [-1], [], 0.0, itertools.count()
     # a heap of (-probability, order, token, parent node, its rows of after, depth, shape node)
     candidates = []
 
@@ -138,9 +139,10 @@ def walk(after: np.ndarray, limit: int, min_prob: float, budget: int | None = No
         minus_prob, _, token, parent, rows, depth, at = heapq.heappop(candidates)
         tokens.append(token)
         parents.append(parent)
+        probs.append(-minus_prob)
         score -= minus_prob
         add_children(rows, -minus_prob, len(tokens), depth, at)
-    return Draft(tokens, score, parents=parents if branches > 1 or shape else None)
+    return Draft(tokens, score, parents=parents if branches > 1 or shape else None, probs=probs)
 
 
 def best_draft(before: np.ndarray, after: np.ndarray, context: list[int], k: int, min_match: int,
@@ -391,6 +393,7 @@ class SuffixProposer(Proposer):
     step by step (ExtraTokens); a hybrid that drafts with it (drafts(), not propose()) takes them all."""
 
     drafts_on_host = True
+    confident = True   # a node's path probability: the share of the past's continuations through it
 
     def __init__(self, device: torch.device, max_requests: int = 10_000, max_tokens: int = 1 << 23,
                  min_token_prob: float = MIN_TOKEN_PROB, max_spec_factor: float = MAX_SPEC_FACTOR,
@@ -436,7 +439,8 @@ class SuffixProposer(Proposer):
         drafts = self.drafts_made
         trees = self.walk_args["branches"] > 1 or self.walk_args["shape"] is not None
         parents = [d.parents or chain(len(d.tokens)) for d in drafts] if trees else None
-        return Proposal([len(d.tokens) for d in drafts], [d.tokens for d in drafts], parents=parents)
+        return Proposal([len(d.tokens) for d in drafts], [d.tokens for d in drafts], parents=parents,
+                        confidence=[d.probs for d in drafts])
 
     def verified(self, num_draft: list[int], num_accepted: list[int], seconds: float) -> None:
         if self.extras:

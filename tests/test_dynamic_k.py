@@ -15,9 +15,10 @@ from conftest import PROMPTS, PROPOSERS, assert_no_leak, greedy, proposer_args
 from nanospec.dynamic_k import (DynamicK, Profile, allocate, best_k, expected_time, interpolate, scaled_rates,
                                 step_cost)
 from nanospec.errors import NanospecError
-from nanospec.estimators import AcceptanceRates, SpanRates, StepTimes
+from nanospec.estimators import AcceptanceRates, Calibration, SpanRates, StepTimes
 from nanospec.dynamic_k import monotone_in_batch
 from nanospec.profiler import main as profiler_main
+from nanospec.proposer import Proposal
 from nanospec.stats import Stats
 
 # Step times in ms: batch 1 barely grows with K (bound by reading weights), batch 8 grows fast.
@@ -199,6 +200,49 @@ def simulate_step(rng, conditional, batch, k):
             n += 1
         accepted.append(n)
     return accepted
+
+
+def test_calibration_learns_what_a_drafters_confidence_is_worth_at_each_position():
+    """With no record a node's a is its drafter's confidence c. Nodes given c = 1 at position 0 and
+    accepted every other step come to be worth about 0.5; at position 1, never accepted, about 0; a
+    position with no record takes its bin's (a quarter accepted there), and a row never increases.
+    Another bin keeps its c."""
+    calibration = Calibration(8, decay=1.0)
+    assert calibration.rates([1.0, 0.95, 0.3]) == [1.0, 0.95, 0.3]
+    for step in range(400):
+        calibration.observe([[1.0, 1.0]], [2], [[0] if step % 2 else []])
+    first, second, third = calibration.rates([1.0, 1.0, 1.0])
+    assert first == pytest.approx(0.5, abs=0.01) and second == pytest.approx(0.0, abs=0.01)
+    assert third == second   # its bin's record alone says 0.25: the row does not climb back
+    assert calibration.rates([1.0, 1.0][:1] + [0.35]) == [first, 0.35]
+    assert calibration.rates([0.3, 0.35]) == [0.3, 0.3]
+
+
+def test_the_budget_verifies_a_confident_drafters_drafts_by_their_worth():
+    """Asked for max_k, a confident drafter's nodes are trimmed as allocate places K's. A step costs
+    10 ms + 2 ms per draft a request verifies: a node worth 0.9 pays (1.9 tokens in 12 ms beats 1 in
+    10), one worth 0.1 after it does not (2.0 in 14). Where drafts cost nothing, every node is kept.
+    Calibration decides, not the raw confidence: once the c = 0.9 nodes are never accepted, none are
+    kept. A tree keeps its first nodes with their parents; a request's own cap (its K) holds."""
+    costly = Profile([1, 8], [0, 4], [[10, 18], [20, 60]], acceptance=[0.5] * 4)
+    free = Profile([1, 8], [0, 4], [[10, 10], [20, 20]], acceptance=[0.5] * 4)
+    tree = Proposal([3], [[7, 8, 9]], parents=[[-1, 0, 0, 1]], confidence=[[0.9, 0.1, 0.05]])
+    request = [object()]
+    for profile, kept in ((costly, 1), (free, 3)):
+        policy = DynamicK(profile, per_request=True, probe_every=0, confident=True)
+        assert policy.choose(request) == [4]
+        ks, trimmed = policy.trim(request, [4], tree)
+        assert ks == [kept] and trimmed.num_draft == [kept] and trimmed.host_drafts == [[7, 8, 9][:kept]]
+        assert trimmed.parents == [[-1, 0, 0, 1][:kept + 1]]
+        assert trimmed.confidence == [[0.9, 0.1, 0.05][:kept]]
+    assert policy.trim(request, [2], tree)[0] == [2]   # its cap
+    policy = DynamicK(costly, per_request=True, probe_every=0, confident=True, warmup_steps=0)
+    for _ in range(30):
+        ks, trimmed = policy.trim(request, [4], tree)
+        policy.observe(ks, [0], trimmed.num_draft, requests=request)
+    assert policy.trim(request, [4], tree)[0] == [0]
+    not_confident = DynamicK(costly, per_request=True, probe_every=0)
+    assert not_confident.trim(request, [4], tree) == ([4], tree)
 
 
 def test_a_trees_positions_are_its_nodes_best_first():
@@ -419,7 +463,10 @@ def test_dynamic_k_greedy_output_equals_plain_greedy(spec_models, plain_greedy, 
         LLM(spec_models["target"], profile=varying_profile, per_request_k=per_request, **args)
     outs = llm.generate(PROMPTS, [greedy(max_tokens=6 + 2 * i) for i in range(len(PROMPTS))])
     assert [o.token_ids for o in outs] == [plain_greedy[p][:6 + 2 * i] for i, p in enumerate(PROMPTS)]
-    chosen = {k for per_batch in llm.stats["chosen_k"].values() for k in per_batch}
+    # a confident drafter's budget asks for max_k and keeps what is worth verifying: each request's K
+    confident = per_request and llm.engine.proposer.confident
+    counted = llm.stats["request_k" if confident else "chosen_k"]
+    chosen = {k for per_batch in counted.values() for k in per_batch}
     if hybrid:
         chosen = {plan for plan, steps in llm.engine.proposer.plans.chosen.items() if steps}
     assert len(chosen) >= 2, llm.stats["chosen_k"]

@@ -228,7 +228,7 @@ def test_the_global_index_reads_a_frequent_keys_most_recent_occurrences(max_requ
     for i in range(610):
         index.add([7, 8, 1, 2] if i < 300 else [7, 8, 3, 4])
     assert len(index.runs) > 1 and index.open_requests
-    assert index.draft([7, 8], 2) == Draft([3, 4], 2.0)
+    assert index.draft([7, 8], 2) == Draft([3, 4], 2.0, probs=[1.0, 1.0])
 
 
 @pytest.mark.parametrize("seed", range(12))
