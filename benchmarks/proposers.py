@@ -60,15 +60,17 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     the LLM's default (4; suffix and the hybrid 16, their ceiling; plain 0); "dynamic": --dynamic-k (a
     quick profile measured at start-up; the hybrid prices its own plans instead), "dynamic-per-request"
     with --per-request-k too (the budget placed request by request). A suffix or hybrid
-    row's +N is its suffix_max_spec_offset, @cold turns its prefix caching off, and @treeN drafts trees of
+    row's +N is its suffix_max_spec_offset, @cold turns its prefix caching off, @treeN drafts trees of
     at most N children a node (speculative_topk), an eagle or draft row's @treeNxD D deep
-    (speculative_num_steps; row_settings)."""
+    (speculative_num_steps; row_settings), and @records places a budget by each request's record alone,
+    not by a confident drafter's confidence (DynamicK.trim). Options add up: suffix@tree3@cold."""
     rows, kinds = [], set()
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        spec, at, where = item.partition("@")
-        if at and where != "cold" and not tree_option(where):
+        spec, *options = item.split("@")
+        if any(where not in ("cold", "records") and not tree_option(where) for where in options):
             raise NanospecError(f"--proposers: {item!r}: a row option after @ is cold (no prefix caching), "
-                                "treeN (trees of at most N children a node) or treeNxD (and D deep)")
+                                "treeN (trees of at most N children a node), treeNxD (and D deep) or records "
+                                "(a budget by each request's record alone)")
         name, _, k = spec.partition(":")
         name, plus, offset = name.partition("+")
         if name not in KINDS:
@@ -111,11 +113,11 @@ def row_settings(item: str, args) -> dict:
     """A row's LLM settings: its kind's, a suffix or hybrid row's +N as its suffix_max_spec_offset,
     @cold as enable_prefix_caching=False (else --[no-]enable-prefix-caching: by default on) and @treeN
     as speculative_topk=N."""
-    spec, _, option = item.partition("@")
+    spec, *options = item.split("@")
     kind, plus, offset = spec.partition(":")[0].partition("+")
     return {**KINDS[kind](args), **(dict(suffix_max_spec_offset=int(offset)) if plus else {}),
-            **(tree_option(option) or {}),
-            "enable_prefix_caching": False if option == "cold" else args.enable_prefix_caching}
+            **{key: value for option in options for key, value in (tree_option(option) or {}).items()},
+            "enable_prefix_caching": False if "cold" in options else args.enable_prefix_caching}
 
 
 def new_row(llm: LLM, batch_size: int, longest: int):
@@ -213,11 +215,15 @@ def load_rows(args, rows: list, batch_sizes: list[int]) -> dict:
     """An LLM per row (the same target), at its K, with its settings."""
     set_threads(args.threads)
     log_loading(args.target)
-    return {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
+    llms = {name: LLM(args.target, device=args.device, dtype=args.dtype, max_num_seqs=max(batch_sizes),
                       num_speculative_tokens=k if isinstance(k, int) and k else None,
                       dynamic_k=k in DYNAMIC, per_request_k=k == "dynamic-per-request",
                       log=log, enforce_eager=args.enforce_eager, **row_settings(name, args))
             for name, k in rows}
+    for name, llm in llms.items():
+        if "records" in name.split("@")[1:]:   # (its policy is copied into each repeat's fresh engine)
+            llm.engine.k_policy.confident = False
+    return llms
 
 
 def measure_repeat(llms: dict, sessions_of, bs: int, repeat: int, args, longest: int) -> list[dict]:
@@ -299,7 +305,9 @@ def build_parser():
                          "hybrid); suffix+N, hybrid+N: that row's --suffix-max-spec-offset; NAME@cold: "
                          "without prefix caching; NAME@treeN: trees of at most N children a node "
                          "(--speculative-topk N), eagle@treeNxD, draft@treeNxD: D deep "
-                         "(--speculative-num-steps D); answers end at EOS")
+                         "(--speculative-num-steps D); NAME@records: a budget placed by each request's "
+                         "record, not a confident drafter's confidence; options add up (NAME@tree3@cold); "
+                         "answers end at EOS")
     ap.add_argument("--workload", choices=["shipped", "multiturn"], default="shipped",
                     help="the shipped prompts once, or multi-turn sessions over them")
     ap.add_argument("--turns", type=int, default=3, metavar="N", help="turns a multi-turn session has, 1..3")

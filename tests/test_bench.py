@@ -92,6 +92,12 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert rows[(1, "eagle")]["prefix_cache_hits"] > 0   # a model drafter's cache too
     assert proposers_main(args[:2] + ["--proposers", "ngram@warm"]) != 0
     assert "'ngram@warm': a row option after @ is cold" in capsys.readouterr().err
+    # options add up; @records leaves a budget's placing to each request's record
+    row = "suffix:dynamic-per-request@tree3@cold@records"
+    row_args = proposers.build_parser().parse_args(args[:2] + ["--proposers", row])
+    assert proposers.parse_rows(row, row_args) == [(row, "dynamic-per-request")]
+    settings = proposers.row_settings(row, row_args)
+    assert settings["speculative_topk"] == 3 and settings["enable_prefix_caching"] is False
     assert proposers_main(args[:2] + ["--proposers", "hybrid"]) != 0
     assert "--proposers hybrid needs a model drafter: add --eagle HEAD" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "ngram", "--ks", "0,4"]) != 0
