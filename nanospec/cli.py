@@ -166,7 +166,8 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
                            "with the model, with suffix drafts only or not at all, by the step times it "
                            "measures")
     spec.add_argument("--per-request-k", action="store_true",
-                      help="with --dynamic-k, a K per request: drafts go to the requests that accept them")
+                      help="with --dynamic-k, a K per request: drafts go to the requests that accept them "
+                           "(suffix decoding: the nodes its own confidence, calibrated online, says pay)")
     spec.add_argument("--profile", metavar="PROFILE.json", help="step times for --dynamic-k, from "
                       "`python -m nanospec.profiler` (default: a quick profile measured at start-up)")
     spec.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",

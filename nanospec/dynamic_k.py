@@ -33,6 +33,13 @@ a_i need not be a run's tail, and the profile times trees of K nodes. So the pol
 budget: a step's drafts verified in all, and where (with per_request: the most likely nodes of the
 requests most likely to accept them first), by goodput; a chain per request is its special case.
 
+The drafter's confidence: a drafter whose drafts come with its own probability that each node lies on
+the accepted path (Proposer.confident: suffix decoding's share of past continuations through a node)
+is asked for its cap, and the budget keeps, across the batch, the nodes worth verifying (trim): each
+node's a_i is that probability calibrated online against what such nodes were accepted (Calibration,
+per draft position and bin of confidence), placed by goodput as allocate places K's. A request's K
+is then the nodes kept for it.
+
 ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included,
 every request verifying exactly K drafts (`python -m nanospec.profiler ...`, or a quick one
 at start-up), interpolated linearly between the profiled batch sizes and K values (and at the
@@ -270,6 +277,7 @@ class DynamicK(KPolicy):
         self.confident = confident and per_request
         self.calibration = Calibration(self.max_k, self.step_times.decay)   # the drafter's confidence
         self.verifying: list[list[float]] | None = None   # the confidence of the nodes trim kept
+        self.kept: dict[int, int] = {}   # id(request) -> the nodes trim kept for it last
 
     @classmethod
     def for_proposer(cls, profile: Profile, max_k: int, proposer, padded: bool, max_batch: int,
@@ -337,9 +345,11 @@ class DynamicK(KPolicy):
     def choose_per_request(self, requests) -> list[int]:
         """K for each request (see allocate; the policy keeps each one's record), with the probes of
         best_for: on a probe step each request one K up, then one K down. A confident drafter is
-        asked for max_k each (its cap: Engine.num_drafts), and trim chooses among its drafts."""
+        asked for twice the nodes trim kept for a request last, and one more (max_k at first; its cap:
+        Engine.num_drafts), and trim chooses among its drafts: a request whose drafts stop paying
+        costs the drafter little host time, one whose drafts pay climbs back in a few steps."""
         if self.confident:
-            return [self.max_k] * len(requests)
+            return [min(self.max_k, 2 * self.kept.get(id(r), self.max_k) + 1) for r in requests]
         batch = max(1, len(requests))
         rates, drafted = self.rates()
         ks = allocate([scaled_rates(rates, self.record(r)) for r in requests], drafted,
@@ -359,6 +369,7 @@ class DynamicK(KPolicy):
         counts = allocate(rates, [1.0] * max(map(len, rates)),
                           lambda x, deepest: self.step_time(batch, x, deepest))
         counts = [min(k, self.probed(n)) for k, n in zip(ks, counts)]
+        self.kept.update((id(r), n) for r, n in zip(requests, counts))
         kept = proposal.keep(counts)
         self.verifying = kept.confidence
         return counts, kept
@@ -369,6 +380,7 @@ class DynamicK(KPolicy):
 
     def forget(self, request) -> None:
         self.records.pop(id(request), None)
+        self.kept.pop(id(request), None)
 
     def best_for(self, batch_size: int) -> int:
         """K* for a step of batch_size requests; on a probe step (probed) a neighbour, K* + 1 and

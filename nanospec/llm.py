@@ -132,12 +132,12 @@ class SpeculativeConfig:
 
     @property
     def default_k(self) -> int:
-        """K when none is given: dynamic K's largest; suffix decoding's ceiling, as it drafts as far as
-        its match is strong (vLLM's default too: the tree depth; the hybrid under dynamic K prices its
-        own plans, K their ceiling); else 4."""
-        if self.dynamic_k and not self.hybrid:
-            return DEFAULT_DYNAMIC_MAX_K
-        return MAX_SPECULATIVE_TOKENS if self.suffix else 4
+        """K when none is given: suffix decoding's ceiling, as it drafts as far as its match is strong
+        (vLLM's default too: the tree depth; under dynamic K its largest, and the hybrid's plans'
+        ceiling); dynamic K's largest for the others; else 4."""
+        if self.suffix:
+            return MAX_SPECULATIVE_TOKENS
+        return DEFAULT_DYNAMIC_MAX_K if self.dynamic_k else 4
 
     def validate(self) -> int:
         """K for the chosen proposer, or 0 without one. Each field alone first (a suffix setting without
