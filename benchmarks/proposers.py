@@ -85,6 +85,9 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
                                 "NAME:dynamic-per-request") from None
         if isinstance(k, int):
             check_int(k, f"--proposers {name}'s K", low=0 if name == "plain" else 1, high=16)
+        if "records" in options and k != "dynamic-per-request":
+            raise NanospecError(f"--proposers: {item!r}: @records is for a budget's rows, "
+                                "NAME:dynamic-per-request")
         if name in ("eagle", "hybrid") and not (args.eagle or name == "hybrid" and args.draft):
             raise NanospecError(f"--proposers {name} needs a model drafter: add --eagle HEAD"
                                 + (" (or --draft PATH)" if name == "hybrid" else ""))

@@ -305,7 +305,8 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
 
 def check_args(args) -> tuple[list[int], list, int]:
     """The flags, before any model loads: (batch sizes, rows of K, the largest K). The speculative rows
-    need a proposer; dynamic K chooses among 0..the largest static K (DEFAULT_DYNAMIC_MAX_K without one)."""
+    need a proposer; dynamic K chooses among 0..the largest static K (without one, LLM's default: 16 with
+    --suffix, else DEFAULT_DYNAMIC_MAX_K)."""
     batch_sizes = int_list(args.batch_sizes, "--batch-sizes")
     if not batch_sizes or min(batch_sizes) < 1:
         raise NanospecError(f"--batch-sizes must be integers >= 1, got {args.batch_sizes!r}")
@@ -328,7 +329,8 @@ def check_args(args) -> tuple[list[int], list, int]:
     if any(k != 0 for k in ks) and not (proposer_given(args) or args.oracle):
         raise NanospecError(f"--ks {args.ks} has speculative rows, which need a proposer: add --draft PATH, "
                             "--eagle PATH, --ngram, --suffix or --oracle (or --ks 0 for plain decoding)")
-    return batch_sizes, ks, max((k for k in ks if k not in DYNAMIC_ROWS), default=0) or DEFAULT_DYNAMIC_MAX_K
+    largest = MAX_SPECULATIVE_TOKENS if args.suffix else DEFAULT_DYNAMIC_MAX_K   # as LLM's default K
+    return batch_sizes, ks, max((k for k in ks if k not in DYNAMIC_ROWS), default=0) or largest
 
 
 def proposer_given(args):

@@ -244,7 +244,7 @@ def run_threads(jobs: list, concurrency: int | None,
     and the seconds they all took. A job's exception is raised here; on one (or Ctrl-C) the jobs not
     yet started are dropped."""
     start, futures = time.perf_counter(), []
-    pool = ThreadPoolExecutor(concurrency or len(jobs))
+    pool = ThreadPoolExecutor(max(1, concurrency or len(jobs)))
     try:
         for i, job in enumerate(jobs):
             if arrivals:

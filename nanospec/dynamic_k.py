@@ -369,10 +369,11 @@ class DynamicK(KPolicy):
         counts = allocate(rates, [1.0] * max(map(len, rates)),
                           lambda x, deepest: self.step_time(batch, x, deepest))
         counts = [min(k, self.probed(n)) for k, n in zip(ks, counts)]
-        self.kept.update((id(r), n) for r, n in zip(requests, counts))
-        kept = proposal.keep(counts)
-        self.verifying = kept.confidence
-        return counts, kept
+        # (a request that found no draft keeps its ask: a copy that starts is drafted in full)
+        self.kept.update((id(r), n) for r, n, row in zip(requests, counts, proposal.confidence) if row)
+        trimmed = proposal.keep(counts)
+        self.verifying = trimmed.confidence
+        return counts, trimmed
 
     def record(self, request) -> list[float]:
         """[drafts the request had accepted, drafts the shared rates expected of it], both decayed."""

@@ -335,9 +335,9 @@ class Engine:
         counts and finiteness flags (and a second, of logprobs, when a request asked for them). A
         draft tree (tree.py) is verified alike, its accepted path then moved in place (follow_paths)."""
         start = time.perf_counter()
-        reqs, ks = batch.requests, [n - 1 for n in batch.query_lens]
-        proposal = self.proposer.propose(reqs, ks) if max(ks) else Proposal([0] * len(reqs))
-        ks, proposal = self.k_policy.trim(reqs, ks, proposal)   # the drafts worth verifying (a budget's)
+        reqs, asked = batch.requests, [n - 1 for n in batch.query_lens]
+        proposal = self.proposer.propose(reqs, asked) if max(asked) else Proposal([0] * len(reqs))
+        ks, proposal = self.k_policy.trim(reqs, asked, proposal)   # the drafts worth verifying (a budget's)
         steps = self.step_graphs
         sampling = steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round,
                                 proposal.parents, proposal.tree)
@@ -356,16 +356,17 @@ class Engine:
             logits, features = follow_paths(self.kv_cache, reqs, paths, logits, features, q_len)
         if logits is not None:   # a request asked for logprobs: a second copy back
             note_logprobs(reqs, [v.emitted for v in rows], logits)
-        self.account(reqs, ks, proposal.num_draft, [v.accepted for v in rows], start, paths)
+        self.account(reqs, ks, proposal.num_draft, [v.accepted for v in rows], start, paths, max(asked) > 0)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, v.emitted, None if features is None else features[b * q_len:b * q_len + v.accepted + 1])
                 for b, (r, v) in enumerate(zip(reqs, rows))]
 
     def account(self, reqs: list[Request], ks: list[int], num_draft: list[int], accepted: list[int],
-                start: float, paths: list[list[int]] | None = None) -> None:
+                start: float, paths: list[list[int]] | None = None, proposed: bool = True) -> None:
         """Count a verified step: each request's cached positions and its speculation, the engine's
-        stats; the proposer and the K policy learn from its outcome (a tree's: the accepted paths) and
-        its time (taken after the one copy back, so the device's work is in it)."""
+        stats; the proposer (if it proposed: every propose is followed by its outcome, a budget that
+        kept none of its drafts too) and the K policy learn from its outcome (a tree's: the accepted
+        paths) and its time (taken after the one copy back, so the device's work is in it)."""
         for req, d, positions in zip(reqs, num_draft, accepted_positions(accepted, paths)):
             req.num_cached += d + 1
             req.decode_steps += 1
@@ -373,7 +374,7 @@ class Engine:
                 note_speculation(req, d, positions)
         self.stats.record(self.step_k, ks, num_draft, accepted, paths)
         seconds = time.perf_counter() - start
-        if max(ks):
+        if proposed:
             self.proposer.verified(num_draft, accepted, seconds)
         self.k_policy.observe(ks, accepted, num_draft, seconds=seconds, requests=reqs, paths=paths)
 

@@ -67,7 +67,9 @@ class Proposal:
 
     def keep(self, counts: list[int]) -> Proposal:
         """Host drafts cut to request b's first counts[b] (a tree's first nodes: a node's parent comes
-        before it, so they are a tree)."""
+        before it, so they are a tree). Host drafts only: a round's drafts are on the device."""
+        assert self.round is None
+
         def cut(rows, more=0):
             return None if rows is None else [row[:n + more] for row, n in zip(rows, counts)]
         return Proposal([min(d, n) for d, n in zip(self.num_draft, counts)], cut(self.host_drafts),

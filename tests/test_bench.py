@@ -98,6 +98,8 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert proposers.parse_rows(row, row_args) == [(row, "dynamic-per-request")]
     settings = proposers.row_settings(row, row_args)
     assert settings["speculative_topk"] == 3 and settings["enable_prefix_caching"] is False
+    assert proposers_main(args[:2] + ["--proposers", "suffix@records"]) != 0
+    assert "@records is for a budget's rows" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "hybrid"]) != 0
     assert "--proposers hybrid needs a model drafter: add --eagle HEAD" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "ngram", "--ks", "0,4"]) != 0

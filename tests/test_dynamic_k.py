@@ -236,6 +236,8 @@ def test_the_budget_verifies_a_confident_drafters_drafts_by_their_worth():
         assert trimmed.parents == [[-1, 0, 0, 1][:kept + 1]]
         assert trimmed.confidence == [[0.9, 0.1, 0.05][:kept]]
         assert policy.choose(request) == [min(4, 2 * kept + 1)]   # asked next: twice what was kept, and one
+        policy.trim(request, [4], Proposal([0], [[]], confidence=[[]]))   # no draft found: the ask stays
+        assert policy.choose(request) == [min(4, 2 * kept + 1)]
     assert policy.trim(request, [2], tree)[0] == [2]   # its cap
     policy = DynamicK(costly, per_request=True, probe_every=0, confident=True, warmup_steps=0)
     for _ in range(30):
