@@ -1,4 +1,4 @@
-"""The first paged-attention kernel, kept beside the engine's tiled one (nanospec/triton_attention.py) so
+"""The per-token paged-attention kernel, beside the engine's tiled one (nanospec/triton_attention.py) so
 that the GPU check can time the two and the reference's SDPA over gathered pages on a prefill chunk:
 one program per (new token, query head) walking its context page by page. The engine never launches
 it; tests/test_triton_attention.py checks it against the reference in the interpreter, and

@@ -35,7 +35,8 @@ requests most likely to accept them first), by goodput; a chain per request is i
 
 The drafter's confidence: a drafter whose drafts come with its own probability that each node lies on
 the accepted path (Proposer.confident: suffix decoding's share of past continuations through a node)
-is asked for its cap, and the budget keeps, across the batch, the nodes worth verifying (trim): each
+is asked for about twice the nodes it kept for a request last (its cap at first), and the budget keeps,
+across the batch, the nodes worth verifying (trim): each
 node's a_i is that probability calibrated online against what such nodes were accepted (Calibration,
 per draft position and bin of confidence), placed by goodput as allocate places K's. A request's K
 is then the nodes kept for it.
@@ -260,7 +261,8 @@ class DynamicK(KPolicy):
         a step costs what its bucket's step costs, so its time is looked up, and learned, there.
         padded: a verify step gives every row the step's largest K + 1 queries (graphs, pad_batches);
         rounds: the proposer drafts in rounds of model steps (profile_time); confident: its drafts come
-        with its confidence in each (Proposer.confident), which the budget verifies by (trim)."""
+        with its confidence in each (Proposer.confident), which the budget (per_request only) verifies by
+        (trim)."""
         self.profile, self.per_request, self.request_decay = profile, per_request, request_decay
         self.buckets, self.padded, self.rounds = buckets, padded, rounds
         self.max_k = min(profile.max_k, max_k or profile.max_k)
@@ -346,8 +348,9 @@ class DynamicK(KPolicy):
         """K for each request (see allocate; the policy keeps each one's record), with the probes of
         best_for: on a probe step each request one K up, then one K down. A confident drafter is
         asked for twice the nodes trim kept for a request last, and one more (max_k at first; its cap:
-        Engine.num_drafts), and trim chooses among its drafts: a request whose drafts stop paying
-        costs the drafter little host time, one whose drafts pay climbs back in a few steps."""
+        Engine.num_drafts), and trim chooses among its drafts, with the probes: a request whose drafts
+        stop paying costs the drafter little host time, one whose drafts pay climbs back in a few
+        steps."""
         if self.confident:
             return [min(self.max_k, 2 * self.kept.get(id(r), self.max_k) + 1) for r in requests]
         batch = max(1, len(requests))

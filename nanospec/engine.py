@@ -1,11 +1,11 @@
 """Requests, the continuous-batching scheduler and the step loop.
 
-A step is: schedule (prefill chunks, or a decode step for every running request), then for a
-decode step ask the proposer for one Proposal (up to K drafts per request, made on the host or in a
-round on the device: the engine treats both alike), verify them in one target forward and
-rejection-sample (cuda_graph.py, sampler.py), commit the accepted tokens and settle (roll the KV
-length back in target and proposer to what was accepted). With no proposer a decode step is plain
-decoding (K = 0).
+A step is: schedule (prefill chunks, or a decode step for every running request), then for a decode
+step ask the proposer for one Proposal (up to K drafts per request, made on the host or in a round
+on the device: the engine treats both alike; the K policy may keep fewer, `trim`), verify them in
+one target forward and rejection-sample (cuda_graph.py, sampler.py), commit the accepted tokens and
+settle (roll the KV length back in target and proposer to what was accepted). With no proposer a
+decode step is plain decoding (K = 0).
 Invariants of a running request:
 - every token but the last is in the KV cache once its prefill is done (num_cached == len(tokens) - 1),
   and every output token is emitted by a decode step (the first one too);

@@ -1,9 +1,10 @@
 """How many drafts each request verifies in a decode step: the interface the engine asks.
 
 The engine receives one KPolicy when it is built and, before each decode step, asks it for a K per
-request of the step (`choose`); after the step it tells it what happened (`observe`), and when a
-request leaves, `forget`s it. A policy keeps whatever it learns (per-request records included) to
-itself; the engine never reads it, and caps each K at what the request can still emit.
+request of the step (`choose`), then lets it cut the drafts made (`trim`); after the step it tells
+it what happened (`observe`), and when a request leaves, `forget`s it. A policy keeps whatever it
+learns (per-request records included) to itself; the engine never reads it, and caps each K at what
+the request can still emit.
 
 StaticK is one K for every request of every step; QueueSwitch wraps a policy and turns speculation
 off while more than a number of requests wait or run; dynamic_k.DynamicK chooses K by goodput.

@@ -83,7 +83,7 @@ class SpeculativeConfig:
     draft: str | None = None                # a draft model (folder, hub id or .gguf)
     eagle: str | None = None                # an EAGLE-1 / EAGLE-3 head: a folder or a hub id
     ngram: bool = False                     # prompt lookup
-    num_speculative_tokens: int | None = None   # K (default 4; with dynamic K its largest, default 8)
+    num_speculative_tokens: int | None = None   # K (default 4; dynamic K's largest, 8; suffix: 16)
     dynamic_k: bool = False
     profile: str | None = None              # dynamic K's step-time table (default: measured at start-up)
     per_request_k: bool = False             # dynamic K: a K per request

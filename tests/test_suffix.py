@@ -336,8 +336,8 @@ def test_the_priced_hybrid_skips_a_round_that_does_not_pay(spec_models):
 
 
 def test_k_under_dynamic_k_is_suffix_decodings_ceiling_and_the_others_largest_choice():
-    """Suffix decoding drafts as far as its match is strong, with or without dynamic K (capped at 8, a
-    long copy at batch 1 lost what a K of 16 gains); n-gram's dynamic K chooses up to 8."""
+    """Suffix decoding drafts as far as its match is strong, with or without dynamic K (a long copy at
+    batch 1 gains from a K of 16); n-gram's dynamic K chooses up to 8."""
     from nanospec.llm import DEFAULT_DYNAMIC_MAX_K, MAX_SPECULATIVE_TOKENS, SpeculativeConfig
     assert SpeculativeConfig(suffix=True, draft="d", dynamic_k=True).validate() == MAX_SPECULATIVE_TOKENS
     assert SpeculativeConfig(suffix=True, dynamic_k=True).validate() == MAX_SPECULATIVE_TOKENS
