@@ -19,7 +19,8 @@ from nanospec.estimators import AcceptanceRates, Calibration, SpanRates, StepTim
 from nanospec.dynamic_k import monotone_in_batch
 from nanospec.profiler import main as profiler_main
 from nanospec.proposer import Proposal
-from nanospec.stats import Stats
+from nanospec.stats import Stats, accepted_positions
+from nanospec.k_policy import QueueSwitch
 
 # Step times in ms: batch 1 barely grows with K (bound by reading weights), batch 8 grows fast.
 TABLE = Profile(batch_sizes=[1, 8], ks=[0, 2, 4], itl_s=[[10, 11, 12], [20, 40, 60]],
@@ -246,6 +247,23 @@ def test_the_budget_verifies_a_confident_drafters_drafts_by_their_worth():
     assert policy.trim(request, [4], tree)[0] == [0]
     not_confident = DynamicK(costly, per_request=True, probe_every=0)
     assert not_confident.trim(request, [4], tree) == ([4], tree)
+    switched = QueueSwitch(DynamicK(costly, per_request=True, probe_every=0, confident=True), max_queue=4)
+    assert switched.trim(request, [4], tree)[0] == [1]   # the queue switch passes trim to its budget
+    chain = Proposal([3], [[7, 8, 9]], confidence=[[0.9, 0.1, 0.05]]).keep([1])
+    assert (chain.host_drafts, chain.parents, chain.tree, chain.num_draft) == ([[7]], None, None, [1])
+    policy.forget(request[0])
+    assert policy.choose(request) == [4]   # a request it forgot is asked for its cap again
+
+
+def test_calibration_counts_a_trees_nodes_on_the_accepted_path():
+    """A tree's accepted positions are its path's nodes (stats.accepted_positions): node 2 (position
+    1) accepted, node 1 (position 0) not."""
+    calibration = Calibration(4, decay=1.0, prior_weight=1.0)
+    for _ in range(50):
+        calibration.observe([[0.5, 0.5]], [2], accepted_positions([1], [[0, 2]]))
+    first, second = calibration.rates([0.5, 0.5])
+    assert first < 0.05 and second == first   # the row never increases: node 2 is no likelier than node 1
+    assert calibration.accepted[1][5] == 50 and calibration.accepted[0][5] == 0
 
 
 def test_a_trees_positions_are_its_nodes_best_first():
