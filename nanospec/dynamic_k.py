@@ -34,12 +34,11 @@ budget: a step's drafts verified in all, and where (with per_request: the most l
 requests most likely to accept them first), by goodput; a chain per request is its special case.
 
 The drafter's confidence: a drafter whose drafts come with its own probability that each node lies on
-the accepted path (Proposer.confident: suffix decoding's share of past continuations through a node)
-is asked for about twice the nodes it kept for a request last (its cap at first), and the budget keeps,
-across the batch, the nodes worth verifying (trim): each
-node's a_i is that probability calibrated online against what such nodes were accepted (Calibration,
-per draft position and bin of confidence), placed by goodput as allocate places K's. A request's K
-is then the nodes kept for it.
+the accepted path (Proposer.confident: suffix decoding's share of past continuations through a node) is
+asked for about twice the nodes it kept for a request last (its cap at first), and the budget keeps,
+across the batch, the nodes worth verifying (trim): each node's a_i is that probability calibrated
+online against what such nodes were accepted (Calibration, per draft position and bin of confidence),
+placed by goodput as allocate places K's. A request's K is then the nodes kept for it.
 
 ITL(B, K) comes from a profile measured on this machine with the real engine, proposer included,
 every request verifying exactly K drafts (`python -m nanospec.profiler ...`, or a quick one
