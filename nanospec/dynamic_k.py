@@ -420,6 +420,20 @@ class DynamicK(KPolicy):
         accepted (a tree's: the nodes paths[b]); the step took `seconds` (None: not timed). With
         per_request, `requests` are the step's requests, whose records this updates."""
         self.steps += 1
+        if self.verifying is not None:   # a budget over a confident drafter's nodes goes by its calibration
+            self.calibration.observe(self.verifying, num_draft or ks, accepted_positions(num_accepted, paths))
+        elif not self.confident:
+            self.learn_rates(ks, num_accepted, num_draft, requests, paths)
+        if seconds is not None:
+            batch, verified = len(ks), num_draft or ks
+            drafts = sum(verified) / batch
+            # against the time the choice priced: per request, its deepest too; one K, the mean
+            deepest = max(verified) if self.per_request else None
+            self.step_times.observe(self.bucket(batch), drafts,
+                                    seconds / self.profile_time(batch, drafts, deepest))
+
+    def learn_rates(self, ks, num_accepted, num_draft, requests, paths) -> None:
+        """The shared rates and, with per_request, each request's record (observe's arguments)."""
         if self.per_request and requests:
             rates = self.rates()[0]   # what the shared rates expected, before this step moves them
             for req, k, accepted in zip(requests, ks, num_accepted):
@@ -428,15 +442,6 @@ class DynamicK(KPolicy):
                     record[0] = record[0] * self.request_decay + accepted
                     record[1] = record[1] * self.request_decay + sum(rates[:k])
         self.acceptance.observe(ks, num_accepted, num_draft, requests, paths)
-        if self.verifying is not None:
-            self.calibration.observe(self.verifying, num_draft or ks, accepted_positions(num_accepted, paths))
-        if seconds is not None:
-            batch, verified = len(ks), num_draft or ks
-            drafts = sum(verified) / batch
-            # against the time the choice priced: per request, its deepest too; one K, the mean
-            deepest = max(verified) if self.per_request else None
-            self.step_times.observe(self.bucket(batch), drafts,
-                                    seconds / self.profile_time(batch, drafts, deepest))
 
 
 # ---- the profiler: ITL(batch, K) and acceptance per draft position, measured with the real engine --------
