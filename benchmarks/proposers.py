@@ -123,14 +123,6 @@ def row_settings(item: str, args) -> dict:
             "enable_prefix_caching": False if "cold" in options else args.enable_prefix_caching}
 
 
-def new_row(llm: LLM, batch_size: int, longest: int):
-    """A fresh engine (cache, scheduler, statistics, proposer state: an empty global index) with a
-    fresh copy of the LLM's K policy (a dynamic one starts from its profile again)."""
-    allocator = llm.engine.kv_cache.allocator
-    blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
-    return llm.engine.twin(blocks, max_num_seqs=batch_size, k_policy=copy.deepcopy(llm.engine.k_policy))
-
-
 def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_tokens: int,
              longest: int) -> dict:
     """Every row's sessions, at most batch_size at a time, a session's next turn queued as soon as
@@ -139,8 +131,10 @@ def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_
     state = {}
     for name in rows:
         llm = llms[name]
-        state[name] = dict(llm=llm, engine=new_row(llm, batch_size, longest), pending=sessions_of(),
-                           active={}, done=[], seconds=0.0)
+        # a fresh engine (cache, scheduler, statistics, proposer state: an empty global index) with a
+        # fresh copy of the LLM's K policy (a dynamic one starts from its profile again)
+        engine = bench.row_engine(llm, batch_size, longest, k_policy=copy.deepcopy(llm.engine.k_policy))
+        state[name] = dict(llm=llm, engine=engine, pending=sessions_of(), active={}, done=[], seconds=0.0)
     while True:
         busy = 0
         for name, row in state.items():

@@ -166,13 +166,11 @@ def summary(stats, seconds: float, tokens: int) -> dict:
     return {"tokens_per_s": round(tokens / seconds, 2), **{key: stats[key] for key in keys}}
 
 
-def row_engine(llm, prompts: list[list[int]], batch_size: int, max_new_tokens: int, max_k: int,
-               **twin) -> Engine:
-    """A twin of the LLM's engine (twin: Engine.twin's other arguments) for batch_size of the prompts at
-    a time, its KV cache holding batch_size of the longest requests and their drafts (on a GPU the
-    LLM's own pool takes most of the free memory: another like it would not fit)."""
+def row_engine(llm, batch_size: int, longest: int, **twin) -> Engine:
+    """A twin of the LLM's engine (twin: Engine.twin's other arguments) for batch_size requests at a
+    time, its KV cache holding batch_size requests of `longest` positions, drafts included (on a GPU
+    the LLM's own pool takes most of the free memory: another like it would not fit)."""
     allocator = llm.engine.kv_cache.allocator
-    longest = max(len(ids) for ids in prompts) + max_new_tokens + max_k + 1
     num_blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
     return llm.engine.twin(num_blocks, max_num_seqs=batch_size, **twin)
 
@@ -279,10 +277,10 @@ def time_rows(llm, prompts: list[list[int]], batch_size: int, ks: list, args, ne
     shared machine's drift (its speed moves within minutes) hits every row alike. A row counts the
     time of its own steps only. In groups, a row queues its next group once its last one is done;
     with --continuous it queues all its requests at once."""
-    rows = []
+    rows, longest = [], max(map(len, prompts)) + args.max_new_tokens + max_k + 1   # its drafts too
     for k in ks:
         policy = new_policy(k, batch_size) if k in DYNAMIC_ROWS else StaticK(k)   # K = 0 is plain decoding
-        engine = row_engine(llm, prompts, batch_size, args.max_new_tokens, max_k, k_policy=policy,
+        engine = row_engine(llm, batch_size, longest, k_policy=policy,
                             proposer=getattr(args, "oracle_proposer", None) if k != 0 else None)
         rows.append({"k": k, "engine": engine, "groups": groups(prompts, batch_size, args.continuous),
                      "requests": [], "seconds": 0.0})
@@ -418,7 +416,7 @@ def run(args) -> dict:
     rows = [rows[i % len(rows)] for i in range(args.num_requests)] if args.num_requests else rows
     prompts = [llm.encode_prompt(r["prompt"], chat=not args.no_chat) for r in rows]
     # warm-up: the first steps' one-off costs (allocations, compiles) out of the rows
-    warm_up = row_engine(llm, prompts[:2], 2, 4, max_k, k_policy=llm.engine.k_policy)
+    warm_up = row_engine(llm, 2, max(map(len, prompts[:2])) + 4 + max_k + 1, k_policy=llm.engine.k_policy)
     greedy_requests(warm_up, prompts[:2], 4)
     warm_up.run_to_completion()
     args.oracle_proposer = oracle_proposer(llm.engine, prompts, args.max_new_tokens) if args.oracle else None
