@@ -47,8 +47,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache,
-                               decode_metadata, derive_metadata, padding_to_sink, ragged_metadata, upload)
+from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache, MetadataShape,
+                               decode_metadata, derive_metadata, padding_to_sink, query_runs, ragged_metadata,
+                               upload)
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.logits_processors import process
 from nanospec.sampler import SamplingBatch, Truncation
@@ -129,6 +130,7 @@ class GraphKey:
     eager_tail: bool = False  # verify: the forward graph, then the rest eagerly (see replay)
     tree: bool = False        # verify: the drafts are trees (tree.py), not chains
     with_first: bool = False  # round: a draft model's first step in the graph too
+    mixed: bool = False       # verify: prefill chunks ride in its forward (never a graph: eager)
 
 
 @dataclass(slots=True)
@@ -143,6 +145,8 @@ class Step:
     processed: list       # (row, request) of the requests that ask for penalties or min_p
     tokens: int           # an unpadded verify's queries (a padding row has 1)
     tree: tuple[int, int] | None = None   # a tree step's largest depth and branching (None: chains)
+    chunk: tuple[torch.Tensor, MetadataShape] | None = None   # a mixed step's prefill chunks (with_chunk)
+    runs: list[tuple[int, int, int]] | None = None   # an unpadded verify's rows by query count (query_runs)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -279,10 +283,12 @@ class StepGraphs:
 
     def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None = None,
                plan: Round | None = None, parents: list[list[int]] | None = None,
-               tree: tuple[int, int] | None = None) -> SamplingBatch:
+               tree: tuple[int, int] | None = None,
+               chunk: tuple[list[int], MetadataShape] | None = None) -> SamplingBatch:
         """Pack the step's host data (a model proposer's planned round too; host drafts' trees as
         their parent lists, a tree step's bounds: largest depth, branching) and send it in one copy;
-        returns the batch's sampling parameters on the device."""
+        returns the batch's sampling parameters on the device. chunk: a mixed step's prefill chunks
+        packed by kv_cache.pack_metadata, sent in a second copy."""
         batch, bucket, k = len(requests), self.bucket(len(requests)), max(num_draft)
         self.grow(k)
         rows, pairs = self.tables.updates([r.block_table for r in requests])
@@ -314,13 +320,19 @@ class StepGraphs:
         if host_drafts is not None:
             self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:(FIELDS + k) * bucket].view(bucket, k))
         params = [r.params for r in requests]
-        self.step = Step(batch, bucket, k, longest=max(r.num_cached + d + 1
-                                                        for r, d in zip(requests, num_draft)),
+        longest = max(r.num_cached + d + 1 for r, d in zip(requests, num_draft))
+        lens = [d + 1 for d in num_draft] + [1] * (bucket - batch)   # an unpadded verify's rows' queries
+        if chunk is not None:   # (its host list begins with the chunks' cached counts, then their lengths)
+            host, shape = chunk
+            longest = max(longest, *(c + n for c, n in zip(host[:shape.batch], host[shape.batch:])))
+            lens += host[shape.batch:2 * shape.batch]
+        self.step = Step(batch, bucket, k, longest=longest,
                          probs=plan is not None and not plan.tree and any(p.temperature for p in params),
                          logprobs=any(p.logprobs is not None for p in params),
                          processed=[(b, r) for b, r in enumerate(requests) if r.params.processed],
                          tokens=sum(num_draft) + bucket,
-                         tree=tree)
+                         tree=tree, chunk=chunk and (upload(chunk[0], self.device), chunk[1]),
+                         runs=query_runs(lens))
         truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
             max(p.top_k for p in params), any(p.top_p < 1 for p in params),
             all(p.top_k for p in params if p.top_p < 1))
@@ -419,7 +431,8 @@ class StepGraphs:
         queries ([bucket, K + 1, vocab], from an eager step; else None)."""
         step = self.step
         key = GraphKey("verify", step.bucket, step.k, self.mode(sampling, step.bucket), step.probs,
-                       eager_tail=step.logprobs or bool(step.processed), tree=step.tree is not None)
+                       eager_tail=step.logprobs or bool(step.processed), tree=step.tree is not None,
+                       mixed=step.chunk is not None)
         return self.replay(key, self.kv_cache.allocator.blocks_for(step.longest))
 
     def replay(self, key: GraphKey, width: int):
@@ -429,10 +442,10 @@ class StepGraphs:
             # The whole step as a graph would keep [bucket, K + 1, vocab] logits in the pool for good
             # (one such graph per bucket, K and mode), and the penalties read the requests' tokens on
             # the host; the forward's outputs are a few rows a query.
-            return self.verify_tail(key, *self.replay(GraphKey("forward", key.bucket, key.k, tree=key.tree),
-                                                      width))
+            return self.verify_tail(key, *self.replay(GraphKey("forward", key.bucket, key.k, tree=key.tree,
+                                                               mixed=key.mixed), width))
         body = {"verify": self.verify_body, "forward": self.forward_body, "round": self.round_body}[key.body]
-        if not self.graphed(key.bucket):
+        if not self.graphed(key.bucket) or key.mixed:
             if self.options.rehearse:   # as capture (a warm-up) and replay would: twice, at full width
                 width = self.full_width(key)
                 body(key, width)
@@ -534,7 +547,7 @@ class StepGraphs:
         cached, num_draft = fields.cached, fields.num_draft
         tables = self.tables.tables[fields.table_row, :width]
         input_ids = torch.cat([fields.last[:, None], self.drafts[:bucket, :key.k]], dim=1).flatten()  # by row
-        padded = self.padded(bucket)
+        padded = self.padded(bucket) and not key.mixed
         if padded:   # every row q_len queries: a graph's fixed shapes
             meta, real_offsets = self.padded_metadata(tables, cached, num_draft + 1, q_len,
                                                       self.kv_cache.block_size)
@@ -543,11 +556,17 @@ class StepGraphs:
                 x = x.view(bucket, q_len, *x.shape[1:])
                 return x.gather(1, real_offsets.view(bucket, q_len, *[1] * (x.dim() - 2)).expand(x.shape))
         else:   # each row its own num_draft + 1 queries (the host knows their total): no padding computed
-            meta = ragged_metadata(tables, cached, num_draft + 1, self.step.tokens, q_len,
+            rows_in = (tables, cached, num_draft + 1, self.step.tokens, q_len)
+            meta = ragged_metadata(*(self.with_chunk(*rows_in) if key.mixed else rows_in),
                                    self.kv_cache.block_size, padding_rows=bucket > self.step.batch)
-            input_ids = input_ids[meta.token_seq * q_len + meta.positions - cached[meta.token_seq]]
+            meta.runs = self.step.runs   # (this branch is never captured in a graph)
+            seq = meta.token_seq[:self.step.tokens]   # (a mixed step's chunk tokens come after these)
+            input_ids = input_ids[seq * q_len + meta.positions[:self.step.tokens] - cached[seq]]
+            if key.mixed:   # the chunks' tokens after the step's
+                packed, shape = self.step.chunk
+                input_ids = torch.cat([input_ids, packed[len(packed) - shape.extra:]])
             real_offsets = torch.minimum(torch.arange(q_len, device=self.device)[None, :], num_draft[:, None])
-            rows = meta.query_start[:-1, None] + real_offsets   # [bucket, q_len]: each query's row
+            rows = meta.query_start[:bucket, None] + real_offsets   # [bucket, q_len]: each query's row
 
             def pick(x):   # [T, ...] -> [bucket, q_len, ...], past a row's last query its last
                 return x[rows]
@@ -560,7 +579,20 @@ class StepGraphs:
         features = proposer.features(hidden, captured) if proposer and proposer.needs_features else None
         if features is not None and not padded:
             features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
-        return hidden, features, pick
+        return hidden[:len(hidden) - (self.step.chunk[1].total if key.mixed else 0)], features, pick
+
+    def with_chunk(self, tables: torch.Tensor, cached: torch.Tensor, lens: torch.Tensor, total: int,
+                   max_q: int) -> tuple:
+        """A mixed step's rows for ragged_metadata: the verify's, then its prefill chunks' (their
+        tables padded with the null block to the verify's width), as (tables, cached, lens, total,
+        max_q). Nothing reads a chunk row's logits; its tokens' K/V are cached."""
+        packed, shape = self.step.chunk
+        n, width = shape.batch, tables.shape[1]
+        chunk_tables = packed[2 * n:2 * n + n * shape.max_blocks].view(n, shape.max_blocks)
+        chunk_tables = torch.nn.functional.pad(chunk_tables, (0, max(0, width - shape.max_blocks)),
+                                               value=NULL_BLOCK)[:, :width]
+        return (torch.cat([tables, chunk_tables]), torch.cat([cached, packed[:n]]),
+                torch.cat([lens, packed[n:2 * n]]), total + shape.total, max(max_q, shape.max_q))
 
     def verify_tail(self, key: GraphKey, hidden: torch.Tensor, features: torch.Tensor | None, pick):
         """The verification's second part: the LM head, the logits' processing where the step has

@@ -26,7 +26,8 @@ import torch
 from nanospec.errors import NonFiniteLogits, non_finite_error
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs, StepOptions, Verified
-from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata
+from nanospec.kv_cache import (BlockAllocator, KVCache, MetadataShape, derive_metadata, pack_metadata,
+                               query_runs, upload)
 from nanospec.proposer import Proposal, Proposer
 from nanospec.request import Request, emittable_vocab, end_of, new_request, note_logprobs, own_cap
 from nanospec.sampler import Sampler
@@ -40,15 +41,20 @@ class Batch:
     requests: list[Request]
     query_lens: list[int]         # new tokens per request in this forward pass
     is_prefill: bool
+    chunk: Batch | None = None    # a decode step's prefill chunks, in its forward (a mixed step)
 
 
 class Scheduler:
     """Continuous batching: admit waiting requests while blocks allow, prefill in chunks under a
     token budget, and when decode runs out of blocks preempt the newest request (free, recompute).
 
-    decode_between_prefills (the server's setting): after a prefill chunk, a decode step for the
-    requests already decoding, so that a long prompt arriving does not stall the running streams
-    for all its chunks; offline, every prefill goes first (the largest decode batches)."""
+    decode_between_prefills: after a prefill chunk, a decode step for the requests already decoding,
+    so that a long prompt arriving does not stall the running streams for all its chunks; offline,
+    every prefill goes first (the largest decode batches). mixed_prefill_tokens (the server's
+    setting, with decode_between_prefills): a decode step carries up to that many prompt tokens of
+    prefill chunks in its forward (a mixed step, as vLLM and SGLang schedule), so an arrival's
+    prefill is spread over the running streams' steps instead of stalling them; a prefill-only step
+    (nothing decoding) takes the whole max_num_batched_tokens."""
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  on_free=None, decode_between_prefills: bool = False, cached_prefix=None):
@@ -61,6 +67,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_between_prefills = decode_between_prefills
+        self.mixed_prefill_tokens = 0
         self.last_was_prefill = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -71,9 +78,16 @@ class Scheduler:
     def schedule(self, num_drafts=lambda request: 0) -> Batch:
         """Prefill chunks if any request needs one, else a decode step in which request r verifies
         num_drafts(r) draft tokens after its last one (so it needs num_drafts(r) + 1 new slots);
-        with decode_between_prefills, a decode step first after each prefill chunk."""
+        with decode_between_prefills, a decode step first after each prefill chunk (or, with
+        mixed_prefill_tokens, a decode step with chunks in it)."""
         while True:
-            if self.decode_between_prefills and self.last_was_prefill:
+            if self.decode_between_prefills and self.mixed_prefill_tokens:
+                batch = self._schedule_decode(num_drafts)
+                if batch:
+                    batch.chunk = self._schedule_prefill(self.mixed_prefill_tokens)
+                else:
+                    batch = self._schedule_prefill()
+            elif self.decode_between_prefills and self.last_was_prefill:
                 batch = self._schedule_decode(num_drafts) or self._schedule_prefill()
             else:
                 batch = self._schedule_prefill() or self._schedule_decode(num_drafts)
@@ -82,8 +96,8 @@ class Scheduler:
                 return batch
             self.preempt(self.running[-1])   # every running request is stuck in prefill: make room
 
-    def _schedule_prefill(self) -> Batch | None:
-        budget, chosen, lens = self.max_num_batched_tokens, [], []
+    def _schedule_prefill(self, budget: int | None = None) -> Batch | None:
+        budget, chosen, lens = budget or self.max_num_batched_tokens, [], []
         candidates = [(r, False) for r in self.running if r.in_prefill] + [(r, True) for r in self.waiting]
         for req, is_waiting in candidates:
             if budget == 0 or (is_waiting and len(self.running) >= self.max_num_seqs):
@@ -173,6 +187,14 @@ def release(step_graphs: StepGraphs, proposer: Proposer | None, req: Request) ->
         if step_graphs.draft_tables and req.proposer_state is not None:
             step_graphs.draft_tables.release(req.proposer_state.block_table)
         proposer.free(req)
+
+
+def packed_chunks(batch: Batch) -> tuple[list[int], MetadataShape]:
+    """A batch of prefill chunks for one copy (kv_cache.pack_metadata): cached counts, lengths, block
+    tables, then the chunks' token ids."""
+    reqs, lens = batch.requests, batch.query_lens
+    ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
+    return pack_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], lens, ids)
 
 
 class Engine:
@@ -301,7 +323,7 @@ class Engine:
             self.commit(req, tokens, features)
             if req.finish_reason is None:
                 self.settle(req, features)
-                if not batch.is_prefill:
+                if tokens:   # (a prefill chunk has published its blocks already)
                     self.publish(req)
         return [req for req, tokens, _ in results if tokens]
 
@@ -310,21 +332,23 @@ class Engine:
         """Cache a chunk of each request's tokens, eagerly (its shapes vary too much for a graph).
         Prefill emits nothing: every token comes out of a decode step, so a preempted request that
         recomputes its cache resumes exactly where it was."""
-        reqs, lens = batch.requests, batch.query_lens
-        input_ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
-        meta = build_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], lens,
-                              # the ids ride in its one copy
-                              self.kv_cache.block_size, self.device, extra=input_ids)
+        host, shape = packed_chunks(batch)
+        meta = derive_metadata(upload(host, self.device), shape, self.kv_cache.block_size)
+        meta.runs = query_runs(batch.query_lens)
         capture = self.proposer.capture_layers if self.proposer else ()
         hidden, captured = self.model(meta.extra, meta.positions, self.kv_cache, meta, capture)
-        for req, n in zip(reqs, lens):
+        needs_features = self.proposer and self.proposer.needs_features   # EAGLE reads the target's
+        return self.prefilled(batch, self.proposer.features(hidden, captured) if needs_features else None)
+
+    def prefilled(self, batch: Batch, features: torch.Tensor | None = None):
+        """After the forward that cached a batch of prefill chunks (its own, or a mixed step's): count
+        them cached, check their K/V; each request's results (its features' rows, for EAGLE)."""
+        for req, n in zip(batch.requests, batch.query_lens):
             req.num_cached += n
-        self.check_prefilled(reqs, lens)
+        self.check_prefilled(batch.requests, batch.query_lens)
         self.stats.prefill_steps += 1
-        if not (self.proposer and self.proposer.needs_features):   # EAGLE reads the target's features
-            return [(r, [], None) for r in reqs]
-        features = self.proposer.features(hidden, captured).split(lens)   # each request's rows
-        return [(r, [], f) for r, f in zip(reqs, features)]
+        rows = [None] * len(batch.requests) if features is None else features.split(batch.query_lens)
+        return [(r, [], f) for r, f in zip(batch.requests, rows)]
 
     @torch.inference_mode()
     def run_verify(self, batch: Batch):
@@ -338,9 +362,14 @@ class Engine:
         reqs, asked = batch.requests, [n - 1 for n in batch.query_lens]
         proposal = self.proposer.propose(reqs, asked) if max(asked) else Proposal([0] * len(reqs))
         ks, proposal = self.k_policy.trim(reqs, asked, proposal)   # the drafts worth verifying (a budget's)
+        # A mixed step's prefill chunks ride in the verify's forward; beside a tree (its mask covers
+        # the decode rows) or for EAGLE (it reads the chunks' features) they take a pass of their own.
+        chunk, prefilled = batch.chunk, []
+        if chunk and (proposal.tree is not None or (self.proposer and self.proposer.needs_features)):
+            chunk, prefilled = None, self.run_prefill(chunk)
         steps = self.step_graphs
         sampling = steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round,
-                                proposal.parents, proposal.tree)
+                                proposal.parents, proposal.tree, chunk and packed_chunks(chunk))
         if proposal.round:   # a model proposer's draft steps, on the device
             steps.run_round(proposal.round, sampling)
         out, features, logits = steps.run(sampling)
@@ -357,9 +386,11 @@ class Engine:
         if logits is not None:   # a request asked for logprobs: a second copy back
             note_logprobs(reqs, [v.emitted for v in rows], logits)
         self.account(reqs, ks, proposal.num_draft, [v.accepted for v in rows], start, paths, max(asked) > 0)
+        if chunk:
+            prefilled = self.prefilled(chunk)
         # The target keeps the positions of its last token and the accepted drafts: a + 1 of them.
         return [(r, v.emitted, None if features is None else features[b * q_len:b * q_len + v.accepted + 1])
-                for b, (r, v) in enumerate(zip(reqs, rows))]
+                for b, (r, v) in enumerate(zip(reqs, rows))] + prefilled
 
     def account(self, reqs: list[Request], ks: list[int], num_draft: list[int], accepted: list[int],
                 start: float, paths: list[list[int]] | None = None, proposed: bool = True) -> None:

@@ -192,6 +192,8 @@ class AttentionMetadata:
     # usual: (base [B], visible [B, max_q, R]). None: causal.
     tree: tuple[torch.Tensor, torch.Tensor] | None = None
     rotary: torch.Tensor | None = None   # [T] a tree's positions for the rotary embedding (its depths)
+    # Rows that attend together in the padded layout, from the host's lengths (query_runs; None: all).
+    runs: list[tuple[int, int, int]] | None = None
 
     @property
     def rotary_positions(self) -> torch.Tensor:
@@ -285,7 +287,9 @@ def build_metadata(block_tables: list[list[int]], num_cached: list[int], query_l
     step needs from the host: meta.extra on the device) in one copy; everything else is derived on
     the device from it (derive_metadata)."""
     host, shape = pack_metadata(block_tables, num_cached, query_lens, extra)
-    return derive_metadata(upload(host, device), shape, block_size)
+    meta = derive_metadata(upload(host, device), shape, block_size)
+    meta.runs = query_runs(query_lens)
+    return meta
 
 
 def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int,
@@ -397,6 +401,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
 
 
+RUN_SPLIT = 64   # padded queries past which rows attend in runs of their own (query_runs)
+
+
 def paged_attention_reference(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata,
                               scale: float) -> torch.Tensor:
     """Causal attention (in a draft tree, its mask) of the new tokens q [T, heads, head_dim] over their
@@ -422,13 +429,36 @@ def padded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     head_dim] over their sequences' keys and values in the padded layout, each [B, kv_heads, max_k,
     head_dim] (key i of row b: position i, past the context masked): one masked softmax attention per
     K/V head. Grouped-query attention without copying K/V per query head: the `group` query heads that
-    share a K/V head are stacked along the query axis instead."""
+    share a K/V head are stacked along the query axis instead. Runs of rows whose query counts differ
+    widely (decode rows beside a prefill chunk: a mixed step; meta.runs) attend apart, each padded to
+    its own longest row only."""
     batch, kv_heads, _, head_dim = keys.shape
     group = q.shape[1] // kv_heads
     max_q = meta.query_index.shape[1]
-    queries = meta.padded(q).view(batch, max_q, kv_heads, group, head_dim)
-    queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * max_q, head_dim)
+    queries = meta.padded(q).view(batch, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     mask = meta.attention_mask(block_size, group, q.dtype)   # [B, 1, group * max_q, max_k], additive
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    out = out.view(batch, kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [B, max_q, kv, group, d]
-    return meta.unpadded(out.reshape(batch * max_q, kv_heads * group, head_dim))   # [T, heads, hd], flat
+    mask = mask.view(batch, 1, group, max_q, -1)
+    out = q.new_empty(batch, max_q, kv_heads, group, head_dim)
+    for start, end, n in meta.runs or [(0, batch, max_q)]:
+        rows = slice(start, end)
+        runs_q = queries[rows, :, :, :n].reshape(end - start, kv_heads, group * n, head_dim)
+        runs_mask = mask[rows, :, :, :n].reshape(end - start, 1, group * n, -1)
+        o = F.scaled_dot_product_attention(runs_q, keys[rows], values[rows], attn_mask=runs_mask, scale=scale)
+        out[rows, :n] = o.view(end - start, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
+    return meta.unpadded(out.view(batch * max_q, kv_heads * group, head_dim))   # [T, heads, hd], flat
+
+
+def query_runs(lens: list[int]) -> list[tuple[int, int, int]]:
+    """Rows of lens[b] queries as runs (first row, end, longest), each attended apart. A row starts a
+    new run where padding it and the run so far to one length would compute RUN_SPLIT or more queries
+    that are padding: decode rows (1 + K queries) beside a prefill chunk. Made from the host's counts
+    (reading the device's would sync), and only where a pass is not captured in a graph (a graph would
+    keep one pass's runs for every replay)."""
+    runs, start, longest = [], 0, lens[0]
+    for b, n in enumerate(lens[1:], 1):
+        wasted = (b - start) * max(0, n - longest) + max(0, longest - n)
+        if wasted >= RUN_SPLIT:
+            runs.append((start, b, longest))
+            start, longest = b, n
+        longest = max(longest, n)
+    return runs + [(start, len(lens), longest)]

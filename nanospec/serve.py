@@ -277,9 +277,11 @@ class Server:
     """The HTTP face: parses a request, queues it on the engine loop, answers whole or streamed."""
 
     def __init__(self, llm, name: str, api_key: str | None = None, max_waiting: int = 1024,
-                 decode_between_prefills: bool = True):
+                 decode_between_prefills: bool = True, mixed_prefill_tokens: int = 0):
         self.llm, self.name, self.api_key = llm, name, api_key
-        llm.engine.scheduler.decode_between_prefills = decode_between_prefills
+        scheduler = llm.engine.scheduler
+        scheduler.decode_between_prefills, scheduler.mixed_prefill_tokens = (decode_between_prefills,
+                                                                             mixed_prefill_tokens)
         self.metrics = Metrics(llm.engine, name)
         self.loop = EngineLoop(llm.engine, self.metrics, max_waiting)
         self.created = int(time.time())
@@ -607,7 +609,12 @@ def build_parser():
     ap.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
                     help="requests in the running batch at most")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
-                    help="prompt tokens per prefill chunk; a decode step runs between chunks")
+                    help="prompt tokens per prefill step (when nothing decodes, or with "
+                         "--mixed-prefill-tokens 0)")
+    ap.add_argument("--mixed-prefill-tokens", type=int, default=0, metavar="N",
+                    help="prompt tokens of prefill chunks each decode step carries in its forward, so an "
+                         "arriving prompt does not stall the running streams (0: a whole chunk of "
+                         "--max-num-batched-tokens runs between two decode steps)")
     ap.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                     help="auto: a request's sampling fields left out take the values of the checkpoint's "
                          "generation_config.json (temperature, top_p, top_k, min_p, the penalties; chat's "
@@ -624,8 +631,9 @@ def main(argv=None) -> int:
     loaded = {}
 
     def load():
-        if args.max_queue < 1 or not 0 <= args.port < 65536:
-            raise NanospecError("--max-queue must be >= 1 and --port in 0..65535")
+        if args.max_queue < 1 or not 0 <= args.port < 65536 or args.mixed_prefill_tokens < 0:
+            raise NanospecError("--max-queue must be >= 1, --port in 0..65535 and "
+                                "--mixed-prefill-tokens >= 0")
         loaded["llm"] = load_llm(args, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens)
 
@@ -642,7 +650,8 @@ def main(argv=None) -> int:
             log("with these defaults every decode step replays only its forward as a CUDA graph (the LM "
                 "head, penalties or min_p and sampling run eagerly); --generation-config vllm keeps "
                 "whole-step graphs")
-    server = Server(llm, name, args.api_key, args.max_queue, not args.prefill_first)
+    server = Server(llm, name, args.api_key, args.max_queue, not args.prefill_first,
+                    args.mixed_prefill_tokens)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:

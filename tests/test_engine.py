@@ -190,3 +190,45 @@ def test_a_dropped_llm_is_freed_at_once(spec_models, name):
         assert [r() for r in refs] == [None] * len(refs)
     finally:
         gc.enable()
+
+
+def staggered(llm, prompts: list[list[int]], params: list[SamplingParams], mixed: int) -> list[list[int]]:
+    """The requests arriving one by one, two steps apart, each after the first has begun decoding (as
+    at a server); mixed: the scheduler's mixed_prefill_tokens (0: the offline schedule, prefill first)."""
+    engine = llm.engine
+    engine.scheduler.decode_between_prefills, engine.scheduler.mixed_prefill_tokens = mixed > 0, mixed
+    reqs = [engine.new_request(i, "", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+    engine.add_requests(reqs[:1])
+    for req in reqs[1:]:
+        while not reqs[0].output_ids and reqs[0].finish_reason is None:
+            engine.step()
+        engine.add_requests([req])
+        engine.step()
+        engine.step()
+    engine.run_to_completion()
+    return [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("name", [None, "ngram", "suffix", "draft", "eagle1", "suffix_tree"])
+def test_a_mixed_step_changes_no_output(spec_models, monkeypatch, name):
+    """Prefill chunks riding in decode steps (a mixed step: the server's mixed_prefill_tokens) give
+    every request, greedy or seeded, what the offline schedule gives it. Beside a tree or EAGLE they
+    run in a pass of their own instead; the others ride in the verify's forward (counted)."""
+    from nanospec.cuda_graph import StepGraphs
+    rides, with_chunk = [], StepGraphs.with_chunk
+    monkeypatch.setattr(StepGraphs, "with_chunk", lambda self, *a: rides.append(1) or with_chunk(self, *a))
+    args = ({} if name is None else dict(suffix=True, speculative_topk=2) if name == "suffix_tree"
+            else proposer_args(spec_models, name))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6]] + [list(range(3 + i, 40 + 7 * i)) * 2 for i in range(4)]
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    if name == "suffix":   # its drafts depend on the others' output so far: greedy only
+        params = [greedy(16) for _ in prompts]
+    outs = {}
+    for mixed in (0, 8):
+        llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, max_num_seqs=8,
+                  max_num_batched_tokens=64, **(dict(num_speculative_tokens=3, **args) if args else {}))
+        outs[mixed] = staggered(llm, prompts, params, mixed)
+        assert_no_leak(llm)
+    assert outs[8] == outs[0]
+    assert bool(rides) == (name in (None, "ngram", "suffix", "draft"))

@@ -1,9 +1,12 @@
 """Paged attention equals contiguous attention, and the allocator never loses or shares a block."""
+import unittest.mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanospec import kv_cache, kv_mirror
 from nanospec.kv_cache import (BlockAllocator, KVCache, OutOfBlocks, build_metadata,
                                paged_attention_reference, write_kv)
 
@@ -21,10 +24,12 @@ def contiguous_attention(q, k, v, start: int) -> torch.Tensor:
 
 @settings(max_examples=40, deadline=None)
 @given(block_size=st.sampled_from([1, 2, 4, 16]),
-       seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=5),
-       seed=st.integers(0, 2**16))
-def test_paged_attention_equals_contiguous(block_size, seqs, seed):
-    """seqs: (cached tokens, new query tokens) per sequence; blocks are handed out interleaved."""
+       seqs=st.lists(st.tuples(st.integers(0, 40), st.sampled_from([1, 2, 3, 9])), min_size=1, max_size=5),
+       seed=st.integers(0, 2**16), split=st.sampled_from([1, 8, 10**9]), mirror=st.booleans())
+def test_paged_attention_equals_contiguous(block_size, seqs, seed, split, mirror):
+    """seqs: (cached tokens, new query tokens) per sequence; blocks are handed out interleaved. split:
+    the rows' runs made at that RUN_SPLIT (1: a run per row; 10**9: the batch as one); the reference
+    attention or the CPU's mirror."""
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, dim = 4, 2, 8
     # 5 sequences of 49 at block size 1
@@ -40,15 +45,28 @@ def test_paged_attention_equals_contiguous(block_size, seqs, seed):
             meta = build_metadata([tables[b]], [0], [cached], block_size, torch.device("cpu"))
             write_kv(k_cache, v_cache, full_k[b][:cached], full_v[b][:cached], meta.slot_mapping)
     meta = build_metadata(tables, [c for c, _ in seqs], [n for _, n in seqs], block_size, torch.device("cpu"))
-    write_kv(k_cache, v_cache, torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs)]),
-             torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)]), meta.slot_mapping)
+    new_k, new_v = (torch.cat([x[c:] for x, (c, _) in zip(full, seqs)]) for full in (full_k, full_v))
     q = torch.randn(sum(n for _, n in seqs), heads, dim, generator=g)
-    out = paged_attention_reference(q, cache.layer(0), meta, scale=dim ** -0.5)
+    with unittest.mock.patch.object(kv_cache, "RUN_SPLIT", split):
+        meta.runs = kv_cache.query_runs([n for _, n in seqs])
+    if mirror:   # the CPU's
+        out = kv_mirror.paged_attention(q, new_k, new_v, cache, 0, meta, scale=dim ** -0.5)
+        assert cache.mirror is not None
+    else:
+        write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
+        out = paged_attention_reference(q, cache.layer(0), meta, scale=dim ** -0.5)
     start = 0
     for b, (cached, new) in enumerate(seqs):
         expected = contiguous_attention(q[start:start + new], full_k[b], full_v[b], cached)
         assert torch.allclose(out[start:start + new].double(), expected, atol=1e-5)
         start += new
+
+
+def test_decode_rows_beside_a_prefill_chunk_attend_apart():
+    """query_runs: rows padded together only while the padding stays under RUN_SPLIT queries."""
+    assert kv_cache.query_runs([1] * 16 + [32]) == [(0, 16, 1), (16, 17, 32)]   # a mixed step
+    assert kv_cache.query_runs([5, 1, 3, 5] * 4) == [(0, 16, 5)]   # dynamic K: a few queries apart
+    assert kv_cache.query_runs([1, 1, 40, 40, 1]) == [(0, 2, 1), (2, 5, 40)]   # 2 * 39 padded split; 39 not
 
 
 def test_allocator_grows_truncates_and_releases():
