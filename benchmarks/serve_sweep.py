@@ -34,6 +34,11 @@ def servers(args) -> list[tuple[str, list[str], dict]]:
             ("nanospec ngram dynamic K", nanospec + ["--ngram", "--dynamic-k"], {}),
             (f"nanospec dynamic K, off past {args.disable_queue_size}",
              nanospec + ["--ngram", "--dynamic-k", *switch_off], {})]
+    for n in getattr(args, "mixed", None) or ():   # prefill chunks of n tokens ride in decode steps
+        mixed = ["--mixed-prefill-tokens", str(n)]
+        rows += [(f"nanospec plain, mixed {n}", nanospec + mixed, {}),
+                 (f"nanospec ngram K=4, mixed {n}",
+                  nanospec + ["--ngram", "--num-speculative-tokens", "4", *mixed], {})]
     if args.vllm_python:
         vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
                 "--dtype", "float32", "--max-model-len", "2048"]
@@ -50,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-python", help="a venv's python with vLLM (without: nanospec's rows alone)")
     ap.add_argument("--port", type=int, default=8720)
     ap.add_argument("--disable-queue-size", type=int, default=8)
+    ap.add_argument("--mixed", type=int, nargs="*", metavar="N",
+                    help="rows of the plain and n-gram K=4 servers with --mixed-prefill-tokens N too")
     ap.add_argument("--rows", nargs="+", metavar="LABEL", help="only these rows, by label (default: all)")
     ap.add_argument("--out", required=True, metavar="FILE.json")
     args, sweep_args = ap.parse_known_args(argv)   # the rest goes to bench serve --sweep

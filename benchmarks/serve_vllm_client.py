@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=8740)
     ap.add_argument("--disable-queue-size", type=int, default=8)
+    ap.add_argument("--mixed", type=int, nargs="*", metavar="N",
+                    help="rows of the plain and n-gram K=4 servers with --mixed-prefill-tokens N too")
     ap.add_argument("--out", required=True, metavar="FILE.json")
     args = ap.parse_args(argv)
     every = servers(args)
