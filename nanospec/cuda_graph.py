@@ -47,9 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, AttentionMetadata, BlockTable, KVCache, MetadataShape,
-                               decode_metadata, derive_metadata, padding_to_sink, query_runs, ragged_metadata,
-                               upload)
+from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, BlockTable, KVCache, MetadataShape, derive_metadata,
+                               padded_metadata, query_runs, ragged_metadata, upload)
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.logits_processors import process
 from nanospec.sampler import SamplingBatch, Truncation
@@ -500,37 +499,12 @@ class StepGraphs:
     def sampling(self, key: GraphKey) -> tuple[Fields, SamplingBatch]:
         """The per-row values on the device, and a SamplingBatch of them as `key` samples."""
         greedy = key.mode == "greedy"
-        truncate = key.mode if not greedy else False
-        return self.fields(key.bucket), self.sampling_batch(key.bucket, greedy, truncate)
+        return self.fields(key.bucket), self.sampling_batch(key.bucket, greedy, False if greedy else key.mode)
 
     def tree_bounds(self, key: GraphKey) -> tuple[int, int]:
         """The largest depth and branching a tree step's walk covers: the step's own (from the host)
         where it runs eagerly, K for both under a graph (any tree of K nodes fits)."""
         return (key.k, key.k) if self.graphed(key.bucket) else self.step.tree
-
-    def padded_metadata(self, tables: torch.Tensor, cached: torch.Tensor, num_new: torch.Tensor, q_len: int,
-                        block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Metadata of q_len queries per row over tables [bucket, width] on the device: row b's
-        num_new[b] new tokens at positions cached[b] .. cached[b] + num_new[b] - 1, then padding
-        queries that repeat its last real position (so they see the same keys) and write their K/V
-        to the sink block. Also returns each query's real offset [bucket, q_len] (clamped to the
-        last real one): where a row's logits are read."""
-        bucket, device = len(cached), cached.device
-        offsets = torch.arange(q_len, device=device)
-        real_offsets = torch.minimum(offsets[None, :], (num_new[:, None] - 1).clamp(min=0))  # [bucket, q_len]
-        positions = cached[:, None] + real_offsets
-        blocks = tables.gather(1, positions // block_size)
-        # padding rows' slots to the sink, then padding queries'
-        slots = padding_to_sink(blocks, blocks * block_size + positions % block_size, block_size)
-        slots = torch.where(offsets[None, :] < num_new[:, None], slots,
-                            SINK_BLOCK * block_size + offsets % block_size)
-        flat = torch.arange(bucket * q_len, device=device)
-        meta = AttentionMetadata(
-            slot_mapping=slots.flatten(), block_tables=tables, context_lens=cached + num_new,
-            query_start=torch.arange(bucket + 1, device=device) * q_len, token_seq=flat // q_len,
-            positions=positions.flatten(), query_index=flat.view(bucket, q_len),
-            query_valid=torch.ones(bucket, q_len, dtype=torch.bool, device=device))
-        return meta, real_offsets
 
     def verify_body(self, key: GraphKey, width: int):
         """The verification on the static buffers: the metadata, the target's forward over
@@ -549,8 +523,8 @@ class StepGraphs:
         input_ids = torch.cat([fields.last[:, None], self.drafts[:bucket, :key.k]], dim=1).flatten()  # by row
         padded = self.padded(bucket) and not key.mixed
         if padded:   # every row q_len queries: a graph's fixed shapes
-            meta, real_offsets = self.padded_metadata(tables, cached, num_draft + 1, q_len,
-                                                      self.kv_cache.block_size)
+            meta, real_offsets = padded_metadata(tables, cached, num_draft + 1, q_len,
+                                                 self.kv_cache.block_size)
 
             def pick(x):   # [bucket * q_len, ...] -> [bucket, q_len, ...], each query at its real offset
                 x = x.view(bucket, q_len, *x.shape[1:])
@@ -579,7 +553,7 @@ class StepGraphs:
         features = proposer.features(hidden, captured) if proposer and proposer.needs_features else None
         if features is not None and not padded:
             features = pick(features).flatten(0, 1)   # request b's at rows b * q_len ..., as a graph's
-        return hidden[:len(hidden) - (self.step.chunk[1].total if key.mixed else 0)], features, pick
+        return hidden[:self.step.tokens] if key.mixed else hidden, features, pick   # (chunk rows come last)
 
     def with_chunk(self, tables: torch.Tensor, cached: torch.Tensor, lens: torch.Tensor, total: int,
                    max_q: int) -> tuple:
@@ -589,8 +563,8 @@ class StepGraphs:
         packed, shape = self.step.chunk
         n, width = shape.batch, tables.shape[1]
         chunk_tables = packed[2 * n:2 * n + n * shape.max_blocks].view(n, shape.max_blocks)
-        chunk_tables = torch.nn.functional.pad(chunk_tables, (0, max(0, width - shape.max_blocks)),
-                                               value=NULL_BLOCK)[:, :width]
+        # to the verify's width: padded with the null block (a negative pad cuts)
+        chunk_tables = torch.nn.functional.pad(chunk_tables, (0, width - shape.max_blocks), value=NULL_BLOCK)
         return (torch.cat([tables, chunk_tables]), torch.cat([cached, packed[:n]]),
                 torch.cat([lens, packed[n:2 * n]]), total + shape.total, max(max_q, shape.max_q))
 
@@ -607,22 +581,20 @@ class StepGraphs:
             paths = (ancestors_of(self.parents(key.bucket, key.k), self.tree_bounds(key)[0])[:, :, 1:]
                      if key.tree else None)
             processed = process(pick(logits), drafts, self.step.processed, self.no_prompt, paths)
-        path = None
-        if key.tree:   # deterministic candidates: host drafts, a drafter's top-k (tree.verify_tree)
+        if key.tree or key.mode != "greedy":   # every query's logits [bucket, q_len, vocab]
             logits = pick(logits) if processed is None else processed
             row_max = logits.amax(-1)
+        if key.tree:   # deterministic candidates: host drafts, a drafter's top-k (tree.verify_tree)
             nodes = torch.cat([fields.last[:, None], drafts], dim=1)
             tokens, path, num_accepted = verify_tree(logits, nodes, self.parents(key.bucket, key.k), sampling,
                                                      key.mode, fields.cached + 1, self.tree_bounds(key)[0])
         elif key.mode == "greedy":
             if processed is not None:
                 row_max, target_ids = processed.max(-1)
-            else:   # each row's argmax, then the padded gather: ids, not [B, K+1, V] logits
+            else:   # each row's argmax, then the gather: ids, not [B, K+1, V] logits
                 row_max, target_ids = map(pick, logits.max(-1))
             tokens, num_accepted = self.sampler.verify_greedy(target_ids, drafts, fields.num_draft)
         else:
-            logits = pick(logits) if processed is None else processed
-            row_max = logits.amax(-1)
             q = self.draft_probs[:key.bucket, :key.k] if key.probs else None
             if key.probs and self.proposer.host_and_model:   # a hybrid's suffix drafts: one-hot
                 one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
@@ -632,7 +604,7 @@ class StepGraphs:
                 sampling.top_k, sampling.top_p, sampling.seeds, fields.cached + 1, key.mode)
         # NaN or +inf in a row shows in its max; a broken model is found here, not by its garbage.
         non_finite = (~row_max.isfinite().all(-1)).long() + 2 * (~self.finite[:key.bucket]).long()
-        columns = [tokens] + ([] if path is None else [path]) + [num_accepted[:, None], non_finite[:, None]]
+        columns = [tokens] + ([path] if key.tree else []) + [num_accepted[:, None], non_finite[:, None]]
         return torch.cat(columns, dim=1), features, kept
 
     def round_body(self, key: GraphKey, width: int) -> None:
@@ -653,7 +625,8 @@ class StepGraphs:
         in_round = fields.first_position > 0   # a hybrid's other rows carry host drafts the round must keep
         for i in range(1, key.k):
             active = (fields.num_draft > i) & in_round
-            meta = decode_metadata(tables, torch.where(active, fields.first_position + i - 1, 0), block_size)
+            positions = torch.where(active, fields.first_position + i - 1, 0)
+            meta, _ = padded_metadata(tables, positions, torch.ones_like(positions), 1, block_size)
             meta.slot_mapping = torch.where(active, meta.slot_mapping, SINK_BLOCK * block_size)
             if hidden is not None:   # an idle row starts from zeros: iterating its own output could overflow
                 hidden = torch.where(active[:, None], hidden, 0)
@@ -671,8 +644,8 @@ class StepGraphs:
         block) and draws d_1 from the logits of its last real query."""
         catch_up = fields.catch_up
         bucket = len(catch_up)
-        meta, real_offsets = self.padded_metadata(tables, fields.first_position - catch_up, catch_up, 2,
-                                                  self.proposer.kv_cache.block_size)
+        meta, real_offsets = padded_metadata(tables, fields.first_position - catch_up, catch_up, 2,
+                                             self.proposer.kv_cache.block_size)
         input_ids = torch.where((real_offsets == 0) & (catch_up[:, None] == 2), fields.previous[:, None],
                                 fields.last[:, None])
         rows = torch.arange(bucket, device=self.device)

@@ -26,8 +26,7 @@ import torch
 from nanospec.errors import NonFiniteLogits, non_finite_error
 from nanospec.k_policy import KPolicy, StaticK
 from nanospec.cuda_graph import StepGraphs, StepOptions, Verified
-from nanospec.kv_cache import (BlockAllocator, KVCache, MetadataShape, derive_metadata, pack_metadata,
-                               query_runs, upload)
+from nanospec.kv_cache import BlockAllocator, KVCache, build_metadata, pack_metadata
 from nanospec.proposer import Proposal, Proposer
 from nanospec.request import Request, emittable_vocab, end_of, new_request, note_logprobs, own_cap
 from nanospec.sampler import Sampler
@@ -81,14 +80,10 @@ class Scheduler:
         with decode_between_prefills, a decode step first after each prefill chunk (or, with
         mixed_prefill_tokens, a decode step with chunks in it)."""
         while True:
-            if self.decode_between_prefills and self.mixed_prefill_tokens:
-                batch = self._schedule_decode(num_drafts)
-                if batch:
-                    batch.chunk = self._schedule_prefill(self.mixed_prefill_tokens)
-                else:
-                    batch = self._schedule_prefill()
-            elif self.decode_between_prefills and self.last_was_prefill:
+            if self.decode_between_prefills and (self.last_was_prefill or self.mixed_prefill_tokens):
                 batch = self._schedule_decode(num_drafts) or self._schedule_prefill()
+                if self.mixed_prefill_tokens and batch and not batch.is_prefill:   # chunks ride in it
+                    batch.chunk = self._schedule_prefill(self.mixed_prefill_tokens)
             else:
                 batch = self._schedule_prefill() or self._schedule_decode(num_drafts)
             if batch:
@@ -118,11 +113,10 @@ class Scheduler:
                 self.running.append(req)
                 self.stats.prefix_cache_queries += len(req.tokens) - 1
                 self.stats.prefix_cache_hits += req.num_cached
-            if chunk == 0:   # a one-token prompt has nothing to prefill
-                continue
-            chosen.append(req)
-            lens.append(chunk)
-            budget -= chunk
+            if chunk:   # (a one-token prompt has nothing to prefill)
+                chosen.append(req)
+                lens.append(chunk)
+                budget -= chunk
         return Batch(chosen, lens, is_prefill=True) if chosen else None
 
     def _schedule_decode(self, num_drafts) -> Batch | None:
@@ -189,12 +183,12 @@ def release(step_graphs: StepGraphs, proposer: Proposer | None, req: Request) ->
         proposer.free(req)
 
 
-def packed_chunks(batch: Batch) -> tuple[list[int], MetadataShape]:
-    """A batch of prefill chunks for one copy (kv_cache.pack_metadata): cached counts, lengths, block
-    tables, then the chunks' token ids."""
+def chunk_rows(batch: Batch) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+    """A batch of prefill chunks as kv_cache.pack_metadata and build_metadata take it: block tables,
+    cached counts, lengths, then the chunks' token ids (`extra`: they ride in the one copy)."""
     reqs, lens = batch.requests, batch.query_lens
     ids = [t for r, n in zip(reqs, lens) for t in r.tokens[r.num_cached:r.num_cached + n]]
-    return pack_metadata([r.block_table for r in reqs], [r.num_cached for r in reqs], lens, ids)
+    return [r.block_table for r in reqs], [r.num_cached for r in reqs], lens, ids
 
 
 class Engine:
@@ -332,9 +326,8 @@ class Engine:
         """Cache a chunk of each request's tokens, eagerly (its shapes vary too much for a graph).
         Prefill emits nothing: every token comes out of a decode step, so a preempted request that
         recomputes its cache resumes exactly where it was."""
-        host, shape = packed_chunks(batch)
-        meta = derive_metadata(upload(host, self.device), shape, self.kv_cache.block_size)
-        meta.runs = query_runs(batch.query_lens)
+        tables, cached, lens, ids = chunk_rows(batch)
+        meta = build_metadata(tables, cached, lens, self.kv_cache.block_size, self.device, extra=ids)
         capture = self.proposer.capture_layers if self.proposer else ()
         hidden, captured = self.model(meta.extra, meta.positions, self.kv_cache, meta, capture)
         needs_features = self.proposer and self.proposer.needs_features   # EAGLE reads the target's
@@ -369,7 +362,7 @@ class Engine:
             chunk, prefilled = None, self.run_prefill(chunk)
         steps = self.step_graphs
         sampling = steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round,
-                                proposal.parents, proposal.tree, chunk and packed_chunks(chunk))
+                                proposal.parents, proposal.tree, chunk and pack_metadata(*chunk_rows(chunk)))
         if proposal.round:   # a model proposer's draft steps, on the device
             steps.run_round(proposal.round, sampling)
         out, features, logits = steps.run(sampling)
@@ -478,16 +471,8 @@ class Engine:
         if not finite([b for bs in written for b in bs]):
             raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer, "K/V"))
                                    for r, bs in zip(reqs, written) if not finite(bs)])
-        if self.kv_cache.allocator.prefix_caching:
-            for req in reqs:
-                self.publish(req)
-
-    def hit_stop_string(self, req: Request) -> bool:
-        """Whether the newest token completed a stop string; if so req.text is the output cut there."""
-        p = req.params
-        req.text = self.tokenizer.text_before_stop(req.output_ids, p.stop, p.skip_special_tokens,
-                                                   p.include_stop_str_in_output)
-        return req.text is not None
+        for req in reqs:   # (without prefix caching, publishing is nothing)
+            self.publish(req)
 
     def finish(self, req: Request, reason: str, drop_last: bool = False,
                features: torch.Tensor | None = None) -> None:

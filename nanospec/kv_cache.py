@@ -226,8 +226,7 @@ class AttentionMetadata:
                 node = offset.clamp(0, among_new.shape[2] - 1)[:, None, :].expand_as(visible)
                 visible = torch.where(new[:, None, :], among_new.gather(2, node), visible)
             visible = visible[:, None].repeat(1, 1, group, 1)
-            return visible if dtype is None else torch.zeros(visible.shape, dtype=dtype, device=visible.device
-                                                             ).masked_fill_(~visible, float("-inf"))
+            return visible if dtype is None else torch.where(visible, 0.0, float("-inf")).to(dtype)
         return self.once(("mask", block_size, group, dtype), make)
 
     def full(self) -> bool:
@@ -264,11 +263,10 @@ def pack_metadata(block_tables: list[list[int]] | None, num_cached: list[int], q
                   extra: list[int] = ()) -> tuple[list[int], MetadataShape]:
     """The host's part of build_metadata: the ints to send (lengths, block tables padded with the
     null block unless they are on the device already (None), `extra`) and their shape."""
-    batch = len(query_lens)
     max_blocks = max(len(t) for t in block_tables) if block_tables is not None else 0
     tables = (b for t in block_tables or () for b in (*t, *[NULL_BLOCK] * (max_blocks - len(t))))
     host = [*num_cached, *query_lens, *tables, *extra]
-    return host, MetadataShape(batch, max_blocks, sum(query_lens), max(query_lens), len(extra))
+    return host, MetadataShape(len(query_lens), max_blocks, sum(query_lens), max(query_lens), len(extra))
 
 
 def upload(host: list[int], device: torch.device) -> torch.Tensor:
@@ -296,11 +294,10 @@ def derive_metadata(packed: torch.Tensor, shape: MetadataShape, block_size: int,
                     tables: torch.Tensor | None = None) -> AttentionMetadata:
     """The metadata from a packed buffer on the device, without a sync (the shapes come from the
     host); `tables`: the block tables [B, max_blocks] where they are on the device already."""
-    batch = shape.batch
+    batch, start = shape.batch, shape.batch * (2 + shape.max_blocks)   # start: where extra begins
     cached, lens = packed[:batch], packed[batch:2 * batch]
     if tables is None:
-        tables = packed[2 * batch:2 * batch + batch * shape.max_blocks].view(batch, shape.max_blocks)
-    start = 2 * batch + batch * shape.max_blocks
+        tables = packed[2 * batch:start].view(batch, shape.max_blocks)
     meta = ragged_metadata(tables, cached, lens, shape.total, shape.max_q, block_size)
     meta.extra = packed[start:start + shape.extra]
     return meta
@@ -332,18 +329,30 @@ def padding_to_sink(blocks: torch.Tensor, slots: torch.Tensor, block_size: int) 
     return torch.where(blocks == NULL_BLOCK, SINK_BLOCK * block_size + slots % block_size, slots)
 
 
-def decode_metadata(block_tables: torch.Tensor, positions: torch.Tensor,
-                    block_size: int) -> AttentionMetadata:
-    """Metadata for one new token per sequence at `positions` [B], over block tables [B, max_blocks]
-    already on the device (a draft round's later steps): nothing from the host."""
-    batch, device = len(positions), positions.device
-    rows = torch.arange(batch, device=device)
-    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
+def padded_metadata(tables: torch.Tensor, cached: torch.Tensor, num_new: torch.Tensor, q_len: int,
+                    block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata of q_len queries per row over tables [B, max_blocks] already on the device (nothing
+    from the host): row b's num_new[b] new tokens at positions cached[b] .. cached[b] + num_new[b] - 1,
+    then padding queries that repeat its last real position (so they see the same keys) and write
+    their K/V to the sink block; a static step's padding rows (on the null block) write there too.
+    Also returns each query's real offset [B, q_len] (clamped to the last real one): where a row's
+    logits are read. With q_len 1 and num_new 1: one decode token per row (a draft round's steps)."""
+    batch, device = len(cached), cached.device
+    offsets = torch.arange(q_len, device=device)
+    real_offsets = torch.minimum(offsets[None, :], (num_new[:, None] - 1).clamp(min=0))  # [B, q_len]
+    positions = cached[:, None] + real_offsets
+    blocks = tables.gather(1, positions // block_size)
+    # padding rows' slots to the sink, then padding queries'
     slots = padding_to_sink(blocks, blocks * block_size + positions % block_size, block_size)
-    return AttentionMetadata(
-        slot_mapping=slots, block_tables=block_tables, context_lens=positions + 1,
-        query_start=torch.arange(batch + 1, device=device), token_seq=rows, positions=positions,
-        query_index=rows[:, None], query_valid=torch.ones(batch, 1, dtype=torch.bool, device=device))
+    slots = torch.where(offsets[None, :] < num_new[:, None], slots,
+                        SINK_BLOCK * block_size + offsets % block_size)
+    flat = torch.arange(batch * q_len, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=slots.flatten(), block_tables=tables, context_lens=cached + num_new,
+        query_start=torch.arange(batch + 1, device=device) * q_len, token_seq=flat // q_len,
+        positions=positions.flatten(), query_index=flat.view(batch, q_len),
+        query_valid=torch.ones(batch, q_len, dtype=torch.bool, device=device))
+    return meta, real_offsets
 
 
 class KVCache:
@@ -437,15 +446,26 @@ def padded_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     max_q = meta.query_index.shape[1]
     queries = meta.padded(q).view(batch, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     mask = meta.attention_mask(block_size, group, q.dtype)   # [B, 1, group * max_q, max_k], additive
-    mask = mask.view(batch, 1, group, max_q, -1)
-    out = q.new_empty(batch, max_q, kv_heads, group, head_dim)
-    for start, end, n in meta.runs or [(0, batch, max_q)]:
-        rows = slice(start, end)
-        runs_q = queries[rows, :, :, :n].reshape(end - start, kv_heads, group * n, head_dim)
-        runs_mask = mask[rows, :, :, :n].reshape(end - start, 1, group * n, -1)
-        o = F.scaled_dot_product_attention(runs_q, keys[rows], values[rows], attn_mask=runs_mask, scale=scale)
-        out[rows, :n] = o.view(end - start, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
-    return meta.unpadded(out.view(batch * max_q, kv_heads * group, head_dim))   # [T, heads, hd], flat
+    if not meta.runs or len(meta.runs) == 1:
+        out = attend(queries, keys, values, mask, scale)
+    else:
+        out = q.new_empty(batch, max_q, kv_heads, group, head_dim)
+        mask = mask.view(batch, 1, group, max_q, -1)
+        for start, end, n in meta.runs:   # rows start .. end - 1, their first n queries
+            run_mask = mask[start:end, :, :, :n].reshape(end - start, 1, group * n, -1)
+            out[start:end, :n] = attend(queries[start:end, :, :, :n], keys[start:end], values[start:end],
+                                        run_mask, scale)
+    return meta.unpadded(out.reshape(batch * max_q, kv_heads * group, head_dim))   # [T, heads, hd], flat
+
+
+def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """SDPA of queries [B, kv_heads, group, n, hd] (the group's heads stacked along the query axis)
+    under mask [B, 1, group * n, max_k]; [B, n, kv_heads, group, hd]."""
+    batch, kv_heads, group, n, head_dim = queries.shape
+    out = F.scaled_dot_product_attention(queries.reshape(batch, kv_heads, group * n, head_dim), keys, values,
+                                         attn_mask=mask, scale=scale)
+    return out.view(batch, kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
 
 
 def query_runs(lens: list[int]) -> list[tuple[int, int, int]]:
