@@ -48,7 +48,8 @@ def closed_loop(llm: LLM, concurrency: int, max_tokens: int) -> dict:
         arrive(min(concurrency - running, 2 * concurrency - len(made)))
     gaps = sorted(b - a for ts in times.values() for a, b in zip(ts, ts[1:]))
     tpot = statistics.median((ts[-1] - ts[0]) / (len(ts) - 1) for ts in times.values() if len(ts) > 1)
-    return {"seconds": time.perf_counter() - start, "itl_p50": gaps[len(gaps) // 2],
+    return {"seconds": time.perf_counter() - start, "requests": len(made),
+            "output_tokens": sum(len(r.output_ids) for r in made), "itl_p50": gaps[len(gaps) // 2],
             "itl_p99": gaps[int(0.99 * (len(gaps) - 1))], "tpot_p50": tpot}
 
 

@@ -40,3 +40,17 @@ def test_a_short_soak_loses_nothing_and_leaks_no_block(checkpoints, tmp_path):
     assert checks["lost"] == 0, checks["first_lost"]
     assert checks["counters_add_up"]
     assert checks["no_block_leaked"]
+
+
+def test_the_closed_loop_serves_every_request_with_and_without_mixed_steps(checkpoints):
+    """benchmarks/mixed_step_itl: 2C requests, each its full length, each gap counted once."""
+    from benchmarks import mixed_step_itl
+    llm = LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05, max_num_seqs=8,
+              max_num_batched_tokens=64)
+    llm.engine.scheduler.decode_between_prefills = True
+    for mixed in (0, 8):
+        llm.engine.scheduler.mixed_prefill_tokens = mixed
+        figures = mixed_step_itl.closed_loop(llm, 3, 5)
+        assert figures["requests"] == 6 and figures["output_tokens"] == 6 * 5
+        assert 0 < figures["itl_p50"] <= figures["itl_p99"] and figures["tpot_p50"] > 0
+        assert not llm.engine.scheduler.has_work()
