@@ -634,6 +634,9 @@ def main(argv=None) -> int:
         if args.max_queue < 1 or not 0 <= args.port < 65536 or args.mixed_prefill_tokens < 0:
             raise NanospecError("--max-queue must be >= 1, --port in 0..65535 and "
                                 "--mixed-prefill-tokens >= 0")
+        if args.prefill_first and args.mixed_prefill_tokens:
+            raise NanospecError("--prefill-first runs every prefill before any decode step, and "
+                                "--mixed-prefill-tokens puts prefill chunks into decode steps: choose one")
         loaded["llm"] = load_llm(args, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens)
 

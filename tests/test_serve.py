@@ -874,3 +874,15 @@ def test_bench_serve_runs_multiturn_sessions(tiny_llm, capsys):
     assert report["completed"] == 6 and report["failed"] == 0 and report["turns"] == 3
     assert set(report["ttft_s_by_turn"]) == {"1", "2", "3"} and hits > 0
     assert "turn 3: TTFT p50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--mixed-prefill-tokens", "-1"], "--mixed-prefill-tokens >= 0"),
+    (["--prefill-first", "--mixed-prefill-tokens", "8"], "choose one"),
+])
+def test_bad_serve_flags_are_one_line_before_the_model_loads(tmp_path, capsys, args, match):
+    from nanospec import serve
+    assert serve.main(["--target", str(tmp_path / "never_loaded"), *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and match in err, err
