@@ -18,7 +18,7 @@ A step is `upload`, then `run_round` (a model proposer's K draft steps), then `r
 
 Invariants:
 - one copy in, one copy back: no other host data and no sync inside a step (logprobs, penalties
-  and min_p add one copy each way, eagerly);
+  and min_p add one copy each way, eagerly; a mixed step's prefill chunks one copy in);
 - buckets: a batch is padded to the next of batch_buckets (graphs up to MAX_GRAPH_BATCH; larger
   batches run the same bodies eagerly). A padding row is a request of one token at position 0
   whose block-table row is the null row: it reads only the null block (zero: nothing writes it),

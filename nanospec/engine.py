@@ -47,13 +47,14 @@ class Scheduler:
     """Continuous batching: admit waiting requests while blocks allow, prefill in chunks under a
     token budget, and when decode runs out of blocks preempt the newest request (free, recompute).
 
-    decode_between_prefills: after a prefill chunk, a decode step for the requests already decoding,
-    so that a long prompt arriving does not stall the running streams for all its chunks; offline,
-    every prefill goes first (the largest decode batches). mixed_prefill_tokens (the server's
-    setting, with decode_between_prefills): a decode step carries up to that many prompt tokens of
-    prefill chunks in its forward (a mixed step, as vLLM and SGLang schedule), so an arrival's
-    prefill is spread over the running streams' steps instead of stalling them; a prefill-only step
-    (nothing decoding) takes the whole max_num_batched_tokens."""
+    decode_between_prefills (the server's default): after a prefill chunk, a decode step for the
+    requests already decoding, so that a long prompt arriving does not stall the running streams for
+    all its chunks; offline, every prefill goes first (the largest decode batches).
+    mixed_prefill_tokens (the server's --mixed-prefill-tokens, with decode_between_prefills; 0: off):
+    a decode step carries up to that many prompt tokens of prefill chunks in its forward (a mixed
+    step, as vLLM and SGLang schedule), so an arrival's prefill is spread over the running streams'
+    steps instead of stalling them; a prefill-only step (nothing decoding) takes the whole
+    max_num_batched_tokens."""
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  on_free=None, decode_between_prefills: bool = False, cached_prefix=None):
