@@ -331,7 +331,8 @@ class StepGraphs:
                          processed=[(b, r) for b, r in enumerate(requests) if r.params.processed],
                          tokens=sum(num_draft) + bucket,
                          tree=tree, chunk=chunk and (upload(chunk[0], self.device), chunk[1]),
-                         runs=query_runs(lens))
+                         # only the unpadded forward reads them (a padded one gives every row K + 1)
+                         runs=query_runs(lens) if chunk or not self.padded(bucket) else None)
         truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
             max(p.top_k for p in params), any(p.top_p < 1 for p in params),
             all(p.top_k for p in params if p.top_p < 1))
