@@ -67,6 +67,7 @@ WEIGHT_DECAY = 0.0
 GRAD_CLIP = 0.5
 FEATURE_NOISE = 0.2         # EAGLE-1: uniform noise of this width on input features (robust to its errors)
 TTT_STEPS = 3               # training-time-test depth
+TOKEN_MAP = "token_map.pt"   # EAGLE-1: the loss vocabulary's ids, for --speculative-token-map
 DRAFT_VOCAB = 8192          # EAGLE-3: reduced draft vocabulary; both: the vocabulary of the cross-entropy
 SAVE_EVERY = 100
 EVAL_K = 4
@@ -783,7 +784,8 @@ def build_parser():
     ap.add_argument("--ttt-steps", type=int, default=TTT_STEPS, metavar="N",
                     help="training-time-test depth: steps the head is fed its own features")
     ap.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB, metavar="N",
-                    help="EAGLE-3's reduced draft vocabulary; for both, the cross-entropy's vocabulary")
+                    help="EAGLE-3's reduced draft vocabulary, EAGLE-1's token map (OUT/token_map.pt); for "
+                         "both, the cross-entropy's vocabulary")
     ap.add_argument("--save-every", type=int, default=SAVE_EVERY, metavar="N",
                     help="write OUT/checkpoint.pt every N steps (the same command resumes)")
     ap.add_argument("--eval-k", type=int, default=EVAL_K, metavar="K",
@@ -828,8 +830,8 @@ def run(args) -> dict:
         p.requires_grad_(False)
     aux_layers = default_aux_layers(llm.config.num_layers) if args.arch == "eagle3" else ()
     data = build_dataset(args, llm, aux_layers)
-    # The loss vocabulary: EAGLE-3's draft vocabulary; for EAGLE-1 (which drafts over the full
-    # vocabulary with the target's LM head) it only makes the cross-entropy term ~6x cheaper.
+    # The loss vocabulary: EAGLE-3's draft vocabulary; for EAGLE-1 (which drafts with the target's LM
+    # head) it makes the cross-entropy ~6x cheaper, and is saved as the token map it may draft among.
     vocab_ids = draft_vocabulary(data, llm.config.vocab_size, args.draft_vocab).to(llm.device)
     draft_ids = vocab_ids if args.arch == "eagle3" else None
     cfg = head_config(llm.config, args.arch, len(vocab_ids), aux_layers, dtype)
@@ -843,7 +845,11 @@ def run(args) -> dict:
               "tokens": int(sum(len(t) for t in data["tokens"]))}
     report["training"] = train(args, llm, head, data, vocab_ids)
     save_head(args, head, cfg)
-    print(f"wrote the EAGLE-{args.arch[-1]} head to {args.out} (use it with --eagle {args.out})")
+    use = f"--eagle {args.out}"
+    if args.arch == "eagle1":   # its loss vocabulary, as a token map (SGLang's FR-Spec format)
+        torch.save(vocab_ids.cpu(), os.path.join(args.out, TOKEN_MAP))
+        use += f", and --speculative-token-map {os.path.join(args.out, TOKEN_MAP)} to draft among those ids"
+    print(f"wrote the EAGLE-{args.arch[-1]} head to {args.out} (use it with {use})")
     report["train_wall_seconds"] = round(time.perf_counter() - wall, 1)
     if not args.no_eval:
         report["eval"] = evaluate(args, dtype)

@@ -62,15 +62,16 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
     with --per-request-k too (the budget placed request by request). A suffix or hybrid
     row's +N is its suffix_max_spec_offset, @cold turns its prefix caching off, @treeN drafts trees of
     at most N children a node (speculative_topk), an eagle or draft row's @treeNxD D deep
-    (speculative_num_steps; row_settings), and @records places a budget by each request's record alone,
-    not by a confident drafter's confidence (DynamicK.trim). Options add up: suffix@tree3@cold."""
+    (speculative_num_steps; row_settings), @records places a budget by each request's record alone,
+    not by a confident drafter's confidence (DynamicK.trim), and an eagle row's @map drafts among
+    --speculative-token-map's ids. Options add up: suffix@tree3@cold."""
     rows, kinds = [], set()
     for item in (x.strip() for x in text.split(",") if x.strip()):
         spec, *options = item.split("@")
-        if any(where not in ("cold", "records") and not tree_option(where) for where in options):
+        if any(where not in ("cold", "records", "map") and not tree_option(where) for where in options):
             raise NanospecError(f"--proposers: {item!r}: a row option after @ is cold (no prefix caching), "
-                                "treeN (trees of at most N children a node), treeNxD (and D deep) or records "
-                                "(a budget by each request's record alone)")
+                                "treeN (trees of at most N children a node), treeNxD (and D deep), records "
+                                "(a budget by each request's record alone) or map (the token map)")
         name, _, k = spec.partition(":")
         name, plus, offset = name.partition("+")
         if name not in KINDS:
@@ -93,6 +94,9 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
                                 + (" (or --draft PATH)" if name == "hybrid" else ""))
         if name == "draft" and not args.draft:
             raise NanospecError("--proposers draft needs --draft PATH")
+        if "map" in options and (name != "eagle" or not args.speculative_token_map):
+            raise NanospecError(f"--proposers: {item!r}: @map is for an eagle row, with "
+                                "--speculative-token-map FILE")
         rows.append((item, k))
         kinds.add(name)
     if not rows:
@@ -115,12 +119,13 @@ def tree_option(option: str) -> dict | None:
 def row_settings(item: str, args) -> dict:
     """A row's LLM settings: its kind's, a suffix or hybrid row's +N as its suffix_max_spec_offset,
     @cold as enable_prefix_caching=False (else --[no-]enable-prefix-caching: by default on) and @treeN
-    as speculative_topk=N."""
+    as speculative_topk=N, @map as speculative_token_map (the rows without it draft over every id)."""
     spec, *options = item.split("@")
     kind, plus, offset = spec.partition(":")[0].partition("+")
     return {**KINDS[kind](args), **(dict(suffix_max_spec_offset=int(offset)) if plus else {}),
             **{key: value for option in options for key, value in (tree_option(option) or {}).items()},
-            "enable_prefix_caching": False if "cold" in options else args.enable_prefix_caching}
+            "enable_prefix_caching": False if "cold" in options else args.enable_prefix_caching,
+            "speculative_token_map": args.speculative_token_map if "map" in options else None}
 
 
 def run_rows(llms: dict, rows: list[str], sessions_of, batch_size: int, max_new_tokens: int,
@@ -303,7 +308,8 @@ def build_parser():
                          "without prefix caching; NAME@treeN: trees of at most N children a node "
                          "(--speculative-topk N), eagle@treeNxD, draft@treeNxD: D deep "
                          "(--speculative-num-steps D); NAME@records: a budget placed by each request's "
-                         "record, not a confident drafter's confidence; options add up (NAME@tree3@cold); "
+                         "record, not a confident drafter's confidence; eagle@map: drafting among "
+                         "--speculative-token-map's ids; options add up (NAME@tree3@cold); "
                          "answers end at EOS")
     ap.add_argument("--workload", choices=["shipped", "multiturn"], default="shipped",
                     help="the shipped prompts once, or multi-turn sessions over them")

@@ -203,6 +203,10 @@ def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--draft",
                        help="a smaller draft model with the target's tokenizer (folder, hub id or .gguf)")
     group.add_argument("--eagle", help="an EAGLE-1 or EAGLE-3 head trained for the target (folder or hub id)")
+    group.add_argument("--speculative-token-map", metavar="FILE",
+                       help="with an EAGLE-1 head, the token ids it drafts among (FR-Spec, as SGLang reads "
+                            "it: a torch.save'd list, e.g. train_eagle.py's OUT/token_map.pt): a fraction of "
+                            "the LM head read per draft step")
     group.add_argument("--ngram", action="store_true",
                        help="prompt lookup: draft by continuing a repeated n-gram")
     group.add_argument("--suffix", action="store_true",

@@ -61,6 +61,7 @@ class Eagle1Head(nn.Module):
         self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList([Eagle1Layer(config)])
         self.rotary = RotaryEmbedding(config)
+        self.hot_ids = self.hot_head = None   # a token map's ids, and the LM head's rows of them
 
     def forward(self, embeds, features, positions, kv_cache, meta):
         """embeds, features: [T, H] -> the predicted next features [T, H]."""
@@ -73,7 +74,20 @@ class Eagle1Head(nn.Module):
         return hidden
 
     def logits(self, hidden, target) -> torch.Tensor:
-        return target.logits(hidden)   # the target's LM head, on the un-normed prediction as in EAGLE-1
+        """The target's LM head on the un-normed prediction, as in EAGLE-1; with a token map, only its
+        rows of the map's ids (-inf elsewhere)."""
+        if self.hot_head is None:
+            return target.logits(hidden)
+        return to_target_vocab(self.hot_head(hidden).float(), self.hot_ids, target.config.vocab_size)
+
+    def use_token_map(self, hot_ids: torch.Tensor, target) -> None:
+        """Draft among `hot_ids` alone (FR-Spec, Zhao et al. 2025; SGLang's --speculative-token-map):
+        a copy of the target LM head's rows of those ids, read in place of the whole head each step."""
+        weight = target.lm_head.weight
+        self.hot_ids = hot_ids.to(weight.device)
+        self.hot_head = Linear(weight.shape[1], len(hot_ids), bias=False, device=weight.device,
+                               dtype=weight.dtype).requires_grad_(False)
+        self.hot_head.weight.copy_(weight[self.hot_ids])
 
 
 class Eagle3MidLayer(nn.Module):
@@ -136,8 +150,38 @@ class Eagle3Head(nn.Module):
         """Logits over the target's vocabulary: -inf outside the draft vocabulary."""
         draft_logits = self.lm_head(self.norm(hidden)).float()
         target_ids = torch.arange(draft_logits.shape[-1], device=hidden.device) + self.d2t
-        full = draft_logits.new_full((hidden.shape[0], target.config.vocab_size), float("-inf"))
-        return full.index_copy(1, target_ids, draft_logits)
+        return to_target_vocab(draft_logits, target_ids, target.config.vocab_size)
+
+
+def to_target_vocab(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits [T, D] over a draft vocabulary (draft id d is target id target_ids[d]) -> [T, vocab_size],
+    -inf at the ids outside it: the draft distribution q has no mass there."""
+    full = draft_logits.new_full((draft_logits.shape[0], vocab_size), float("-inf"))
+    return full.index_copy(1, target_ids, draft_logits)
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """The ids of a token map as SGLang reads one: a file of torch.save'd ids (a list or a 1-D integer
+    tensor; the loader runs no pickled code), local or on the hub as OWNER/REPO/FILE. Returns them
+    sorted, each once."""
+    repo, name = os.path.split(path)
+    if not os.path.exists(path):
+        if path.startswith((".", "/")) or repo.count("/") != 1:
+            raise NanospecError(f"token map {path!r} not found: give a file of token ids or a hub path like "
+                                "thunlp/LLaMA3-Instruct-8B-FR-Spec/freq_32768.pt")
+        path = os.path.join(resolve(repo, [name], "token map"), name)
+    try:
+        ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as e:
+        raise NanospecError(f"token map {path} is not a torch.save'd list or tensor of token ids "
+                            f"({type(e).__name__}); save one with torch.save(ids, PATH)") from e
+    if ids.dim() != 1 or len(ids) == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise NanospecError(f"token map {path} holds a {ids.dtype} tensor of shape {list(ids.shape)}, not a "
+                            "non-empty list of token ids; save one with torch.save(ids, PATH)")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise NanospecError(f"token map {path} has ids outside the target's vocabulary [0, {vocab_size}): it "
+                            "was made for another model")
+    return torch.unique(ids.long())
 
 
 HEAD_FILES = ["*.json", "*.safetensors", "pytorch_model.bin"]
@@ -165,9 +209,10 @@ def read_eagle_weights(folder: str) -> dict[str, torch.Tensor]:
     raise NanospecError(f"no model.safetensors or pytorch_model.bin in EAGLE head folder {folder}")
 
 
-def load_eagle_head(eagle: str, target, device: torch.device, dtype: torch.dtype):
+def load_eagle_head(eagle: str, target, device: torch.device, dtype: torch.dtype,
+                    token_map: str | None = None):
     """Read an EAGLE-1 or EAGLE-3 head (a folder or a hub id), check it fits `target`, return
-    (head, aux_layers or None)."""
+    (head, aux_layers or None). An EAGLE-1 head drafts among a token map's ids, if given."""
     folder = resolve(eagle, HEAD_FILES, "EAGLE head", "a head folder or a Hugging Face hub id like "
                      "yuhuili/EAGLE-LLaMA3.1-Instruct-8B")
     weights = {k.removeprefix("model."): v for k, v in read_eagle_weights(folder).items()}
@@ -203,6 +248,11 @@ def load_eagle_head(eagle: str, target, device: torch.device, dtype: torch.dtype
     check_trained_dtype(cfg, folder, dtype)
     head = head.to(device=device, dtype=dtype)
     head.rotary = RotaryEmbedding(config).to(device)   # float32 tables, as the target's (checkpoint.load)
+    if token_map is not None:
+        if version == 3:
+            raise NanospecError(f"the EAGLE-3 head in {folder} drafts over its own vocabulary (d2t): a "
+                                "token map is for EAGLE-1 heads; leave it out")
+        head.use_token_map(load_token_map(token_map, target.config.vocab_size), target)
     return for_inference(head), aux
 
 

@@ -82,6 +82,8 @@ class SpeculativeConfig:
     fields are LLM's keyword arguments and the command line's flags, by the same names."""
     draft: str | None = None                # a draft model (folder, hub id or .gguf)
     eagle: str | None = None                # an EAGLE-1 / EAGLE-3 head: a folder or a hub id
+    # the ids an EAGLE-1 head drafts among (SGLang's FR-Spec token map: a torch.save'd list), or all
+    speculative_token_map: str | None = None
     ngram: bool = False                     # prompt lookup
     num_speculative_tokens: int | None = None   # K (default 4; dynamic K's largest, 8; suffix: 16)
     dynamic_k: bool = False
@@ -143,6 +145,7 @@ class SpeculativeConfig:
         """K for the chosen proposer, or 0 without one. Each field alone first (a suffix setting without
         suffix is told so before its bounds are checked), then how the fields combine."""
         check_fields(self, {"draft": check_path, "eagle": check_path, "profile": check_path,
+                            "speculative_token_map": check_path,
                             "ngram": check_bool, "suffix": check_bool, "dynamic_k": check_bool,
                             "per_request_k": check_bool, "ngram_min": partial(check_int, low=1),
                             "ngram_max": partial(check_int, low=self.ngram_min,
@@ -157,6 +160,9 @@ class SpeculativeConfig:
                             "suffix_max_spec_factor": partial(check_real, low=0, high=MAX_SPECULATIVE_TOKENS),
                             "suffix_min_token_prob": partial(check_real, low=0, high=1)})
         chosen = self.chosen_proposer()
+        if self.speculative_token_map is not None and not self.eagle:
+            raise NanospecError(f"{param('speculative_token_map')} is the vocabulary an EAGLE-1 head drafts "
+                                f"among: add {param('eagle')}")
         self.check_dynamic_k_settings()
         self.check_tree_settings(chosen)
         k_name = param("num_speculative_tokens")
@@ -426,8 +432,8 @@ class LLM:
     def load_draft_models(self, max_len: int) -> DraftModels:
         spec = self.spec
         draft = self.load_draft(spec.draft, max_len) if spec.draft else None
-        head, aux_layers = load_eagle_head(spec.eagle, self.model, self.device, self.dtype) if spec.eagle \
-            else (None, None)
+        head, aux_layers = load_eagle_head(spec.eagle, self.model, self.device, self.dtype,
+                                           spec.speculative_token_map) if spec.eagle else (None, None)
         return DraftModels(draft, head, aux_layers)
 
     @property

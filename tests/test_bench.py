@@ -5,6 +5,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks import proposers
 from benchmarks.proposers import main as proposers_main
@@ -70,15 +71,17 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     """Two sessions of three turns, each later turn the conversation so far: every row decodes the
     same tokens (the bench checks it), and the hybrid reports how it chose."""
     out = tmp_path / "proposers.json"
+    torch.save(list(range(0, 320, 2)), str(tmp_path / "map.pt"))
     args = ["--target", spec_models["target"], "--eagle", spec_models["eagle1"], "--batch-sizes", "1,2",
-            "--max-new-tokens", "12", "--max-prompts", "2", "--device", "cpu", "--out", str(out)]
+            "--max-new-tokens", "12", "--max-prompts", "2", "--device", "cpu", "--out", str(out),
+            "--speculative-token-map", str(tmp_path / "map.pt")]
     assert proposers_main(args + ["--proposers",
-                                  "plain,ngram,ngram@cold,suffix+0:6,eagle,hybrid:6,hybrid:dynamic",
+                                  "plain,ngram,ngram@cold,suffix+0:6,eagle,eagle@map,hybrid:6,hybrid:dynamic",
                               "--workload", "multiturn"]) == 0
     report = json.loads(out.read_text())
     assert report["requests"] == 6 and report["outputs_identical_across_rows"]
     rows = {(r["batch_size"], r["row"]): r for r in report["results"]}
-    assert len(rows) == 14 and all(r["generated_tokens"] == rows[(1, "plain")]["generated_tokens"]
+    assert len(rows) == 16 and all(r["generated_tokens"] == rows[(1, "plain")]["generated_tokens"]
                                    for r in rows.values())
     priced = rows[(2, "hybrid:dynamic")]
     assert priced["k"] == "dynamic" and sum(priced["hybrid_plans"].values()) > 0
@@ -98,6 +101,13 @@ def test_bench_runs_proposers_side_by_side_on_the_multiturn_workload(spec_models
     assert proposers.parse_rows(row, row_args) == [(row, "dynamic-per-request")]
     settings = proposers.row_settings(row, row_args)
     assert settings["speculative_topk"] == 3 and settings["enable_prefix_caching"] is False
+    # @map: the eagle rows that draft among --speculative-token-map's ids (only they)
+    assert proposers.row_settings("eagle@map", row_args)["speculative_token_map"] is None   # (no map given)
+    map_args = proposers.build_parser().parse_args(args + ["--proposers", "eagle,eagle@map"])
+    assert [proposers.row_settings(r, map_args)["speculative_token_map"] for r in ("eagle", "eagle@map")] == \
+        [None, str(tmp_path / "map.pt")]
+    assert proposers_main(args[:4] + ["--proposers", "eagle@map"]) != 0
+    assert "'eagle@map': @map is for an eagle row, with --speculative-token-map" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "suffix@records"]) != 0
     assert "@records is for a budget's rows" in capsys.readouterr().err
     assert proposers_main(args[:2] + ["--proposers", "hybrid"]) != 0

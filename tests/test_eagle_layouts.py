@@ -360,3 +360,40 @@ def test_variants_and_vocabularies_that_cannot_be_run_are_refused_in_one_line(ta
     (tmp_path / "h" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(NanospecError, match=match):
         LLM(target, device="cpu", dtype="float32", kv_cache_gb=0.05, eagle=str(tmp_path / "h"))
+
+
+def test_a_token_map_drafts_among_its_ids_with_the_target_heads_rows(spec_models, tmp_path):
+    """SGLang's --speculative-token-map (FR-Spec): the head's logits are the target LM head's at the
+    map's ids (the oracle: the whole head, in float64) and -inf at every other id."""
+    torch.save([7, 3, 250, 3, 41], str(tmp_path / "map.pt"))   # unsorted, one id twice: as given
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              eagle=spec_models["eagle1"], speculative_token_map=str(tmp_path / "map.pt"))
+    head, target = llm.draft_models.head, llm.model
+    hidden = torch.randn(5, target.config.hidden_size)
+    expected = torch.full((5, target.config.vocab_size), float("-inf"), dtype=torch.float64)
+    ids = [3, 7, 41, 250]
+    expected[:, ids] = (hidden.double() @ target.lm_head.weight.double().T)[:, ids]
+    torch.testing.assert_close(head.logits(hidden, target).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("content, with_head, match", [
+    ([1, 2, 3], "eagle3", "EAGLE-3 head in .* drafts over its own vocabulary .*: a token map is for EAGLE-1"),
+    ([1, 2, 3], None, "speculative_token_map is the vocabulary an EAGLE-1 head drafts among: add eagle"),
+    ([1, 2, 10**6], "eagle1", r"ids outside the target's vocabulary \[0, 320\): it was made for another"),
+    ([], "eagle1", "not a non-empty list of token ids"),
+    ([[1, 2], [3, 4]], "eagle1", "shape \\[2, 2\\], not a non-empty list of token ids"),
+    ([0.5, 1.5], "eagle1", "torch.float32 tensor .* not a non-empty list of token ids"),
+    (b"not a torch file", "eagle1", "is not a torch.save'd list or tensor of token ids .*torch.save"),
+    (None, "eagle1", "token map '/no/such/map.pt' not found: give a file of token ids or a hub path"),
+])
+def test_a_token_map_that_cannot_be_used_is_refused_in_one_line(spec_models, tmp_path, content, with_head,
+                                                                match):
+    path = "/no/such/map.pt" if content is None else str(tmp_path / "map.pt")
+    if isinstance(content, bytes):
+        (tmp_path / "map.pt").write_bytes(content)
+    elif content is not None:
+        torch.save(content if content else torch.tensor([], dtype=torch.int64), path)
+    head = dict(eagle=spec_models[with_head]) if with_head else dict(ngram=True)
+    with pytest.raises(NanospecError, match=match):
+        LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+            speculative_token_map=path, **head)

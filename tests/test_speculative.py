@@ -71,6 +71,20 @@ def test_a_head_fed_without_a_round_that_writes_nan_drafts_nothing_more(spec_mod
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("tree", [{}, dict(speculative_topk=2, speculative_num_steps=3)])
+def test_an_eagle_head_with_a_token_map_decodes_as_plain_greedy(spec_models, plain_greedy, tmp_path, tree):
+    """Drafting among a token map's ids (half the vocabulary, and the prompts' ids) changes the
+    drafts, never the output: chains and EAGLE-2 trees."""
+    torch.save(list(range(0, 320, 2)), str(tmp_path / "map.pt"))
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              eagle=spec_models["eagle1"], speculative_token_map=str(tmp_path / "map.pt"),
+              num_speculative_tokens=4, **tree)
+    outs = llm.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in outs] == [plain_greedy[p] for p in PROMPTS]
+    assert llm.stats["drafted_tokens"] > 0
+    assert_no_leak(llm)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_preemption_changes_nothing(spec_models, plain_greedy, name):
@@ -135,7 +149,8 @@ def small_vocab(tmp_path_factory):
     # then mostly K = 1 at batch 512 once the online rates show these random proposers' 0.2-0.5.
     profile = Profile([1, 512], [0, 1, 3], [[1.0, 1.0, 1.0], [1.0, 1.2, 1.5]], [0.9, 0.8, 0.7])
     profile.save(str(root / "profile.json"))
-    return {"target": target, "profile": str(root / "profile.json"),
+    torch.save([1, 2, 5, 6], str(root / "token_map.pt"))
+    return {"target": target, "profile": str(root / "profile.json"), "token_map": str(root / "token_map.pt"),
             "draft": write_checkpoint(str(root / "draft"), "llama3", seed=8, num_layers=1, model_vocab=VOCAB),
             "eagle1": write_eagle_head(str(root / "eagle1"), target, 1, seed=9),
             "eagle3": write_eagle_head(str(root / "eagle3"), target, 3, seed=10, draft_vocab=6)}
@@ -168,6 +183,7 @@ def sampled_sequence_counts(llm, sampling: dict) -> np.ndarray:
 def small_vocab_llm(small_vocab, name: str, k: int | str):
     args = {"ngram": dict(ngram=True), "draft": dict(draft=small_vocab["draft"]),
             "eagle1": dict(eagle=small_vocab["eagle1"]), "eagle3": dict(eagle=small_vocab["eagle3"]),
+            "eagle1_map": dict(eagle=small_vocab["eagle1"], speculative_token_map=small_vocab["token_map"]),
             "suffix": dict(suffix=True), "hybrid_draft": dict(suffix=True, draft=small_vocab["draft"]),
             "hybrid_eagle3": dict(suffix=True, eagle=small_vocab["eagle3"])}[name]
     if isinstance(k, int):
@@ -201,6 +217,15 @@ def check_distribution(small_vocab, name: str, k, sampling: str):
         assert len({k for per_batch in llm.stats["chosen_k"].values() for k in per_batch}) >= 2
     assert chi_square_pvalue(counts, exact_sequence_probs(small_vocab["target"], **SAMPLING[sampling])) > 1e-4
     return llm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_a_token_map_keeps_the_target_sequence_distribution(small_vocab, sampling):
+    """The same chi-square for an EAGLE-1 head that drafts among 4 of the 8 ids: its q is zero at the
+    others, which the target still samples (the residual max(p - q, 0) carries their mass)."""
+    llm = check_distribution(small_vocab, "eagle1_map", 3, sampling)
+    assert llm.draft_models.head.hot_ids.tolist() == [1, 2, 5, 6]
 
 
 @pytest.mark.slow

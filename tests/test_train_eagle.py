@@ -91,6 +91,11 @@ def test_tiny_run_lowers_loss_and_writes_a_lossless_head(spec_models, tmp_path, 
     prefix = "layers.0" if arch == "eagle1" else "midlayer"
     assert f"{prefix}.self_attn.q_proj.weight" in weights and f"{prefix}.mlp.gate_proj.weight" in weights
     assert "embed_tokens.weight" not in weights and ("d2t" in weights) == (arch == "eagle3")
+    # EAGLE-1's loss vocabulary, as a token map: 64 ids, each once, sorted
+    assert (out / "token_map.pt").exists() == (arch == "eagle1")
+    if arch == "eagle1":
+        ids = torch.load(str(out / "token_map.pt"), weights_only=True)
+        assert len(ids) == 64 and torch.equal(ids, torch.unique(ids))
     plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
     spec = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05, eagle=str(out),
                num_speculative_tokens=3)
@@ -124,6 +129,11 @@ def test_a_head_that_learned_its_data_is_accepted_by_the_engine(spec_models, tmp
                num_speculative_tokens=3)
     spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), chat=True)   # as the data were made
     assert spec.stats["mean_acceptance_length"] > 3.3, spec.stats   # of at most 4
+    if arch == "eagle1":   # drafting among the token map it wrote (its answers' ids) loses nothing here
+        mapped = LLM(spec_models["target"], device="cpu", dtype=dtype, kv_cache_gb=0.05, eagle=str(out),
+                     num_speculative_tokens=3, speculative_token_map=str(out / "token_map.pt"))
+        mapped.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), chat=True)
+        assert mapped.stats["mean_acceptance_length"] > 3.3, mapped.stats
 
 
 @pytest.mark.slow
