@@ -133,9 +133,10 @@ class Linear(nn.Linear):
 
     torch's plain CPU F.linear (x @ W.T) reads the weight in a way that suits large batches; for a
     few rows it is much slower than it could be, and its time jumps about with the row
-    count. For 1-2 rows W @ x.T (one row padded to two) is the fastest; for more, oneDNN on a copy of
-    W packed once into its blocked layout (torch.ops.mkldnn, what torch.compile's CPU freezing uses).
-    Same math, other kernels; the measurements are in docs/performance.md.
+    count. oneDNN on a copy of W packed once into its blocked layout (torch.ops.mkldnn, what
+    torch.compile's CPU freezing uses) is the fastest from 3 rows, and for 1-2 rows too where torch
+    runs AVX-512 kernels; on a CPU without them W @ x.T (one row padded to two) is faster there
+    (FEW_ROWS_BY_MKL). Same math, other kernels; the measurements are in docs/performance.md.
 
     The packed copy (as much memory again as the weight) is made on first use and remade when the
     weight changes (a new tensor or an in-place update moves the key); the weight stays the
@@ -147,7 +148,7 @@ class Linear(nn.Linear):
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
         n = x.shape[0]   # (not len(x): Tensor.__len__ runs Python code, in a hot path)
-        if x.dim() == 2 and n <= 2:
+        if x.dim() == 2 and n <= 2 and FEW_ROWS_BY_MKL:
             # rows row-major, so that rows.T is the transposed view MKL multiplies fast (not W @ a
             # row-major [K, 2]); one row is padded by cat, a single op
             rows = x.contiguous() if n == 2 else torch.cat([x, x])
@@ -166,6 +167,8 @@ class Linear(nn.Linear):
 
 
 PACKED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# 1-2 rows by MKL's W @ x.T, not the packed copy: where torch's CPU kernels are AVX2 (or less)
+FEW_ROWS_BY_MKL = not (PACKED_LINEAR and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 class Attention(nn.Module):

@@ -255,3 +255,17 @@ def test_transformers_runs_a_random_model_on_our_weights():
     ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
     assert theirs[0, len(ids):].tolist() == ours
     assert hf.model.embed_tokens.weight.data_ptr() == llm.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_few_row_linear_compares_both_ways_and_puts_the_default_back(checkpoints, tmp_path):
+    """benchmarks.few_row_linear: both 1-2 row products decode the same tokens; the module's choice is
+    left as it found it."""
+    from benchmarks import few_row_linear
+    from nanospec import model
+    default = model.FEW_ROWS_BY_MKL
+    few_row_linear.main(["--target", checkpoints["llama3"], "--batch-sizes", "1,2", "--max-new-tokens", "4",
+                         "--repeats", "2", "--out", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["batch_size"] for r in report["results"]] == [1, 2] and model.FEW_ROWS_BY_MKL == default
+    assert all(r["same_tokens"] and len(r["tokens_per_s"]["packed"]) == 2 for r in report["results"])
+    assert report["default_few_rows_by_mkl"] == default and "cpu_flags" in report

@@ -283,15 +283,18 @@ def test_hub_id_resolves_from_local_cache_offline(tmp_path, monkeypatch, checkpo
     assert checkpoint.resolve("tiny/qwen3") == str(snapshot)
 
 
+@pytest.mark.parametrize("few_rows_by_mkl", [True, False])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 64, 256, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_fast_paths_compute_x_times_w_transposed(rows, bias):
+def test_linear_fast_paths_compute_x_times_w_transposed(rows, bias, few_rows_by_mkl, monkeypatch):
+    """Both 1-2 row paths (MKL's, or the packed copy as on an AVX-512 CPU), whatever this CPU is."""
     from nanospec.model import Linear
+    monkeypatch.setattr(model_module, "FEW_ROWS_BY_MKL", few_rows_by_mkl)
     torch.manual_seed(rows)
     layer = Linear(48, 80, bias=bias)
     x = torch.randn(rows, 48)
     expected = lambda: x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
-    with torch.inference_mode():   # the fast paths: W @ x.T for 1-2 rows, the packed copy above
+    with torch.inference_mode():   # the fast paths: W @ x.T or the packed copy
         out = layer(x)
     assert out.shape == (rows, 80) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected(), rtol=1e-5, atol=1e-5)
