@@ -305,10 +305,11 @@ def main() -> None:
         return max((r["tokens_per_s"] for r in rows if r["engine"] == "nanospec" and r["mode"] == "plain"
                     and r["batch"] == batch), default=None)
     end_to_end, decode = nanospec_plain("one at a time"), nanospec_plain(DECODE_ROW)
+    from benchmarks.mixed_step_cost import cpu_flags   # the CPU's kind decides who leads
     report = {
         "what": __doc__.splitlines()[0], "command": " ".join(["python", *sys.argv]),
         "sampling": sampling(args), "torch": torch.__version__, "threads": args.threads,
-        "memory_bandwidth_gb_s": round(bandwidth, 1),
+        "cpu_flags": cpu_flags(), "memory_bandwidth_gb_s": round(bandwidth, 1),
         "bandwidths_gb_s": [round(b, 1) for b in bandwidths], "weight_bytes": weights,
         "roofline_tokens_per_s": round(roofline, 1),
         "nanospec_plain_batch1_decode_tokens_per_s": decode,
