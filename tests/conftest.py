@@ -190,7 +190,9 @@ def spec_models(tmp_path_factory):
     and random EAGLE-1 / EAGLE-3 heads for the target."""
     root = tmp_path_factory.mktemp("spec")
     target = write_checkpoint(str(root / "target"), "llama3", seed=3, num_layers=4)
+    torch.save(list(range(0, 320, 2)), str(root / "token_map.pt"))   # half the ids, for EAGLE-1
     return {"target": target, "draft": write_checkpoint(str(root / "draft"), "llama3", seed=4, num_layers=1),
+            "token_map": str(root / "token_map.pt"),
             "eagle1": write_eagle_head(str(root / "eagle1"), target, 1, seed=5),
             "eagle3": write_eagle_head(str(root / "eagle3"), target, 3, seed=6, draft_vocab=200)}
 
@@ -208,6 +210,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jum
 def proposer_args(spec_models, name: str) -> dict:
     return {"ngram": dict(ngram=True), "draft": dict(draft=spec_models["draft"]),
             "self_draft": dict(draft=spec_models["target"]), "eagle1": dict(eagle=spec_models["eagle1"]),
+            "eagle1_map": dict(eagle=spec_models["eagle1"], speculative_token_map=spec_models["token_map"]),
             "eagle3": dict(eagle=spec_models["eagle3"]), "suffix": dict(suffix=True),
             "hybrid_draft": dict(suffix=True, draft=spec_models["draft"]),
             "hybrid_eagle1": dict(suffix=True, eagle=spec_models["eagle1"]),

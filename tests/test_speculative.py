@@ -72,13 +72,11 @@ def test_a_head_fed_without_a_round_that_writes_nan_drafts_nothing_more(spec_mod
 
 
 @pytest.mark.parametrize("tree", [{}, dict(speculative_topk=2, speculative_num_steps=3)])
-def test_an_eagle_head_with_a_token_map_decodes_as_plain_greedy(spec_models, plain_greedy, tmp_path, tree):
+def test_an_eagle_head_with_a_token_map_decodes_as_plain_greedy(spec_models, plain_greedy, tree):
     """Drafting among a token map's ids (half the vocabulary, and the prompts' ids) changes the
     drafts, never the output: chains and EAGLE-2 trees."""
-    torch.save(list(range(0, 320, 2)), str(tmp_path / "map.pt"))
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
-              eagle=spec_models["eagle1"], speculative_token_map=str(tmp_path / "map.pt"),
-              num_speculative_tokens=4, **tree)
+              num_speculative_tokens=4, **proposer_args(spec_models, "eagle1_map"), **tree)
     outs = llm.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == [plain_greedy[p] for p in PROMPTS]
     assert llm.stats["drafted_tokens"] > 0
