@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 
+from benchmarks.mixed_step_cost import cpu_flags
 from nanospec.cli import add_llm_args, frozen_gc_heap, load_llm
 from nanospec.prompts import shipped_prompts
 from nanospec.sampling_params import SamplingParams
@@ -181,7 +182,8 @@ def main(argv=None) -> None:
     for c in args.concurrencies:   # warm-up: the compiled sampler's shapes of every batch size
         llm.engine.scheduler.max_num_seqs = c
         llm.generate(shipped[:c], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    report = {"command": "python -m benchmarks.serve_overhead " + " ".join(sys.argv[1:]), "loads": {}}
+    report = {"command": "python -m benchmarks.serve_overhead " + " ".join(sys.argv[1:]),
+              "cpu_flags": cpu_flags(), "loads": {}}
     with frozen_gc_heap():
         for r in range(args.rounds):
             for c in args.concurrencies:
