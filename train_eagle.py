@@ -509,7 +509,8 @@ def eagle3_loss(head, llm, batch: Batch, ttt_steps: int, vocab_weight):
 
 
 def draft_vocabulary(data, vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent tokens of the answers (target ids, ascending), for EAGLE-3."""
+    """The `size` most frequent tokens of the answers (target ids, ascending): EAGLE-3's draft vocabulary,
+    EAGLE-1's token map."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for tokens, p in zip(data["tokens"], data["prompt_lens"]):
         counts += torch.bincount(tokens[p:], minlength=vocab_size)
