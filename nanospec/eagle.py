@@ -164,6 +164,7 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     """The ids of a token map as SGLang reads one: a file of torch.save'd ids (a list or a 1-D integer
     tensor; the loader runs no pickled code), local or on the hub as OWNER/REPO/FILE. Returns them
     sorted, each once."""
+    path = os.fspath(path)
     repo, name = os.path.split(path)
     if not os.path.exists(path):
         if path.startswith((".", "/")) or repo.count("/") != 1:

@@ -10,6 +10,7 @@ reference's argmaxes (the second step checks what is fed back)."""
 import contextlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -388,7 +389,7 @@ def test_a_token_map_drafts_among_its_ids_with_the_target_heads_rows(spec_models
 ])
 def test_a_token_map_that_cannot_be_used_is_refused_in_one_line(spec_models, tmp_path, content, with_head,
                                                                 match):
-    path = "/no/such/map.pt" if content is None else str(tmp_path / "map.pt")
+    path = Path("/no/such/map.pt") if content is None else str(tmp_path / "map.pt")   # (a Path too)
     if isinstance(content, bytes):
         (tmp_path / "map.pt").write_bytes(content)
     elif content is not None:
