@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.mixed_step_cost import cpu_flags
+from benchmarks.measure import cpu_flags
 from nanospec import LLM, SamplingParams, model
 from nanospec.prompts import shipped_prompts
 

@@ -1,5 +1,6 @@
-"""Measuring helpers only the harnesses use: requests stepped past prefill, and the host proposers'
-drafting time. The profiler's own helpers (timed, greedy_requests, past_prefill) are nanospec.dynamic_k's."""
+"""Measuring helpers only the harnesses use: requests stepped past prefill, the host proposers'
+drafting time, and the CPU's flags a result is read against. The profiler's own helpers (timed,
+greedy_requests, past_prefill) are nanospec.dynamic_k's."""
 from __future__ import annotations
 
 import statistics
@@ -7,6 +8,13 @@ import time
 
 from nanospec.dynamic_k import greedy_requests, past_prefill
 from nanospec.engine import Engine
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's vector extensions (avx2, avx512f, avx512_bf16 ...): they decide the compute rate."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])
+    return sorted(f for f in flags if f.startswith(("avx", "amx")))
 
 
 def perturbed_window(corpus: list[int], length: int, rng, vocab: int) -> list[int]:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks.measure import cpu_flags
 from nanospec import LLM
 from nanospec.kv_cache import BlockTable, build_metadata
 
@@ -39,13 +40,6 @@ def milliseconds(llm: LLM, rows, repeats: int) -> float:
     for _ in range(repeats):
         forward(llm, rows)
     return (time.perf_counter() - start) / repeats * 1e3
-
-
-def cpu_flags() -> list[str]:
-    """The CPU's vector extensions (avx2, avx512f, avx512_bf16 ...): they decide the compute rate."""
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx", "amx")))
 
 
 def main(argv=None) -> int:

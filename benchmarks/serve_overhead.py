@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks.mixed_step_cost import cpu_flags
+from benchmarks.measure import cpu_flags
 from nanospec.cli import add_llm_args, frozen_gc_heap, load_llm
 from nanospec.prompts import shipped_prompts
 from nanospec.sampling_params import SamplingParams

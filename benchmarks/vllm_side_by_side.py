@@ -305,7 +305,7 @@ def main() -> None:
         return max((r["tokens_per_s"] for r in rows if r["engine"] == "nanospec" and r["mode"] == "plain"
                     and r["batch"] == batch), default=None)
     end_to_end, decode = nanospec_plain("one at a time"), nanospec_plain(DECODE_ROW)
-    from benchmarks.mixed_step_cost import cpu_flags   # the CPU's kind decides who leads
+    from benchmarks.measure import cpu_flags   # the CPU's kind decides who leads
     report = {
         "what": __doc__.splitlines()[0], "command": " ".join(["python", *sys.argv]),
         "sampling": sampling(args), "torch": torch.__version__, "threads": args.threads,

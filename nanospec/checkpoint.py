@@ -89,6 +89,11 @@ def default_model_path() -> str:
     return path
 
 
+def is_hub_id(name: str) -> bool:
+    """OWNER/NAME, as the Hugging Face hub names a repository, not a local path."""
+    return not name.startswith((".", "/")) and name.count("/") == 1
+
+
 def resolve(target: str | None, files: list[str] = HUB_FILES, what: str = "checkpoint",
             give: str = "a model folder, a .gguf file or a Hugging Face hub id like Qwen/Qwen3-0.6B") -> str:
     """A local folder or .gguf file for `target` (None: the offline default model); a hub id is
@@ -97,7 +102,7 @@ def resolve(target: str | None, files: list[str] = HUB_FILES, what: str = "check
         return default_model_path()
     if os.path.exists(target):
         return target
-    if target.endswith(".gguf") or target.startswith((".", "/")) or target.count("/") != 1:
+    if target.endswith(".gguf") or not is_hub_id(target):
         raise NanospecError(f"{what} {target!r} not found: give {give}")
     from huggingface_hub import snapshot_download   # honours HF_HUB_OFFLINE and the local cache
     try:

@@ -30,8 +30,8 @@ import warnings
 import torch
 from torch import nn
 
-from nanospec.checkpoint import (check_loadable, check_weights, for_inference, load_safetensors, pack_weights,
-                                 read_config, read_json, resolve, unpack_weights)
+from nanospec.checkpoint import (check_loadable, check_weights, for_inference, is_hub_id, load_safetensors,
+                                 pack_weights, read_config, read_json, resolve, unpack_weights)
 from nanospec.errors import NanospecError
 from nanospec.model import MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding
 
@@ -167,7 +167,7 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     path = os.fspath(path)
     repo, name = os.path.split(path)
     if not os.path.exists(path):
-        if path.startswith((".", "/")) or repo.count("/") != 1:
+        if not is_hub_id(repo):
             raise NanospecError(f"token map {path!r} not found: give a file of token ids or a hub path like "
                                 "thunlp/LLaMA3-Instruct-8B-FR-Spec/freq_32768.pt")
         path = os.path.join(resolve(repo, [name], "token map"), name)
