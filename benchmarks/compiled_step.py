@@ -5,7 +5,7 @@ step), as gpt-fast compiles its step. Engines of their own, one request each, th
 that both decoded the same tokens.
 
 The compiled forward runs nn.Linear's plain F.linear for more than two rows (inductor cannot lower
-the oneDNN packed product, model.Linear's fast path); decode steps of one row take the same W @ x.T
+the oneDNN packed product, cpu_linear.Linear's fast path); decode steps of one row take the same W @ x.T
 path in both.
 
     python -m benchmarks.compiled_step [--steps 60] [--rounds 3] [--out FILE.json]
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from nanospec import LLM, SamplingParams, model as model_module
+from nanospec import LLM, SamplingParams, cpu_linear
 from nanospec.cli import set_threads
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     set_threads(None)
     llm = LLM(device="cpu", dtype="float32")
-    model_module.PACKED_LINEAR = False   # inductor cannot lower the packed product (see the top)
+    cpu_linear.PACKED_LINEAR = False   # inductor cannot lower the packed product (see the top)
     compiled = torch.compile(llm.model, dynamic=True)
     start = time.perf_counter()
     decode(llm, compiled, 4)   # compiles (prefill and decode shapes)

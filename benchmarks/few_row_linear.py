@@ -1,5 +1,5 @@
-"""model.Linear's two ways with 1-2 rows on this CPU, side by side in one process: MKL's W @ x.T (one row
-padded to two) against oneDNN's packed copy of the weight (model.FEW_ROWS_BY_MKL True and False). The
+"""cpu_linear.Linear's two ways with 1-2 rows on this CPU, side by side in one process: MKL's W @ x.T (one row
+padded to two) against oneDNN's packed copy of the weight (cpu_linear.FEW_ROWS_BY_MKL True and False). The
 same LLM decodes the shipped prompts greedily at each batch size (1 and 2: every product of 1-2 rows;
 plain decoding), the two ways alternated, --repeats times each; reports tokens/s, the median of the
 per-repeat ratios, whether both decoded the same tokens, and the CPU's flags.
@@ -18,7 +18,7 @@ import time
 import torch
 
 from benchmarks.measure import cpu_flags
-from nanospec import LLM, SamplingParams, model
+from nanospec import LLM, SamplingParams, cpu_linear
 from nanospec.prompts import shipped_prompts
 
 WAYS = {"mkl": True, "packed": False}   # FEW_ROWS_BY_MKL
@@ -37,7 +37,7 @@ def measure(llm: LLM, batch: int, args) -> dict:
     rates, tokens = {way: [] for way in WAYS}, {}
     for repeat in range(args.repeats):
         for way in (list(WAYS) if repeat % 2 == 0 else list(WAYS)[::-1]):
-            model.FEW_ROWS_BY_MKL = WAYS[way]
+            cpu_linear.FEW_ROWS_BY_MKL = WAYS[way]
             rate, tokens[way] = tokens_per_s(llm, prompts, args.max_new_tokens)
             rates[way].append(round(rate, 2))
     ratio = statistics.median(p / m for p, m in zip(rates["packed"], rates["mkl"]))
@@ -54,13 +54,13 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    default = model.FEW_ROWS_BY_MKL
+    default = cpu_linear.FEW_ROWS_BY_MKL
     llm = LLM(args.target, device="cpu", dtype="float32", kv_cache_gb=0.3,
               max_num_seqs=max(map(int, args.batch_sizes.split(","))))
     try:
         rows = [measure(llm, int(b), args) for b in args.batch_sizes.split(",")]
     finally:
-        model.FEW_ROWS_BY_MKL = default
+        cpu_linear.FEW_ROWS_BY_MKL = default
     command = "python -m benchmarks.few_row_linear " + " ".join(sys.argv[1:] if argv is None else argv)
     report = {"command": command,
               "cpu_flags": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -1,6 +1,6 @@
 """Where a CPU decode step's time goes: SmolLM2's plain greedy decode steps at batch 1, 8 and 32
 (prompts cycled from the shipped ones, past prefill), timed whole and in three parts: the
-projections (model.Linear, lm_head included), the attention (kv_mirror.paged_attention: the K/V
+projections (cpu_linear.Linear, lm_head included), the attention (kv_mirror.paged_attention: the K/V
 kept gathered from the last pass, the pages it copies in from the pool, and SDPA; the copies split
 apart), and the rest (norms, rotation, K/V writes, SiLU, metadata, sampling, Python). Each part is timed by
 wrapping its function with a wall clock, so the parts include what a call costs from Python; the step is the
@@ -27,7 +27,7 @@ from collections import Counter
 import torch
 
 from benchmarks.measure import clocked, decoding
-from nanospec import LLM, gguf_file, model
+from nanospec import LLM, cpu_linear, gguf_file, model
 from nanospec.checkpoint import default_model_path
 from nanospec.cuda_graph import StepOptions
 from nanospec.cli import set_threads
@@ -38,7 +38,7 @@ from nanospec.tokenizer import load_tokenizer
 def timed_parts(totals: Counter):
     """Wrap Linear.forward, the attention and its copies from the pool with clocks adding into totals;
     returns undo."""
-    linear, attention, select = model.Linear.forward, model.paged_attention, torch.Tensor.index_select
+    linear, attention, select = cpu_linear.Linear.forward, model.paged_attention, torch.Tensor.index_select
 
     clock = functools.partial(clocked, totals)
     timed_attention = clock("attention", attention)
@@ -48,12 +48,12 @@ def timed_parts(totals: Counter):
         totals["keys read"] += meta.block_tables.numel() * kv_cache.block_size
         totals["keys"] += int(meta.context_lens.sum())
         return timed_attention(q, k, v, kv_cache, layer, meta, scale)
-    model.Linear.forward = clock("projections", linear)
+    cpu_linear.Linear.forward = clock("projections", linear)
     model.paged_attention = counted_attention
     # in a step, only the attention calls index_select: the pages it copies in from the pool
     torch.Tensor.index_select = clock("attention: K/V copied from the pool", select)
-    return lambda: (setattr(model.Linear, "forward", linear), setattr(model, "paged_attention", attention),
-                    delattr(torch.Tensor, "index_select"))
+    return lambda: (setattr(cpu_linear.Linear, "forward", linear),
+                    setattr(model, "paged_attention", attention), delattr(torch.Tensor, "index_select"))
 
 
 def split(llm: LLM, prompts: list[list[int]], batch: int, steps: int) -> dict:

@@ -143,6 +143,7 @@ class Step:
     logprobs: bool        # a request asked for logprobs: the verify returns its logits too
     processed: list       # (row, request) of the requests that ask for penalties or min_p
     tokens: int           # an unpadded verify's queries (a padding row has 1)
+    mode: str | Truncation | bool = "greedy"   # how it samples (StepGraphs.mode)
     tree: tuple[int, int] | None = None   # a tree step's largest depth and branching (None: chains)
     chunk: tuple[torch.Tensor, MetadataShape] | None = None   # a mixed step's prefill chunks (with_chunk)
     runs: list[tuple[int, int, int]] | None = None   # an unpadded verify's rows by query count (query_runs)
@@ -242,18 +243,14 @@ class StepGraphs:
         near its end) costs only what it verifies."""
         return self.graphed(bucket) or self.options.pad_batches
 
-    def fields(self, bucket: int) -> Fields:
-        """The per-row values of the uploaded step on the device."""
-        return Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket))
-
-    def sampling_batch(self, bucket: int, greedy: bool, truncate: Truncation | bool,
-                       batch: int | None = None) -> SamplingBatch:
-        """The rows' sampling parameters on the device; temperature and top_p arrive as the bits of
-        float64s."""
-        block = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)[:, :batch]
+    def sampling(self, bucket: int, mode: str | Truncation | bool = "greedy") -> tuple[Fields, SamplingBatch]:
+        """The per-row values of the uploaded step on the device, and a SamplingBatch of them as `mode`
+        samples (StepGraphs.mode); temperature and top_p arrive as the bits of float64s."""
+        block = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
         temperature, top_p = block[FLOATS].view(torch.float64).float()
-        fields = Fields(*block)
-        return SamplingBatch(temperature, fields.top_k, top_p, fields.seed, greedy=greedy, truncate=truncate)
+        fields, greedy = Fields(*block), mode == "greedy"
+        return fields, SamplingBatch(temperature, fields.top_k, top_p, fields.seed, greedy=greedy,
+                                     truncate=False if greedy else mode)
 
     def grow(self, k: int, probs: bool = False) -> None:
         """Make the static buffers hold a step of K = k at the largest bucket; graphs captured over
@@ -283,13 +280,15 @@ class StepGraphs:
     def upload(self, requests, num_draft: list[int], host_drafts: list[list[int]] | None = None,
                plan: Round | None = None, parents: list[list[int]] | None = None,
                tree: tuple[int, int] | None = None,
-               chunk: tuple[list[int], MetadataShape] | None = None) -> SamplingBatch:
+               chunk: tuple[list[int], MetadataShape] | None = None) -> None:
         """Pack the step's host data (a model proposer's planned round too; host drafts' trees as
-        their parent lists, a tree step's bounds: largest depth, branching) and send it in one copy;
-        returns the batch's sampling parameters on the device. chunk: a mixed step's prefill chunks
-        packed by kv_cache.pack_metadata, sent in a second copy."""
+        their parent lists, a tree step's bounds: largest depth, branching) and send it in one copy.
+        chunk: a mixed step's prefill chunks packed by kv_cache.pack_metadata, sent in a second copy."""
         batch, bucket, k = len(requests), self.bucket(len(requests)), max(num_draft)
-        self.grow(k)
+        params = [r.params for r in requests]
+        # a sampled step of a model proposer's chains: its drafts come with their probabilities
+        probs = plan is not None and not plan.tree and any(p.temperature for p in params)
+        self.grow(k, probs)
         rows, pairs = self.tables.updates([r.block_table for r in requests])
         fields = self.pack_rows(bucket, k, requests, num_draft, rows, host_drafts or (), parents, tree)
         if plan is not None:   # the round's rows: their proposer's table rows, positions and catch-ups
@@ -299,16 +298,13 @@ class StepGraphs:
             fields.draft_row[plan.rows] = draft_rows
             fields.first_position[:batch], fields.catch_up[:batch] = plan.first_position, plan.catch_up
         buf, end = self.host.numpy(), (FIELDS + k + (k + 1) * (tree is not None)) * bucket
-        buf[end:end + len(pairs)] = pairs
-        n = end + len(pairs)
-        extra = plan.host if plan else []
-        fits = n + len(extra) <= len(buf)
-        if fits:
-            buf[n:n + len(extra)] = extra
-        sent = n + fits * len(extra)
-        self.inputs[:sent].copy_(self.host[:sent], non_blocking=True)   # the one copy
-        if plan is not None:   # a round too long for the buffer (a draft's first, over whole prompts): a copy
-            plan.device = self.inputs[n:n + len(extra)] if fits else upload(list(extra), self.device)
+        n, extra = end + len(pairs), plan.host if plan else []
+        if n + len(extra) > len(buf):   # a round too long for the buffer (a draft's first, over prompts)
+            plan.device, extra = upload(extra, self.device), []   # a copy of its own
+        buf[end:n + len(extra)] = [*pairs, *extra]
+        self.inputs[:n + len(extra)].copy_(self.host[:n + len(extra)], non_blocking=True)   # the one copy
+        if extra:
+            plan.device = self.inputs[n:n + len(extra)]
         if n > end:   # most steps change no table: no launch
             # the (flat index, block id) pairs into the device tables, eagerly, before any graph of the
             # step reads them (no graph holds a pair count of its own); a scatter: no sync, where
@@ -318,25 +314,22 @@ class StepGraphs:
         self.finite.fill_(True)
         if host_drafts is not None:
             self.drafts[:bucket, :k].copy_(self.inputs[FIELDS * bucket:(FIELDS + k) * bucket].view(bucket, k))
-        params = [r.params for r in requests]
         longest = max(r.num_cached + d + 1 for r, d in zip(requests, num_draft))
         lens = [d + 1 for d in num_draft] + [1] * (bucket - batch)   # an unpadded verify's rows' queries
         if chunk is not None:   # (its host list begins with the chunks' cached counts, then their lengths)
             host, shape = chunk
             longest = max(longest, *(c + n for c, n in zip(host[:shape.batch], host[shape.batch:])))
             lens += host[shape.batch:2 * shape.batch]
-        self.step = Step(batch, bucket, k, longest=longest,
-                         probs=plan is not None and not plan.tree and any(p.temperature for p in params),
-                         logprobs=any(p.logprobs is not None for p in params),
+        truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
+            max(p.top_k for p in params), any(p.top_p < 1 for p in params),
+            all(p.top_k for p in params if p.top_p < 1))
+        self.step = Step(batch, bucket, k, longest=longest, mode=self.mode(params, truncate, bucket),
+                         probs=probs, logprobs=any(p.logprobs is not None for p in params),
                          processed=[(b, r) for b, r in enumerate(requests) if r.params.processed],
                          tokens=sum(num_draft) + bucket,
                          tree=tree, chunk=chunk and (upload(chunk[0], self.device), chunk[1]),
                          # only the unpadded forward reads them (a padded one gives every row K + 1)
                          runs=query_runs(lens) if chunk or not self.padded(bucket) else None)
-        truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
-            max(p.top_k for p in params), any(p.top_p < 1 for p in params),
-            all(p.top_k for p in params if p.top_p < 1))
-        return self.sampling_batch(bucket, all(p.temperature == 0 for p in params), truncate, batch)
 
     def pack_rows(self, bucket: int, k: int, requests=(), num_draft=(), rows=(), host_drafts=(),
                   parents=None, tree=None) -> Fields:
@@ -378,26 +371,24 @@ class StepGraphs:
         """A tree step's parent lists on the device, [bucket, k + 1] (pack_rows)."""
         return self.inputs[(FIELDS + k) * bucket:(FIELDS + 2 * k + 1) * bucket].view(bucket, k + 1)
 
-    def mode(self, sampling: SamplingBatch, bucket: int):
-        """How a step samples: "greedy", or its truncation (under a graph or a compiled sampler: any
-        truncation or none, a shape-independent choice)."""
-        if sampling.greedy:
+    def mode(self, params: list, truncate: Truncation | bool, bucket: int) -> str | Truncation | bool:
+        """How a step samples: "greedy" (every request is), or its truncation (under a graph or a
+        compiled sampler: any truncation or none, a shape-independent choice)."""
+        if all(p.temperature == 0 for p in params):
             return "greedy"
-        return bool(sampling.truncate) if self.graphed(bucket) or self.sampler.compiled else sampling.truncate
+        return bool(truncate) if self.graphed(bucket) or self.sampler.compiled else truncate
 
     @torch.inference_mode()
-    def run_round(self, plan: Round, sampling: SamplingBatch) -> None:
+    def run_round(self, plan: Round) -> None:
         """A model proposer's round: the catch-up step eagerly, then steps 2..K (a graph); or, where
         every row's catch-up is short (a draft model's steady state), the whole round as one graph."""
         step = self.step
-        if step.probs:
-            self.grow(step.k, probs=True)
         # plan.k: its own rows' most drafts (<= the step's K)
-        key = GraphKey("round", step.bucket, plan.k, self.mode(sampling, step.bucket), step.probs)
+        key = GraphKey("round", step.bucket, plan.k, step.mode, step.probs)
         if plan.shape.max_q <= self.proposer.graphed_catch_up and not plan.tree:
             self.replay(dataclasses.replace(key, with_first=True), plan.width)
             return
-        fields = self.fields(step.bucket)
+        fields, sampling = self.sampling(step.bucket, step.mode)
         shape, block_size = plan.shape, self.proposer.kv_cache.block_size
         meta_size = 2 * shape.batch + shape.extra
         rows = plan.device[meta_size:meta_size + shape.batch]
@@ -423,14 +414,14 @@ class StepGraphs:
             self.replay(key, plan.width)
 
     @torch.inference_mode()
-    def run(self, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The verification of the uploaded step's drafts. Returns [bucket, K + 3] (Verified; a tree
         step's [bucket, 2K + 3], its accepted paths too), the
         target's features for EAGLE ([bucket * (K + 1), F], request b's at rows b * (K + 1) ...)
         and, where a request asked for logprobs, the target's raw logits at each row's K + 1
         queries ([bucket, K + 1, vocab], from an eager step; else None)."""
         step = self.step
-        key = GraphKey("verify", step.bucket, step.k, self.mode(sampling, step.bucket), step.probs,
+        key = GraphKey("verify", step.bucket, step.k, step.mode, step.probs,
                        eager_tail=step.logprobs or bool(step.processed), tree=step.tree is not None,
                        mixed=step.chunk is not None)
         return self.replay(key, self.kv_cache.allocator.blocks_for(step.longest))
@@ -497,11 +488,6 @@ class StepGraphs:
         self.inputs[:n].copy_(self.host[:n], non_blocking=True)
         self.drafts.zero_()
 
-    def sampling(self, key: GraphKey) -> tuple[Fields, SamplingBatch]:
-        """The per-row values on the device, and a SamplingBatch of them as `key` samples."""
-        greedy = key.mode == "greedy"
-        return self.fields(key.bucket), self.sampling_batch(key.bucket, greedy, False if greedy else key.mode)
-
     def tree_bounds(self, key: GraphKey) -> tuple[int, int]:
         """The largest depth and branching a tree step's walk covers: the step's own (from the host)
         where it runs eagerly, K for both under a graph (any tree of K nodes fits)."""
@@ -518,7 +504,7 @@ class StepGraphs:
         b * (K + 1) ...; else None) and pick: [T, ...] -> [bucket, K + 1, ...], each row's K + 1
         queries (past its last real query, its last again)."""
         bucket, q_len = key.bucket, key.k + 1
-        fields = self.fields(bucket)
+        fields, _ = self.sampling(bucket)
         cached, num_draft = fields.cached, fields.num_draft
         tables = self.tables.tables[fields.table_row, :width]
         input_ids = torch.cat([fields.last[:, None], self.drafts[:bucket, :key.k]], dim=1).flatten()  # by row
@@ -572,7 +558,7 @@ class StepGraphs:
     def verify_tail(self, key: GraphKey, hidden: torch.Tensor, features: torch.Tensor | None, pick):
         """The verification's second part: the LM head, the logits' processing where the step has
         it (an eager tail: see replay), acceptance and sampling. Returns what run() returns."""
-        fields, sampling = self.sampling(key)
+        fields, sampling = self.sampling(key.bucket, key.mode)
         drafts = self.drafts[:key.bucket, :key.k]
         logits = self.model.logits(hidden)[:, :self.vocab]
         eager = key.eager_tail
@@ -614,7 +600,7 @@ class StepGraphs:
         d_{i-1} at the row's next position (d_1's plus i - 2) and draws d_i. A row past its own K
         drafts on at position 0 into the sink block; its drafts there are never verified."""
         bucket = key.bucket
-        fields, sampling = self.sampling(key)
+        fields, sampling = self.sampling(key.bucket, key.mode)
         block_size = self.proposer.kv_cache.block_size
         rows = torch.arange(bucket, device=self.device)
         tables = self.draft_tables.tables[fields.draft_row, :width]

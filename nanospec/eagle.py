@@ -33,7 +33,8 @@ from torch import nn
 from nanospec.checkpoint import (check_loadable, check_weights, for_inference, is_hub_id, load_safetensors,
                                  pack_weights, read_config, read_json, resolve, unpack_weights)
 from nanospec.errors import NanospecError
-from nanospec.model import MLP, Attention, Linear, ModelConfig, RMSNorm, RotaryEmbedding
+from nanospec.cpu_linear import Linear
+from nanospec.model import MLP, Attention, ModelConfig, RMSNorm, RotaryEmbedding
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:

@@ -140,21 +140,16 @@ class Scheduler:
         return Batch(chosen, lens, is_prefill=False) if chosen else None
 
     def preempt(self, req: Request) -> None:
-        self.finish(req)   # freed as a finished request is, then back to the front of the queue
+        self.remove([req])   # freed as a finished request is, then back to the front of the queue
         req.num_cached = 0
         self.waiting.appendleft(req)
         self.stats.preemptions += 1
 
-    def finish(self, req: Request) -> None:
-        """Free req's blocks and proposer state and take it out of running, found by identity
-        (list.remove would compare every Request's fields, token lists included, with req's)."""
-        self.allocator.release(req.block_table)
-        self.on_free(req)
-        del self.running[next(i for i, r in enumerate(self.running) if r is req)]
-
     def remove(self, requests: list[Request]) -> None:
-        """Take requests out wherever they are (waiting, running or finished) and free their blocks;
-        what a failed or interrupted call leaves behind goes this way."""
+        """Take requests out wherever they are (waiting, running or finished) and free their blocks
+        and proposer state: a finished or preempted request, and what a failed or interrupted call
+        leaves behind. Found by identity (`in` would compare every Request's fields, token lists
+        included)."""
         gone = {id(r) for r in requests}
         self.running[:] = [r for r in self.running if id(r) not in gone]
         self.waiting = deque(r for r in self.waiting if id(r) not in gone)
@@ -247,8 +242,7 @@ class Engine:
         one: the benchmark's rows and the profiler's measurements run on twins."""
         cache, scheduler = self.kv_cache, self.scheduler
         num_blocks = num_kv_blocks or cache.allocator.num_blocks
-        if proposer is None and self.proposer is not None:
-            proposer = self.proposer.twin(num_blocks)
+        proposer = proposer or (self.proposer and self.proposer.twin(num_blocks))
         twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
                       cache.block_size, max_num_seqs or scheduler.max_num_seqs,
                       scheduler.max_num_batched_tokens, False, proposer, k_policy,
@@ -336,13 +330,27 @@ class Engine:
 
     def prefilled(self, batch: Batch, features: torch.Tensor | None = None):
         """After the forward that cached a batch of prefill chunks (its own, or a mixed step's): count
-        them cached, check their K/V; each request's results (its features' rows, for EAGLE)."""
-        for req, n in zip(batch.requests, batch.query_lens):
+        them cached and check their K/V finite (a prefill has no logits to tell; one read of the
+        blocks they wrote, one sync), then, with prefix caching, publish the full blocks they
+        completed, so that requests admitted after them find them. A request whose chunk wrote NaN /
+        inf fails now (NonFiniteLogits: the caches are cleared), not at its first decode step: left
+        until then, its blocks would go back to the pool with their NaN if it were preempted or
+        aborted first, and a request given them would read those slots masked (0 * NaN is NaN).
+        Returns each request's results (its features' rows, for EAGLE)."""
+        reqs, lens, size = batch.requests, batch.query_lens, self.kv_cache.block_size
+        written = [r.block_table[r.num_cached // size:-(-(r.num_cached + n) // size)]   # the chunks' blocks
+                   for r, n in zip(reqs, lens)]
+        for req, n in zip(reqs, lens):
             req.num_cached += n
-        self.check_prefilled(batch.requests, batch.query_lens)
+        finite = lambda blocks: bool(torch.isfinite(self.kv_cache.pool[:, :, blocks]).all())   # noqa: E731
+        if not finite([b for bs in written for b in bs]):
+            raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer, "K/V"))
+                                   for r, bs in zip(reqs, written) if not finite(bs)])
+        for req in reqs:   # (without prefix caching, publishing is nothing)
+            self.publish(req)
         self.stats.prefill_steps += 1
-        rows = [None] * len(batch.requests) if features is None else features.split(batch.query_lens)
-        return [(r, [], f) for r, f in zip(batch.requests, rows)]
+        rows = [None] * len(reqs) if features is None else features.split(lens)
+        return [(r, [], f) for r, f in zip(reqs, rows)]
 
     @torch.inference_mode()
     def run_verify(self, batch: Batch):
@@ -362,11 +370,11 @@ class Engine:
         if chunk and (proposal.tree is not None or (self.proposer and self.proposer.needs_features)):
             chunk, prefilled = None, self.run_prefill(chunk)
         steps = self.step_graphs
-        sampling = steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round,
-                                proposal.parents, proposal.tree, chunk and pack_metadata(*chunk_rows(chunk)))
+        steps.upload(reqs, proposal.num_draft, proposal.host_drafts, proposal.round, proposal.parents,
+                     proposal.tree, chunk and pack_metadata(*chunk_rows(chunk)))
         if proposal.round:   # a model proposer's draft steps, on the device
-            steps.run_round(proposal.round, sampling)
-        out, features, logits = steps.run(sampling)
+            steps.run_round(proposal.round)
+        out, features, logits = steps.run()
         rows = Verified.rows(out[:len(reqs)], tree=proposal.tree is not None)   # the one copy back
         if any(v.non_finite for v in rows):
             raise NonFiniteLogits([(r, non_finite_error(r, v.non_finite, self.proposer))
@@ -448,8 +456,7 @@ class Engine:
         req.num_cached = min(req.num_cached, len(req.tokens) - 1)
         self.kv_cache.allocator.truncate(req.block_table, req.num_cached)
         if self.proposer:
-            if features is not None:
-                self.proposer.observe(req, features)
+            self.proposer.observe(req, features)
             self.proposer.rollback(req)
 
     def publish(self, req: Request) -> None:
@@ -458,35 +465,17 @@ class Engine:
         positions, up to the last committed token, which is never cached."""
         self.kv_cache.allocator.publish(req.block_table, req.tokens, min(req.num_cached, len(req.tokens) - 1))
 
-    def check_prefilled(self, reqs: list[Request], lens: list[int]) -> None:
-        """A prefill chunk's K/V checked finite (a prefill has no logits to tell; one read of the
-        blocks it wrote, one sync), then, with prefix caching, the full blocks it completed published
-        so that requests admitted after it find them. A request whose chunk wrote NaN / inf fails now
-        (NonFiniteLogits: the caches are cleared), not at its first decode step: left until then, its
-        blocks would go back to the pool with their NaN if it were preempted or aborted first, and a
-        request given them would read those slots masked (0 * NaN is NaN)."""
-        size = self.kv_cache.block_size
-        written = [r.block_table[(r.num_cached - n) // size:-(-r.num_cached // size)]   # the chunk's blocks
-                   for r, n in zip(reqs, lens)]
-        finite = lambda blocks: bool(torch.isfinite(self.kv_cache.pool[:, :, blocks]).all())   # noqa: E731
-        if not finite([b for bs in written for b in bs]):
-            raise NonFiniteLogits([(r, non_finite_error(r, 1, self.proposer, "K/V"))
-                                   for r, bs in zip(reqs, written) if not finite(bs)])
-        for req in reqs:   # (without prefix caching, publishing is nothing)
-            self.publish(req)
-
     def finish(self, req: Request, reason: str, drop_last: bool = False,
                features: torch.Tensor | None = None) -> None:
         req.finish_reason = reason
         if self.proposer:
-            if features is not None:
-                self.proposer.observe(req, features)
+            self.proposer.observe(req, features)
             self.proposer.finished(req)
         if req.text is None:   # a stop string already set it ("" included)
             ids = req.output_ids[:-1] if drop_last else req.output_ids
             req.text = self.tokenizer.output_text(ids, req.params.skip_special_tokens)
         self.publish(req)   # every finish follows a decode step (prefill emits no token)
-        self.scheduler.finish(req)
+        self.scheduler.remove([req])
         self.k_policy.forget(req)
 
     def run_to_completion(self, on_step=None) -> None:

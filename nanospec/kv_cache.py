@@ -108,9 +108,8 @@ class BlockAllocator:
             raise OutOfBlocks(f"need {needed} blocks, {self.num_free} free")
         for _ in range(needed):
             block, _ = self.free_blocks.popitem(last=False)
-            key = self.key_of.pop(block, None)   # evicted (unpublished): its K/V is about to be overwritten
-            if key is not None:
-                del self.published[key]
+            # evicted (unpublished, if it was published): its K/V is about to be overwritten
+            self.published.pop(self.key_of.pop(block, None), None)
             self.refs[block] = 1
             block_table.append(block)
 

@@ -5,7 +5,8 @@ RMSNorm on each head of q and k, Llama 3.x may scale RoPE ("llama3" rope_scaling
 small Qwens tie the LM head to the embeddings. Parameter names follow the Hugging Face checkpoint
 keys, except that q/k/v and gate/up are packed into one matrix each (`qkv_proj`, `gate_up_proj`;
 checkpoint.pack_weights): one matmul instead of three or two, which is what a memory-bound decode
-step wants.
+step wants. Each projection is a cpu_linear.Linear: an nn.Linear with a CPU fast path for the few
+rows of a decode step.
 
 The forward pass takes a flat batch of new tokens from many requests, each token with its own
 position, and reads and writes K/V through the paged cache (kv_cache.py): a prefill chunk, a
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from nanospec import triton_attention
+from nanospec.cpu_linear import Linear
 from nanospec.kv_cache import AttentionMetadata, KVCache
 from nanospec.kv_mirror import paged_attention
 
@@ -126,49 +128,6 @@ class RotaryEmbedding(nn.Module):
         x32 = x.float()
         x1, x2 = x32.chunk(2, dim=-1)
         return (x32 * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """nn.Linear with CPU fast paths for inference on the few rows of a decode or verify step.
-
-    torch's plain CPU F.linear (x @ W.T) reads the weight in a way that suits large batches; for a
-    few rows it is much slower than it could be, and its time jumps about with the row
-    count. oneDNN on a copy of W packed once into its blocked layout (torch.ops.mkldnn, what
-    torch.compile's CPU freezing uses) is the fastest from 3 rows, and for 1-2 rows too where torch
-    runs AVX-512 kernels; on a CPU without them W @ x.T (one row padded to two) is faster there
-    (FEW_ROWS_BY_MKL). Same math, other kernels; the measurements are in docs/performance.md.
-
-    The packed copy (as much memory again as the weight) is made on first use and remade when the
-    weight changes (a new tensor or an in-place update moves the key); the weight stays the
-    parameter (state_dict, training and the GPU see a plain nn.Linear). Anything that needs a
-    gradient, other dtypes and devices take F.linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32 or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            return super().forward(x)
-        n = x.shape[0]   # (not len(x): Tensor.__len__ runs Python code, in a hot path)
-        if x.dim() == 2 and n <= 2 and FEW_ROWS_BY_MKL:
-            # rows row-major, so that rows.T is the transposed view MKL multiplies fast (not W @ a
-            # row-major [K, 2]); one row is padded by cat, a single op
-            rows = x.contiguous() if n == 2 else torch.cat([x, x])
-            out = (self.weight @ rows.T).T[:n]
-            return out if self.bias is None else out + self.bias
-        if not PACKED_LINEAR:
-            return super().forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
-
-    def packed_weight(self) -> torch.Tensor:
-        key = (self.weight.data_ptr(), self.weight._version)
-        if getattr(self, "_packed", (None,))[0] != key:
-            with torch.inference_mode(False), torch.no_grad():   # a normal tensor, usable in any mode
-                self._packed = key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        return self._packed[1]
-
-
-PACKED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# 1-2 rows by MKL's W @ x.T, not the packed copy: where torch's CPU kernels are AVX2 (or less)
-FEW_ROWS_BY_MKL = not (PACKED_LINEAR and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 class Attention(nn.Module):

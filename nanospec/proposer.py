@@ -95,8 +95,9 @@ class Proposer:
     def features(self, hidden: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor | None:
         return None
 
-    def observe(self, request, features: torch.Tensor) -> None:
-        pass
+    def observe(self, request, features: torch.Tensor | None) -> None:
+        """The target's features at the request's newly cached positions (None: the proposer reads
+        none, needs_features False)."""
 
     def rollback(self, request) -> None:
         pass

@@ -402,7 +402,7 @@ def rotate_and_store(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: 
     [num_blocks, block_size, kv_heads, head_dim].
     Returns the rotated queries [T, heads, head_dim], contiguous as the attention kernel reads them.
     qk and v may be any strided views of the qkv product (row views of it on a GPU; on a CPU, under
-    the interpreter, model.Linear's few-row product is a transposed view); the reference is
+    the interpreter, cpu_linear.Linear's few-row product is a transposed view); the reference is
     RotaryEmbedding.rotate then kv_cache.write_kv. q_norm, k_norm [head_dim] (with eps): each query
     and key head RMSNorm'd first, as Qwen3 does (model.rms_norm)."""
     tokens, both, head_dim = qk.shape

@@ -261,11 +261,11 @@ def test_few_row_linear_compares_both_ways_and_puts_the_default_back(checkpoints
     """benchmarks.few_row_linear: both 1-2 row products decode the same tokens; the module's choice is
     left as it found it."""
     from benchmarks import few_row_linear
-    from nanospec import model
-    default = model.FEW_ROWS_BY_MKL
+    from nanospec import cpu_linear
+    default = cpu_linear.FEW_ROWS_BY_MKL
     few_row_linear.main(["--target", checkpoints["llama3"], "--batch-sizes", "1,2", "--max-new-tokens", "4",
                          "--repeats", "2", "--out", str(tmp_path / "r.json")])
     report = json.loads((tmp_path / "r.json").read_text())
-    assert [r["batch_size"] for r in report["results"]] == [1, 2] and model.FEW_ROWS_BY_MKL == default
+    assert [r["batch_size"] for r in report["results"]] == [1, 2] and cpu_linear.FEW_ROWS_BY_MKL == default
     assert all(r["same_tokens"] and len(r["tokens_per_s"]["packed"]) == 2 for r in report["results"])
     assert report["default_few_rows_by_mkl"] == default and "cpu_flags" in report

@@ -89,8 +89,8 @@ def test_padded_step_equals_unpadded(model, seed):
         expected = unpadded_logits(model, reference_cache, reqs, drafts)
         steps = cuda_graph.StepGraphs(model, cache, vocab, 40, 200, CPU, Sampler(compile=False),
                                       LogitsOut(model), options=PADDED)
-        sampling = steps.upload(reqs, [len(d) for d in drafts], drafts)
-        out, logits, _ = steps.run(sampling)
+        steps.upload(reqs, [len(d) for d in drafts], drafts)
+        out, logits, _ = steps.run()
     q_len = max(len(d) for d in drafts) + 1
     assert out.shape[0] == steps.bucket(batch) and logits.shape[0] == steps.bucket(batch) * q_len
     for b, (r, d) in enumerate(zip(reqs, drafts)):
@@ -274,8 +274,8 @@ def test_graph_bodies_run_twice_equal_the_eager_step(spec_models, monkeypatch, n
         steps, rounds = llm.engine.step_graphs, []
         real_run_round = steps.run_round
 
-        def run_round(plan, sampling):   # every round's drafts and draft probabilities, as drawn
-            real_run_round(plan, sampling)
+        def run_round(plan):   # every round's drafts and draft probabilities, as drawn
+            real_run_round(plan)
             rounds.append([None if t is None else t.clone() for t in (steps.drafts, steps.draft_probs)])
         monkeypatch.setattr(steps, "run_round", run_round)
         out = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]

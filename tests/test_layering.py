@@ -15,8 +15,8 @@ ABOVE = ("benchmarks", "tools")   # the folders of harnesses and utilities besid
 # Layer by layer, lowest first: a module may import the modules of the layers before its own.
 LAYERS = [
     {"errors", "stats"},
-    {"kv_cache", "triton_attention", "sampler", "gguf_file", "prompts", "estimators", "k_policy",
-     "chat_template", "sampling_params"},
+    {"kv_cache", "cpu_linear", "triton_attention", "sampler", "gguf_file", "prompts", "estimators",
+     "k_policy", "chat_template", "sampling_params"},
     {"kv_mirror", "request", "logits_processors", "tree"},
     {"model", "proposer"},
     {"checkpoint", "suffix"},

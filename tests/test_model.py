@@ -288,10 +288,10 @@ def test_hub_id_resolves_from_local_cache_offline(tmp_path, monkeypatch, checkpo
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_fast_paths_compute_x_times_w_transposed(rows, bias, few_rows_by_mkl, monkeypatch):
     """Both 1-2 row paths (MKL's, or the packed copy as on an AVX-512 CPU), whatever this CPU is."""
-    from nanospec.model import Linear
-    monkeypatch.setattr(model_module, "FEW_ROWS_BY_MKL", few_rows_by_mkl)
+    from nanospec import cpu_linear
+    monkeypatch.setattr(cpu_linear, "FEW_ROWS_BY_MKL", few_rows_by_mkl)
     torch.manual_seed(rows)
-    layer = Linear(48, 80, bias=bias)
+    layer = cpu_linear.Linear(48, 80, bias=bias)
     x = torch.randn(rows, 48)
     expected = lambda: x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
     with torch.inference_mode():   # the fast paths: W @ x.T or the packed copy

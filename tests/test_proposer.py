@@ -39,8 +39,8 @@ def record_proposals(llm):
         pending[:] = [(list(r.tokens), k) for r, k in zip(requests, ks)]
         return prepare(requests, ks)
 
-    def spy_round(plan, sampling):
-        run_round(plan, sampling)
+    def spy_round(plan):
+        run_round(plan)
         drafts = engine.step_graphs.drafts
         calls.extend((tokens, drafts[b, :k].tolist()) for b, (tokens, k) in enumerate(pending) if k)
     engine.proposer.prepare, engine.step_graphs.run_round = spy_prepare, spy_round

@@ -79,7 +79,7 @@ def test_finish_and_remove_return_every_block():
     s.waiting.extend(reqs)
     prefill_all(s)
     s.waiting.append(extra := request(3, 5))
-    s.finish(reqs[0])
+    s.remove([reqs[0]])
     s.remove([reqs[1], extra])
     s.remove([reqs[1]])                   # again: nothing left to free, no error
     assert s.running == [reqs[2]] and not s.waiting

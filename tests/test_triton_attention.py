@@ -123,7 +123,7 @@ def check(device, dtype, tol):
 
 # rotate_and_store against the model's rotation and write_kv, bit for bit: the rotated queries and
 # the whole pages (so a wrong slot or head shows), qk as the qkv product's row view (Llama on a
-# GPU), contiguous (Qwen3's normed heads) or a column-major view (model.Linear's few rows on a CPU).
+# GPU), contiguous (Qwen3's normed heads) or a column-major view (cpu_linear.Linear's few rows on a CPU).
 ROTATE_CHECK = r"""
 import torch
 from nanospec.kv_cache import write_kv
@@ -135,7 +135,7 @@ g = torch.Generator().manual_seed(1)
 def inputs(device, dtype, heads, kv_heads, dim, tokens, layout):
     # qk and v as views of one qkv product, rotary tables, pages and distinct slots
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(device=device, dtype=dtype) * 3
-    if layout == "transposed":   # model.Linear's few-row product on a CPU: a column-major view
+    if layout == "transposed":   # cpu_linear.Linear's few-row product on a CPU: a column-major view
         qkv = qkv.T.contiguous().T
     qk = qkv[:, :(heads + kv_heads) * dim].unflatten(1, (heads + kv_heads, dim))
     v = qkv[:, (heads + kv_heads) * dim:].unflatten(1, (kv_heads, dim))
