@@ -14,7 +14,7 @@ import torch
 import triton.testing
 
 
-from nanospec.bench import copy_bandwidth
+from benchmarks.measure import time_copy
 
 SHAPES = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672),
           "down_proj": (14336, 4096), "lm_head": (4096, 128256)}   # (in, out)
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--out")
     args = ap.parse_args()
-    bandwidth, rows = copy_bandwidth(torch.device("cuda"), 1024), []   # the GPU check's own measure
+    bandwidth, rows = time_copy(torch.device("cuda"), 1024)[0], []   # the GPU check's own measure
     for library in ("cublaslt", "cublas"):
         torch.backends.cuda.preferred_blas_library(library)
         for name, (k, n) in SHAPES.items():

@@ -70,12 +70,11 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.measure import decoding, drafting_seconds, perturbed_window
+from benchmarks.measure import decoding, drafting_seconds, kernel_seconds, perturbed_window, time_copy
 from benchmarks.per_token_attention import paged_attention_tokens
 from benchmarks.step_ops import count_step_ops
 from nanospec import kv_cache, triton_attention
-from nanospec.bench import (kernel_seconds, oracle_proposer, time_copy, time_transformers, transformers_model,
-                            weight_bytes)
+from nanospec.bench import oracle_proposer, time_transformers, transformers_model, weight_bytes
 from nanospec.cli import log as log_line, parser
 from nanospec.dynamic_k import device_name, sync, timed
 from nanospec.sampling_params import SamplingParams

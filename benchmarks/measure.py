@@ -1,13 +1,48 @@
-"""Measuring helpers only the harnesses use: requests stepped past prefill, the host proposers'
-drafting time, and the CPU's flags a result is read against. The profiler's own helpers (timed,
+"""Measuring helpers only the harnesses use: a kernel's and a copy's time by the device's own timers,
+requests stepped past prefill, the host proposers' drafting time, and the CPU's flags a result is
+read against. The profiler's own helpers (timed,
 greedy_requests, past_prefill) are nanospec.dynamic_k's."""
 from __future__ import annotations
 
 import statistics
 import time
 
+import torch
+
 from nanospec.dynamic_k import greedy_requests, past_prefill
 from nanospec.engine import Engine
+
+
+def kernel_seconds(device: torch.device, run, launches: int = 20) -> tuple[float, str]:
+    """Seconds one call of run() takes, over many launches, and the timer's name: on CUDA
+    triton.testing.do_bench (CUDA events, the L2 cache cleared between launches, the median), or
+    CUDA events around `launches` calls where Triton cannot run; on a CPU a perf_counter loop."""
+    run()   # warm-up: a kernel's compile
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+            return do_bench(run, warmup=25, rep=100, return_mode="median") / 1000, "triton.testing.do_bench"
+        except Exception:   # no triton, or one that cannot build its launcher: CUDA events alone
+            pass
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000 / launches, f"cuda events over {launches} launches"
+    start = time.perf_counter()
+    for _ in range(launches):
+        run()
+    return (time.perf_counter() - start) / launches, f"perf_counter over {launches} calls"
+
+
+def time_copy(device: torch.device, megabytes: int) -> tuple[float, str]:
+    """Bytes per second a device-to-device copy reads and writes, and the timer's name."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds, timer = kernel_seconds(device, lambda: dst.copy_(src), launches=5)
+    return 2 * src.numel() / seconds, timer
 
 
 def cpu_flags() -> list[str]:

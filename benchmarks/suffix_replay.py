@@ -127,7 +127,7 @@ def replay_rule(trace: list[dict], rule: str, rule_name: str, cost: float, min_t
                 draft = ngram.lookup(request.tokens, 4)
             else:
                 draft = (suffix.propose([request], [16]).host_drafts[0] if priced
-                         else suffix.draft(request, 16).tokens)
+                         else suffix.drafts([request], [16])[0].tokens)
             accepted = 0
             while (accepted < len(draft) and pos + accepted < len(tokens)
                    and draft[accepted] == tokens[pos + accepted]):

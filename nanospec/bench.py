@@ -21,13 +21,13 @@ import json
 import os
 import platform
 import sys
-import time
 
 import torch
 
 from nanospec import checkpoint
 from nanospec.checkpoint import unpack_weights
-from nanospec.cli import Progress, add_model_args, add_proposer_args, int_list, load_llm, parser
+from nanospec.cli import (Progress, add_model_args, add_proposer_args, int_list, load_llm, parser,
+                          proposer_given)
 from nanospec.dynamic_k import DynamicK, Profile, device_name, greedy_requests, timed
 from nanospec.engine import Engine
 from nanospec.errors import NanospecError, check_int, run_command
@@ -107,40 +107,13 @@ def time_transformers(model, prompt_ids: list[list[int]], batch_size: int, max_n
 
 # ---- the roofline: bytes a plain step reads, over the device's measured copy bandwidth -------------------
 
-def kernel_seconds(device: torch.device, run, launches: int = 20) -> tuple[float, str]:
-    """Seconds one call of run() takes, over many launches, and the timer's name: on CUDA
-    triton.testing.do_bench (CUDA events, the L2 cache cleared between launches, the median), or
-    CUDA events around `launches` calls where Triton cannot run; on a CPU a perf_counter loop."""
-    run()   # warm-up: a kernel's compile
-    if device.type == "cuda":
-        try:
-            from triton.testing import do_bench
-            return do_bench(run, warmup=25, rep=100, return_mode="median") / 1000, "triton.testing.do_bench"
-        except Exception:   # no triton, or one that cannot build its launcher: CUDA events alone
-            pass
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(launches):
-            run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000 / launches, f"cuda events over {launches} launches"
-    start = time.perf_counter()
-    for _ in range(launches):
-        run()
-    return (time.perf_counter() - start) / launches, f"perf_counter over {launches} calls"
-
-
-def time_copy(device: torch.device, megabytes: int) -> tuple[float, str]:
-    """Bytes per second a device-to-device copy reads and writes, and the timer's name."""
+def copy_bandwidth(device: torch.device, megabytes: int) -> float:
+    """Bytes per second a device-to-device copy reads and writes: 5 copies after a warm-up
+    (benchmarks/measure.time_copy is the GPU check's, with CUDA's own timers)."""
     src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds, timer = kernel_seconds(device, lambda: dst.copy_(src), launches=5)
-    return 2 * src.numel() / seconds, timer
-
-
-def copy_bandwidth(device: torch.device, megabytes: int) -> float:
-    return time_copy(device, megabytes)[0]
+    dst.copy_(src)
+    return 2 * 5 * src.numel() / timed(device, lambda: [dst.copy_(src) for _ in range(5)])[1]
 
 
 def weight_bytes(model) -> int:
@@ -329,10 +302,6 @@ def check_args(args) -> tuple[list[int], list, int]:
                             "--eagle PATH, --ngram, --suffix or --oracle (or --ks 0 for plain decoding)")
     largest = MAX_SPECULATIVE_TOKENS if args.suffix else DEFAULT_DYNAMIC_MAX_K   # as LLM's default K
     return batch_sizes, ks, max((k for k in ks if k not in DYNAMIC_ROWS), default=0) or largest
-
-
-def proposer_given(args):
-    return args.draft or args.eagle or args.ngram or args.suffix
 
 
 def prompt_rows(args) -> list[dict]:

@@ -46,6 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 
+import numpy as np
+
 from nanospec.cli import log, parser
 from nanospec.errors import NanospecError, run_command
 from nanospec.prompts import by_category_in_turn, read_prompts_file, shipped_prompts
@@ -296,13 +298,8 @@ def run_sessions(client: Client, body: dict, sessions: list,
 def percentiles(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    s = sorted(values)
-
-    def at(q):   # linear interpolation, as numpy's default
-        x = q * (len(s) - 1)
-        lo = int(x)
-        return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
-    return {"mean": sum(s) / len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": s[-1]}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()   # linear interpolation
+    return {"mean": sum(values) / len(values), "p50": p50, "p90": p90, "p99": p99, "max": max(values)}
 
 
 def summarize(results: list[Result], duration: float, before: dict, after: dict) -> dict:

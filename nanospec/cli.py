@@ -41,9 +41,8 @@ class Progress:
     """`label: i/n (elapsed, about N s left)` on stderr, one line per step, the estimate from the
     steps so far."""
 
-    def __init__(self, label: str, total: int, stream=None):
+    def __init__(self, label: str, total: int):
         self.label, self.total, self.done, self.start = label, total, 0, time.perf_counter()
-        self.stream = stream or sys.stderr
 
     def step(self, what: str = "") -> None:
         self.done += 1
@@ -51,7 +50,7 @@ class Progress:
         left = elapsed / self.done * (self.total - self.done)
         tail = f", about {left:.0f} s left" if self.done < self.total else ""
         print(f"{self.label}: {self.done}/{self.total}{' ' + what if what else ''} ({elapsed:.0f} s{tail})",
-              file=self.stream, flush=True)
+              file=sys.stderr, flush=True)
 
 
 def log(line: str) -> None:
@@ -193,6 +192,11 @@ def load_llm(args, **settings):
     log(f"loaded in {time.perf_counter() - start:.1f} s ({llm.device}, "
         f"{str(llm.dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU threads)")
     return llm
+
+
+def proposer_given(args) -> bool:
+    """Whether the command line names a proposer (add_proposer_args' flags)."""
+    return bool(args.draft or args.eagle or args.ngram or args.suffix)
 
 
 def add_proposer_args(ap: argparse.ArgumentParser) -> argparse._ArgumentGroup:

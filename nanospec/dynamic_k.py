@@ -163,13 +163,9 @@ def acceptance_length(rates: list[float], k: int) -> float:
 
 def itl_at(itl: list[float], drafts: float) -> float:
     """A step's time at `drafts` verified drafts per request (fractional: a mean over the batch),
-    itl given at 0, 1, 2, ... drafts (interpolate on that grid, without building it: the policy
-    asks a hundred times a step)."""
-    if len(itl) == 1:
-        return itl[0]
-    i = min(int(max(drafts, 0.0)), len(itl) - 2)
-    y = itl[i] + (itl[i + 1] - itl[i]) * (drafts - i)
-    return max(y, itl[-1]) if drafts > len(itl) - 1 else y
+    itl given at 0, 1, 2, ... drafts: interpolated on that grid (a range: nothing is built, and the
+    policy asks a hundred times a step)."""
+    return interpolate(range(len(itl)), itl, drafts)
 
 
 def step_cost(time_at, drafted: list[float], batch: int) -> list[float]:

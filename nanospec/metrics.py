@@ -67,17 +67,15 @@ class Metrics:
                              ["k"])
         self.update_queues()
 
-    def pools(self) -> dict:
-        caches = {"target": self.engine.kv_cache, "draft": getattr(self.engine.proposer, "kv_cache", None)}
-        return {pool: cache.allocator for pool, cache in caches.items() if cache is not None}
-
     def update_queues(self) -> None:
         scheduler = self.engine.scheduler
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
-        for pool, allocator in self.pools().items():
-            self.free_blocks.labels(pool=pool, **self.label).set(allocator.num_free)
-            self.num_blocks.labels(pool=pool, **self.label).set(allocator.num_blocks)
+        caches = {"target": self.engine.kv_cache, "draft": getattr(self.engine.proposer, "kv_cache", None)}
+        for pool, cache in caches.items():
+            if cache is not None:
+                self.free_blocks.labels(pool=pool, **self.label).set(cache.allocator.num_free)
+                self.num_blocks.labels(pool=pool, **self.label).set(cache.allocator.num_blocks)
         target = self.engine.kv_cache.allocator
         self.kv_usage.set(1 - target.num_free / target.num_blocks)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from nanospec.cli import add_model_args, add_proposer_args, int_list, load_llm, log, parser
+from nanospec.cli import add_model_args, add_proposer_args, int_list, load_llm, log, parser, proposer_given
 from nanospec.dynamic_k import Profile, measure_profile
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.llm import MAX_SPECULATIVE_TOKENS
@@ -44,7 +44,7 @@ def profile_command(args, command_line: str) -> Profile:
                             f"got {ks}")
     check_int(args.steps, "--steps", low=1)
     check_int(args.max_new_tokens, "--max-new-tokens", low=1)
-    if not (args.draft or args.eagle or args.ngram or args.suffix):
+    if not proposer_given(args):
         raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH, --ngram "
                             "or --suffix")
     texts = read_prompts_file(args.prompts) if args.prompts else [r["prompt"] for r in shipped_prompts()]

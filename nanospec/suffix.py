@@ -96,18 +96,17 @@ def windows(stream: np.ndarray, positions: np.ndarray, depth: int, ahead: int) -
     return taken[:, depth - 1::-1], taken[:, depth:]
 
 
-def walk(after: np.ndarray, limit: int, min_prob: float, budget: int | None = None, branches: int = 1,
+def walk(after: np.ndarray, limit: int, min_prob: float, budget: int, branches: int = 1,
          shape: list[int] | None = None) -> Draft:
     """Down the tree from a node whose occurrences continue as the rows of after [m, >= limit]. A
     candidate's probability is its parent's times its count over the parent's (occurrences that end
     there count in the parent, in no child); the most probable candidates are taken, best first,
-    until `budget` nodes (default: limit), none below min_prob and none deeper than limit, at most
+    until `budget` nodes, none below min_prob and none deeper than limit, at most
     `branches` children a node, its most frequent continuations (ties: the smallest id first). With
     one branch that is a chain, the most frequent next token at each step; with more, the draft is a
     tree (its parent list: parents come first, as a child is no more probable than its parent).
     shape: a static tree (tree.parse_static_tree) instead: a node's children are its shape node's,
     the one of rank r its r-th most frequent continuation (those that exist and pass min_prob)."""
-    budget = limit if budget is None else budget
     below = {}   # a shape node's children: (rank, shape node)
     for node, (parent, rank) in enumerate(zip(shape or (), child_ranks(shape or [-1]))):
         if node:
@@ -407,17 +406,12 @@ class SuffixProposer(Proposer):
         # shape: a static tree's parent list (a node's children: the continuations of its ranks)
         self.walk_args = dict(min_prob=min_token_prob, factor=max_spec_factor, offset=max_spec_offset,
                               branches=branches, shape=shape)
+        self.trees = branches > 1 or shape is not None
+        # its chains are the text after a match, as n-gram's; a tree is no span of text
+        self.acceptance_in_spans = not self.trees
         self.global_index = GlobalIndex(max_requests, max_tokens)
         self.extras = ExtraTokens(int(max_spec_offset)) if max_spec_offset else None
         self.drafts_made: list[Draft] = []   # the last step's, row by row (propose)
-
-    @property
-    def acceptance_in_spans(self) -> bool:
-        """Its chains are the text after a match, as n-gram's; a tree is no span of text."""
-        return self.walk_args["branches"] == 1 and self.walk_args["shape"] is None
-
-    def draft(self, request, k: int, offset: float | None = None) -> Draft:
-        return self.drafts([request], [k], offset)[0]
 
     def drafts(self, requests, ks: list[int], offset: float | None = None) -> list[Draft]:
         """Each request's draft (NO_DRAFT where its K is 0), the better of its own stream's and the
@@ -437,8 +431,7 @@ class SuffixProposer(Proposer):
         self.drafts_made = self.drafts(requests, ks,
                                        self.extras.allowed(len(requests)) if self.extras else None)
         drafts = self.drafts_made
-        trees = self.walk_args["branches"] > 1 or self.walk_args["shape"] is not None
-        parents = [d.parents or chain(len(d.tokens)) for d in drafts] if trees else None
+        parents = [d.parents or chain(len(d.tokens)) for d in drafts] if self.trees else None
         return Proposal([len(d.tokens) for d in drafts], [d.tokens for d in drafts], parents=parents,
                         confidence=[d.probs for d in drafts])
 
