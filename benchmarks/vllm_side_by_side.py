@@ -1,6 +1,7 @@
 """Offline tokens/s of nanospec and vLLM on one model, prompts and machine, alternated: plain and
-n-gram K=4 decoding, greedy (or sampled alike, --sampling), the same prompt ids (the shipped prompts,
-a category at a time in turn, in the checkpoint's chat template), one request at a time (8 prompts)
+n-gram K=4 decoding, both in float32 (or --dtype bfloat16), greedy (or sampled alike, --sampling), the
+same prompt ids (the shipped prompts, a category at a time in turn, in the checkpoint's chat template),
+one request at a time (8 prompts)
 and 8 and 32 at once, 64 tokens each (EOS ignored).
 
 Each (engine, mode) runs in a process of its own that builds its engine once, warms it up and runs
@@ -60,7 +61,7 @@ def nanospec_engine(args):
     from nanospec.cli import set_threads
     set_threads(args.threads)
     proposer = {"ngram": True, "num_speculative_tokens": 4} if args.mode == "ngram" else {}
-    llm = LLM(args.model, device="cpu", dtype="float32", max_num_seqs=32, **proposer)
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, max_num_seqs=32, **proposer)
     params = SamplingParams(**sampling(args), max_tokens=args.max_tokens, ignore_eos=True)
 
     def decode_row(prompt_ids):
@@ -78,7 +79,7 @@ def vllm_engine(args):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     spec = {"speculative_config": NGRAM} if args.mode == "ngram" else {}
-    llm = LLM(args.model, dtype="float32", max_model_len=2048, max_num_seqs=32, seed=0, **spec)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=32, seed=0, **spec)
     params = SamplingParams(**sampling(args), max_tokens=args.max_tokens, ignore_eos=True)
 
     def generate(ps):
@@ -122,7 +123,7 @@ def memory_bandwidth() -> float:
     return data.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
-def weight_bytes(model: str) -> int:
+def weight_bytes(model: str, element_size: int = 4) -> int:
     """Bytes of the weights a decode step reads: every tensor of the checkpoint once (tied
     embeddings are stored once; the embedding's rows read per step are negligible, the LM head's
     full read of the same matrix is counted)."""
@@ -136,7 +137,7 @@ def weight_bytes(model: str) -> int:
                     count = 1
                     for d in part.get_shape():
                         count *= d
-                    total += count * 4   # float32 as run
+                    total += count * element_size   # in the dtype run
     return total
 
 
@@ -177,7 +178,7 @@ def worker_command(args, engine: str, mode: str, prompts_file: str, serve: bool 
     python = sys.executable if engine == "nanospec" else args.vllm_python
     return [python, os.path.abspath(__file__), "--model", args.model, "--worker", engine, "--mode", mode,
             "--prompts", prompts_file, "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
-            "--sampling", args.sampling, *(["--serve"] if serve else [])]
+            "--sampling", args.sampling, "--dtype", args.dtype, *(["--serve"] if serve else [])]
 
 
 WORKER_ENV = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -268,7 +269,8 @@ def tail(err) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="an HF folder both engines load (float32)")
+    ap.add_argument("--model", required=True, help="an HF folder both engines load")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines'")
     ap.add_argument("--vllm-python", default="/tmp/vllm/venv/bin/python", help="the python of vLLM's venv")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--interleave", action="store_true",
@@ -298,7 +300,8 @@ def main() -> None:
     prompts_file.close()
     rows, bandwidths = (interleaved_rounds if args.interleave else sequential_rounds)(args, prompts_file.name)
     os.unlink(prompts_file.name)
-    bandwidth, weights = statistics.median(bandwidths), weight_bytes(args.model)
+    element_size = 4 if args.dtype == "float32" else 2
+    bandwidth, weights = statistics.median(bandwidths), weight_bytes(args.model, element_size)
     roofline = bandwidth * 1e9 / weights
 
     def nanospec_plain(batch):
@@ -308,7 +311,7 @@ def main() -> None:
     from benchmarks.measure import cpu_flags   # the CPU's kind decides who leads
     report = {
         "what": __doc__.splitlines()[0], "command": " ".join(["python", *sys.argv]),
-        "sampling": sampling(args), "torch": torch.__version__, "threads": args.threads,
+        "sampling": sampling(args), "dtype": args.dtype, "torch": torch.__version__, "threads": args.threads,
         "cpu_flags": cpu_flags(), "memory_bandwidth_gb_s": round(bandwidth, 1),
         "bandwidths_gb_s": [round(b, 1) for b in bandwidths], "weight_bytes": weights,
         "roofline_tokens_per_s": round(roofline, 1),

@@ -19,6 +19,8 @@ class Linear(nn.Linear):
     torch.compile's CPU freezing uses) is the fastest from 3 rows, and for 1-2 rows too where torch
     runs AVX-512 kernels; on a CPU without them W @ x.T (one row padded to two) is faster there
     (FEW_ROWS_BY_MKL). Same math, other kernels; the measurements are in docs/performance.md.
+    bfloat16 takes the packed copy too where the CPU multiplies bfloat16 natively (AVX-512 BF16):
+    there it reads half the bytes and runs twice the products per instruction (FAST_DTYPES).
 
     The packed copy (as much memory again as the weight) is made on first use and remade when the
     weight changes (a new tensor or an in-place update moves the key); the weight stays the
@@ -26,11 +28,11 @@ class Linear(nn.Linear):
     gradient, other dtypes and devices take F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or not x.dtype == self.weight.dtype == torch.float32 or (
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype or x.dtype not in FAST_DTYPES or (
                 torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
         n = x.shape[0]   # (not len(x): Tensor.__len__ runs Python code, in a hot path)
-        if x.dim() == 2 and n <= 2 and FEW_ROWS_BY_MKL:
+        if x.dim() == 2 and n <= 2 and FEW_ROWS_BY_MKL and x.dtype == torch.float32:
             # rows row-major, so that rows.T is the transposed view MKL multiplies fast (not W @ a
             # row-major [K, 2]); one row is padded by cat, a single op
             rows = x.contiguous() if n == 2 else torch.cat([x, x])
@@ -49,5 +51,8 @@ class Linear(nn.Linear):
 
 
 PACKED_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# the dtypes of the fast paths (the others take F.linear): bfloat16 where the CPU multiplies it natively
+NATIVE_BF16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+FAST_DTYPES = (torch.float32, torch.bfloat16) if NATIVE_BF16 else (torch.float32,)
 # 1-2 rows by MKL's W @ x.T, not the packed copy: where torch's CPU kernels are AVX2 (or less)
 FEW_ROWS_BY_MKL = not (PACKED_LINEAR and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))

@@ -257,6 +257,22 @@ def test_transformers_runs_a_random_model_on_our_weights():
     assert hf.model.embed_tokens.weight.data_ptr() == llm.model.model.embed_tokens.weight.data_ptr()
 
 
+def test_cpu_dtype_times_every_way_and_puts_the_fast_dtypes_back(checkpoints, tmp_path):
+    """benchmarks.cpu_dtype: float32 and bfloat16 (and bfloat16 through F.linear where the CPU has native
+    bfloat16) at each batch size, a rate per repeat; cpu_linear's choice is left as it found it."""
+    from benchmarks import cpu_dtype
+    from nanospec import cpu_linear
+    default = cpu_linear.FAST_DTYPES
+    cpu_dtype.main(["--target", checkpoints["llama3"], "--batch-sizes", "1,2", "--max-new-tokens", "4",
+                    "--repeats", "2", "--no-train", "--out", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    ways = ["float32", "bfloat16"] + (["bfloat16, F.linear"] if cpu_linear.NATIVE_BF16 else [])
+    rows = sorted(f"{way}, batch {b}" for way in ways for b in (1, 2))
+    assert sorted(report["plain_tokens_per_second"]) == rows
+    assert all(len(r) == 2 and min(r) > 0 for r in report["plain_tokens_per_second"].values())
+    assert cpu_linear.FAST_DTYPES == default and report["train_step_seconds"] == {} and "cpu_flags" in report
+
+
 def test_few_row_linear_compares_both_ways_and_puts_the_default_back(checkpoints, tmp_path):
     """benchmarks.few_row_linear: both 1-2 row products decode the same tokens; the module's choice is
     left as it found it."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanospec import checkpoint
-from nanospec import model as model_module
+from nanospec import cpu_linear, model as model_module
 from nanospec.errors import NanospecError
 from nanospec.kv_cache import KVCache, build_metadata
 
@@ -288,7 +288,6 @@ def test_hub_id_resolves_from_local_cache_offline(tmp_path, monkeypatch, checkpo
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_fast_paths_compute_x_times_w_transposed(rows, bias, few_rows_by_mkl, monkeypatch):
     """Both 1-2 row paths (MKL's, or the packed copy as on an AVX-512 CPU), whatever this CPU is."""
-    from nanospec import cpu_linear
     monkeypatch.setattr(cpu_linear, "FEW_ROWS_BY_MKL", few_rows_by_mkl)
     torch.manual_seed(rows)
     layer = cpu_linear.Linear(48, 80, bias=bias)
@@ -305,6 +304,25 @@ def test_linear_fast_paths_compute_x_times_w_transposed(rows, bias, few_rows_by_
     out.sum().backward()
     torch.testing.assert_close(layer.weight.grad.double(), torch.ones(rows, 80).double().T @ x.double(),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_linear.NATIVE_BF16, reason="bfloat16 takes the packed copy only on a CPU with "
+                    "AVX-512 BF16 (elsewhere F.linear, torch's own)")
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_packed_bfloat16_computes_x_times_w_transposed(rows, bias):
+    """bfloat16 through the packed copy (it is made: the fast path ran) gives the float64 product of
+    its bfloat16 inputs within bfloat16's rounding, as torch's F.linear does."""
+    torch.manual_seed(rows)
+    layer = cpu_linear.Linear(48, 80, bias=bias, dtype=torch.bfloat16)
+    x = torch.randn(rows, 48, dtype=torch.bfloat16)
+    expected = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+    with torch.inference_mode():
+        out = layer(x)
+        reference = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert out.dtype == torch.bfloat16 and hasattr(layer, "_packed")
+    for y in (out, reference):
+        torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("name, params", [("llama3-8b", 8.030e9), ("llama3.2-1b", 1.236e9),

@@ -18,7 +18,7 @@ def test_interleaved_rounds_keep_one_worker_up_and_time_every_row(checkpoints, t
     monkeypatch.setattr(side, "settle", lambda: None)
     monkeypatch.setattr(side, "memory_bandwidth", lambda: 30.0)
     args = argparse.Namespace(model=checkpoints["llama3"], vllm_python="", rounds=2, max_tokens=3, threads=1,
-                              modes="plain", sampling="", engines="nanospec")
+                              modes="plain", sampling="", engines="nanospec", dtype="float32")
     rows, bandwidths = side.interleaved_rounds(args, str(prompts))
     names = [*side.BATCHES, side.DECODE_ROW]
     assert [(r["round"], r["batch"]) for r in rows] == [(n, name) for n in (1, 2) for name in names]
