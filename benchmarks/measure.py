@@ -1,7 +1,6 @@
 """Measuring helpers only the harnesses use: a kernel's and a copy's time by the device's own timers,
 requests stepped past prefill, the host proposers' drafting time, and the CPU's flags a result is
-read against. The profiler's own helpers (timed,
-greedy_requests, past_prefill) are nanospec.dynamic_k's."""
+read against. The profiler's own helpers (timed, greedy_requests, past_prefill) are nanospec.dynamic_k's."""
 from __future__ import annotations
 
 import statistics

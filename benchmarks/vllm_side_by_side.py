@@ -1,8 +1,7 @@
 """Offline tokens/s of nanospec and vLLM on one model, prompts and machine, alternated: plain and
 n-gram K=4 decoding, both in float32 (or --dtype bfloat16), greedy (or sampled alike, --sampling), the
 same prompt ids (the shipped prompts, a category at a time in turn, in the checkpoint's chat template),
-one request at a time (8 prompts)
-and 8 and 32 at once, 64 tokens each (EOS ignored).
+one request at a time (8 prompts) and 8 and 32 at once, 64 tokens each (EOS ignored).
 
 Each (engine, mode) runs in a process of its own that builds its engine once, warms it up and runs
 every batch row; the driver runs them in turn, nanospec then vLLM, `--rounds` times, so that a slow

@@ -143,7 +143,7 @@ class Step:
     logprobs: bool        # a request asked for logprobs: the verify returns its logits too
     processed: list       # (row, request) of the requests that ask for penalties or min_p
     tokens: int           # an unpadded verify's queries (a padding row has 1)
-    mode: str | Truncation | bool = "greedy"   # how it samples (StepGraphs.mode)
+    mode: str | Truncation | bool = "greedy"   # "greedy", or its requests' exact truncation
     tree: tuple[int, int] | None = None   # a tree step's largest depth and branching (None: chains)
     chunk: tuple[torch.Tensor, MetadataShape] | None = None   # a mixed step's prefill chunks (with_chunk)
     runs: list[tuple[int, int, int]] | None = None   # an unpadded verify's rows by query count (query_runs)
@@ -243,9 +243,9 @@ class StepGraphs:
         near its end) costs only what it verifies."""
         return self.graphed(bucket) or self.options.pad_batches
 
-    def sampling(self, bucket: int, mode: str | Truncation | bool = "greedy") -> tuple[Fields, SamplingBatch]:
+    def sampling(self, bucket: int, mode: str | Truncation | bool) -> tuple[Fields, SamplingBatch]:
         """The per-row values of the uploaded step on the device, and a SamplingBatch of them as `mode`
-        samples (StepGraphs.mode); temperature and top_p arrive as the bits of float64s."""
+        samples (Step.mode, StepGraphs.mode); temperature and top_p arrive as the bits of float64s."""
         block = self.inputs[:FIELDS * bucket].view(FIELDS, bucket)
         temperature, top_p = block[FLOATS].view(torch.float64).float()
         fields, greedy = Fields(*block), mode == "greedy"
@@ -303,7 +303,7 @@ class StepGraphs:
             plan.device, extra = upload(extra, self.device), []   # a copy of its own
         buf[end:n + len(extra)] = [*pairs, *extra]
         self.inputs[:n + len(extra)].copy_(self.host[:n + len(extra)], non_blocking=True)   # the one copy
-        if extra:
+        if plan is not None and plan.device is None:
             plan.device = self.inputs[n:n + len(extra)]
         if n > end:   # most steps change no table: no launch
             # the (flat index, block id) pairs into the device tables, eagerly, before any graph of the
@@ -323,10 +323,10 @@ class StepGraphs:
         truncate = any(p.top_k or p.top_p < 1 for p in params) and Truncation(
             max(p.top_k for p in params), any(p.top_p < 1 for p in params),
             all(p.top_k for p in params if p.top_p < 1))
-        self.step = Step(batch, bucket, k, longest=longest, mode=self.mode(params, truncate, bucket),
+        self.step = Step(batch, bucket, k, mode=truncate if any(p.temperature for p in params) else "greedy",
                          probs=probs, logprobs=any(p.logprobs is not None for p in params),
                          processed=[(b, r) for b, r in enumerate(requests) if r.params.processed],
-                         tokens=sum(num_draft) + bucket,
+                         tokens=sum(num_draft) + bucket, longest=longest,
                          tree=tree, chunk=chunk and (upload(chunk[0], self.device), chunk[1]),
                          # only the unpadded forward reads them (a padded one gives every row K + 1)
                          runs=query_runs(lens) if chunk or not self.padded(bucket) else None)
@@ -371,12 +371,12 @@ class StepGraphs:
         """A tree step's parent lists on the device, [bucket, k + 1] (pack_rows)."""
         return self.inputs[(FIELDS + k) * bucket:(FIELDS + 2 * k + 1) * bucket].view(bucket, k + 1)
 
-    def mode(self, params: list, truncate: Truncation | bool, bucket: int) -> str | Truncation | bool:
-        """How a step samples: "greedy" (every request is), or its truncation (under a graph or a
-        compiled sampler: any truncation or none, a shape-independent choice)."""
-        if all(p.temperature == 0 for p in params):
-            return "greedy"
-        return bool(truncate) if self.graphed(bucket) or self.sampler.compiled else truncate
+    def mode(self, step: Step) -> str | Truncation | bool:
+        """How a step's graph bodies sample: "greedy" (every request is), or its truncation (under a
+        graph or a compiled sampler: any truncation or none, a shape-independent choice)."""
+        if step.mode != "greedy" and (self.graphed(step.bucket) or self.sampler.compiled):
+            return bool(step.mode)
+        return step.mode
 
     @torch.inference_mode()
     def run_round(self, plan: Round) -> None:
@@ -384,7 +384,7 @@ class StepGraphs:
         every row's catch-up is short (a draft model's steady state), the whole round as one graph."""
         step = self.step
         # plan.k: its own rows' most drafts (<= the step's K)
-        key = GraphKey("round", step.bucket, plan.k, step.mode, step.probs)
+        key = GraphKey("round", step.bucket, plan.k, self.mode(step), step.probs)
         if plan.shape.max_q <= self.proposer.graphed_catch_up and not plan.tree:
             self.replay(dataclasses.replace(key, with_first=True), plan.width)
             return
@@ -421,7 +421,7 @@ class StepGraphs:
         and, where a request asked for logprobs, the target's raw logits at each row's K + 1
         queries ([bucket, K + 1, vocab], from an eager step; else None)."""
         step = self.step
-        key = GraphKey("verify", step.bucket, step.k, step.mode, step.probs,
+        key = GraphKey("verify", step.bucket, step.k, self.mode(step), step.probs,
                        eager_tail=step.logprobs or bool(step.processed), tree=step.tree is not None,
                        mixed=step.chunk is not None)
         return self.replay(key, self.kv_cache.allocator.blocks_for(step.longest))
@@ -504,7 +504,7 @@ class StepGraphs:
         b * (K + 1) ...; else None) and pick: [T, ...] -> [bucket, K + 1, ...], each row's K + 1
         queries (past its last real query, its last again)."""
         bucket, q_len = key.bucket, key.k + 1
-        fields, _ = self.sampling(bucket)
+        fields = Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket))
         cached, num_draft = fields.cached, fields.num_draft
         tables = self.tables.tables[fields.table_row, :width]
         input_ids = torch.cat([fields.last[:, None], self.drafts[:bucket, :key.k]], dim=1).flatten()  # by row

@@ -629,20 +629,22 @@ def test_the_upkeep_harness_holds_a_drafter_at_k_0(spec_models, capsys):
     assert "--eagle HEAD or --draft PATH" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("drafter", ["eagle1", "draft"])
-def test_the_confidence_harness_counts_every_draft_by_its_confidence(spec_models, capsys, drafter):
+@pytest.mark.parametrize("drafter, k", [("eagle1", 2), ("draft", 3)])
+def test_the_confidence_harness_counts_every_draft_by_its_confidence(spec_models, capsys, drafter, k):
     """benchmarks.draft_confidence on a tiny checkpoint: every verified draft is counted once, at its
     position and confidence bin (the drafted counts add up to the engine's drafted tokens: no draft
     lost or counted twice), and the step's parts are timed."""
     from benchmarks import draft_confidence
     flag = {"eagle1": ["--eagle", spec_models["eagle1"]], "draft": ["--draft", spec_models["draft"]]}[drafter]
-    assert draft_confidence.main(["--target", spec_models["target"], *flag, "--k", "2", "--batch-size", "2",
-                                  "--max-prompts", "3", "--max-new-tokens", "6"]) == 0
+    assert draft_confidence.main(["--target", spec_models["target"], *flag, "--k", str(k),
+                                  "--batch-size", "2", "--max-prompts", "3", "--max-new-tokens", "6"]) == 0
     report = json.loads(capsys.readouterr().out)
     cells = report["by_position_and_confidence"]
-    assert {c["position"] for c in cells} <= {1, 2} and all(0 <= c["accepted"] <= c["drafted"] for c in cells)
+    assert {c["position"] for c in cells} <= set(range(1, k + 1))
+    assert all(0 <= c["accepted"] <= c["drafted"] for c in cells)
     assert sum(c["drafted"] for c in cells) == report["drafted_tokens"] > 0
     assert sum(c["accepted"] for c in cells) == report["accepted_tokens"]
-    assert all(report["step_ms_median"][part] > 0 for part in ("step", "round", "verify", "k0_step"))
+    parts = ("step", "round", "verify", "k0_step", "k0_verify")
+    assert all(report["step_ms_median"][part] > 0 for part in parts)
     assert draft_confidence.main(["--target", spec_models["target"]]) == 2
     assert "--eagle HEAD or --draft PATH" in capsys.readouterr().err

@@ -71,7 +71,7 @@ def test_decode_grows_blocks_for_the_drafts_and_preempts_the_newest_when_they_ru
     assert len(a.block_table) == 3 and s.allocator.num_free == 2
 
 
-def test_finish_and_remove_return_every_block():
+def test_remove_returns_every_block_whether_finished_running_or_waiting():
     s = scheduler(budget=100)
     reqs = [request(i, 9) for i in range(3)]
     freed = []
