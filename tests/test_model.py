@@ -325,6 +325,17 @@ def test_linear_packed_bfloat16_computes_x_times_w_transposed(rows, bias):
         torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2)
 
 
+def test_linear_bfloat16_takes_torchs_f_linear_without_native_bfloat16(monkeypatch):
+    """Where the CPU has no AVX-512 BF16 (FAST_DTYPES without bfloat16), bfloat16 goes through F.linear
+    as it is: no packed copy is made, and the output is F.linear's to the bit."""
+    monkeypatch.setattr(cpu_linear, "FAST_DTYPES", (torch.float32,))
+    layer = cpu_linear.Linear(48, 80, dtype=torch.bfloat16)
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert not hasattr(layer, "_packed")
+
+
 @pytest.mark.parametrize("name, params", [("llama3-8b", 8.030e9), ("llama3.2-1b", 1.236e9),
                                           ("qwen3-8b", 8.191e9), ("qwen3-1.7b", 1.721e9),
                                           ("qwen3-0.6b", 0.596e9)])
