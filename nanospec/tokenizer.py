@@ -23,7 +23,7 @@ import tiktoken
 
 from nanospec.chat_template import ChatTemplate, load_template, named_special_tokens
 from nanospec.checkpoint import RANDOM_MODELS, read_json
-from nanospec.errors import NanospecError, is_int
+from nanospec.errors import NanospecError, is_int, shown
 
 # Pre-tokenizer patterns (how text is cut into pieces before BPE).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -227,14 +227,19 @@ def check_vocabulary(vocab, specials, source: str) -> None:
 
 
 def pattern_from_pre_tokenizer(pre: dict | None) -> str:
-    steps = (pre or {}).get("pretokenizers", [pre] if pre else [])
-    kinds = {s["type"]: s for s in steps}
+    """The regex that cuts text into pieces before BPE: a Split step's, or byte-level BPE's own."""
+    steps = (pre.get("pretokenizers") or [pre]) if isinstance(pre, dict) else []
+    kinds = {s.get("type"): s for s in steps if isinstance(s, dict)}   # (malformed steps: unsupported below)
     if "Split" in kinds:
-        return kinds["Split"]["pattern"]["Regex"]
+        pattern = kinds["Split"].get("pattern")
+        if isinstance(pattern, dict) and isinstance(pattern.get("Regex"), str):
+            return pattern["Regex"]
+        raise NanospecError(f"unsupported Split pre-tokenizer in tokenizer.json (pattern {shown(pattern)}): "
+                            "only a Split by a regex (Llama 3 and Qwen's) is supported")
     if "ByteLevel" in kinds:
         digits = kinds.get("Digits", {}).get("individual_digits", False)
         return GPT2_DIGITS_PATTERN if digits else GPT2_PATTERN
-    raise NanospecError(f"unsupported pre-tokenizer {pre!r} in tokenizer.json; only byte-level BPE "
+    raise NanospecError(f"unsupported pre-tokenizer {shown(pre)} in tokenizer.json; only byte-level BPE "
                         "(Llama 3, Qwen, SmolLM2 style) is supported")
 
 

@@ -142,6 +142,21 @@ def test_tiktoken_model_file(checkpoints, tmp_path):
             assert ours.encode(text, add_bos=False) == ref.encode(text, add_special_tokens=False).ids, text
 
 
+@pytest.mark.parametrize("pre", [
+    {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False},   # a literal
+    {"type": "Split", "behavior": "Isolated"},                                                  # no pattern
+    {"type": "Sequence", "pretokenizers": [{"pattern": {"Regex": "x"}}, "ByteLevel"]},          # no types
+    ["ByteLevel"], {"type": "Whitespace"}])
+def test_an_unsupported_pre_tokenizer_is_one_line_naming_it(checkpoints, tmp_path, pre):
+    """A pre-tokenizer nanospec cannot turn into tiktoken's pattern is refused in one line that names
+    it and what is supported (a Split by a literal string was a KeyError traceback)."""
+    data = json.load(open(os.path.join(checkpoints["qwen2"], "tokenizer.json")))
+    data["pre_tokenizer"] = pre
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(NanospecError, match="unsupported .*pre-tokenizer.* is supported"):
+        from_tokenizer_json(str(tmp_path))
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80))
 def test_decode_inverts_encode(smollm2, text):
