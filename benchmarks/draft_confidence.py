@@ -14,17 +14,16 @@ model drafters would calibrate on the first (docs/dynamic_k.md); the second says
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
 
-from benchmarks.measure import cpu_flags
+from benchmarks.measure import cpu_flags, run_and_report
 from nanospec import LLM, SamplingParams
 from nanospec.cli import set_threads
-from nanospec.errors import NanospecError, check_int, run_command
+from nanospec.errors import NanospecError, check_int
 from nanospec.k_policy import StaticK
 from nanospec.prompts import by_category_in_turn, shipped_prompts
 
@@ -135,15 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", metavar="FILE.json")
     args = ap.parse_args(argv)
-
-    def work() -> int:
-        report = run(args)
-        print(json.dumps(report, indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
-        return 0
-    return run_command(work)
+    return run_and_report(run, args)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ requests stepped past prefill, the host proposers' drafting time, and the CPU's 
 read against. The profiler's own helpers (timed, greedy_requests, past_prefill) are nanospec.dynamic_k's."""
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -10,6 +11,20 @@ import torch
 
 from nanospec.dynamic_k import greedy_requests, past_prefill
 from nanospec.engine import Engine
+from nanospec.errors import run_command
+
+
+def run_and_report(run, args) -> int:
+    """A harness's command: run(args)'s report as JSON on stdout and, with --out, in that file; a
+    NanospecError is one line and exit status 2 (errors.run_command)."""
+    def work() -> int:
+        report = run(args)
+        print(json.dumps(report, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        return 0
+    return run_command(work)
 
 
 def kernel_seconds(device: torch.device, run, launches: int = 20) -> tuple[float, str]:

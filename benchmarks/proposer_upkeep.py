@@ -12,14 +12,14 @@ held engine's tokens/s over plain's; both must emit the same tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
+from benchmarks.measure import run_and_report
 from nanospec import LLM
 from nanospec.cli import set_threads
 from nanospec.dynamic_k import greedy_requests, timed
-from nanospec.errors import NanospecError, check_int, run_command
+from nanospec.errors import NanospecError, check_int
 from nanospec.k_policy import StaticK
 from nanospec.prompts import shipped_prompts
 
@@ -84,15 +84,7 @@ def main(argv=None) -> int:
                          "are fed to an EAGLE head, so that a later turn finds its cache)")
     ap.add_argument("--out", metavar="FILE.json")
     args = ap.parse_args(argv)
-
-    def work() -> int:
-        report = run(args)
-        print(json.dumps(report, indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
-        return 0
-    return run_command(work)
+    return run_and_report(run, args)
 
 
 if __name__ == "__main__":
