@@ -100,7 +100,7 @@ class Result:
     start: float = 0.0
     ttft: float | None = None
     latency: float | None = None
-    chunk_times: list[float] = field(default_factory=list)   # when each chunk with text came
+    chunk_times: list[float] = field(default_factory=list)   # when each chunk of tokens came
     output_tokens: int = 0
     prompt_tokens: int = 0
     text: str = ""                # the answer
@@ -212,16 +212,15 @@ class Client:
             result.output_tokens = chunk["usage"].get("completion_tokens") or 0
             result.prompt_tokens = chunk["usage"].get("prompt_tokens") or 0
         for choice in chunk.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else choice.get("text")
-            if text:
-                result.text += text
-                result.chunk_times.append(now)
-                if result.ttft is None:
-                    result.ttft = now - result.start
-            if text or choice.get("finish_reason"):
-                result.latency = now - result.start
-                if result.ttft is None:   # an answer with no text (EOS first): its end is its first token
-                    result.ttft = result.latency
+            delta = choice.get("delta") or {}
+            if endpoint == "chat" and "role" in delta:   # chat's opening chunk, before the first token's
+                continue
+            # a chunk is a step's tokens arriving, its text "" or not (vLLM's client times them so)
+            result.text += (delta.get("content") if endpoint == "chat" else choice.get("text")) or ""
+            result.chunk_times.append(now)
+            result.latency = now - result.start
+            if result.ttft is None:
+                result.ttft = result.latency
 
 
 def spec_counters(client: Client) -> dict:

@@ -423,7 +423,10 @@ class Server:
     async def stream(self, reply: "Reply", updates: asyncio.Queue):
         """Server-sent events: chat's role chunks once the first update came (after the prefill, as
         vLLM sends them: a client counts the first chunk as the first token), then per choice a chunk
-        per step that gave it text (or logprobs) and its finish; then the usage if asked, and [DONE].
+        per step that gave it tokens, and its finish; then the usage if asked, and [DONE]. A step's
+        chunk goes out even when its text is "" (a special token left out, a character or a stop
+        string's start held back), as vLLM sends it: a client times each chunk as a token's arrival,
+        and a step left out would show as a gap of two steps.
         If the client goes away, the response is cancelled here and the unfinished choices' requests
         aborted."""
         pending, started = set(range(len(reply.choices))), False
@@ -441,8 +444,7 @@ class Server:
                     break
                 choice = reply.choices[i]
                 delta = choice.text.push(update)
-                # logprobs come with their tokens
-                if delta or update.finish_reason or (update.logprobs and update.new_ids):
+                if update.new_ids or update.finish_reason:   # text or not (above)
                     yield sse(reply.chunk(choice, delta, update.finish_reason, update.logprobs))
             else:   # every choice finished, none failed
                 if reply.include_usage:
@@ -518,7 +520,7 @@ class Reply:
               logprobs: list[tuple[int, dict]] | None = None) -> dict:
         logprobs = (self.logprobs(choice, [t for t, _ in logprobs], [e for _, e in logprobs]) if logprobs
                     else None)
-        content = {"delta": {"content": delta} if delta or logprobs else {}} if self.chat else {"text": delta}
+        content = {"delta": {"content": delta}} if self.chat else {"text": delta}
         body = {"index": choice.index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self.head(self.chunk_kind), "choices": [body]}
 

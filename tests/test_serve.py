@@ -528,7 +528,9 @@ def test_a_chat_streams_role_chunk_comes_with_the_first_token_not_before(tiny_ll
 
 def test_special_tokens_left_out_of_the_text_whole_and_streamed(tiny_llm):
     """The server's text, whole and streamed, is offline generate's: special tokens left out by
-    default (vLLM's skip_special_tokens), kept with skip_special_tokens false."""
+    default (vLLM's skip_special_tokens), kept with skip_special_tokens false. A step whose token
+    adds no text still sends its chunk, as vLLM does (a client times each chunk as a token: one
+    left out shows as a gap of two steps): one chunk a token, plain decoding making one a step."""
     for seed in range(20):   # a sample with special tokens among the others
         sampled = dict(temperature=1.0, max_tokens=120, ignore_eos=True, seed=seed)
         offline = {skip: tiny_llm.generate("a", SamplingParams(**sampled, skip_special_tokens=skip))[0]
@@ -543,8 +545,10 @@ def test_special_tokens_left_out_of_the_text_whole_and_streamed(tiny_llm):
                           extra_body={"ignore_eos": True, **({} if skip else {"skip_special_tokens": False})})
             out = api.completions.create(model=NAME, prompt="a", **fields)
             assert out.choices[0].text == expected.text
-            stream = api.completions.create(model=NAME, prompt="a", stream=True, **fields)
-            assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
+            chunks = [c for c in api.completions.create(model=NAME, prompt="a", stream=True, **fields)
+                      if c.choices]
+            assert "".join(c.choices[0].text for c in chunks) == expected.text
+            assert len(chunks) == len(expected.token_ids) == out.usage.completion_tokens
 
 
 def test_logprobs_whole_and_streamed_are_offline_generates_in_the_openai_shape(tiny_llm):
@@ -797,6 +801,23 @@ def test_bench_serve_measures_a_live_server(tiny_llm, capsys, tmp_path):
     assert 0 < report["ttft_s"]["p50"] <= report["e2el_s"]["p50"]
     assert report["itl_s"]["p50"] <= report["itl_s"]["max"] and report["request_throughput"] > 0
     assert "concurrency 3" in capsys.readouterr().out
+
+
+def test_bench_serve_times_every_chunk_of_tokens_as_vllms_client_does():
+    """A chunk is a step's tokens arriving, its text "" or not; chat's opening role chunk is not
+    (it comes with the first token's, and would add a gap of zero)."""
+    from nanospec.bench_serve import Client, Result
+    chat = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": ""}}]},
+            {"choices": [{"delta": {"content": "b"}, "finish_reason": "length"}]},
+            {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 2}}]
+    completions = [{"choices": [{"text": t}]} for t in ("a", "", "b")]
+    for endpoint, chunks in (("chat", chat), ("completions", completions)):
+        result = Result(start=time.perf_counter())
+        for chunk in chunks:
+            Client.take(chunk, result, endpoint)
+        assert result.text == "ab" and len(result.chunk_times) == 3
+        assert 0 < result.ttft <= result.latency
 
 
 def test_bench_serve_sweeps_servers_in_turn_and_draws_them(tiny_llm, capsys, tmp_path):
