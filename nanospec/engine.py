@@ -82,7 +82,9 @@ class Scheduler:
         mixed_prefill_tokens, a decode step with chunks in it)."""
         while True:
             if self.decode_between_prefills and (self.last_was_prefill or self.mixed_prefill_tokens):
-                batch = self._schedule_decode(num_drafts) or self._schedule_prefill()
+                # (decode again: the prefill may admit requests with nothing to prefill, which decode now)
+                batch = (self._schedule_decode(num_drafts) or self._schedule_prefill()
+                         or self._schedule_decode(num_drafts))
                 if self.mixed_prefill_tokens and batch and not batch.is_prefill:   # chunks ride in it
                     batch.chunk = self._schedule_prefill(self.mixed_prefill_tokens)
             else:

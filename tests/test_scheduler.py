@@ -1,6 +1,8 @@
 """The scheduler on its own (no model): admission under max_num_seqs, prefill chunks under the
 token budget, decode steps that grow blocks for the drafts, preemption of the newest request when
 blocks run out, and every block back in the pool when requests finish or are removed."""
+import pytest
+
 from nanospec.engine import Scheduler
 from nanospec.request import Request
 from nanospec.sampling_params import SamplingParams
@@ -57,6 +59,21 @@ def test_a_one_token_prompt_skips_prefill():
     s.waiting.append(r)
     batch = s.schedule(lambda req: 3)
     assert not batch.is_prefill and batch.requests == [r] and batch.query_lens == [4]
+
+
+@pytest.mark.parametrize("mixed, last_was_prefill", [(0, True), (8, False), (8, True)])
+def test_a_request_with_nothing_to_prefill_decodes_when_decode_is_tried_first(mixed, last_was_prefill):
+    """The server's schedule tries a decode step first (after a prefill chunk; always with mixed
+    steps). A request admitted then with nothing to prefill (a one-token prompt; a prompt the prefix
+    cache holds whole) decodes in that step: taken for stuck, it was preempted and admitted again,
+    for ever, and the server hung."""
+    s = scheduler()
+    s.decode_between_prefills, s.mixed_prefill_tokens, s.last_was_prefill = True, mixed, last_was_prefill
+    s.preempt = lambda req: pytest.fail("preempted a request with room to spare")
+    r = request(0, 1)
+    s.waiting.append(r)
+    batch = s.schedule(lambda req: 2)
+    assert not batch.is_prefill and batch.requests == [r] and batch.query_lens == [3]
 
 
 def test_decode_grows_blocks_for_the_drafts_and_preempts_the_newest_when_they_run_out():
