@@ -1,7 +1,11 @@
 """The scheduler on its own (no model): admission under max_num_seqs, prefill chunks under the
 token budget, decode steps that grow blocks for the drafts, preemption of the newest request when
 blocks run out, and every block back in the pool when requests finish or are removed."""
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanospec.engine import Scheduler
 from nanospec.request import Request
@@ -103,3 +107,72 @@ def test_remove_returns_every_block_whether_finished_running_or_waiting():
     s.remove([reqs[2], reqs[0]])          # a finished request among them holds no blocks
     assert not s.has_work() and s.allocator.num_free == s.allocator.num_blocks
     assert reqs[0] in freed and extra in freed
+
+
+def simulate(s: Scheduler, batch, rng: random.Random) -> None:
+    """What the engine does with a batch: prefill rows cache their chunk; a decode row verifies its
+    drafts, keeps a random number of them and a bonus token, rolls its cache back to them, and
+    finishes (removed) at its max_tokens; full blocks of committed tokens are published."""
+    for req, n in zip(batch.requests, batch.query_lens):
+        req.num_cached += n
+        if not batch.is_prefill:
+            req.tokens.extend([7] * rng.randint(1, n))
+            req.num_cached = min(req.num_cached, len(req.tokens) - 1)
+            s.allocator.truncate(req.block_table, req.num_cached)
+        s.allocator.publish(req.block_table, req.tokens, req.num_cached)
+        if len(req.tokens) - len(req.prompt_ids) >= req.params.max_tokens:
+            s.remove([req])
+    if batch.chunk:
+        simulate(s, batch.chunk, rng)
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedule=st.sampled_from([(False, 0), (True, 0), (True, 4)]), budget=st.sampled_from([4, 8, 32]),
+       num_blocks=st.integers(6, 16), max_num_seqs=st.integers(1, 4), drafts=st.integers(0, 3),
+       arrivals=st.lists(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.booleans()),
+                                  max_size=2), min_size=1, max_size=12),
+       prefix_caching=st.booleans(), seed=st.integers(0, 1000))
+def test_every_schedule_serves_every_request_without_looping_or_losing_blocks(
+        schedule, budget, num_blocks, max_num_seqs, drafts, arrivals, prefix_caching, seed):
+    """Requests arrive between steps (some aborted at once: a client gone), offline's schedule and
+    the server's (decode between prefill chunks, with and without mixed steps), a pool as small as
+    one request's need, with and without prefix caching (the prompts share their beginnings: some
+    are cached whole): each step is a batch within the budgets, no schedule preempts without end
+    (the hang of a request admitted with nothing to prefill), no block is lost, and every request
+    that stays finishes."""
+    s = Scheduler(BlockAllocator(num_blocks, 4, prefix_caching=prefix_caching), max_num_seqs, budget)
+    rng = random.Random(seed)
+    s.decode_between_prefills, s.mixed_prefill_tokens = schedule
+    preempt, calls = s.preempt, []
+
+    def counted(req):   # more preemptions in one schedule than requests: it loops
+        calls.append(req)
+        assert len(calls) <= len(every), "the schedule preempts without end"
+        preempt(req)
+    s.preempt = counted
+    every, steps = [], 0
+    while s.has_work() or arrivals:
+        for prompt_len, max_tokens, aborted in arrivals.pop(0) if arrivals else []:
+            # a request fits the pool alone, its drafts too
+            max_tokens = min(max_tokens, num_blocks * 4 - prompt_len - drafts - 1)
+            every.append(r := request(len(every), prompt_len, max_tokens))
+            s.waiting.append(r)
+            if aborted:
+                s.remove([r])
+        if not s.has_work():
+            continue
+        calls.clear()
+        batch = s.schedule(lambda req: drafts)
+        rows = batch.requests + (batch.chunk.requests if batch.chunk else [])
+        assert rows and all(r in s.running for r in rows)
+        assert len(batch.requests) <= max_num_seqs
+        if batch.is_prefill:
+            assert sum(batch.query_lens) <= budget
+        if batch.chunk:
+            assert sum(batch.chunk.query_lens) <= s.mixed_prefill_tokens
+        simulate(s, batch, rng)
+        held = {b for r in s.running + list(s.waiting) for b in r.block_table}   # (shared ones once)
+        assert s.allocator.num_free + len(held) == num_blocks and not any(r.block_table for r in s.waiting)
+        steps += 1
+        assert steps < 2000, "requests left unfinished"
+    assert s.allocator.num_free == num_blocks
