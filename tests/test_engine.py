@@ -209,6 +209,30 @@ def staggered(llm, prompts: list[list[int]], params: list[SamplingParams], mixed
     return [r.output_ids for r in reqs]
 
 
+@pytest.mark.parametrize("mixed", [0, 8])
+def test_a_request_with_nothing_to_prefill_is_served_alone_by_the_servers_schedule(checkpoints, mixed):
+    """Under the server's schedule (a decode step tried first after a prefill chunk, and always with
+    mixed steps), a one-token prompt, and a prompt the prefix cache holds whole (asked again), arrive
+    when nothing runs: each decodes what offline generate gives it (the scheduler took such a request
+    for stuck and preempted and admitted it again for ever: the server hung)."""
+    llm = LLM(checkpoints["qwen3"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              enable_prefix_caching=True)
+    block = llm.engine.kv_cache.block_size
+    prompts, params = [[5], list(range(3, 4 + block))], greedy(6)   # the second caches one whole block
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    engine, got = llm.engine, []
+    engine.scheduler.decode_between_prefills, engine.scheduler.mixed_prefill_tokens = True, mixed
+    engine.scheduler.preempt = lambda req: pytest.fail("preempted a request with room to spare")
+    for i, ids in enumerate(prompts + prompts[1:]):
+        engine.scheduler.last_was_prefill = True   # as after a prefill chunk whose request is gone
+        req = engine.new_request(i, "", ids, params)
+        engine.add_requests([req])
+        engine.run_to_completion()
+        got.append(req.output_ids)
+    assert got == expected + expected[1:]
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("name", [None, "ngram", "suffix", "draft", "eagle1", "suffix_tree"])
 def test_a_mixed_step_changes_no_output(spec_models, monkeypatch, name):
     """Prefill chunks riding in decode steps (a mixed step: the server's mixed_prefill_tokens) give
