@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--server-args", default="", help="flags for both servers, e.g. '--ngram'")
+    ap.add_argument("--with-vllm", action="store_true",
+                    help="vLLM's server too (--vllm-python's, on --tokenizer's folder, float32), in turn")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     servers = {"before": (os.path.abspath(args.before), 8711), "after": (ROOT, 8712)}
@@ -72,6 +74,13 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-P", "-m", "nanospec.serve", "--port", str(port),
                    "--served-model-name", "smollm2", *args.server_args.split()]
             procs[label] = start(cmd, port, {"PYTHONPATH": checkout}, f"/tmp/serve_ab_{label}.log")
+        if args.with_vllm:
+            servers["vLLM"] = (None, 8713)
+            cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.tokenizer,
+                   "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "smollm2",
+                   "--port", "8713"]
+            env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
+            procs["vLLM"] = start(cmd, 8713, env, "/tmp/serve_ab_vllm.log")
         rows = []
         for round_ in range(args.rounds):
             order = list(servers) if round_ % 2 == 0 else list(reversed(servers))

@@ -82,8 +82,11 @@ class Scheduler:
         mixed_prefill_tokens, a decode step with chunks in it)."""
         while True:
             if self.decode_between_prefills and (self.last_was_prefill or self.mixed_prefill_tokens):
-                # (decode again: the prefill may admit requests with nothing to prefill, which decode now)
-                batch = (self._schedule_decode(num_drafts) or self._schedule_prefill()
+                # The streams' step. Unmixed, a request yet to stream waits while prompts are still to
+                # prefill: each chunk after its first token would be a gap in its stream. (Decode all
+                # after: the prefill may admit requests with nothing to prefill, which decode now.)
+                hold = not self.mixed_prefill_tokens and self.prefill_pending()
+                batch = (self._schedule_decode(num_drafts, streams_only=hold) or self._schedule_prefill()
                          or self._schedule_decode(num_drafts))
                 if self.mixed_prefill_tokens and batch and not batch.is_prefill:   # chunks ride in it
                     batch.chunk = self._schedule_prefill(self.mixed_prefill_tokens)
@@ -93,6 +96,10 @@ class Scheduler:
                 self.last_was_prefill = batch.is_prefill
                 return batch
             self.preempt(self.running[-1])   # every running request is stuck in prefill: make room
+
+    def prefill_pending(self) -> bool:
+        return (any(r.in_prefill for r in self.running)
+                or bool(self.waiting) and len(self.running) < self.max_num_seqs)
 
     def _schedule_prefill(self, budget: int | None = None) -> Batch | None:
         budget, chosen, lens = budget or self.max_num_batched_tokens, [], []
@@ -122,14 +129,14 @@ class Scheduler:
                 budget -= chunk
         return Batch(chosen, lens, is_prefill=True) if chosen else None
 
-    def _schedule_decode(self, num_drafts) -> Batch | None:
+    def _schedule_decode(self, num_drafts, streams_only: bool = False) -> Batch | None:
         # Preemption takes the newest request, so running only loses its tail here: the i-th request
         # of the loop is still running while i < len(self.running).
         chosen, lens = [], []
         for i, req in enumerate(list(self.running)):
             if i >= len(self.running):   # preempted, and every request after it
                 break
-            if req.in_prefill:
+            if req.in_prefill or streams_only and not req.output_ids:
                 continue
             num_new = num_drafts(req) + 1
             while i < len(self.running) and not self.allocator.can_grow(req.block_table,

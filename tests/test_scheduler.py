@@ -80,6 +80,33 @@ def test_a_request_with_nothing_to_prefill_decodes_when_decode_is_tried_first(mi
     assert not batch.is_prefill and batch.requests == [r] and batch.query_lens == [3]
 
 
+def test_a_request_yet_to_stream_waits_for_the_prompts_still_to_prefill_between_chunks():
+    """The server's schedule puts a decode step between prefill chunks for the streams already
+    running. A request prefilled but yet to give a token is left out of it while prompts are still
+    to prefill (a chunk after its first token would be a gap in its stream), and joins when none
+    are (or none can be); with mixed steps it is not held."""
+    for mixed in (0, 4):
+        s = scheduler(num_blocks=32, budget=8)
+        s.decode_between_prefills, s.mixed_prefill_tokens = True, mixed
+        streaming, fresh, arriving = request(0, 5), request(1, 5), request(2, 14)
+        s.waiting.extend([streaming, fresh])
+        prefill_all(s)
+        streaming.num_cached, streaming.tokens = 5, streaming.tokens + [7]   # it has given a token
+        s.waiting.append(arriving)
+        s.last_was_prefill = True
+        batch = s.schedule()
+        assert not batch.is_prefill and batch.requests == ([streaming] if not mixed else [streaming, fresh])
+        if mixed:
+            continue
+        batch = s.schedule()
+        assert batch.is_prefill and batch.requests == [arriving] and batch.query_lens == [8]
+        arriving.num_cached += 8
+        assert s.schedule().requests == [streaming]   # arriving still has 5 tokens to prefill
+        prefill_all(s)
+        s.last_was_prefill = True
+        assert s.schedule().requests == [streaming, fresh, arriving]
+
+
 def test_decode_grows_blocks_for_the_drafts_and_preempts_the_newest_when_they_run_out():
     s = scheduler(num_blocks=5, block_size=4, budget=100)
     a, b = request(0, 7), request(1, 7)
