@@ -49,7 +49,9 @@ class Scheduler:
 
     decode_between_prefills (the server's default): after a prefill chunk, a decode step for the
     requests already decoding, so that a long prompt arriving does not stall the running streams for
-    all its chunks; offline, every prefill goes first (the largest decode batches).
+    all its chunks; offline, every prefill goes first (the largest decode batches). A request yet to
+    give a token joins those steps only once no prompt is left to prefill: its stream then starts
+    after the chunks instead of having them as gaps.
     mixed_prefill_tokens (the server's --mixed-prefill-tokens, with decode_between_prefills; 0: off):
     a decode step carries up to that many prompt tokens of prefill chunks in its forward (a mixed
     step, as vLLM and SGLang schedule), so an arrival's prefill is spread over the running streams'
