@@ -69,8 +69,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_between_prefills = decode_between_prefills
-        self.mixed_prefill_tokens = 0
-        self.last_was_prefill = False
+        self.mixed_prefill_tokens, self.last_was_prefill = 0, False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -82,26 +81,22 @@ class Scheduler:
         num_drafts(r) draft tokens after its last one (so it needs num_drafts(r) + 1 new slots);
         with decode_between_prefills, a decode step first after each prefill chunk (or, with
         mixed_prefill_tokens, a decode step with chunks in it)."""
+        mixed = self.mixed_prefill_tokens
         while True:
-            if self.decode_between_prefills and (self.last_was_prefill or self.mixed_prefill_tokens):
-                # The streams' step. Unmixed, a request yet to stream waits while prompts are still to
-                # prefill: each chunk after its first token would be a gap in its stream. (Decode all
-                # after: the prefill may admit requests with nothing to prefill, which decode now.)
-                hold = not self.mixed_prefill_tokens and self.prefill_pending()
-                batch = (self._schedule_decode(num_drafts, streams_only=hold) or self._schedule_prefill()
-                         or self._schedule_decode(num_drafts))
-                if self.mixed_prefill_tokens and batch and not batch.is_prefill:   # chunks ride in it
-                    batch.chunk = self._schedule_prefill(self.mixed_prefill_tokens)
-            else:
-                batch = self._schedule_prefill() or self._schedule_decode(num_drafts)
+            # After a prefill chunk (with mixed steps, always) a decode step first, for the streams.
+            # Unmixed, a request yet to stream waits while prompts are still to prefill: each chunk
+            # after its first token would be a gap in its stream. (Decode all after the prefill: it
+            # may admit requests with nothing to prefill, which decode now.)
+            decode_first = self.decode_between_prefills and (self.last_was_prefill or mixed)
+            hold = not mixed and bool(self.waiting or any(r.in_prefill for r in self.running))
+            batch = ((decode_first and self._schedule_decode(num_drafts, streams_only=hold))
+                     or self._schedule_prefill() or self._schedule_decode(num_drafts))
+            if decode_first and mixed and batch and not batch.is_prefill:
+                batch.chunk = self._schedule_prefill(mixed)   # chunks ride in it
             if batch:
                 self.last_was_prefill = batch.is_prefill
                 return batch
             self.preempt(self.running[-1])   # every running request is stuck in prefill: make room
-
-    def prefill_pending(self) -> bool:
-        return (any(r.in_prefill for r in self.running)
-                or bool(self.waiting) and len(self.running) < self.max_num_seqs)
 
     def _schedule_prefill(self, budget: int | None = None) -> Batch | None:
         budget, chosen, lens = budget or self.max_num_batched_tokens, [], []
