@@ -31,7 +31,7 @@ from nanospec import LLM, SamplingParams
 from nanospec.bench_serve import Client
 from nanospec.stats import Stats
 from nanospec.prompts import read_prompts_file
-from benchmarks.serve_side_by_side import start, stop
+from benchmarks.serve_side_by_side import VLLM_ENV, start, stop, vllm_server
 
 PORT = 8311
 
@@ -60,12 +60,11 @@ def acceptance(drafts: float, accepted: float, at_position: list[float]) -> dict
 def vllm_run(args, method: str, head: str, prompt_ids: list[list[int]]) -> dict:
     """vLLM's server with the head, the prompts one at a time: token ids and the counters' growth."""
     spec = {"method": method, "model": head, "num_speculative_tokens": args.k}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype",
-           "float32",
-           "--max-model-len", "2048", "--port", str(PORT), "--speculative-config", json.dumps(spec),
-           *(["--enforce-eager"] if args.enforce_eager else [])]
+    cmd = vllm_server(args.vllm_python, args.model) + [
+        "--port", str(PORT), "--speculative-config", json.dumps(spec),
+        *(["--enforce-eager"] if args.enforce_eager else [])]
     log = f"/tmp/eagle_vllm_{method}.log"
-    proc = start(cmd, PORT, {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}, log)
+    proc = start(cmd, PORT, VLLM_ENV, log)
     try:
         client = Client(f"http://127.0.0.1:{PORT}", None)
         name = json.loads(client.get("/v1/models"))["data"][0]["id"]

