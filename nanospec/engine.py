@@ -88,8 +88,8 @@ class Scheduler:
             # after its first token would be a gap in its stream. (Decode all after the prefill: it
             # may admit requests with nothing to prefill, which decode now.)
             decode_first = self.decode_between_prefills and (self.last_was_prefill or mixed)
-            hold = not mixed and bool(self.waiting or any(r.in_prefill for r in self.running))
-            batch = ((decode_first and self._schedule_decode(num_drafts, streams_only=hold))
+            hold = decode_first and not mixed and (self.waiting or any(r.in_prefill for r in self.running))
+            batch = ((decode_first and self._schedule_decode(num_drafts, streams_only=bool(hold)))
                      or self._schedule_prefill() or self._schedule_decode(num_drafts))
             if decode_first and mixed and batch and not batch.is_prefill:
                 batch.chunk = self._schedule_prefill(mixed)   # chunks ride in it

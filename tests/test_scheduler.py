@@ -84,7 +84,7 @@ def test_a_request_yet_to_stream_waits_for_the_prompts_still_to_prefill_between_
     """The server's schedule puts a decode step between prefill chunks for the streams already
     running. A request prefilled but yet to give a token is left out of it while prompts are still
     to prefill (a chunk after its first token would be a gap in its stream), and joins when none
-    are (or none can be); with mixed steps it is not held."""
+    are; with mixed steps it is not held."""
     for mixed in (0, 4):
         s = scheduler(num_blocks=32, budget=8)
         s.decode_between_prefills, s.mixed_prefill_tokens = True, mixed
