@@ -18,6 +18,9 @@ after it is skipped; the CUDA tests get at most what is left):
                              replays' device time; the kernels an eager step launches, per step,
                              per layer and per token (step_ops), and each kind's device time
   graphs_vs_eager      50 s  the same rows with enforce_eager, K 0 and 4: graphs over eager
+  trees                40 s  oracle trees at batch 1 and 16: a tree of 2K nodes (the oracle's chain of
+                             K = 4, a sibling beside each node) against the chain of K, both accepted
+                             whole; with CUDA graphs and eagerly
   attention_kernel     40 s  the tiled attention kernel alone, one layer of Llama-3.1-8B's shape:
                              KV bytes read per second at contexts 1k, 4k, 16k, batch 1 and 64, K 0, 4
   draft_vs_assisted    90 s  a draft model (random:llama3.2-1b, K = 4) against transformers'
@@ -82,7 +85,7 @@ from nanospec.errors import NanospecError, run_command
 from nanospec.k_policy import StaticK
 from nanospec.llm import LLM, kv_block_bytes
 from nanospec.prompts import shipped_prompts
-from nanospec.proposer import NgramProposer, OracleProposer
+from nanospec.proposer import NgramProposer, OracleProposer, Proposal
 from nanospec.suffix import SuffixProposer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository (tests/ is there)
@@ -91,17 +94,18 @@ CUDA_TESTS = ["-m", "cuda", "tests/"]   # the tests marked @pytest.mark.cuda: th
 # new_tokens: a multiple of every K + 1, so that an oracle row gains exactly K + 1 tokens a step.
 # ks: the oracle rows' K, the headline first. Budgets in seconds (see the docstring).
 FULL = dict(target="random:llama3-8b", small_target="random:qwen3-0.6b", dtype="bfloat16",
-            batches=[1, 16, 64, 256],
+            batches=[1, 16, 64, 256], tree_batches=[1, 16],
             small_batches=[1, 16, 64], ks=[4, 2], new_tokens=60, oracle_tries=3, kv_cache_gb=2,
             assisted=("random:llama3-8b", "random:llama3.2-1b"), assisted_tokens=64, copy_megabytes=1024,
             attention=dict(contexts=[1024, 4096, 16384], batches=[1, 64], ks=[0, 4]),
             prefill=[(1, 3072, 1024), (8, 0, 512)], seconds=480, cuda_tests_timeout=330,
             budgets=dict(copy_bandwidth=20, decode=150, step_anatomy=40, graphs_vs_eager=50,
-                         attention_kernel=40,
+                         trees=40, attention_kernel=40,
                          draft_vs_assisted=90, cuda_tests=330, small_target=60, prefill_attention=25,
                          host_drafting=20),
             drafting=dict(index_requests=2000, context=512))
 REDUCED = dict(FULL, target="random:tiny", small_target="random:tiny", dtype="float32", batches=[1, 4],
+               tree_batches=[1],
                small_batches=[1], new_tokens=15, kv_cache_gb=0.05, assisted=("random:tiny", "random:tiny"),
                assisted_tokens=15, copy_megabytes=64,
                attention=dict(contexts=[256], batches=[1, 4], ks=[0, 4]),
@@ -284,33 +288,55 @@ def run_once(engine, prompts: list[list[int]], new_tokens: int) -> dict:
             "outputs": {tuple(r.prompt_ids): r.output_ids for r in requests}}
 
 
-def row_engine(loaded: Loaded, batch: int, k: int, graphs: bool, new_tokens: int):
+class OracleTreeProposer(OracleProposer):
+    """Trees of the oracle's chain of `depth` drafts (nodes 1 .. depth) and a sibling beside each chain
+    node (a token the oracle does not draft there), tried after it: 2 * depth nodes, the chain accepted
+    whole, as the oracle chain of `depth` is. The tree's tokens/s over that chain's is what verifying
+    `depth` more nodes costs. A request allowed fewer nodes (near its end) loses siblings first."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], depth: int):
+        super().__init__(continuations)
+        self.depth = depth
+
+    def propose(self, requests, ks) -> Proposal:
+        chains = super().propose(requests, [min(self.depth, k) for k in ks]).host_drafts
+        siblings = [min(len(chain), k - len(chain)) for chain, k in zip(chains, ks)]
+        drafts = [chain + [t - 1 if t else 1 for t in chain[:n]] for chain, n in zip(chains, siblings)]
+        parents = [[-1, *range(len(chain)), *range(n)] for chain, n in zip(chains, siblings)]
+        return Proposal([len(d) for d in drafts], drafts, parents=parents)
+
+
+def row_engine(loaded: Loaded, batch: int, k: int, graphs: bool, new_tokens: int, tree: bool = False):
     """An engine of its own for a row: `batch` of the prompts, K = k drafts by the oracle (a copy
-    of it, this row's own), CUDA graphs or not, its greedy verify graphs captured."""
+    of it, this row's own; with `tree`, OracleTreeProposer's trees of k nodes), CUDA graphs or not,
+    its greedy verify graphs captured (a tree step's on its first use)."""
     prompts = loaded.prompts[:batch]
     longest = max(map(len, prompts)) + new_tokens + k + 1
     blocks = batch * loaded.llm.engine.kv_cache.allocator.blocks_for(longest)
-    oracle = OracleProposer(dict(loaded.oracle.continuations)) if k else None
-    engine = loaded.llm.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle,
-                                    use_graphs=graphs)
-    engine.step_graphs.capture_all([k])
+    continuations = dict(loaded.oracle.continuations)   # this row's own copy
+    oracle = OracleTreeProposer(continuations, k // 2) if tree else OracleProposer(continuations)
+    engine = loaded.llm.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(k),
+                                    proposer=oracle if k else None, use_graphs=graphs)
+    if not tree:
+        engine.step_graphs.capture_all([k])
     return engine, prompts, oracle
 
 
-def decode_row(loaded: Loaded, batch: int, k: int, graphs: bool, plan: dict) -> dict:
-    """Greedy decoding of `batch` prompts on an engine of their own (K = k drafts by the oracle, CUDA
-    graphs or not). An oracle row whose acceptance is below K + 1 takes this very configuration's
-    outputs as its oracle and runs again, up to plan["oracle_tries"] runs; the last is timed."""
-    new_tokens = plan["new_tokens"]
-    engine, prompts, oracle = row_engine(loaded, batch, k, graphs, new_tokens)
+def decode_row(loaded: Loaded, batch: int, k: int, graphs: bool, plan: dict, tree: bool = False) -> dict:
+    """Greedy decoding of `batch` prompts on an engine of their own (K = k drafts by the oracle, a
+    tree of k nodes with `tree`; CUDA graphs or not). An oracle row whose acceptance is below its
+    chain's length + 1 takes this very configuration's outputs as its oracle and runs again, up to
+    plan["oracle_tries"] runs; the last is timed."""
+    new_tokens, depth = plan["new_tokens"], k // 2 if tree else k
+    engine, prompts, oracle = row_engine(loaded, batch, k, graphs, new_tokens, tree)
     tries = []
     while True:
         run = run_once(engine, prompts, new_tokens)
         tries.append(run["acceptance"])
-        if not k or run["acceptance"] >= k + 1 or len(tries) == plan["oracle_tries"]:
+        if not k or run["acceptance"] >= depth + 1 or len(tries) == plan["oracle_tries"]:
             break
         oracle.continuations.update(run["outputs"])
-    return {"batch": batch, "k": k, "graphs": engine.step_graphs.use_graphs,
+    return {"batch": batch, "k": k, "tree": tree, "graphs": engine.step_graphs.use_graphs,
             "step_ms": round(1000 * run["seconds"] / max(1, run["steps"]), 3),
             "tokens_per_s": round(run["tokens"] / run["seconds"], 2) if run["seconds"] else None,
             "mean_acceptance_length": run["acceptance"], "oracle_tries": len(tries),
@@ -324,9 +350,9 @@ def row_line(row: dict, seconds: float) -> str:
             f"{row['mean_acceptance_length']:.2f}{tries} [{seconds:.1f} s]")
 
 
-def measure_row(check: GpuCheck, key: str, batch: int, k: int, graphs: bool) -> dict:
+def measure_row(check: GpuCheck, key: str, batch: int, k: int, graphs: bool, tree: bool = False) -> dict:
     start = time.perf_counter()
-    row = decode_row(check.load(key), batch, k, graphs, check.plan)
+    row = decode_row(check.load(key), batch, k, graphs, check.plan, tree)
     free_memory()   # the row's engine: its KV pool and graphs
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
@@ -406,6 +432,25 @@ def measure_graphs_vs_eager(check: GpuCheck, section: Section) -> None:
                 return
             compare_graphs(check, section, "target", batch, k,
                            find(graph_rows, batch=batch, k=k, graphs=check.cuda))
+
+
+def measure_trees(check: GpuCheck, section: Section) -> None:
+    """Oracle trees against oracle chains of the headline K, side by side at each tree batch, with CUDA
+    graphs and eagerly: a tree of 2K nodes (OracleTreeProposer) accepts what the chain of K does, so
+    tree / chain is what verifying K more nodes costs, and the tree rows' graphs / eager what a tree
+    step's graph saves."""
+    k = check.plan["ks"][0]
+    for batch in check.plan["tree_batches"]:
+        for graphs in (True, False) if check.cuda else (False,):
+            if not section.more():
+                return
+            chain = measure_row(check, "target", batch, k, graphs)
+            tree = measure_row(check, "target", batch, 2 * k, graphs, tree=True)
+            row = {"batch": batch, "graphs": tree["graphs"], "chain": chain, "tree": tree,
+                   "tree_over_chain": round(tree["tokens_per_s"] / chain["tokens_per_s"], 3)
+                   if tree["tokens_per_s"] and chain["tokens_per_s"] else None}
+            section.add(row, f"{row_line(chain, chain['seconds'])}\n  tree of {2 * k} nodes: "
+                        f"{row_line(tree, tree['seconds'])}; tree / chain {row['tree_over_chain']}")
 
 
 def measure_small_target(check: GpuCheck, section: Section) -> None:
@@ -692,7 +737,7 @@ def why_missing(report: dict, name: str) -> str:
 def summarize(report: dict) -> list[dict]:
     """Each headline figure against its goal (DESIGN.md's targets; our own bar where it sets none)."""
     rows = {name: entry.get("rows", []) for name, entry in report["sections"].items()}
-    return [*decode_figures(report, rows), *kernel_figures(report, rows)]
+    return [*decode_figures(report, rows), *tree_figures(report, rows), *kernel_figures(report, rows)]
 
 
 def decode_figures(report: dict, rows: dict) -> list[dict]:
@@ -725,6 +770,25 @@ def decode_figures(report: dict, rows: dict) -> list[dict]:
                small and small["graphs_over_eager"],
                1.0, ">= 1 (graphs never slower)", reduced, why_missing(report, "small_target"),
                small and f"step {small['graphs_step_ms']} ms against {small['eager_step_ms']} ms"),
+    ]
+
+
+def tree_figures(report: dict, rows: dict) -> list[dict]:
+    """Oracle trees at batch 1: against the chain they contain, and with CUDA graphs against eagerly."""
+    reduced, cuda = report["mode"] != "full", report["mode"] == "full"
+    graphed, eager = (find(rows.get("trees", []), batch=1, graphs=g) for g in (cuda, False))
+    tree, chain = (graphed or {}).get("tree"), (graphed or {}).get("chain")
+    ratio = cuda and eager and tree and round(tree["tokens_per_s"] / eager["tree"]["tokens_per_s"], 3)
+    nodes = tree and tree["k"]
+    return [
+        figure(f"oracle tree of {nodes or '2K'} nodes / its oracle chain, {report['target']}, batch 1",
+               graphed and graphed["tree_over_chain"], 0.9, ">= 0.9 (our bar; issue 64 sets none on a GPU)",
+               reduced, why_missing(report, "trees"),
+               tree and f"{tree['tokens_per_s']} against {chain['tokens_per_s']} tok/s, acceptance "
+                        f"{tree['mean_acceptance_length']} against {chain['mean_acceptance_length']}"),
+        figure(f"CUDA graphs / eager, oracle tree of {nodes or '2K'} nodes, batch 1", ratio or None, 1.0,
+               ">= 1 (graphs never slower)", reduced, why_missing(report, "trees"),
+               ratio and f"step {tree['step_ms']} ms against {eager['tree']['step_ms']} ms"),
     ]
 
 
@@ -809,10 +873,12 @@ def measure_host_drafting(check: GpuCheck, section: Section) -> None:
 
 SECTIONS = {"copy_bandwidth": measure_copy_bandwidth, "decode": measure_decode,
             "step_anatomy": measure_step_anatomy, "graphs_vs_eager": measure_graphs_vs_eager,
+            "trees": measure_trees,
             "attention_kernel": measure_attention, "draft_vs_assisted": measure_assisted,
             "small_target": measure_small_target, "prefill_attention": measure_prefill,
             "host_drafting": measure_host_drafting, "cuda_tests": run_cuda_tests}
-USES = {"decode": "target", "step_anatomy": "target", "graphs_vs_eager": "target",   # models kept between
+# the model each section uses, kept loaded for the sections after it that use it too
+USES = {"decode": "target", "step_anatomy": "target", "graphs_vs_eager": "target", "trees": "target",
         "small_target": "small_target"}
 
 

@@ -351,6 +351,34 @@ def test_cuda_graph_replay_equals_eager(spec_models, name):
     assert outputs[False] == outputs[True]
 
 
+CUDA_TREES = {"eagle1": dict(num_speculative_tokens=6, speculative_topk=3, speculative_num_steps=3),
+              "draft": dict(num_speculative_tokens=6, speculative_topk=3, speculative_num_steps=3),
+              "suffix": dict(num_speculative_tokens=8, speculative_topk=3, suffix_max_spec_offset=0),
+              "suffix_static": dict(speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]",
+                                    suffix_max_spec_offset=0)}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(CUDA_TREES))
+def test_cuda_tree_steps_replay_equals_eager(spec_models, name):
+    """Draft trees (EAGLE-2's of a head and of a draft model, suffix decoding's, a static tree) under
+    CUDA graphs, whose walk covers any tree of K nodes (StepGraphs.tree_bounds), give the eager steps'
+    tokens, greedy and sampled; a tree step's graph was captured and its drafts were accepted."""
+    args = {**proposer_args(spec_models, name.split("_")[0]), **CUDA_TREES[name]}
+    prompts = (PROMPTS * 3)[:19]
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400,
+                  enforce_eager=eager, **args)
+        outputs[eager] = [[o.token_ids for o in llm.generate(prompts, SamplingParams(
+            temperature=t, seed=3, max_tokens=24, ignore_eos=True))] for t in (0, 0.8)]
+        if not eager:
+            assert any(key.tree for key in llm.engine.step_graphs.graphs), list(llm.engine.step_graphs.graphs)
+        assert llm.stats["drafted_tokens"] > 0
+    assert outputs[False] == outputs[True]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["plain", "ngram", "eagle3"])

@@ -54,7 +54,10 @@ def test_the_dry_run_goes_through_every_section_and_a_failure_loses_nothing_arou
     assert sum(s[-1] == "decode" for s in on_disk) > len(sections["decode"]["rows"])
 
     summary = {f["figure"]: f for f in report["summary"]}
-    assert len(summary) == 9 and all(f["status"] in ("not judged (reduced run)",
+    trees = sections["trees"]["rows"][0]   # the tree of 2K nodes accepts its chain of K whole, as the chain
+    assert trees["tree"]["k"] == 2 * trees["chain"]["k"] == 8
+    assert trees["tree"]["mean_acceptance_length"] == trees["chain"]["mean_acceptance_length"] == 5
+    assert len(summary) == 11 and all(f["status"] in ("not judged (reduced run)",
                                                      "unmeasured") for f in summary.values())
     kernel = next(f for name, f in summary.items() if name.startswith("attention kernel"))
     assert kernel["status"] == "unmeasured" and kernel["detail"] == "RuntimeError: the kernel exploded"
