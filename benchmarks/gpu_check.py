@@ -680,8 +680,9 @@ def read_pytest(output: str) -> dict:
 def run_cuda_tests(check: GpuCheck, section: Section) -> None:
     """pytest -m cuda tests/ in a subprocess of its own session, bounded by the section's time
     (what is left of the run, at most plan["cuda_tests_timeout"]); a timeout is recorded, with the
-    tests finished by then."""
-    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--tb=short", *CUDA_TESTS]
+    tests finished by then. pytest's whole output goes beside the report (<report>_cuda_tests.log)."""
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--tb=short", "--durations=20",
+               *CUDA_TESTS]
     shown = "python -m pytest -v " + " ".join(CUDA_TESTS)
     if not check.cuda:
         return section.skip(f"no CUDA GPU: every test `{shown}` selects would skip here (CI runs the others)")
@@ -700,6 +701,8 @@ def run_cuda_tests(check: GpuCheck, section: Section) -> None:
             returncode, timed_out = proc.wait(), True
         out.seek(0)
         output = out.read()
+    with open(os.path.splitext(check.path)[0] + "_cuda_tests.log", "w") as f:
+        f.write(output)
     row = {"command": shown, "returncode": returncode, "timed_out": timed_out, "timeout_s": round(timeout),
            "seconds": round(time.perf_counter() - start, 1), **read_pytest(output)}
     if timed_out:
