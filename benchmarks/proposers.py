@@ -37,9 +37,10 @@ from nanospec.cli import Progress, log, log_loading, set_threads
 from nanospec.dynamic_k import timed
 from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError, check_int, run_command
-from nanospec.llm import LLM
+from nanospec.llm import LLM, MAX_SPECULATIVE_TOKENS
 from nanospec.prompts import by_category_in_turn, shipped_prompts
 from nanospec.suffix import EXTRA_TOKENS, LLM_SETTINGS
+from nanospec.tree import MAX_NODES
 
 
 def suffix_flags(args) -> dict:
@@ -85,7 +86,8 @@ def parse_rows(text: str, args) -> list[tuple[str, int | str | None]]:
             raise NanospecError(f"--proposers: {item!r} is not NAME, NAME:K, NAME:dynamic or "
                                 "NAME:dynamic-per-request") from None
         if isinstance(k, int):
-            check_int(k, f"--proposers {name}'s K", low=0 if name == "plain" else 1, high=16)
+            check_int(k, f"--proposers {name}'s K", low=0 if name == "plain" else 1,
+                      high=MAX_NODES if any(map(tree_option, options)) else MAX_SPECULATIVE_TOKENS)
         if "records" in options and k != "dynamic-per-request":
             raise NanospecError(f"--proposers: {item!r}: @records is for a budget's rows, "
                                 "NAME:dynamic-per-request")

@@ -145,9 +145,9 @@ def add_speculation_args(ap: argparse.ArgumentParser) -> None:
     """The proposer flags and K's: how many drafts a step verifies, fixed or chosen by dynamic K."""
     spec = add_proposer_args(ap)
     spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                      help="draft tokens per step, 1..16 (default: 4 with a proposer, 16 with --suffix, "
-                           "which drafts as far as its match is strong; with --dynamic-k the largest K it "
-                           "may choose, 8, or 16 with --suffix)")
+                      help="draft tokens per step, 1..16; a tree's nodes, 1..62 (default: 4 with a "
+                           "proposer, 16 with --suffix, which drafts as far as its match is strong; with "
+                           "--dynamic-k the largest K it may choose, 8, or 16 with --suffix)")
     spec.add_argument("--speculative-topk", "--speculative-eagle-topk", type=int, default=1, metavar="N",
                       dest="speculative_topk",
                       help="draft trees: at most N children a node, K nodes a tree, verified in one step "

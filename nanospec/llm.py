@@ -31,7 +31,7 @@ from nanospec.hybrid import HybridProposer
 from nanospec.proposer import DraftModelProposer, EagleProposer, NgramProposer, Proposer
 from nanospec.suffix import LLM_SETTINGS, SuffixProposer
 from nanospec.tokenizer import load_tokenizer
-from nanospec.tree import parse_static_tree
+from nanospec.tree import MAX_NODES, parse_static_tree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -180,7 +180,8 @@ class SpeculativeConfig:
         if static and self.num_speculative_tokens not in (None, len(static) - 1):
             raise NanospecError(f"{k_name} {k} differs from the {len(static) - 1} nodes of "
                                 f"{param('speculative_token_tree')}: leave it unset, or give the tree's size")
-        return check_int(len(static) - 1 if static else k, k_name, low=1, high=MAX_SPECULATIVE_TOKENS)
+        most = MAX_NODES if static or self.speculative_topk > 1 else MAX_SPECULATIVE_TOKENS   # a tree's nodes
+        return check_int(len(static) - 1 if static else k, k_name, low=1, high=most)
 
     def check_tree_settings(self, chosen: list[str]) -> None:
         """Trees: grown (speculative_topk > 1) by suffix decoding, an EAGLE head or a draft model; static

@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from nanospec.kv_cache import ragged_metadata
 from nanospec.sampler import (ACCEPT, EMIT, acceptance_probability, next_token_weights, pick, target_probs,
                               uniform_noise)
+from nanospec.triton_attention import TREE_NODES
 
+MAX_NODES = TREE_NODES - 1   # a tree's drafts at most: with its root they fit the GPU kernel's mask bits
 SIBLING_STREAM = 16   # the noise stream of the acceptance test of a node's j-th child, j >= 1 (j = 0: ACCEPT)
 
 

@@ -147,7 +147,9 @@ def test_a_static_tree_equals_plain_decoding(checkpoints):
     (dict(suffix=True, speculative_token_tree="[(0,), (1,)]", num_speculative_tokens=4),
      "num_speculative_tokens 4 differs from the 2 nodes"),
     (dict(suffix=True, speculative_token_tree="[(0, 0)]"), "comes before its parent"),
-    (dict(suffix=True, speculative_token_tree="tree"), "is not a list of tuples of child ranks")])
+    (dict(suffix=True, speculative_token_tree="tree"), "is not a list of tuples of child ranks"),
+    (dict(eagle="head", speculative_topk=4, num_speculative_tokens=63), "must be an integer in 1..62"),
+    (dict(eagle="head", num_speculative_tokens=17), "must be an integer in 1..16")])
 def test_tree_settings_are_checked_before_anything_loads(settings, message):
     with pytest.raises(NanospecError, match=message):
         LLM("no/such-model", device="cpu", **settings)
@@ -203,6 +205,30 @@ def test_eagle_2_trees_equal_plain_decoding(spec_models, name, params):
     assert llm.stats["drafted_tokens"] > 0
     if name == "self_draft" and not params.temperature:   # at least the depth-1 argmax, every step
         assert llm.stats["mean_acceptance_length"] > 1.8
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("params", [greedy(48), SamplingParams(temperature=0.9, seed=4, max_tokens=48,
+                                                                 ignore_eos=True)], ids=["greedy", "sampled"])
+def test_a_tree_may_hold_more_nodes_than_a_chain(spec_models, monkeypatch, params):
+    """A tree's nodes are bounded by the GPU kernel's mask (tree.MAX_NODES), not by a chain's 16: a 40-node
+    EAGLE-2 tree of the target as its own draft (8 children a node, 6 deep) decodes as plain decoding,
+    verifies all 40 nodes in a step, and leaves no block behind."""
+    from nanospec.stats import Stats
+    plain = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05)
+    plain = plain.generate(PROMPTS, params)
+    llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
+              draft=spec_models["target"], num_speculative_tokens=40, speculative_topk=8,
+              speculative_num_steps=6)
+    assert llm.engine.max_k == 40
+    verified, record = [], Stats.record
+
+    def spy(self, k, ks, num_draft, *args):
+        verified.extend(num_draft)
+        return record(self, k, ks, num_draft, *args)
+    monkeypatch.setattr(Stats, "record", spy)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+    assert max(verified) == 40
     assert_no_leak(llm)
 
 

@@ -108,7 +108,8 @@ def tree_error(device, dtype, block_size, heads, kv_heads, dim, seqs, splits=Non
 TREES = [(16, 4, 4, 64, [(20, 0, 5), (3, 0, 9), (40, 0, 1)], 1),
          (4, 8, 2, 64, [(17, 0, 7), (0, 0, 4)], 16),
          (16, 8, 1, 64, [(33, 6, 1), (15, 3, 1), (70, 9, 1)], 1),
-         (16, 4, 2, 128, [(600, 0, 9), (5, 4, 1)], 4)]
+         (16, 4, 2, 128, [(600, 0, 9), (5, 4, 1)], 4),
+         (16, 4, 2, 64, [(30, 0, 45), (5, 40, 1)], 1)]   # a tree's nodes past bit 31 of the mask
 
 def check(device, dtype, tol):
     for case in TOKENS:

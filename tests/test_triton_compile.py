@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from benchmarks import per_token_attention  # noqa: E402
 from nanospec import triton_attention  # noqa: E402
 from nanospec.llm import MAX_SPECULATIVE_TOKENS  # noqa: E402
+from nanospec.tree import MAX_NODES  # noqa: E402
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 HEAD_DIMS = (64, 128)
@@ -35,7 +36,7 @@ GROUPS = (1, 4, 8)            # query heads per KV head: MHA, Llama-3-8B's 4, an
 BLOCK_SIZE = 16
 # New tokens per sequence: 1 (decode), K + 1 (verify), and prefill chunks; past the rows one program
 # takes, a chunk is cut into blocks whose tile no longer depends on its length, so 1024 covers all.
-MAX_Q = range(1, max(MAX_SPECULATIVE_TOKENS + 2, 1025))
+MAX_Q = range(1, max(MAX_SPECULATIVE_TOKENS + 2, MAX_NODES + 2, 1025))
 CAPABILITIES = (80, 90)
 SHARED_MEMORY = {80: 166912, 90: 232448}   # the most one block may use (163, 227 KiB): past it a launch fails
 
@@ -56,7 +57,7 @@ def engine_variants() -> set[tuple]:
                     tile = triton_attention.tile_config(max_q, group, head_dim, dtype)
                     for direct in (True, False):   # a split bound of 1, or of more
                         # a draft tree's mask on a verify step (K + 1 queries) or a drafter's frontier (1)
-                        for tree in (False, True) if max_q <= MAX_SPECULATIVE_TOKENS + 1 else (False,):
+                        for tree in (False, True) if max_q <= MAX_NODES + 1 else (False,):
                             constexprs = triton_attention.tiled_constexprs(tile, head_dim, BLOCK_SIZE, dtype,
                                                                            direct, tree)
                             variants.add(("_tiled_kernel", tuple(constexprs.items()), tile.num_warps, name))
