@@ -341,8 +341,8 @@ def test_cuda_graph_replay_equals_eager(spec_models, name):
         args["suffix_max_spec_offset"] = 0
     prompts = (PROMPTS * 3)[:19]
     outputs = {}
-    for eager in (False, True):
-        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400,
+    for eager in (False, True):   # (24 rows at most: 6 buckets' graphs captured at start, not 11)
+        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, max_num_seqs=24,
                   enforce_eager=eager, **args)
         outputs[eager] = [[o.token_ids for o in llm.generate(prompts, SamplingParams(
             temperature=t, seed=3, max_tokens=24, ignore_eos=True))] for t in (0, 0.8)]
@@ -368,8 +368,8 @@ def test_cuda_tree_steps_replay_equals_eager(spec_models, name):
     args = {**proposer_args(spec_models, name.split("_")[0]), **CUDA_TREES[name]}
     prompts = (PROMPTS * 3)[:19]
     outputs = {}
-    for eager in (False, True):
-        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400,
+    for eager in (False, True):   # (24 rows at most: 6 buckets' graphs captured at start, not 11)
+        llm = LLM(spec_models["target"], device="cuda", dtype="float32", num_kv_blocks=400, max_num_seqs=24,
                   enforce_eager=eager, **args)
         outputs[eager] = [[o.token_ids for o in llm.generate(prompts, SamplingParams(
             temperature=t, seed=3, max_tokens=24, ignore_eos=True))] for t in (0, 0.8)]
