@@ -5,6 +5,10 @@ median tokens/s and the median of the rounds' ratios (after / before).
 
     git worktree add /tmp/before COMMIT
     python -m benchmarks.before_after /tmp/before --rounds 3 --out FILE.json
+    [--rows plain:1,ngram:8,tree:1,tree:8 --eagle HEAD]
+
+Rows are PROPOSER:BATCH: plain, ngram (K = 4), tree (an EAGLE head's EAGLE-2 trees of 6 nodes, 3 x 3,
+with HEAD/token_map.pt where there is one).
 """
 from __future__ import annotations
 
@@ -39,8 +43,12 @@ def import_before(root: str):
     return nanospec_before
 
 
-def build(package, proposer: str, batch: int):
-    args = dict(ngram=True, num_speculative_tokens=4) if proposer == "ngram" else {}
+def build(package, proposer: str, batch: int, eagle: str | None = None):
+    args = {"plain": {}, "ngram": dict(ngram=True, num_speculative_tokens=4),
+            "tree": dict(eagle=eagle, num_speculative_tokens=6, speculative_topk=3, speculative_num_steps=3)}
+    args = args[proposer]
+    if proposer == "tree" and os.path.exists(os.path.join(eagle, "token_map.pt")):
+        args["speculative_token_map"] = os.path.join(eagle, "token_map.pt")
     return package.LLM(device="cpu", dtype="float32", max_num_seqs=batch, **args)
 
 
@@ -58,7 +66,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--rows", default=",".join(f"{p}:{b}" for p, b in ROWS), help="PROPOSER:BATCH, ...")
+    ap.add_argument("--eagle", help="an EAGLE head, for tree rows")
     args = ap.parse_args()
+    rows = [(p, int(b)) for p, b in (row.split(":") for row in args.rows.split(","))]
+    if any(p == "tree" for p, _ in rows) and not args.eagle:
+        sys.exit("tree rows need --eagle HEAD")
     import torch
     torch.set_num_threads(2)
     import nanospec as after
@@ -66,9 +79,9 @@ def main() -> None:
     before = import_before(os.path.abspath(args.before))
     prompts = [r["prompt"] for r in shipped_prompts()]
     table = []
-    for proposer, batch in ROWS:
-        engines = {"before": (build(before, proposer, batch), before),
-                   "after": (build(after, proposer, batch), after)}
+    for proposer, batch in rows:
+        engines = {"before": (build(before, proposer, batch, args.eagle), before),
+                   "after": (build(after, proposer, batch, args.eagle), after)}
         for llm, package in engines.values():
             run(llm, package, prompts[:1], 4)   # warm-up
         rates, ratios, tokens = {"before": [], "after": []}, [], {}

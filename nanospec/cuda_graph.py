@@ -10,7 +10,10 @@ A step is `upload`, then `run_round` (a model proposer's K draft steps), then `r
   round   the catch-up step (each row feeds what the proposer has not seen: a varying length)
           eagerly, then steps 2..K as one graph whose positions advance on the device; where every
           catch-up is 1 or 2 positions (a draft model's steady state), the whole round is one graph.
-          Drafts, draft probabilities and a finiteness flag land in static buffers.
+          An EAGLE-2 tree: the catch-up and its top-k eagerly, then the later depths and the rerank
+          as one graph over every row of the bucket (tree.grow_tree: its sizes fixed on the host).
+          Drafts (a tree's parent lists), draft probabilities and a finiteness flag land in static
+          buffers.
   verify  the target over [last token, d_1 .. d_K] for every row, acceptance and sampling, as one
           graph returning [bucket, K + 3] int64 (Verified): the one copy back. A step with a
           request that asks for logprobs, penalties or min_p replays the forward alone as a graph
@@ -52,7 +55,7 @@ from nanospec.kv_cache import (NULL_BLOCK, SINK_BLOCK, BlockTable, KVCache, Meta
 from nanospec.proposer import Round, align_vocab, draw
 from nanospec.logits_processors import process
 from nanospec.sampler import SamplingBatch, Truncation
-from nanospec.tree import ancestors_of, grow_tree, mask_tree, verify_tree
+from nanospec.tree import ancestors_of, grow_tree, mask_tree, root_children, verify_tree
 
 MAX_GRAPH_BATCH = 256   # larger batches run the same bodies eagerly
 ONE_BITS = int(np.array(1.0).view(np.int64))
@@ -120,7 +123,7 @@ class Verified:
 @dataclass(frozen=True, slots=True)
 class GraphKey:
     """One body on one shape: a graph per key. body: "verify" (the whole verification), "forward"
-    (its forward alone) or "round" (a model proposer's draft steps)."""
+    (its forward alone), "round" (a model proposer's draft steps) or "tree" (an EAGLE-2 tree's)."""
     body: str
     bucket: int
     k: int
@@ -229,6 +232,7 @@ class StepGraphs:
         self.finite = torch.ones(largest, dtype=torch.bool, device=device)   # the drafter's logits are finite
         self.no_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)   # a row's without penalties
         self.carry = proposer.carry(largest) if draft_cache else None   # EAGLE: step i's hidden states
+        self.roots = proposer.tree_roots(largest) if getattr(proposer, "tree", None) else None   # EAGLE-2
         self.grow(0)
 
     def bucket(self, batch: int) -> int:
@@ -396,15 +400,9 @@ class StepGraphs:
         meta = derive_metadata(plan.device[:meta_size], shape, block_size, tables)
         logits = self.proposer.first_step(meta, plan, rows, self.carry)
         self.finite[rows] &= logits.amax(-1).isfinite()   # NaN or +inf anywhere in a row shows in its max
-        if plan.tree:   # EAGLE-2's tree, eagerly: its drafts and parent lists into the step's buffers
-            tables = self.draft_tables.tables[fields.draft_row[rows], :plan.width]
-            tokens, parents, finite = grow_tree(
-                self.proposer.next_step, tables, fields.first_position[rows], logits,
-                None if self.carry is None else self.carry[rows], *plan.tree, fields.num_draft[rows],
-                block_size, self.vocab)
-            self.drafts[rows, :tokens.shape[1]] = tokens
-            self.parents(step.bucket, step.k)[rows, :parents.shape[1]] = parents
-            self.finite[rows] &= finite
+        if plan.tree:   # EAGLE-2's tree: the root's children now, the later depths and the rerank a graph
+            self.roots[0][rows], self.roots[1][rows] = root_children(logits, plan.tree[0], self.vocab)
+            self.replay(GraphKey("tree", step.bucket, step.k), plan.width)
             return
         tokens, q = draw(align_vocab(logits, self.vocab), sampling, rows, fields.cached[rows] + 1)
         self.drafts[rows, 0] = tokens
@@ -435,7 +433,7 @@ class StepGraphs:
             # the host; the forward's outputs are a few rows a query.
             return self.verify_tail(key, *self.replay(GraphKey("forward", key.bucket, key.k, tree=key.tree,
                                                                mixed=key.mixed), width))
-        body = {"verify": self.verify_body, "forward": self.forward_body, "round": self.round_body}[key.body]
+        body = getattr(self, f"{key.body}_body")   # verify_body, forward_body, round_body or tree_body
         if not self.graphed(key.bucket) or key.mixed:
             if self.options.rehearse:   # as capture (a warm-up) and replay would: twice, at full width
                 width = self.full_width(key)
@@ -446,7 +444,7 @@ class StepGraphs:
         return outputs
 
     def full_width(self, key: GraphKey) -> int:
-        return (self.draft_tables if key.body == "round" else self.tables).width
+        return (self.draft_tables if key.body in ("round", "tree") else self.tables).width
 
     def capture(self, body, key: GraphKey) -> tuple:
         """The graph of body on key and its output tensors, captured on first use: warm up on a side
@@ -623,6 +621,19 @@ class StepGraphs:
             self.drafts[:bucket, i] = torch.where(in_round, tokens, self.drafts[:bucket, i])
             if key.probs:
                 self.draft_probs[:bucket, i] = q
+
+    def tree_body(self, key: GraphKey, width: int) -> None:
+        """EAGLE-2's trees (tree.grow_tree) for every row of the bucket, from the root's children that
+        run_round left in self.roots: drafts and parent lists into the step's buffers (a row not in the
+        round has no nodes: the parent list pack_rows wrote). No deeper than K: a tree of K nodes is not."""
+        bucket, fields = key.bucket, self.sampling(key.bucket, "greedy")[0]
+        tokens, parents, finite = grow_tree(
+            self.proposer, self.draft_tables.tables[fields.draft_row, :width], fields.first_position,
+            [r[:bucket] for r in self.roots], None if self.carry is None else self.carry[:bucket],
+            fields.num_draft, key.k, self.vocab)
+        self.drafts[:bucket, :tokens.shape[1]] = tokens
+        self.parents(bucket, key.k)[:, :parents.shape[1]] = parents
+        self.finite[:bucket] &= finite
 
     def first_draft_step(self, fields: Fields, sampling: SamplingBatch, tables: torch.Tensor,
                          probs: bool) -> None:

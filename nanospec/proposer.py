@@ -256,6 +256,12 @@ class ModelProposer(Proposer):
             request.proposer_state = CacheState()
         return request.proposer_state
 
+    def tree_roots(self, batch: int) -> list[torch.Tensor]:
+        """Buffers of an EAGLE-2 tree's depth 1 (tree.root_children) in every row: scores and tokens
+        [batch, topk]."""
+        return [torch.zeros(batch, self.tree[0], dtype=dtype, device=self.device)
+                for dtype in (torch.float32, torch.long)]
+
     def max_drafts(self, request) -> int:
         """How many drafts this proposer can make for the request now: positions up to
         len(tokens) + K - 2 are fed, and its position table ends at max_positions. A tree's round

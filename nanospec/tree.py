@@ -31,7 +31,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from nanospec.kv_cache import ragged_metadata
+from nanospec.kv_cache import SINK_BLOCK, ragged_metadata
 from nanospec.sampler import (ACCEPT, EMIT, acceptance_probability, next_token_weights, pick, target_probs,
                               uniform_noise)
 from nanospec.triton_attention import TREE_NODES
@@ -282,49 +282,62 @@ def follow_paths(kv_cache, requests, paths: list[list[int]], logits: torch.Tenso
     return logits, features
 
 
-def grow_tree(next_step, tables: torch.Tensor, first_position: torch.Tensor, logits: torch.Tensor,
-              hidden: torch.Tensor | None, topk: int, steps: int, budget: torch.Tensor, block_size: int,
-              vocab: int):
-    """EAGLE-2's dynamic tree for R rows of a model drafter, after its catch-up step (logits [R, V] for
-    the token after the last, hidden [R, H] its carried state or None): a candidate's score is the sum
-    of the drafter's log-probabilities along its path. Step 1 takes the root's top-k children; each
-    later step feeds the `topk` best candidates of the last depth (the frontier) through
-    next_step(meta, ids, hidden) -> (logits, hidden) and adds each one's top-k children; `steps`
-    depths in all. Then the best budget[r] candidates (rerank) are row r's tree: a child scores at most
-    its parent (ties: the earlier candidate), so every chosen node's parent is chosen too.
+def root_children(logits: torch.Tensor, topk: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth 1 of EAGLE-2's tree from the drafter's catch-up logits [R, V]: the root's topk children,
+    their log-probabilities (a candidate's score) and tokens [R, topk]."""
+    return F.log_softmax(logits.float(), -1)[:, :vocab].topk(topk, -1)
+
+
+def grow_tree(drafter, tables: torch.Tensor, first_position: torch.Tensor, roots: list[torch.Tensor],
+              hidden: torch.Tensor | None, budget: torch.Tensor, nodes: int, vocab: int):
+    """EAGLE-2's dynamic tree for R rows of a model drafter (its .tree = (topk, steps), .next_step and
+    .kv_cache), after its catch-up step (roots: its root_children; hidden [R, H] its carried state or
+    None): a candidate's score is the sum of the drafter's log-probabilities along its path. Each step
+    after the first feeds the `topk` best candidates of the last depth (the frontier) through
+    next_step(meta, ids, hidden) -> (logits, hidden) and adds each one's top-k children among the first
+    `vocab` ids; `steps` depths in all, and no more than `nodes`. Then the best budget[r] candidates
+    (rerank; at most `nodes`) are row r's tree: a child scores at most its parent (ties: the earlier
+    candidate), so every chosen node's parent is chosen too. Shapes are fixed by those host numbers, so
+    nothing syncs: the body of a CUDA graph. A row whose first_position is 0 is not in the round (a
+    padding row, a request that drafts nothing): it feeds position 0 into the sink block, and has no nodes.
 
     The frontier at depth d is written to the drafter's slots first_position + (d - 1) * topk + j at the
     position first_position + d - 1, seeing its context and its ancestors (the tree mask). Returns the
-    tree's tokens [R, N] and parents [R, N + 1] (N = budget's largest; -2 past a row's own), nodes best
-    first (so parents first, and a budget of n nodes keeps a tree's first n), and whether every row's
-    draft logits were finite [R]. Candidates are deterministic (top-k), so verification is walk_ids."""
-    rows, device = len(logits), logits.device
-    steps = min(steps, int(budget.max()))   # no deeper than its largest tree (a sync: tree rounds are eager)
-    scores, tokens = F.log_softmax(logits.float(), -1)[:, :vocab].topk(topk, -1)   # depth 1: [R, topk]
+    tree's tokens [R, N] and parents [R, N + 1] (N = min(nodes, candidates); -2 past a row's own), nodes
+    best first (so parents first, and a budget of n nodes keeps a tree's first n), and whether every row's
+    draft logits were finite [R] (an idle row's are not read: True). Candidates are deterministic
+    (top-k), so verification is walk_ids."""
+    (scores, tokens), (topk, steps), block_size = roots, drafter.tree, drafter.kv_cache.block_size
+    rows, device, active = len(first_position), first_position.device, first_position > 0
+    steps = min(steps, nodes)
     cand_scores, cand_tokens = [scores], [tokens]
     cand_parents = [torch.full((rows, topk), -1, device=device)]   # a candidate's parent candidate (-1: root)
     frontier = torch.arange(topk, device=device).expand(rows, -1)   # candidate indices, depth d
     parent_fed = torch.full((rows, topk), -1, device=device)        # the frontier's parents' fed slots
     fed = torch.zeros(rows, topk * (steps - 1), topk * (steps - 1), dtype=torch.bool, device=device)
-    carried = None if hidden is None else hidden.repeat_interleave(topk, 0)
-    flat_scores, flat_tokens = scores, tokens
-    finite = logits.amax(-1).isfinite()
+    # an idle row starts from zeros (iterating its own output could overflow) and has no nodes
+    carried = None if hidden is None else torch.where(active[:, None], hidden, 0).repeat_interleave(topk, 0)
+    flat_scores, flat_tokens, budget = scores, tokens, torch.where(active, budget, 0)
+    finite = torch.ones(rows, dtype=torch.bool, device=device)
+    each = lambda x: x.repeat_interleave(topk, 0)   # noqa: E731   (each frontier node a sequence of its own)
+    base, sink = each(torch.where(active, first_position, 0)), ~each(active)
     for depth in range(1, steps):
         start = (depth - 1) * topk   # the frontier's fed slots: start .. start + topk - 1
         here = torch.arange(start, start + topk, device=device)
         above = fed.gather(1, parent_fed.clamp(min=0)[..., None].expand(-1, -1, fed.shape[2]))
         fed[:, start:start + topk] = (above & (parent_fed >= 0)[..., None]) | (
             torch.arange(fed.shape[2], device=device) == here[:, None])
-        # each frontier node a sequence of its own (a drafter's step reads its sequences' last queries)
-        each = lambda x: x.repeat_interleave(topk, 0)   # noqa: E731
-        slots = each(first_position + start) + torch.arange(topk, device=device).repeat(rows)
+        # a drafter's step reads its sequences' last queries
+        slots = base + start + torch.arange(topk, device=device).repeat(rows)
         meta = ragged_metadata(each(tables), slots, torch.ones_like(slots), rows * topk, 1, block_size)
-        meta.tree = each(first_position), fed[:, start:start + topk, :start + topk].flatten(0, 1)[:, None]
-        meta.rotary = each(first_position + depth - 1)
+        meta.slot_mapping = torch.where(sink, SINK_BLOCK * block_size + meta.slot_mapping % block_size,
+                                        meta.slot_mapping)
+        meta.tree = base, fed[:, start:start + topk, :start + topk].flatten(0, 1)[:, None]
+        meta.rotary = base + depth - 1
         ids = flat_tokens.gather(1, frontier)
-        logits, carried = next_step(meta, ids.flatten(), carried)
-        finite &= logits.amax(-1).isfinite().view(rows, topk).all(-1)
-        child_scores, child_tokens = F.log_softmax(logits.float(), -1)[:, :vocab].topk(topk, -1)
+        logits, carried = drafter.next_step(meta, ids.flatten(), carried)
+        finite &= (logits.amax(-1).isfinite() | sink).view(rows, topk).all(-1)
+        child_scores, child_tokens = root_children(logits, topk, vocab)
         child_scores = flat_scores.gather(1, frontier)[..., None] + child_scores.view(rows, topk, topk)
         offset = sum(s.shape[1] for s in cand_scores)
         cand_scores.append(child_scores.flatten(1))
@@ -336,15 +349,16 @@ def grow_tree(next_step, tables: torch.Tensor, first_position: torch.Tensor, log
         if carried is not None:
             carried = carried.view(rows, topk, -1).gather(1, (best // topk)[..., None].expand(
                 -1, -1, carried.shape[-1])).flatten(0, 1)
-    return *rerank(flat_scores, flat_tokens, torch.cat(cand_parents, 1), budget), finite
+    return *rerank(flat_scores, flat_tokens, torch.cat(cand_parents, 1), budget, nodes), finite
 
 
-def rerank(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, budget: torch.Tensor):
-    """The best budget[r] of each row's candidates (scores, tokens, parent candidate [R, C]; -1: the
-    root) as a tree: tokens [R, N] and parents [R, N + 1], node i + 1 the row's i-th best candidate
-    (see grow_tree)."""
+def rerank(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, budget: torch.Tensor,
+           nodes: int):
+    """The best budget[r] (<= nodes) of each row's candidates (scores, tokens, parent candidate [R, C];
+    -1: the root) as a tree: tokens [R, N] and parents [R, N + 1], N = min(nodes, C), node i + 1 the
+    row's i-th best candidate (see grow_tree)."""
     rows, count = scores.shape
-    n = min(int(budget.max()), count)   # (a sync with the host: tree rounds run eagerly)
+    n = min(nodes, count)
     order = scores.argsort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(count, device=scores.device).expand(rows, -1)
     rank = torch.empty_like(order).scatter_(1, order, ranks)

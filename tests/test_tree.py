@@ -356,7 +356,7 @@ def test_rerank_numbers_a_trees_nodes_best_first(candidates, small, large):
     as_rows = lambda x, dtype: torch.tensor([x], dtype=dtype)   # noqa: E731
     tokens = as_rows(list(range(100, 100 + len(scores))), torch.long)
     trees = [tree.rerank(as_rows(scores, torch.float64), tokens, as_rows(parents, torch.long),
-                         torch.tensor([n])) for n in (small, large)]
+                         torch.tensor([n]), n) for n in (small, large)]
     (few, few_parents), (many, many_parents) = [(t[0].tolist(), p[0].tolist()) for t, p in trees]
     assert few == many[:small] and few_parents == many_parents[:small + 1]
     order = sorted(range(len(scores)), key=lambda c: (-scores[c], c))[:large]
