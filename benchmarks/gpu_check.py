@@ -20,7 +20,8 @@ after it is skipped; the CUDA tests get at most what is left):
   graphs_vs_eager      50 s  the same rows with enforce_eager, K 0 and 4: graphs over eager
   trees                40 s  oracle trees at batch 1 and 16: a tree of 2K nodes (the oracle's chain of
                              K = 4, a sibling beside each node) against the chain of K, both accepted
-                             whole; with CUDA graphs and eagerly
+                             whole; with CUDA graphs and eagerly. Then a draft model's EAGLE-2 trees
+                             (the small target as its own draft), graphs against eager
   attention_kernel     40 s  the tiled attention kernel alone, one layer of Llama-3.1-8B's shape:
                              KV bytes read per second at contexts 1k, 4k, 16k, batch 1 and 64, K 0, 4
   draft_vs_assisted    90 s  a draft model (random:llama3.2-1b, K = 4) against transformers'
@@ -451,6 +452,31 @@ def measure_trees(check: GpuCheck, section: Section) -> None:
                    if tree["tokens_per_s"] and chain["tokens_per_s"] else None}
             section.add(row, f"{row_line(chain, chain['seconds'])}\n  tree of {2 * k} nodes: "
                         f"{row_line(tree, tree['seconds'])}; tree / chain {row['tree_over_chain']}")
+    for graphs in (True, False) if check.cuda else (False,):
+        if not section.more():
+            return
+        row = drafter_tree_row(check, graphs)
+        free_memory()   # the row's LLM
+        section.add(row, f"{row['drafter']}'s trees {'graphs' if row['graphs'] else 'eager '}: "
+                         f"{row['tokens_per_s']} tok/s, acceptance {row['mean_acceptance_length']:.2f}")
+
+
+def drafter_tree_row(check: GpuCheck, graphs: bool) -> dict:
+    """EAGLE-2 trees of a draft model (3 children a node, 3 deep, 6 nodes), the small target as its own
+    draft (so the tree's greedy path is accepted), batch 1, with CUDA graphs (the verify, and the tree
+    round's later depths and rerank: StepGraphs.tree_body) or eagerly."""
+    plan, small = check.plan, check.plan["small_target"]
+    llm = LLM(small, draft=small, num_speculative_tokens=6, speculative_topk=3, speculative_num_steps=3,
+              device=str(check.device), dtype=plan["dtype"], max_num_seqs=1, kv_cache_gb=plan["kv_cache_gb"],
+              enforce_eager=not graphs)
+    prompt = llm.encode_prompt(shipped_prompts()[0]["prompt"])[:64]
+    params = SamplingParams(temperature=0, max_tokens=plan["new_tokens"], ignore_eos=True)
+    llm.generate([prompt], params)   # warm-up: graphs, compiles
+    seconds = timed(check.device, lambda: llm.generate([prompt], params))[1]
+    graphed = llm.engine.step_graphs.use_graphs
+    return {"drafter": f"{small} as its own draft", "batch": 1, "k": 6, "graphs": graphed,
+            "tokens_per_s": round(plan["new_tokens"] / seconds, 2),
+            "mean_acceptance_length": llm.stats["mean_acceptance_length"]}
 
 
 def measure_small_target(check: GpuCheck, section: Section) -> None:
@@ -779,10 +805,13 @@ def decode_figures(report: dict, rows: dict) -> list[dict]:
 def tree_figures(report: dict, rows: dict) -> list[dict]:
     """Oracle trees at batch 1: against the chain they contain, and with CUDA graphs against eagerly."""
     reduced, cuda = report["mode"] != "full", report["mode"] == "full"
-    graphed, eager = (find(rows.get("trees", []), batch=1, graphs=g) for g in (cuda, False))
+    graphed, eager = (find(rows.get("trees", []), batch=1, graphs=g, drafter=None) for g in (cuda, False))
     tree, chain = (graphed or {}).get("tree"), (graphed or {}).get("chain")
     ratio = cuda and eager and tree and round(tree["tokens_per_s"] / eager["tree"]["tokens_per_s"], 3)
     nodes = tree and tree["k"]
+    drafted = [next((r for r in rows.get("trees", []) if r.get("drafter") and r["graphs"] == g), None)
+               for g in (True, False)]
+    drafted_ratio = all(drafted) and round(drafted[0]["tokens_per_s"] / drafted[1]["tokens_per_s"], 3)
     return [
         figure(f"oracle tree of {nodes or '2K'} nodes / its oracle chain, {report['target']}, batch 1",
                graphed and graphed["tree_over_chain"], 0.9, ">= 0.9 (our bar; issue 64 sets none on a GPU)",
@@ -792,6 +821,10 @@ def tree_figures(report: dict, rows: dict) -> list[dict]:
         figure(f"CUDA graphs / eager, oracle tree of {nodes or '2K'} nodes, batch 1", ratio or None, 1.0,
                ">= 1 (graphs never slower)", reduced, why_missing(report, "trees"),
                ratio and f"step {tree['step_ms']} ms against {eager['tree']['step_ms']} ms"),
+        figure(f"CUDA graphs / eager, a draft model's EAGLE-2 trees ({report['small_target']}), batch 1",
+               drafted_ratio or None, 1.0, ">= 1 (graphs never slower)", reduced,
+               why_missing(report, "trees"),
+               drafted_ratio and f"{drafted[0]['tokens_per_s']} against {drafted[1]['tokens_per_s']} tok/s"),
     ]
 
 

@@ -57,7 +57,7 @@ def test_the_dry_run_goes_through_every_section_and_a_failure_loses_nothing_arou
     trees = sections["trees"]["rows"][0]   # the tree of 2K nodes accepts its chain of K whole, as the chain
     assert trees["tree"]["k"] == 2 * trees["chain"]["k"] == 8
     assert trees["tree"]["mean_acceptance_length"] == trees["chain"]["mean_acceptance_length"] == 5
-    assert len(summary) == 11 and all(f["status"] in ("not judged (reduced run)",
+    assert len(summary) == 12 and all(f["status"] in ("not judged (reduced run)",
                                                      "unmeasured") for f in summary.values())
     kernel = next(f for name, f in summary.items() if name.startswith("attention kernel"))
     assert kernel["status"] == "unmeasured" and kernel["detail"] == "RuntimeError: the kernel exploded"
