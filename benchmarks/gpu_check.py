@@ -31,8 +31,9 @@ after it is skipped; the CUDA tests get at most what is left):
   prefill_attention    25 s  a prefill chunk's attention: tiled kernel, per-token kernel, SDPA
   host_drafting        20 s  suffix decoding's and n-gram's drafting time a step on this host's CPU
                              at each decode batch, beside the plain graph step there
-  cuda_tests          330 s  `pytest -m cuda tests/` in a subprocess: the tests that need CUDA only
-                             (last: they take about 320 s on an H200, whatever the deadline leaves)
+  cuda_tests          330 s  `pytest -m cuda tests/` in a subprocess (4 processes with pytest-xdist):
+                             the tests that need CUDA only (last: in one process they took about 320 s
+                             on an H200; whatever the deadline leaves)
 
 The deadline (480 s) leaves room for Python's start, a row that overruns its section's budget and
 the summary inside the 10 minutes. Kernels (copy, attention) are timed over many launches
@@ -696,7 +697,9 @@ def read_pytest(output: str) -> dict:
         counts = {word: int(n) for n,
                   word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
     else:
-        results = re.findall(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR)", output)
+        # "file::test PASSED", or under pytest-xdist "[gw0] [ 50%] PASSED file::test"
+        words = "(PASSED|FAILED|SKIPPED|ERROR)"
+        results = [a or b for a, b in re.findall(rf"::\S+ {words}|\] {words} \S+::", output)]
         counts = {word.lower(): results.count(word) for word in ("PASSED", "FAILED", "SKIPPED", "ERROR")
                   if word in results}
     failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:20]
@@ -707,9 +710,12 @@ def run_cuda_tests(check: GpuCheck, section: Section) -> None:
     """pytest -m cuda tests/ in a subprocess of its own session, bounded by the section's time
     (what is left of the run, at most plan["cuda_tests_timeout"]); a timeout is recorded, with the
     tests finished by then. pytest's whole output goes beside the report (<report>_cuda_tests.log)."""
+    # in 4 processes where pytest-xdist is there (the GPU image has it): each test makes small models of
+    # its own, and one process leaves the GPU idle while it compiles and captures
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
     command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--tb=short", "--durations=20",
-               *CUDA_TESTS]
-    shown = "python -m pytest -v " + " ".join(CUDA_TESTS)
+               *workers, *CUDA_TESTS]
+    shown = "python -m pytest -v " + " ".join(workers + CUDA_TESTS)
     if not check.cuda:
         return section.skip(f"no CUDA GPU: every test `{shown}` selects would skip here (CI runs the others)")
     if not os.path.isdir(os.path.join(ROOT, "tests")):
