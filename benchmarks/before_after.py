@@ -44,12 +44,12 @@ def import_before(root: str):
 
 
 def build(package, proposer: str, batch: int, eagle: str | None = None):
-    args = {"plain": {}, "ngram": dict(ngram=True, num_speculative_tokens=4),
-            "tree": dict(eagle=eagle, num_speculative_tokens=6, speculative_topk=3, speculative_num_steps=3)}
-    args = args[proposer]
+    settings = {"plain": {}, "ngram": dict(ngram=True, num_speculative_tokens=4),
+                "tree": dict(eagle=eagle, num_speculative_tokens=6, speculative_topk=3,
+                             speculative_num_steps=3)}[proposer]
     if proposer == "tree" and os.path.exists(os.path.join(eagle, "token_map.pt")):
-        args["speculative_token_map"] = os.path.join(eagle, "token_map.pt")
-    return package.LLM(device="cpu", dtype="float32", max_num_seqs=batch, **args)
+        settings["speculative_token_map"] = os.path.join(eagle, "token_map.pt")
+    return package.LLM(device="cpu", dtype="float32", max_num_seqs=batch, **settings)
 
 
 def run(llm, package, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
