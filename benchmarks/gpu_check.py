@@ -316,9 +316,10 @@ def row_engine(loaded: Loaded, batch: int, k: int, graphs: bool, new_tokens: int
     longest = max(map(len, prompts)) + new_tokens + k + 1
     blocks = batch * loaded.llm.engine.kv_cache.allocator.blocks_for(longest)
     continuations = dict(loaded.oracle.continuations)   # this row's own copy
-    oracle = OracleTreeProposer(continuations, k // 2) if tree else OracleProposer(continuations)
-    engine = loaded.llm.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(k),
-                                    proposer=oracle if k else None, use_graphs=graphs)
+    oracle = None if not k else (OracleTreeProposer(continuations, k // 2) if tree
+                                 else OracleProposer(continuations))
+    engine = loaded.llm.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle,
+                                    use_graphs=graphs)
     if not tree:
         engine.step_graphs.capture_all([k])
     return engine, prompts, oracle
