@@ -22,13 +22,14 @@ import torch
 
 from nanospec import LLM, SamplingParams, cpu_linear
 from nanospec.cli import set_threads
+from nanospec.dynamic_k import twin
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
 def decode(llm, forward, steps: int) -> tuple[list[float], list[int]]:
     """One request on an engine of its own, prefilled, then `steps` timed decode steps."""
-    engine = llm.engine.twin(max_num_seqs=1)
+    engine = twin(llm.engine, max_num_seqs=1)
     engine.model = forward
     ids = llm.encode_prompt(PROMPT, chat=True)
     req = engine.new_request(0, PROMPT, ids,

@@ -23,6 +23,7 @@ import torch
 from benchmarks.measure import cpu_flags, run_and_report
 from nanospec import LLM, SamplingParams
 from nanospec.cli import set_threads
+from nanospec.dynamic_k import twin
 from nanospec.errors import NanospecError, check_int
 from nanospec.k_policy import StaticK
 from nanospec.prompts import by_category_in_turn, shipped_prompts
@@ -82,7 +83,7 @@ def run(args) -> dict:
               draft=args.draft, speculative_token_map=args.speculative_token_map,
               num_speculative_tokens=args.k)
     rows = by_category_in_turn(shipped_prompts())[:args.max_prompts]
-    engine = llm.engine.twin(k_policy=StaticK(args.k), max_num_seqs=args.batch_size)
+    engine = twin(llm.engine, k_policy=StaticK(args.k), max_num_seqs=args.batch_size)
     confidences, seconds = [], {}
     spy(engine, confidences, seconds)
     counts = {}   # (position, bin) -> [drafted, accepted]
@@ -100,7 +101,7 @@ def run(args) -> dict:
     engine.account = account
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
     prompts = [llm.encode_prompt(row["prompt"], chat=True) for row in rows]
-    held, held_seconds = llm.engine.twin(k_policy=StaticK(0), max_num_seqs=args.batch_size), {}
+    held, held_seconds = twin(llm.engine, k_policy=StaticK(0), max_num_seqs=args.batch_size), {}
     spy(held, [], held_seconds)   # the same requests at K = 0 (the drafter held): the step beside
     for e in (engine, held):
         e.add_requests([e.new_request(i, row["prompt"], ids, params)

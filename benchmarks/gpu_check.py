@@ -81,7 +81,7 @@ from benchmarks.step_ops import count_step_ops
 from nanospec import kv_cache, triton_attention
 from nanospec.bench import oracle_proposer, time_transformers, transformers_model, weight_bytes
 from nanospec.cli import log as log_line, parser
-from nanospec.dynamic_k import device_name, sync, timed
+from nanospec.dynamic_k import device_name, sync, timed, twin
 from nanospec.sampling_params import SamplingParams
 from nanospec.errors import NanospecError, run_command
 from nanospec.k_policy import StaticK
@@ -318,7 +318,7 @@ def row_engine(loaded: Loaded, batch: int, k: int, graphs: bool, new_tokens: int
     continuations = dict(loaded.oracle.continuations)   # this row's own copy
     oracle = None if not k else (OracleTreeProposer(continuations, k // 2) if tree
                                  else OracleProposer(continuations))
-    engine = loaded.llm.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle,
+    engine = twin(loaded.llm.engine, blocks, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle,
                                     use_graphs=graphs)
     if not tree:
         engine.step_graphs.capture_all([k])

@@ -18,7 +18,7 @@ import sys
 from benchmarks.measure import run_and_report
 from nanospec import LLM
 from nanospec.cli import set_threads
-from nanospec.dynamic_k import greedy_requests, timed
+from nanospec.dynamic_k import greedy_requests, timed, twin
 from nanospec.errors import NanospecError, check_int
 from nanospec.k_policy import StaticK
 from nanospec.prompts import shipped_prompts
@@ -28,8 +28,8 @@ def side_by_side(plain: LLM, held: LLM, prompts: list[list[int]], batch: int, ma
                  held_first: bool) -> dict:
     """One repeat: each engine's seconds over its own decode and prefill steps, and whether they agree."""
     blocks = batch * plain.engine.kv_cache.allocator.blocks_for(max(map(len, prompts)) + max_new_tokens + 1)
-    engines = {"plain": plain.engine.twin(blocks, max_num_seqs=batch),
-               "held_at_k0": held.engine.twin(blocks, max_num_seqs=batch, k_policy=StaticK(0))}
+    engines = {"plain": twin(plain.engine, blocks, max_num_seqs=batch),
+               "held_at_k0": twin(held.engine, blocks, max_num_seqs=batch, k_policy=StaticK(0))}
     requests = {name: greedy_requests(engine, prompts, max_new_tokens) for name, engine in engines.items()}
     seconds = dict.fromkeys(engines, 0.0)
     order = list(engines)[::-1] if held_first else list(engines)

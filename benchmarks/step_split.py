@@ -31,6 +31,7 @@ from nanospec import LLM, cpu_linear, gguf_file, model
 from nanospec.checkpoint import default_model_path
 from nanospec.cuda_graph import StepOptions
 from nanospec.cli import set_threads
+from nanospec.dynamic_k import twin
 from nanospec.prompts import shipped_prompts
 from nanospec.tokenizer import load_tokenizer
 
@@ -57,7 +58,7 @@ def timed_parts(totals: Counter):
 
 
 def split(llm: LLM, prompts: list[list[int]], batch: int, steps: int) -> dict:
-    engine = llm.engine.twin(batch * 24, max_num_seqs=batch)
+    engine = twin(llm.engine, batch * 24, max_num_seqs=batch)
     decoding(engine, [prompts[i % len(prompts)] for i in range(batch)], steps + 8)
     for _ in range(2):
         engine.step()

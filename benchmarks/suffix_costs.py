@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from benchmarks.measure import decoding, drafting_seconds, perturbed_window
 from nanospec.cli import frozen_gc_heap, set_threads
 from nanospec.llm import LLM
-from nanospec.dynamic_k import device_name, timed
+from nanospec.dynamic_k import device_name, timed, twin
 from nanospec.prompts import shipped_prompts
 from nanospec.suffix import GlobalIndex, SuffixProposer
 
@@ -99,7 +99,7 @@ def draft_time(index: GlobalIndex, corpus, batch: int, rng, vocab: int, repeats:
 
 def step_time(llm: LLM, batch: int, repeats: int = 3) -> float:
     """Median seconds of a plain decode step of `batch` requests (32-token prompts)."""
-    engine = llm.engine.twin(max_num_seqs=batch)
+    engine = twin(llm.engine, max_num_seqs=batch)
     decoding(engine, [llm.encode_prompt("Write a long story about the sea.", chat=True)[:32]] * batch, 64)
     return statistics.median(timed(llm.device, engine.step)[1] for _ in range(repeats))
 

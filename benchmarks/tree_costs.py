@@ -28,6 +28,7 @@ from benchmarks.measure import clocked, decoding
 from nanospec import LLM, engine as engine_module, gguf_file
 from nanospec.checkpoint import default_model_path
 from nanospec.cli import set_threads
+from nanospec.dynamic_k import twin
 from nanospec.k_policy import StaticK
 from nanospec.prompts import shipped_prompts
 from nanospec.proposer import Proposal, Proposer
@@ -60,7 +61,7 @@ class ShapeProposer(Proposer):
 def engine_for(llm: LLM, proposer, batch: int, longest: int, k: int):
     """A twin of the LLM's engine for `batch` requests of up to `longest` tokens, with `proposer` at K = k."""
     allocator = llm.engine.kv_cache.allocator
-    return llm.engine.twin(batch * allocator.blocks_for(longest), max_num_seqs=batch, k_policy=StaticK(k),
+    return twin(llm.engine, batch * allocator.blocks_for(longest), max_num_seqs=batch, k_policy=StaticK(k),
                            proposer=proposer)
 
 

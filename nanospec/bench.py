@@ -28,7 +28,7 @@ from nanospec import checkpoint
 from nanospec.checkpoint import unpack_weights
 from nanospec.cli import (Progress, add_model_args, add_proposer_args, int_list, load_llm, parser,
                           proposer_given)
-from nanospec.dynamic_k import DynamicK, Profile, device_name, greedy_requests, timed
+from nanospec.dynamic_k import DynamicK, Profile, device_name, greedy_requests, timed, twin
 from nanospec.engine import Engine
 from nanospec.errors import NanospecError, check_int, run_command
 from nanospec.k_policy import StaticK
@@ -127,9 +127,9 @@ def oracle_proposer(engine: Engine, prompt_ids: list[list[int]], max_new_tokens:
     own over the same weights (its KV pool just large enough)."""
     longest = max(map(len, prompt_ids)) + max_new_tokens
     blocks = len(prompt_ids) * engine.kv_cache.allocator.blocks_for(longest)
-    twin = engine.twin(blocks, max_num_seqs=len(prompt_ids), k_policy=StaticK(0))
-    requests = greedy_requests(twin, prompt_ids, max_new_tokens)
-    twin.run_to_completion()
+    recorder = twin(engine, blocks, max_num_seqs=len(prompt_ids), k_policy=StaticK(0))
+    requests = greedy_requests(recorder, prompt_ids, max_new_tokens)
+    recorder.run_to_completion()
     return OracleProposer({tuple(r.prompt_ids): r.output_ids for r in requests})
 
 
@@ -139,13 +139,13 @@ def summary(stats, seconds: float, tokens: int) -> dict:
     return {"tokens_per_s": round(tokens / seconds, 2), **{key: stats[key] for key in keys}}
 
 
-def row_engine(llm, batch_size: int, longest: int, **twin) -> Engine:
-    """A twin of the LLM's engine (twin: Engine.twin's other arguments) for batch_size requests at a
-    time, its KV cache holding batch_size requests of `longest` positions, drafts included (on a GPU
-    the LLM's own pool takes most of the free memory: another like it would not fit)."""
+def row_engine(llm, batch_size: int, longest: int, **settings) -> Engine:
+    """A twin of the LLM's engine (settings: dynamic_k.twin's other arguments) for batch_size requests
+    at a time, its KV cache holding batch_size requests of `longest` positions, drafts included (on a
+    GPU the LLM's own pool takes most of the free memory: another like it would not fit)."""
     allocator = llm.engine.kv_cache.allocator
     num_blocks = min(batch_size * allocator.blocks_for(longest), allocator.num_blocks)
-    return llm.engine.twin(num_blocks, max_num_seqs=batch_size, **twin)
+    return twin(llm.engine, num_blocks, max_num_seqs=batch_size, **settings)
 
 
 @torch.inference_mode()

@@ -465,6 +465,24 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
+def twin(engine: Engine, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
+         k_policy: KPolicy | None = None, proposer=None, use_graphs: bool | None = None) -> Engine:
+    """Another engine over the same model, tokenizer and sampler, with a KV cache of its own
+    (num_kv_blocks; default as many as engine's), its own scheduler (max_num_seqs; default
+    engine's), statistics and K policy (default: static K = 0), and the proposer's weights with
+    state of its own (or `proposer`), CUDA graphs (or `use_graphs`) and step options as engine's:
+    the profiler's measurements and the benchmark's rows run on twins."""
+    cache, scheduler = engine.kv_cache, engine.scheduler
+    num_blocks = num_kv_blocks or cache.allocator.num_blocks
+    proposer = proposer or (engine.proposer and engine.proposer.twin(num_blocks))
+    other = Engine(engine.model, engine.tokenizer, engine.device, engine.max_model_len, num_blocks,
+                   cache.block_size, max_num_seqs or scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
+                   False, proposer, k_policy, engine.use_graphs if use_graphs is None else use_graphs,
+                   cache.allocator.prefix_caching, step_options=engine.step_options)
+    other.sampler = other.step_graphs.sampler = engine.sampler   # compiled once (on CUDA), shared
+    return other
+
+
 def greedy_requests(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int) -> list:
     """Greedy requests of exactly max_new_tokens each (EOS ignored), queued on the engine."""
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
@@ -542,15 +560,15 @@ def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: i
     prompts = fit(engine, prompt_ids, budget, "time the steps")
     prompts = [prompts[i % len(prompts)] for i in range(batch_size)]
     blocks = batch_size * -(-(max(map(len, prompts)) + budget) // engine.kv_cache.block_size)
-    engines = [engine.twin(blocks, max_num_seqs=batch_size, k_policy=policy(k),
-                           proposer=ExactlyK(engine.proposer.twin(blocks))) for k in ks]
-    for twin in engines:
-        greedy_requests(twin, prompts, budget)
-        past_prefill(twin)
+    engines = [twin(engine, blocks, max_num_seqs=batch_size, k_policy=policy(k),
+                    proposer=ExactlyK(engine.proposer.twin(blocks))) for k in ks]
+    for other in engines:
+        greedy_requests(other, prompts, budget)
+        past_prefill(other)
     times = [[] for _ in ks]
     for _ in range(steps + 1):
-        for twin, seconds in zip(engines, times):
-            seconds.append(timed(engine.device, twin.step)[1])
+        for other, seconds in zip(engines, times):
+            seconds.append(timed(engine.device, other.step)[1])
     return [statistics.median(seconds[1:]) for seconds in times]
 
 
@@ -560,10 +578,10 @@ def measure_acceptance(engine: Engine, prompt_ids: list[list[int]], k: int,
     prompt_ids = fit(engine, prompt_ids, max_new_tokens, "measure acceptance")
     running = min(len(prompt_ids), engine.scheduler.max_num_seqs)
     blocks = running * -(-(max(map(len, prompt_ids)) + max_new_tokens) // engine.kv_cache.block_size)
-    twin = engine.twin(blocks, k_policy=StaticK(k))
-    greedy_requests(twin, prompt_ids, max_new_tokens)
-    twin.run_to_completion()
-    stats = twin.stats
+    other = twin(engine, blocks, k_policy=StaticK(k))
+    greedy_requests(other, prompt_ids, max_new_tokens)
+    other.run_to_completion()
+    stats = other.stats
     offered = stats.offered_per_position
 
     def per_offered(counts):

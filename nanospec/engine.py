@@ -238,25 +238,6 @@ class Engine:
         self.step_k = 0          # the current decode step's K (the largest of its requests')
         self.request_k = {}      # id(request) -> its K in the current decode step
 
-    def twin(self, num_kv_blocks: int | None = None, max_num_seqs: int | None = None,
-             k_policy: KPolicy | None = None, proposer: Proposer | None = None,
-             use_graphs: bool | None = None) -> "Engine":
-        """Another engine over the same model, tokenizer and sampler, with a KV cache of its own
-        (num_kv_blocks; default as many as this one's), its own scheduler (max_num_seqs; default
-        this one's), statistics and K policy (default: static K = 0), and the proposer's weights
-        with state of its own (or `proposer`), CUDA graphs (or `use_graphs`) and step options as this
-        one: the benchmark's rows and the profiler's measurements run on twins."""
-        cache, scheduler = self.kv_cache, self.scheduler
-        num_blocks = num_kv_blocks or cache.allocator.num_blocks
-        proposer = proposer or (self.proposer and self.proposer.twin(num_blocks))
-        twin = Engine(self.model, self.tokenizer, self.device, self.max_model_len, num_blocks,
-                      cache.block_size, max_num_seqs or scheduler.max_num_seqs,
-                      scheduler.max_num_batched_tokens, False, proposer, k_policy,
-                      self.use_graphs if use_graphs is None else use_graphs, cache.allocator.prefix_caching,
-                      step_options=self.step_options)
-        twin.sampler = twin.step_graphs.sampler = self.sampler   # compiled once (on CUDA), shared
-        return twin
-
     def add_requests(self, requests: list[Request]) -> None:
         """Queue requests made by new_request (the one way work enters the engine)."""
         self.scheduler.waiting.extend(requests)

@@ -11,6 +11,7 @@ from benchmarks import proposers
 from benchmarks.proposers import main as proposers_main
 from nanospec import bench
 from nanospec.bench import main as bench_main
+from nanospec.dynamic_k import twin
 from nanospec.engine import Engine
 from nanospec.prompts import shipped_prompts
 
@@ -223,7 +224,7 @@ def test_the_oracle_drafts_are_all_accepted(tiny_llm):
     from nanospec.k_policy import StaticK
     prompts = [tiny_llm.encode_prompt(r["prompt"], chat=False) for r in shipped_prompts()[:5]]
     oracle = oracle_proposer(tiny_llm.engine, prompts, 20)
-    engine = tiny_llm.engine.twin(200, max_num_seqs=5, k_policy=StaticK(4), proposer=oracle)
+    engine = twin(tiny_llm.engine, 200, max_num_seqs=5, k_policy=StaticK(4), proposer=oracle)
     requests = greedy_requests(engine, prompts, 20)
     engine.run_to_completion()
     stats = engine.stats.as_dict()

@@ -10,7 +10,7 @@ import torch
 from chisquare import chi_square_pvalue
 from conftest import PROMPTS, PROPOSERS, assert_no_leak, greedy, proposer_args, reference_probs
 from nanospec import LLM, SamplingParams, proposer, sampler
-from nanospec.dynamic_k import Profile
+from nanospec.dynamic_k import Profile, twin
 from nanospec.k_policy import StaticK
 
 
@@ -108,12 +108,12 @@ def test_preemption_changes_nothing(spec_models, plain_greedy, name):
 
 @pytest.mark.parametrize("name", PROPOSERS)
 def test_twin_engines_decode_side_by_side(spec_models, plain_greedy, name):
-    """Engine.twin (the benchmark's rows): two engines over one model and proposer, at K = 3 and
+    """dynamic_k.twin (the benchmark's rows): two engines over one model and proposer, at K = 3 and
     K = 1, stepped in turn, each decode as plain greedy decoding does, in caches of their own (a
     draft's or EAGLE head's pool has as many blocks as the target's, so it cannot be shared)."""
     llm = LLM(spec_models["target"], device="cpu", dtype="float32", kv_cache_gb=0.05,
               num_speculative_tokens=3, **proposer_args(spec_models, name))
-    twins = [llm.engine.twin(k_policy=StaticK(3)), llm.engine.twin(k_policy=StaticK(1))]
+    twins = [twin(llm.engine, k_policy=StaticK(3)), twin(llm.engine, k_policy=StaticK(1))]
     requests = [[e.new_request(i, p, llm.encode_prompt(p), greedy()) for i, p in enumerate(PROMPTS)]
                 for e in twins]
     for engine, reqs in zip(twins, requests):

@@ -9,6 +9,7 @@ from benchmarks.measure import decoding
 from benchmarks.step_ops import LAYER, count_step_ops
 from nanospec import LLM, model as model_module
 from nanospec.bench import oracle_proposer
+from nanospec.dynamic_k import twin
 from nanospec.k_policy import StaticK
 from nanospec.kv_cache import build_metadata, paged_attention_reference
 from nanospec.model import RotaryEmbedding
@@ -34,7 +35,7 @@ def decoding_engine(llm: LLM, batch: int, k: int):
     """A twin of llm's engine with `batch` greedy requests past prefill, K = k oracle drafts."""
     prompts = PROMPTS[:batch]
     oracle = oracle_proposer(llm.engine, prompts, 40) if k else None
-    engine = llm.engine.twin(64, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle)
+    engine = twin(llm.engine, 64, max_num_seqs=batch, k_policy=StaticK(k), proposer=oracle)
     decoding(engine, prompts, 40)
     return engine
 
