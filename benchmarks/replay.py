@@ -132,7 +132,7 @@ def record_traces(args) -> list[Trace]:
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__.splitlines()[0],
                                  epilog="example:\n  python -m benchmarks.replay --profile "
-                                        "bench_results/dynamic_k_cpu_profile_b16.json --num-requests 48",
+                                        "PROFILE.json --num-requests 48",
                                  formatter_class=HelpFormatter)
     ap.add_argument("--profile", required=True,
                     help="step-time table (python -m nanospec.profiler): the clock")
