@@ -1,12 +1,14 @@
 """The decode step in the GPU's shape: static buffers per (batch bucket, K), captured as CUDA graphs
 and replayed on CUDA; on CPU, and with enforce_eager, the same bodies run eagerly on the same
-buffers, so every CPU test runs the padded, bucketed step that a GPU replays.
+buffers: padded to the buckets as a GPU replays them with StepOptions.pad_batches (every test's
+engine), else at the batch's own size with each row's own queries.
 
 A step is `upload`, then `run_round` (a model proposer's K draft steps), then `run` (verify):
   upload  one int64 buffer from the host in one copy (pinned, non-blocking on CUDA): the rows'
-          Fields, [bucket, K] host drafts (n-gram's; zeros for the others), the (flat index, block
+          Fields, [bucket, K] host drafts (n-gram's, suffix decoding's, a hybrid's suffix rows;
+          zeros for the others), a tree step's [bucket, K + 1] parent lists, the (flat index, block
           id) pairs the device block tables gained since the last step, and a model proposer's
-          catch-up (its first draft step's lengths and input ids).
+          catch-up (its first draft step's cached counts, lengths and input ids).
   round   the catch-up step (each row feeds what the proposer has not seen: a varying length)
           eagerly, then steps 2..K as one graph whose positions advance on the device; where every
           catch-up is 1 or 2 positions (a draft model's steady state), the whole round is one graph.
@@ -15,13 +17,16 @@ A step is `upload`, then `run_round` (a model proposer's K draft steps), then `r
           Drafts (a tree's parent lists), draft probabilities and a finiteness flag land in static
           buffers.
   verify  the target over [last token, d_1 .. d_K] for every row, acceptance and sampling, as one
-          graph returning [bucket, K + 3] int64 (Verified): the one copy back. A step with a
+          graph returning [bucket, K + 3] int64 (a tree's [bucket, 2K + 3]; Verified): the one copy
+          back. A step with a
           request that asks for logprobs, penalties or min_p replays the forward alone as a graph
           and runs the rest eagerly (see replay).
 
 Invariants:
 - one copy in, one copy back: no other host data and no sync inside a step (logprobs, penalties
-  and min_p add one copy each way, eagerly; a mixed step's prefill chunks one copy in);
+  and min_p add one copy each way, eagerly; a mixed step's prefill chunks one copy in; a round too
+  long for the buffer a copy of its own; after the step, a tree's accepted paths are moved with
+  one copy in: tree.follow_paths);
 - buckets: a batch is padded to the next of batch_buckets (graphs up to MAX_GRAPH_BATCH; larger
   batches run the same bodies eagerly). A padding row is a request of one token at position 0
   whose block-table row is the null row: it reads only the null block (zero: nothing writes it),
@@ -39,8 +44,9 @@ Invariants:
   compare that with the plain eager step;
 - a body reads block tables at their full width under a graph and at the batch's widest table
   when eager (the same values; only the padding is shorter);
-- the graphs share one memory pool; greedy verify steps are captured at start (largest bucket
-  first), the others on first use. Capture and every step run under inference mode.
+- the graphs share one memory pool; the LLM captures greedy verify steps at start (capture_all,
+  largest bucket first), the others are captured on first use. Capture and every step run under
+  inference mode.
 """
 from __future__ import annotations
 
@@ -127,7 +133,9 @@ class GraphKey:
     body: str
     bucket: int
     k: int
-    mode: str | Truncation | bool = "greedy"   # how it samples (StepGraphs.mode)
+    # how it samples (StepGraphs.mode): "greedy"; the step's exact Truncation (eager, uncompiled); or,
+    # under a graph or a compiled sampler, True / False for some truncation or none (shapes fixed)
+    mode: str | Truncation | bool = "greedy"
     probs: bool = False       # the drafts come with probabilities
     eager_tail: bool = False  # verify: the forward graph, then the rest eagerly (see replay)
     tree: bool = False        # verify: the drafts are trees (tree.py), not chains
@@ -638,8 +646,8 @@ class StepGraphs:
     def first_draft_step(self, fields: Fields, sampling: SamplingBatch, tables: torch.Tensor,
                          probs: bool) -> None:
         """A draft model's first step in a graph: row b feeds its last catch_up[b] tokens (1 or 2:
-        [previous, last] or [last]; 0 for a row that drafts nothing, whose queries go to the null
-        block) and draws d_1 from the logits of its last real query."""
+        [previous, last] or [last]; 0 for a row that drafts nothing, whose queries read the null
+        row and write the sink block) and draws d_1 from the logits of its last real query."""
         catch_up = fields.catch_up
         bucket = len(catch_up)
         meta, real_offsets = padded_metadata(tables, fields.first_position - catch_up, catch_up, 2,

@@ -1,4 +1,4 @@
-"""Requests, the continuous-batching scheduler and the step loop.
+"""The continuous-batching scheduler and the step loop (a request's record: request.py).
 
 A step is: schedule (prefill chunks, or a decode step for every running request), then for a decode
 step ask the proposer for one Proposal (up to K drafts per request, made on the host or in a round
@@ -11,7 +11,8 @@ Invariants of a running request:
   and every output token is emitted by a decode step (the first one too);
 - a preempted request loses its cache (num_cached = 0) and recomputes it from its tokens, then
   resumes with the same decode step it would have run; with counter-based noise (sampler.py) its
-  output does not depend on preemption or on the other requests in its batch.
+  output does not depend on preemption or on the other requests in its batch (with drafts, a
+  seeded sample depends on the K each of its steps took: Engine.num_drafts).
 """
 from __future__ import annotations
 
@@ -198,8 +199,9 @@ class Engine:
     request.
 
     K per decode step comes from the KPolicy it is built with (k_policy.py: static K, the queue-size
-    switch-off, dynamic K): a K per request, never more than the request can still emit; the step
-    verifies up to the largest. Without a proposer every step is plain decoding."""
+    switch-off; dynamic_k.py: dynamic K and the budget): a K per request, never more than the
+    request can still emit; the step verifies up to the largest. Without a proposer every step is
+    plain decoding."""
 
     def __init__(self, model, tokenizer, device: torch.device, max_model_len: int, num_kv_blocks: int,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
@@ -279,8 +281,8 @@ class Engine:
                           req.max_len - len(req.tokens) - 1))
 
     def step(self) -> list[Request]:
-        """One forward pass over the scheduled batch; returns the requests that got new tokens (none,
-        and no pass, when nothing is queued or running)."""
+        """One scheduled step: a prefill pass, or a decode step (propose, verify, commit); returns the
+        requests that got new tokens (none, and no pass, when nothing is queued or running)."""
         if not self.scheduler.has_work():
             return []
         self.choose_ks()
@@ -348,6 +350,7 @@ class Engine:
         counts and finiteness flags (and a second, of logprobs, when a request asked for them). A
         draft tree (tree.py) is verified alike, its accepted path then moved in place (follow_paths)."""
         start = time.perf_counter()
+        # a decode row's query_lens is its K + 1 (Scheduler._schedule_decode grew its blocks for them)
         reqs, asked = batch.requests, [n - 1 for n in batch.query_lens]
         proposal = self.proposer.propose(reqs, asked) if max(asked) else Proposal([0] * len(reqs))
         ks, proposal = self.k_policy.trim(reqs, asked, proposal)   # the drafts worth verifying (a budget's)
@@ -388,7 +391,7 @@ class Engine:
         kept none of its drafts too) and the K policy learn from its outcome (a tree's: the accepted
         paths) and its time (taken after the one copy back, so the device's work is in it)."""
         for req, d, positions in zip(reqs, num_draft, accepted_positions(accepted, paths)):
-            req.num_cached += d + 1
+            req.num_cached += d + 1   # every slot the verify wrote; settle cuts back to the committed
             req.decode_steps += 1
             if d:
                 note_speculation(req, d, positions)

@@ -3,8 +3,9 @@
 Invariants:
 - the pool is one tensor [layers, 2 (k/v), num_blocks, block_size, kv_heads, head_dim];
   token position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size;
-- a slot is written once per position; rolling a sequence back only moves its length back and
-  frees the blocks wholly past it, so the kept slots stay valid;
+- a slot holds the K/V of the token at its position; rolling a sequence back only moves its length
+  back and frees the blocks wholly past it, so the kept slots stay valid (the next step writes the
+  rejected drafts' slots again; a tree step moves its accepted path down: KVCache.move_slots);
 - a sequence writes only its own blocks: a block belongs to one sequence, except that with prefix
   caching a full block of committed tokens may be shared, read-only (a sequence writes positions
   from its num_cached on, past every shared block), by the sequences whose tokens begin the same;
@@ -45,7 +46,8 @@ RESERVED_BLOCKS = 2
 
 
 class OutOfBlocks(Exception):
-    """Raised when the pool has no free block; the scheduler preempts and retries."""
+    """Raised by grow past the free blocks: a bug, since the scheduler asks can_grow first and
+    preempts where it must."""
 
 
 class BlockTable(list):
@@ -181,7 +183,8 @@ class AttentionMetadata:
     context_lens: torch.Tensor   # [B] tokens in the cache after this pass, new ones included
     query_start: torch.Tensor    # [B + 1] offsets of each sequence's new tokens in the flat batch
     token_seq: torch.Tensor      # [T] which sequence each new token belongs to
-    positions: torch.Tensor      # [T] the position of each new token in its sequence
+    positions: torch.Tensor      # [T] each new token's slot offset in its sequence: its position,
+    # except in a tree, whose nodes' positions (their depths) are `rotary`
     # Derived once per pass and shared by every layer of the reference path:
     query_index: torch.Tensor    # [B, max_q] flat index of each sequence's i-th new token (padding: 0)
     query_valid: torch.Tensor    # [B, max_q] True where query_index is a real token

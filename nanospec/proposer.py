@@ -5,7 +5,8 @@ treats every proposal alike, whoever made it:
   propose(requests, ks) -> Proposal   up to ks[b] drafts for request b: made on the host (n-gram,
                                suffix: lists, sent with the step's other host data), or planned as a
                                round of draft steps that cuda_graph.StepGraphs runs on the device
-                               (draft model, EAGLE: first_step or catch_up_step, then next_step),
+                               (draft model, EAGLE: first_step, then next_step; a draft
+                               model's graphed round: catch_up_step),
                                or both (the hybrid)
   max_drafts(request)          the most drafts it can make for the request now
   observe(request, features)   the target's features for positions it just cached for good (EAGLE)
@@ -80,7 +81,7 @@ class Proposer:
     capture_layers: tuple[int, ...] = ()    # target layers whose input hidden states EAGLE-3 reads
     needs_features = False
     drafts_on_host = False                  # all its drafts are made on the host (n-gram, suffix)
-    # dynamic K models acceptance by spans of text (dynamic_k.SpanRates)
+    # dynamic K models acceptance by spans of text (estimators.SpanRates)
     acceptance_in_spans = False
     host_and_model = False                  # host drafts beside a round in one step (the hybrid)
     confident = False                       # its host drafts come with Proposal.confidence
@@ -184,7 +185,7 @@ class OracleProposer(Proposer):
 class Round:
     """A model proposer's round of draft steps, planned on the host before the decode step's upload
     (cuda_graph.StepGraphs runs it)."""
-    # the first step's lengths, input ids and batch rows: sent in the step's copy
+    # the first step's cached counts, lengths, input ids, then batch rows: sent in the step's copy
     host: list[int]
     rows: list[int]                       # the batch rows that draft (K > 0), in the first step's order
     shape: MetadataShape                  # of the first step's metadata at the start of `host`

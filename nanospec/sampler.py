@@ -98,8 +98,8 @@ class Truncation:
     """What a batch's top-k / top-p need, known on the host: its largest top_k (0: none), whether
     any row uses top-p, and whether every row that uses top-p also has a top_k. Truncating ranks a
     row's tokens: only the largest few (truncate_top_k_top_p) where each truncating row has a top_k,
-    or, on a CPU, where the few hold what top-p keeps; else the whole vocabulary, a sort (on a CPU,
-    of Qwen's 152,000 tokens at each of a step's rows, longer than the step's forward)."""
+    or, on a CPU, where the few hold what top-p keeps; else the whole vocabulary, a sort of every
+    row's logits (its cost: docs/sampling.md)."""
     top_k: int
     top_p: bool
     top_p_within_top_k: bool = False

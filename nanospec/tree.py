@@ -22,6 +22,11 @@ same problem one candidate further, so by induction the node emits r_1 = p, what
 may depend on the earlier siblings: drawn without replacement, q_j is q without them, `sibling_proposal`).
 A rejected candidate has r_j(x_j) < q_j(x_j), so r_{j+1}(x_j) = 0: a token emitted from a residual is
 never a rejected child's, and the walk goes down exactly when the emitted token is a child's.
+
+Every tree the engine verifies has deterministic candidates (a drafter's top-k, suffix continuations,
+a static tree's drafts): verify_tree walks them with walk_ids, the rule above for one-hot q_j.
+tree_rejection_sample is the rule for any q_j, sampled candidates too; the tests check it against
+the exact distribution.
 """
 from __future__ import annotations
 
