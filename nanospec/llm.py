@@ -432,6 +432,9 @@ class LLM:
 
     def load_draft_models(self, max_len: int) -> DraftModels:
         spec = self.spec
+        if (spec.draft or spec.eagle) and spec.speculative_topk > self.vocab_size:   # top-k of the ids
+            raise NanospecError(f"{param('speculative_topk')} {spec.speculative_topk} is more than the "
+                                f"{self.vocab_size} tokens the target can emit: give at most that")
         draft = self.load_draft(spec.draft, max_len) if spec.draft else None
         head, aux_layers = load_eagle_head(spec.eagle, self.model, self.device, self.dtype,
                                            spec.speculative_token_map) if spec.eagle else (None, None)

@@ -155,6 +155,21 @@ def test_tree_settings_are_checked_before_anything_loads(settings, message):
         LLM("no/such-model", device="cpu", **settings)
 
 
+def test_a_drafters_top_k_is_bounded_by_the_vocabulary(tmp_path):
+    """EAGLE-2's top-k of a 12-token model: 12 children a node grow a tree that decodes as plain
+    decoding; 13 is refused as the model loads, in one line (it was a top-k out of range mid-step)."""
+    from conftest import write_checkpoint
+    target = write_checkpoint(str(tmp_path / "tiny"), "llama3", seed=3, num_layers=2, model_vocab=12)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    settings = dict(device="cpu", dtype="float32", kv_cache_gb=0.05, draft=target, speculative_num_steps=3,
+                    num_speculative_tokens=8)
+    plain = LLM(target, device="cpu", dtype="float32", kv_cache_gb=0.05).generate([[1, 2, 3]], params)
+    tree = LLM(target, speculative_topk=12, **settings).generate([[1, 2, 3]], params)
+    assert tree[0].token_ids == plain[0].token_ids and len(plain[0].token_ids) == 8
+    with pytest.raises(NanospecError, match="speculative_topk 13 is more than the 12 tokens the target"):
+        LLM(target, speculative_topk=13, **settings)
+
+
 def test_a_drafters_tree_steps_see_each_node_after_its_own_path(spec_models, monkeypatch):
     """EAGLE-2's growth (tree.grow_tree) with the target as its own draft model: every frontier node's
     draft logits are the target's own after the request's tokens and that node's path (read off the
