@@ -60,6 +60,7 @@ class EngineLoop:
         self.aborts: deque[Request] = deque()
         self.tracked: dict[int, Tracked] = {}       # id(request) -> its record, while in the engine
         self.stopping = False
+        self.cut = False                            # stop() was told to drop what it holds
         self.running = False                        # run() is taking requests and stepping
         self.thread: threading.Thread | None = None   # the loop's own thread, when start() made one
 
@@ -91,11 +92,12 @@ class EngineLoop:
             self.aborts.append(req)
             self.wake.notify()
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None, cut: bool = False) -> None:
         """Stop taking requests; the loop finishes what it holds, then ends (waited for when it
-        runs on a thread start() made)."""
+        runs on a thread start() made). cut: it aborts what it holds instead, at the next step (the
+        HTTP server has ended: no response is left to hear them)."""
         with self.lock:
-            self.stopping = True
+            self.stopping, self.cut = True, self.cut or cut
             self.wake.notify()
         if self.thread is not None:
             self.thread.join(timeout)
@@ -110,6 +112,8 @@ class EngineLoop:
                         self.wake.wait()
                     arrived, self.inbox = list(self.inbox), deque()
                     aborted, self.aborts = list(self.aborts), deque()
+                if self.cut:   # everything it holds or was handed goes
+                    aborted += [t.req for t in [*arrived, *self.tracked.values()]]
                 if self.stopping and not (arrived or engine.scheduler.has_work()):
                     return
                 self.tracked.update((id(t.req), t) for t in arrived)

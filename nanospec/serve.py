@@ -290,7 +290,7 @@ class Server:
         @contextlib.asynccontextmanager
         async def lifespan(app):   # whoever made the server runs its loop (serve(), or loop.start())
             yield
-            self.loop.stop()   # uvicorn has finished (or cancelled) every response by now
+            self.loop.stop(cut=True)   # uvicorn has finished or cancelled every response by now
 
         app = FastAPI(title="nanospec", lifespan=lifespan)
 
@@ -400,25 +400,29 @@ class Server:
                 for p, (text, ids) in enumerate(prompts) for i in range(n)], n
 
     async def whole(self, request: HttpRequest, reply: "Reply", updates: asyncio.Queue):
+        """The whole answer once every choice finished. Whatever ends it before (the client gone, a
+        choice failed, the handler cancelled at shutdown), the unfinished choices' requests are
+        aborted."""
         checked, pending = time.monotonic(), set(range(len(reply.choices)))
-        while pending:
-            try:
-                i, update = await asyncio.wait_for(updates.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                update = None
-            if time.monotonic() - checked >= 1.0:   # once a second, however fast the updates come
-                checked = time.monotonic()
-                if await request.is_disconnected():   # the client went away: its requests are aborted
-                    self.abort(reply, pending)
-                    return Response(status_code=499)
-            if update is None or update.finish_reason is None:
-                continue
-            reply.choices[i].last = update
-            pending.discard(i)
-            if update.finish_reason == "error":   # one choice failed: the answer is an error
-                self.abort(reply, pending)
-                return ApiError(500, update.error, kind="server_error").response()
-        return reply.whole()
+        try:
+            while pending:
+                try:
+                    i, update = await asyncio.wait_for(updates.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    update = None
+                if time.monotonic() - checked >= 1.0:   # once a second, however fast the updates come
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                if update is None or update.finish_reason is None:
+                    continue
+                reply.choices[i].last = update
+                pending.discard(i)
+                if update.finish_reason == "error":   # one choice failed: the answer is an error
+                    return ApiError(500, update.error, kind="server_error").response()
+            return reply.whole()
+        finally:
+            self.abort(reply, pending)
 
     async def stream(self, reply: "Reply", updates: asyncio.Queue):
         """Server-sent events: chat's role chunks once the first update came (after the prefill, as
@@ -459,8 +463,10 @@ class Server:
 
 
 def post_update(loop, updates: asyncio.Queue, choice: int, update: Update) -> None:
-    """A choice's listener: on the engine loop's thread, hands its update to the response's queue."""
-    loop.call_soon_threadsafe(updates.put_nowait, (choice, update))
+    """A choice's listener: on the engine loop's thread, hands its update to the response's queue;
+    once the HTTP server's event loop has closed (shut down), to no one."""
+    with contextlib.suppress(RuntimeError):   # "Event loop is closed"
+        loop.call_soon_threadsafe(updates.put_nowait, (choice, update))
 
 
 class Choice:
@@ -575,7 +581,8 @@ def serve(server: Server, sock: socket.socket, graceful_seconds: float = 30.0) -
     """uvicorn on a thread of its own, the engine loop on this one (the thread that built the
     model: see engine_loop.py) until SIGINT / SIGTERM. Then uvicorn stops taking connections and
     lets the responses finish (`graceful_seconds` at most; a second SIGINT cuts them), its shutdown
-    stops the loop, and this returns. uvicorn off the main thread leaves signals alone (it would
+    stops the loop, which aborts whatever it still holds (no response is left to hear it), and this
+    returns. uvicorn off the main thread leaves signals alone (it would
     re-raise one after its shutdown and the process would die by it), so they are handled here."""
     host, port = sock.getsockname()[:2]
     http = uvicorn_server(server.app(), host, port, graceful_seconds)
@@ -584,7 +591,7 @@ def serve(server: Server, sock: socket.socket, graceful_seconds: float = 30.0) -
         try:
             http.run(sockets=[sock])
         finally:
-            server.loop.stop()   # also when uvicorn fails, so the loop does not wait forever
+            server.loop.stop(cut=True)   # also when uvicorn fails, so the loop does not wait forever
 
     previous = {sig: signal.signal(sig, http.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=answer, name="http")

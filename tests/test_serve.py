@@ -354,6 +354,25 @@ def test_the_loop_counts_its_waiting_requests(tiny_llm):
     assert loop.num_waiting() == 0
 
 
+def test_a_cut_stops_the_loop_at_once_and_frees_what_it_held(spec_models, monkeypatch):
+    """stop(cut=True), what the server calls once its HTTP side has ended: the requests the loop holds
+    or was handed are aborted at the next step and the loop ends, its blocks all free (plain stop()
+    finishes them first; a cut request's listener, which no response is left to hear, gets no finish)."""
+    llm = LLM(spec_models["target"], **KV)
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: (time.sleep(0.02), step())[1])   # 480 steps: ~10 s
+    loop, updates = EngineLoop(llm.engine).start(), []
+    params = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+    loop.submit([(llm.engine.new_request(i, "", [5, 6, 7], params), updates.append) for i in range(2)])
+    deadline = time.time() + 30
+    while len(updates) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    loop.stop(timeout=5, cut=True)
+    assert not loop.thread.is_alive() and not llm.engine.scheduler.has_work() and not loop.tracked
+    assert len(updates) < 100 and all(u.finish_reason is None for u in updates)
+    assert_no_leak(llm)
+
+
 def test_a_failed_stream_ends_with_its_error_and_done_without_usage(spec_models, monkeypatch):
     """A step that fails midway: a streamed request (n = 1 and n = 2) gets the error, then [DONE];
     no usage chunk, though it asked for one (as vLLM ends such a stream)."""
@@ -781,6 +800,50 @@ def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
         # the startup heap, frozen while serving, is unfrozen: exit finalizes it
         assert "leaked" not in stderr
         assert all(outs[i][-1] == "length" for i in range(4))   # each stream ran to its end
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_a_second_sigint_cuts_the_running_requests_and_exits_0(tmp_path):
+    """Ctrl-C twice while a whole and a streamed request run (each would take a minute): the server
+    stops at once and exits 0, the requests aborted (it had crashed on its closed event loop, exit 1,
+    after generating on for nobody)."""
+    from conftest import write_checkpoint
+    target = write_checkpoint(str(tmp_path / "slow"), "llama3", seed=1, num_layers=8, hidden=512,
+                              max_positions=4096)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--target", target, "--device", "cpu",
+                             "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+
+        def send(stream):
+            body = json.dumps({"prompt": "The", "max_tokens": 4000, "ignore_eos": True, "stream": stream})
+            request = urllib.request.Request(url + "/v1/completions", data=body.encode(),
+                                             headers={"Content-Type": "application/json"})
+            with contextlib.suppress(OSError, http.client.HTTPException):   # the cut ends the answer
+                urllib.request.urlopen(request, timeout=120).read()
+        for stream in (False, True):
+            threading.Thread(target=send, args=(stream,), daemon=True).start()
+        time.sleep(1.5)
+        start = time.time()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0 and time.time() - start < 15
+        stderr = proc.stderr.read()
+        assert "Event loop is closed" not in stderr and stderr.rstrip().endswith("stopped")
     finally:
         proc.kill()
 
