@@ -27,7 +27,7 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class Metrics:
     def __init__(self, engine: Engine, model_name: str):
         self.registry = prom.CollectorRegistry()   # one per server: two servers in one process do not mix
-        self.engine, self.seen = engine, {}   # counter -> the engine's total it has counted so far
+        self.engine = engine
         self.label = {"model_name": model_name}
 
         def make(kind, name, doc, labels=(), **kw):
@@ -63,8 +63,12 @@ class Metrics:
         self.accepted_per_pos = make(prom.Counter, "spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by draft position (0 is the first).",
                                      ["position"])
-        self.chosen_k = make(prom.Counter, "spec_decode_chosen_k", "Decode steps, by the K they verified.",
+        self.chosen_k = make(prom.Counter, "spec_decode_chosen_k",
+                             "Decode steps, by the K the policy chose (a request near its end may "
+                             "verify fewer).",
                              ["k"])
+        # counter -> the engine's total it has counted so far: none of the engine's work before the server
+        self.seen = self.totals()
         self.update_queues()
 
     def update_queues(self) -> None:
@@ -79,17 +83,22 @@ class Metrics:
         target = self.engine.kv_cache.allocator
         self.kv_usage.set(1 - target.num_free / target.num_blocks)
 
-    def after_step(self, was_decode: bool) -> None:
-        """Count what the engine's statistics gained in the step."""
+    def totals(self) -> dict:
+        """Each counter the engine's statistics feed, with the statistics' total so far."""
         stats = self.engine.stats
-        if was_decode:
-            self.chosen_k.labels(k=str(self.engine.step_k), **self.label).inc()
         totals = {self.generation_tokens: stats.generated_tokens, self.draft_tokens: stats.drafted_tokens,
                   self.drafts: sum(stats.drafted_per_position[:1]),   # request-steps with a first draft
                   self.accepted: stats.accepted_tokens, self.preemptions: stats.preemptions,
                   self.prefix_queries: stats.prefix_cache_queries, self.prefix_hits: stats.prefix_cache_hits}
         totals.update((self.accepted_per_pos.labels(position=str(i), **self.label), n)
                       for i, n in enumerate(stats.accepted_per_position))
+        return totals
+
+    def after_step(self, was_decode: bool) -> None:
+        """Count what the engine's statistics gained in the step."""
+        if was_decode:
+            self.chosen_k.labels(k=str(self.engine.step_k), **self.label).inc()
+        totals = self.totals()
         for counter, total in totals.items():
             counter.inc(total - self.seen.get(counter, 0))
         self.seen = totals

@@ -428,6 +428,19 @@ def test_a_step_that_raises_midway_fails_what_the_loop_holds_and_leaves_no_kv(sp
     assert_no_leak(llm)
 
 
+def test_the_metrics_count_the_servers_work_only(spec_models):
+    """What the LLM generated offline before the server was built is not the server's: /metrics counts
+    from zero (it had counted the earlier run's tokens and drafts on its first step)."""
+    llm = LLM(spec_models["target"], draft=spec_models["target"], num_speculative_tokens=3, **KV)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    with serving(llm) as (_, url):
+        client(url).completions.create(model=NAME, prompt="The", max_tokens=9, temperature=0,
+                                       extra_body={"ignore_eos": True})
+        m = metrics(url)
+    assert m["nanospec:generation_tokens_total"] == 9
+    assert 0 < m["nanospec:spec_decode_num_draft_tokens_total"] <= 3 * 9
+
+
 def test_a_whole_request_whose_client_leaves_is_aborted_while_tokens_come(spec_models, monkeypatch):
     """A non-streamed request whose client closes its connection is aborted within a few seconds,
     however fast the steps deliver (the disconnect was checked only when no update came for a second)."""
