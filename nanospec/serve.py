@@ -259,8 +259,8 @@ def usage(reqs: list, n: int, speculation: bool) -> dict:
     end-of-sequence token counted, as vLLM counts it), and with a proposer their own speculation:
     drafts found and accepted, the acceptance length (tokens a decode step with drafts gave them) and
     the acceptance rate per draft position. They count what verification accepted, before an end
-    (EOS, a stop string, max_tokens) cut the output, as vLLM's counters do: a step whose accepted
-    drafts ran past a stop string counts them all."""
+    (EOS, a stop string) cut the output, as vLLM's counters do: a step whose accepted drafts ran
+    past a stop string counts them all."""
     prompt, completion = sum(len(r.prompt_ids) for r in reqs[::n]), sum(len(r.output_ids) for r in reqs)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if speculation:
