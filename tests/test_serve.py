@@ -774,15 +774,16 @@ def test_decode_steps_run_between_the_chunks_of_a_long_prompt(spec_models):
         engine.abort([short, long])
 
 
-@pytest.mark.slow
-def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
+@contextlib.contextmanager
+def server_process(target: str):
+    """`python -m nanospec.serve` over `target` in a process of its own, on one thread: yields (the
+    process, its base URL) once it answers /health; killed at the end."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--target", spec_models["target"],
-                             "--device", "cpu", "--port", str(port), "--threads", "1"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--target", target, "--device", "cpu",
+                             "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -792,6 +793,14 @@ def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
                 break
             except OSError:
                 time.sleep(0.2)
+        yield proc, url
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
+    with server_process(spec_models["target"]) as (proc, url):
         outs = {}
 
         def one(i):
@@ -809,12 +818,10 @@ def test_sigterm_under_load_finishes_the_streams_and_exits_0(spec_models):
             t.join(60)
         assert proc.wait(60) == 0
         stderr = proc.stderr.read()
-        assert "Traceback" not in stderr and "stopped" in stderr
-        # the startup heap, frozen while serving, is unfrozen: exit finalizes it
-        assert "leaked" not in stderr
-        assert all(outs[i][-1] == "length" for i in range(4))   # each stream ran to its end
-    finally:
-        proc.kill()
+    assert "Traceback" not in stderr and "stopped" in stderr
+    # the startup heap, frozen while serving, is unfrozen: exit finalizes it
+    assert "leaked" not in stderr
+    assert all(outs[i][-1] == "length" for i in range(4))   # each stream ran to its end
 
 
 @pytest.mark.slow
@@ -825,22 +832,7 @@ def test_a_second_sigint_cuts_the_running_requests_and_exits_0(tmp_path):
     from conftest import write_checkpoint
     target = write_checkpoint(str(tmp_path / "slow"), "llama3", seed=1, num_layers=8, hidden=512,
                               max_positions=4096)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--target", target, "--device", "cpu",
-                             "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.2)
-
+    with server_process(target) as (proc, url):
         def send(stream):
             body = json.dumps({"prompt": "The", "max_tokens": 4000, "ignore_eos": True, "stream": stream})
             request = urllib.request.Request(url + "/v1/completions", data=body.encode(),
@@ -856,9 +848,7 @@ def test_a_second_sigint_cuts_the_running_requests_and_exits_0(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0 and time.time() - start < 15
         stderr = proc.stderr.read()
-        assert "Event loop is closed" not in stderr and stderr.rstrip().endswith("stopped")
-    finally:
-        proc.kill()
+    assert "Event loop is closed" not in stderr and stderr.rstrip().endswith("stopped")
 
 
 def test_bench_serve_measures_a_live_server(tiny_llm, capsys, tmp_path):
