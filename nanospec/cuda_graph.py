@@ -18,9 +18,8 @@ A step is `upload`, then `run_round` (a model proposer's K draft steps), then `r
           buffers.
   verify  the target over [last token, d_1 .. d_K] for every row, acceptance and sampling, as one
           graph returning [bucket, K + 3] int64 (a tree's [bucket, 2K + 3]; Verified): the one copy
-          back. A step with a
-          request that asks for logprobs, penalties or min_p replays the forward alone as a graph
-          and runs the rest eagerly (see replay).
+          back. A step with a request that asks for logprobs, penalties or min_p replays the
+          forward alone as a graph and runs the rest eagerly (see replay).
 
 Invariants:
 - one copy in, one copy back: no other host data and no sync inside a step (logprobs, penalties
