@@ -446,6 +446,9 @@ class DynamicK(KPolicy):
 # engine that serves requests is never touched. A profile's step times are taken with every request
 # verifying exactly the K drafts it asked for (ExactlyK), the K's taking turns a step at a time so that a
 # shared machine's drift and the contexts' growth hit every K alike.
+MIN_STEPS = 3            # a point's median is over at least this many steps after the warm-up
+QUICK_SECONDS = 6.0      # the quick profile's rounds of one batch size stop past this (but MIN_STEPS)
+
 
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
@@ -551,11 +554,12 @@ class ExactlyK:
 
 
 def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: int, ks: list[int],
-                      steps: int, policy=StaticK) -> list[float]:
+                      steps: int, policy=StaticK, most_seconds: float | None = None) -> list[float]:
     """For each k in ks, the median seconds of `steps` decode steps of batch_size requests (prompts
     cycled) verifying exactly k drafts each, on an engine of its own; prefilled first and one
     warm-up round (the first step also does the proposer's catch-up); the k's take turns a step at
-    a time."""
+    a time. most_seconds: fewer steps, but MIN_STEPS, once the rounds have taken that long (a large
+    batch at a large K, on a CPU)."""
     budget = sum((steps + 1) * (k + 1) for k in ks) + 1   # no request finishes while we time
     prompts = fit(engine, prompt_ids, budget, "time the steps")
     prompts = [prompts[i % len(prompts)] for i in range(batch_size)]
@@ -565,10 +569,12 @@ def time_decode_steps(engine: Engine, prompt_ids: list[list[int]], batch_size: i
     for other in engines:
         greedy_requests(other, prompts, budget)
         past_prefill(other)
-    times = [[] for _ in ks]
-    for _ in range(steps + 1):
+    times, start = [[] for _ in ks], time.perf_counter()
+    for step in range(steps + 1):
         for other, seconds in zip(engines, times):
             seconds.append(timed(engine.device, other.step)[1])
+        if most_seconds is not None and step >= MIN_STEPS and time.perf_counter() - start > most_seconds:
+            break
     return [statistics.median(seconds[1:]) for seconds in times]
 
 
@@ -620,7 +626,8 @@ def measure_unalike(engine: Engine, prompt_ids: list[list[int]], batch_size: int
 
 
 def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: list[int], ks: list[int],
-                    steps: int, max_new_tokens: int, meta: dict, log=None) -> Profile:
+                    steps: int, max_new_tokens: int, meta: dict, log=None,
+                    most_seconds: float | None = None) -> Profile:
     """ITL over batch_sizes x ks and acceptance at max(ks), with the engine's model and proposer;
     meta: what was measured (target, proposer, ...), stored in the profile with the device."""
     if engine.proposer is None:
@@ -631,7 +638,8 @@ def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: li
     start = time.perf_counter()
     measured, spent = [], 0.0
     for i, b in enumerate(batch_sizes):
-        measured.append([round(t, 6) for t in time_decode_steps(engine, prompt_ids, b, ks, steps)])
+        measured.append([round(t, 6) for t in time_decode_steps(engine, prompt_ids, b, ks, steps,
+                                                                 most_seconds=most_seconds)])
         if log:   # the time left, were every batch size to take as long as the largest so far
             spent, took = time.perf_counter() - start, time.perf_counter() - start - spent
             left = (f", at least {took * (len(batch_sizes) - i - 1):.0f} s left" if i + 1 < len(batch_sizes)
@@ -647,7 +655,7 @@ def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: li
         log("acceptance per position: " + " ".join(f"{a:.2f}" for a in acceptance))
         log("drafts found per position: " + " ".join(f"{d:.2f}" for d in drafted))
     meta = {"device": device_name(engine.device), **meta, "num_prompts": len(prompt_ids),
-            "steps_per_point": steps,
+            "steps_per_point": steps, "most_seconds_per_batch_size": most_seconds,
             "acceptance_tokens_per_prompt": max_new_tokens, "itl_s_measured": measured,
             "seconds": round(time.perf_counter() - start, 2)}
     profile = Profile(list(batch_sizes), list(ks), monotone_in_batch(measured), acceptance, drafted, unalike,
@@ -659,7 +667,8 @@ def measure_profile(engine: Engine, prompt_ids: list[list[int]], batch_sizes: li
 def quick_profile(engine: Engine, prompt_ids: list[list[int]], max_k: int, meta: dict, log=None) -> Profile:
     """The built-in profile measured at start-up when none is given: a coarse grid (batch 1, 8, 64,
     ... up to the engine's max_num_seqs; K 0, 1, 2, 3, 4, 6, 8 up to max_k), 9 steps a point (the
-    median: a step's time moves on a shared CPU), acceptance over 8 prompts x 32 tokens.
+    median: a step's time moves on a shared CPU), fewer (but MIN_STEPS) where a batch size's rounds
+    pass QUICK_SECONDS, acceptance over 8 prompts x 32 tokens.
     Interpolation fills in the rest; measured step times and online rates correct it while the engine
     runs. On a CPU the grid is coarser, so that it takes under a minute: batch 1, 8 and 32 and K 0, 1,
     2, 4, 8 (past its last batch a profile follows its last segment, and step times are linear enough
@@ -669,4 +678,4 @@ def quick_profile(engine: Engine, prompt_ids: list[list[int]], max_k: int, meta:
     batch_sizes = sorted({b for b in (1, 8, 64) if b < largest} | {largest})
     ks = sorted({k for k in ((0, 1, 2, 3, 4, 6, 8) if cuda else (0, 1, 2, 4, 8)) if k < max_k} | {max_k})
     return measure_profile(engine, prompt_ids[:8], batch_sizes, ks, steps=9, max_new_tokens=32, meta=meta,
-                           log=log)
+                           log=log, most_seconds=QUICK_SECONDS)

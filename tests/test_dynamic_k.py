@@ -560,7 +560,7 @@ def test_profile_times_steps_that_verify_exactly_k_drafts(checkpoints, monkeypat
     no draft at all and every K would cost what K = 0 costs. The profiler times engines it builds
     (one per K, taking turns), and leaves the LLM's own engine untouched."""
     from nanospec.engine import Engine
-    from nanospec.dynamic_k import time_decode_steps
+    from nanospec.dynamic_k import MIN_STEPS, time_decode_steps
     llm = LLM(checkpoints["llama3"], device="cpu", ngram=True, num_speculative_tokens=3, max_num_seqs=2,
               kv_cache_gb=0.05)
     stepped, step = [], Engine.step
@@ -573,6 +573,11 @@ def test_profile_times_steps_that_verify_exactly_k_drafts(checkpoints, monkeypat
     assert by_k[3].stats.drafted_per_position == [2 * 3] * 3   # K = 3: 3 steps x 2 requests, each at 3 drafts
     assert by_k[0].stats.drafted_tokens == 0
     assert llm.stats["steps"] == 0 and not llm.engine.scheduler.has_work()
+    # with a time cap that every round passes: the warm-up and MIN_STEPS rounds, not `steps`
+    stepped.clear()
+    time_decode_steps(llm.engine, prompts, 2, [0, 3], steps=9, most_seconds=0.0)
+    by_k = {e.k_policy.k: e for e in stepped}
+    assert by_k[3].stats.drafted_per_position == [2 * (MIN_STEPS + 1)] * 3
 
 
 def test_without_a_profile_a_quick_one_is_measured(checkpoints):
