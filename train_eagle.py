@@ -816,6 +816,8 @@ def check_args(args) -> None:
         check_real(getattr(args, name), f"--{name.replace('_', '-')}", low=0)
     check_int(args.eval_k, "--eval-k", low=1, high=16)
     check_int(args.eval_tokens, "--eval-tokens", low=1)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise NanospecError(f"--out {args.out} is a file: give a folder for the head")
 
 
 def run(args) -> dict:

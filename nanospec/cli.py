@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from nanospec.errors import NanospecError
+from nanospec.errors import NanospecError, check_int
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -102,11 +102,10 @@ def add_llm_args(ap: argparse.ArgumentParser, **model_kwargs) -> None:
 def set_threads(threads: int | None) -> None:
     """torch's CPU threads: `threads`, or by default one per core that other work leaves free
     (OpenMP threads that share a busy core wait on each other: see docs/performance.md)."""
+    cores = os.cpu_count() or 1
     if threads is None:
-        cores = os.cpu_count() or 1
         threads = max(1, min(cores, round(cores - busy_cores())))
-    elif threads < 1:
-        raise NanospecError(f"--threads must be an integer >= 1, got {threads}")
+    check_int(threads, "--threads", low=1, high=cores, fix=f"this machine has {cores} CPUs")
     torch.set_num_threads(threads)
 
 

@@ -8,6 +8,7 @@ example:
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from nanospec.cli import add_model_args, add_proposer_args, int_list, load_llm, log, parser, proposer_given
@@ -43,6 +44,8 @@ def profile_command(args, command_line: str) -> Profile:
         raise NanospecError(f"--ks must include 0 and at least one K in 1..{MAX_SPECULATIVE_TOKENS}, "
                             f"got {ks}")
     check_int(args.steps, "--steps", low=1)
+    if os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise NanospecError(f"--out {args.out} is not a file in an existing folder: give one")
     check_int(args.max_new_tokens, "--max-new-tokens", low=1)
     if not proposer_given(args):
         raise NanospecError("a dynamic-K profile needs a proposer: add --draft PATH, --eagle PATH, --ngram "

@@ -194,7 +194,9 @@ def bad_prompts_file(tmp_path, kind):
     (["--prompt", "hi", "--max-model-len", "0"], "--max-model-len must be an integer >= 2"),
     (["--prompt", "hi", "--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
-    (["--prompt", "hi", "--threads", "0"], "--threads must be an integer >= 1"),
+    (["--prompt", "hi", "--threads", "0"], r"--threads must be an integer in 1\.\.\d+"),
+    (["--prompt", "hi", "--threads", "100000"], r"--threads must be an integer in 1\.\.\d+, got 100000; this "
+                                                r"machine has \d+ CPUs"),   # (it was a segfault)
 ])
 def test_bad_input_is_one_line_before_the_model_loads(tmp_path, args, match):
     """The target does not exist: each of these is found before anything loads, as one line."""
@@ -246,6 +248,8 @@ def test_help_explains_every_flag_and_shows_every_default(name):
                                          (["--max-new-tokens", "0"],
                                           "--max-new-tokens must be an integer >= 1"),
                                          (["--batch-sizes", "2,4"], "--batch-sizes must include 1"),
+                                         (["--out", "/no/such/folder/p.json"], "not a file in an existing"),
+                                         (["--out", "/"], "not a file in an existing folder"),
                                          ([], "needs a proposer")])
 def test_bad_profiler_flags_are_one_line_before_loading(capsys, args, match):
     from nanospec import profiler

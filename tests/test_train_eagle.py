@@ -201,6 +201,14 @@ def test_bad_training_flags_are_one_line(tmp_path, capsys, flag, value, match):
     assert match in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    out = tmp_path / "a_file"
+    out.write_text("")
+    assert train_eagle.main(tiny_args("unused", out, "eagle1")) == 2   # (it was os.makedirs' traceback)
+    err = capsys.readouterr().err
+    assert "is a file: give a folder" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_planted_training_checkpoint_runs_no_code(tmp_path):
     """OUT/checkpoint.pt is read with weights_only: a pickle that would run code is refused, unrun."""
     from conftest import Planted
