@@ -542,10 +542,11 @@ class LLM:
         if path:
             profile = Profile.load(path)
             self.check_profile_matches(profile)
-            if profile.max_k < max_k:
+            if profile.max_k < max_k:   # (the profiler measures chains' K, up to 16)
+                fix = (f"; measure one up to {max_k} with `python -m nanospec.profiler --max-k {max_k}`"
+                       if max_k <= MAX_SPECULATIVE_TOKENS else "")
                 warnings.warn(f"the dynamic-K profile {path} measured K up to {profile.max_k}, so K stays at "
-                              f"most {profile.max_k} (not {max_k}); measure one up to {max_k} with "
-                              f"`python -m nanospec.profiler --max-k {max_k}`", stacklevel=3)
+                              f"most {profile.max_k} (not {max_k}){fix}", stacklevel=3)
             return profile
         prompts = [self.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]]
         engine = self.make_engine(1, StaticK(0))
