@@ -339,7 +339,8 @@ HEADER = (f"{'run':<28} {'done':>4} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p50':
 def check_args(args) -> dict:
     """The flags, checked before any request; returns --extra-body, parsed."""
     if bool(args.base_url) == bool(args.sweep):
-        raise NanospecError("give --base-url URL (one server) or --sweep LABEL=URL ... (several), not both")
+        raise NanospecError("give --base-url URL (one server) or --sweep LABEL=URL ... (several)"
+                            + (", not both" if args.base_url else ""))
     if args.num_prompts < 1:
         raise NanospecError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:

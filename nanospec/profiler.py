@@ -37,6 +37,8 @@ def build_parser():
 
 def profile_command(args, command_line: str) -> Profile:
     batch_sizes = sorted(set(int_list(args.batch_sizes, "--batch-sizes")))
+    if not args.ks:
+        check_int(args.max_k, "--max-k", low=1, high=MAX_SPECULATIVE_TOKENS)
     ks = sorted(set(int_list(args.ks, "--ks"))) if args.ks else list(range(args.max_k + 1))
     if not batch_sizes or batch_sizes[0] != 1:
         raise NanospecError(f"--batch-sizes must include 1 and be >= 1, got {args.batch_sizes}")

@@ -248,6 +248,7 @@ def test_help_explains_every_flag_and_shows_every_default(name):
                                          (["--max-new-tokens", "0"],
                                           "--max-new-tokens must be an integer >= 1"),
                                          (["--batch-sizes", "2,4"], "--batch-sizes must include 1"),
+                                         (["--max-k", "100"], "--max-k must be an integer in 1..16"),
                                          (["--out", "/no/such/folder/p.json"], "not a file in an existing"),
                                          (["--out", "/"], "not a file in an existing folder"),
                                          ([], "needs a proposer")])
