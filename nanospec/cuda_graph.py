@@ -633,7 +633,8 @@ class StepGraphs:
         """EAGLE-2's trees (tree.grow_tree) for every row of the bucket, from the root's children that
         run_round left in self.roots: drafts and parent lists into the step's buffers (a row not in the
         round has no nodes: the parent list pack_rows wrote). No deeper than K: a tree of K nodes is not."""
-        bucket, fields = key.bucket, self.sampling(key.bucket, "greedy")[0]
+        bucket = key.bucket
+        fields = Fields(*self.inputs[:FIELDS * bucket].view(FIELDS, bucket))   # top-k: no sampling batch
         tokens, parents, finite = grow_tree(
             self.proposer, self.draft_tables.tables[fields.draft_row, :width], fields.first_position,
             [r[:bucket] for r in self.roots], None if self.carry is None else self.carry[:bucket],
