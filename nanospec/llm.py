@@ -541,12 +541,7 @@ class LLM:
         a one-block one)."""
         if path:
             profile = Profile.load(path)
-            self.check_profile_matches(profile)
-            if profile.max_k < max_k:   # (the profiler measures chains' K, up to 16)
-                fix = (f"; measure one up to {max_k} with `python -m nanospec.profiler --max-k {max_k}`"
-                       if max_k <= MAX_SPECULATIVE_TOKENS else "")
-                warnings.warn(f"the dynamic-K profile {path} measured K up to {profile.max_k}, so K stays at "
-                              f"most {profile.max_k} (not {max_k}){fix}", stacklevel=3)
+            self.check_profile_matches(profile, path, max_k)
             return profile
         prompts = [self.encode_prompt(row["prompt"], chat=True) for row in shipped_prompts()[::4]]
         engine = self.make_engine(1, StaticK(0))
@@ -562,7 +557,8 @@ class LLM:
         with a warning (check_profile_matches)."""
         return {"dtype": str(self.dtype), "target": self.target_name, "proposer": self.proposer_name}
 
-    def check_profile_matches(self, profile) -> None:
+    def check_profile_matches(self, profile, path: str, max_k: int) -> None:
+        """A profile (at `path`) of another setup, or of fewer K than max_k, still runs, with a warning."""
         mine = {"target": self.target_name, "proposer": self.proposer_name,
                 "device": device_name(self.device)}
         differ = [f"{key} {profile.meta.get(key)!r} (running {value!r})" for key, value in mine.items()
@@ -570,6 +566,11 @@ class LLM:
         if differ:
             warnings.warn("the dynamic-K profile was measured for another setup: " + ", ".join(differ)
                           + "; measure this one with `python -m nanospec.profiler`", stacklevel=3)
+        if profile.max_k < max_k:   # (the profiler measures chains' K, up to 16)
+            fix = (f"; measure one up to {max_k} with `python -m nanospec.profiler --max-k {max_k}`"
+                   if max_k <= MAX_SPECULATIVE_TOKENS else "")
+            warnings.warn(f"the dynamic-K profile {path} measured K up to {profile.max_k}, so K stays at "
+                          f"most {profile.max_k} (not {max_k}){fix}", stacklevel=3)
 
     def load_draft(self, draft: str, max_len: int):
         ckpt = checkpoint.read_checkpoint(draft)

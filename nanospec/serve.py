@@ -584,8 +584,8 @@ def serve(server: Server, sock: socket.socket, graceful_seconds: float = 30.0) -
     model: see engine_loop.py) until SIGINT / SIGTERM. Then uvicorn stops taking connections and
     lets the responses finish (`graceful_seconds` at most; a second SIGINT cuts them), its shutdown
     stops the loop, which aborts whatever it still holds (no response is left to hear it), and this
-    returns. uvicorn off the main thread leaves signals alone (it would
-    re-raise one after its shutdown and the process would die by it), so they are handled here."""
+    returns. uvicorn off the main thread leaves signals alone (it would re-raise one after its
+    shutdown and the process would die by it), so they are handled here."""
     host, port = sock.getsockname()[:2]
     http = uvicorn_server(server.app(), host, port, graceful_seconds)
 
